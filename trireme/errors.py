@@ -1,0 +1,22 @@
+"""Errors that speak to the user.
+
+Every error a user can cause (a bad config value, a missing or corrupted file, a malformed input line)
+is raised as a `TriremeError`. The command line catches it, prints its one-line message to stderr and
+exits with status 2, with no traceback. Anything else is a bug in trireme and keeps its traceback.
+"""
+
+
+class TriremeError(Exception):
+    """A problem the user can fix; the message names the value and the fix."""
+
+
+class ConfigError(TriremeError):
+    """An invalid configuration: unknown key, wrong type, or values that do not fit together."""
+
+
+class DataError(TriremeError):
+    """A missing, truncated or foreign data file, or a malformed input record."""
+
+
+class CheckpointError(TriremeError):
+    """A missing, incomplete or mismatched checkpoint."""
