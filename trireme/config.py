@@ -1,0 +1,537 @@
+"""Typed configuration: one dataclass per component, TOML presets, `--section.key=value` overrides.
+
+A run is described by one `Config`. It is built from a preset (a name from `configs/` or a path to a
+TOML file), then command-line overrides, then validated. Every field carries its documentation in
+`metadata["help"]`; `trireme config-doc` and docs/config.md are generated from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from trireme.errors import ConfigError
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def doc(default: Any, help: str, **kwargs: Any) -> Any:
+    """A dataclass field with its documentation attached."""
+    if isinstance(default, list):
+        return field(default_factory=lambda d=default: list(d), metadata={"help": help}, **kwargs)
+    return field(default=default, metadata={"help": help}, **kwargs)
+
+
+@dataclass
+class ModelConfig:
+    """The network: one GPT class covers the GPT-2 and Llama families."""
+
+    num_layers: int = doc(2, "Number of transformer blocks.")
+    hidden_size: int = doc(128, "Width of the residual stream (h).")
+    num_attention_heads: int = doc(4, "Number of query heads.")
+    num_query_groups: int = doc(
+        0, "Number of key/value heads (GQA groups). 0 means one per query head (MHA); 1 is MQA."
+    )
+    head_dim: int = doc(0, "Size of one attention head. 0 means hidden_size / num_attention_heads.")
+    ffn_hidden_size: int = doc(0, "Width of the MLP's hidden layer. 0 means 4 * hidden_size.")
+    vocab_size: int = doc(
+        0, "Tokens in the vocabulary. 0 takes the size of the data's tokenizer."
+    )
+    make_vocab_size_divisible_by: int = doc(
+        128, "The embedding table is padded to a multiple of this for fast matmuls; padded "
+        "entries never take part in the loss or in sampling."
+    )
+    seq_length: int = doc(256, "Tokens per training sample (context length).")
+    position_embedding: Literal["rope", "learned"] = doc(
+        "rope", "rope: rotary embeddings in attention (Llama); learned: an absolute table (GPT-2)."
+    )
+    rope_theta: float = doc(10000.0, "Base of the rotary frequencies.")
+    rope_scaling: Literal["none", "llama3"] = doc(
+        "none", "Frequency scaling for long context: llama3 applies Llama-3.1's piecewise scaling."
+    )
+    rope_scaling_factor: float = doc(8.0, "llama3 scaling: overall factor.")
+    rope_low_freq_factor: float = doc(1.0, "llama3 scaling: low-frequency factor.")
+    rope_high_freq_factor: float = doc(4.0, "llama3 scaling: high-frequency factor.")
+    rope_original_max_position: int = doc(8192, "llama3 scaling: original context length.")
+    normalization: Literal["rmsnorm", "layernorm"] = doc("rmsnorm", "Normalization layer.")
+    norm_eps: float = doc(1e-5, "Epsilon of the normalization layers.")
+    activation: Literal["swiglu", "gelu"] = doc(
+        "swiglu", "MLP: swiglu (gated, three matrices, Llama) or gelu (two matrices, GPT-2)."
+    )
+    qk_norm: bool = doc(False, "Normalize queries and keys per head before attention.")
+    bias: bool = doc(False, "Biases in the linear layers (GPT-2 has them, Llama not).")
+    tie_embeddings: bool = doc(False, "Share the input embedding with the output layer.")
+    dropout: float = doc(0.0, "Dropout on attention probabilities and residual branches.")
+    init_std: float = doc(0.02, "Standard deviation of the normal initialization.")
+    scaled_init: bool = doc(
+        True, "Scale the init of output projections by 1/sqrt(2 * num_layers) (GPT-2)."
+    )
+    precision: Literal["fp32", "bf16", "fp16"] = doc(
+        "fp32", "fp32; bf16 (bf16 params, fp32 main grads and master weights); fp16 (the same "
+        "with dynamic loss scaling)."
+    )
+    attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math", "reference"] = doc(
+        "auto", "Attention kernel. auto: cuDNN on Hopper, then flash, efficient, math; "
+        "reference: plain PyTorch softmax(QK^T)V."
+    )
+    compile: bool = doc(False, "torch.compile each transformer block (GPU only; ignored on CPU).")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = max(1, self.make_vocab_size_divisible_by)
+        return int(math.ceil(self.vocab_size / m) * m)
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel degrees. Their product must equal the number of processes."""
+
+    tensor: int = doc(1, "Tensor-parallel degree (splits each layer's matrices).")
+    pipeline: int = doc(1, "Pipeline-parallel degree (splits the layers into stages).")
+    virtual_pipeline: int = doc(1, "Virtual stages per pipeline rank (interleaved 1F1B).")
+    context: int = doc(1, "Context-parallel degree (splits the sequence).")
+    expert: int = doc(1, "Expert-parallel degree (MoE).")
+    sequence_parallel: bool = doc(False, "Shard norms and dropout along the sequence under TP.")
+    distributed_optimizer: bool = doc(False, "Shard optimizer state across data-parallel ranks.")
+    bucket_size: int = doc(40_000_000, "Gradient bucket size for data-parallel reduction (elements).")
+
+
+@dataclass
+class DataConfig:
+    """Training data."""
+
+    path: str = doc(
+        "", "Prefix of a Megatron .bin/.idx dataset (without extension). Empty: the embedded "
+        "corpus, built on first use from the Python standard library's sources."
+    )
+    tokenizer: str = doc(
+        "", "Tokenizer: a tokenizer.json path, 'bytes', or empty for the embedded corpus's own."
+    )
+    split: str = doc("969,30,1", "Train, validation and test shares of the documents.")
+    cache_dir: str = doc(
+        "", "Where the embedded corpus and dataset indices are cached. Empty: ~/.cache/trireme."
+    )
+    embedded_vocab_size: int = doc(4096, "Vocabulary of the tokenizer trained for the embedded corpus.")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW and what surrounds it."""
+
+    lr: float = doc(3e-4, "Peak learning rate.")
+    min_lr: float = doc(3e-5, "Learning rate at the end of the decay.")
+    weight_decay: float = doc(0.1, "Decoupled weight decay.")
+    no_decay: list[str] = doc(
+        ["norm", "bias"], "Parameter kinds without weight decay: any of norm, bias, embedding."
+    )
+    beta1: float = doc(0.9, "Adam beta1.")
+    beta2: float = doc(0.95, "Adam beta2.")
+    eps: float = doc(1e-8, "Adam epsilon.")
+    clip_grad: float = doc(1.0, "Clip the global gradient norm to this value; 0 disables.")
+    fused: Literal["auto", "true", "false"] = doc(
+        "auto", "Use torch's fused AdamW kernel (auto: on GPU)."
+    )
+    initial_loss_scale: float = doc(65536.0, "fp16 only: starting loss scale.")
+    loss_scale_window: int = doc(1000, "fp16 only: steps without overflow before the scale doubles.")
+    min_loss_scale: float = doc(1.0, "fp16 only: the scale never drops below this.")
+
+
+@dataclass
+class ScheduleConfig:
+    """Learning-rate schedule: linear warmup, then a decay to optimizer.min_lr."""
+
+    warmup_steps: int = doc(10, "Steps of linear warmup from 0 to the peak learning rate.")
+    decay_style: Literal["cosine", "linear", "constant", "wsd", "inverse-sqrt"] = doc(
+        "cosine", "Shape of the decay after warmup."
+    )
+    decay_steps: int = doc(0, "Steps over which the LR decays (after warmup). 0: until train.steps.")
+    wsd_decay_fraction: float = doc(
+        0.2, "wsd only: the final fraction of decay_steps spent decaying (before it, LR is constant)."
+    )
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    steps: int = doc(200, "Optimizer steps to train.")
+    seed: int = doc(1234, "Seed of the initialization, the data order and dropout.")
+    global_batch_size: int = doc(
+        16, "Sequences per optimizer step, over all data-parallel ranks and micro batches."
+    )
+    micro_batch_size: int = doc(4, "Sequences per forward/backward pass on one rank.")
+    eval_interval: int = doc(50, "Evaluate on the validation split every this many steps; 0: never.")
+    eval_steps: int = doc(4, "Micro batches per evaluation.")
+    log_interval: int = doc(10, "Log metrics every this many steps.")
+    device: Literal["auto", "cpu", "cuda"] = doc("auto", "auto: cuda when available, else cpu.")
+    deterministic: bool = doc(
+        False, "Deterministic algorithms only (slower); the same run gives the same numbers."
+    )
+    max_minutes: float = doc(0.0, "Stop (after saving a checkpoint) after this many minutes; 0: no limit.")
+    sample_prompt: str = doc("def ", "Prompt for the text sample printed at the end of training.")
+    sample_tokens: int = doc(64, "Tokens to generate for the final sample; 0 disables it.")
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    dir: str = doc("", "Checkpoint directory. Empty: no checkpoints.")
+    interval: int = doc(0, "Save every this many steps (and always at the end); 0: only at the end.")
+    resume: Literal["auto", "never"] = doc(
+        "auto", "auto: resume from the latest checkpoint in dir if there is one."
+    )
+    keep_last: int = doc(0, "Keep only this many most recent checkpoints; 0 keeps all.")
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go."""
+
+    progress: bool = doc(True, "Show a progress bar on the console.")
+    tensorboard: bool = doc(True, "Write TensorBoard events to <run.dir>/tb when installed.")
+
+
+@dataclass
+class RunConfig:
+    """The run itself."""
+
+    name: str = doc("tiny", "Name of the run.")
+    dir: str = doc("", "Run directory for metrics.jsonl and config.toml. Empty: runs/<name>.")
+
+
+@dataclass
+class Config:
+    """Everything that describes a run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir or f"runs/{self.run.name}")
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        return to_toml(self.to_dict())
+
+
+SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(Config)}  # type: ignore[misc]
+_SECTION_TYPES = typing.get_type_hints(Config)
+
+
+# --------------------------------------------------------------------------------------------
+# Coercion and type checking of values
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return " | ".join(str(a) for a in get_args(tp))
+    if get_origin(tp) is list:
+        return f"list of {_type_name(get_args(tp)[0])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check (and for strings from the command line, parse) one value against its field type."""
+    origin = get_origin(tp)
+    if origin is Literal:
+        choices = get_args(tp)
+        if isinstance(value, bool):  # TOML true/false for a "true"/"false" literal
+            value = str(value).lower()
+        if value not in choices:
+            raise ConfigError(f"{key} = {value!r} is not one of: {', '.join(map(str, choices))}")
+        return value
+    if origin is list:
+        (item,) = get_args(tp)
+        if isinstance(value, str):
+            value = [v.strip() for v in value.strip("[]").split(",") if v.strip()]
+            value = [v.strip("'\"") for v in value]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} = {value!r}: expected a list of {_type_name(item)}")
+        return [_coerce(key, v, item) for v in value]
+    if origin in (types.UnionType, typing.Union):
+        raise TypeError("config fields must not be unions")  # a design rule, not a user error
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{key} = {value!r}: expected true or false")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} = {value!r}: expected an integer")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                try:
+                    f = float(value)
+                except ValueError:
+                    f = math.nan
+                if f.is_integer():
+                    return int(f)
+        raise ConfigError(f"{key} = {value!r}: expected an integer")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} = {value!r}: expected a number")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key} = {value!r}: expected a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key} = {value!r}: expected a string")
+    raise TypeError(f"unsupported config field type {tp!r} for {key}")
+
+
+def _suggest(name: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _field_types(section: str) -> dict[str, Any]:
+    return typing.get_type_hints(_SECTION_TYPES[section])
+
+
+def set_value(cfg: Config, dotted_key: str, value: Any) -> None:
+    """Set `section.key` to `value`, checking that the key exists and the type fits."""
+    if "." not in dotted_key:
+        raise ConfigError(
+            f"config key {dotted_key!r} must be written section.key, e.g. train.steps"
+        )
+    section, key = dotted_key.split(".", 1)
+    if section not in _SECTION_TYPES:
+        raise ConfigError(
+            f"unknown config section {section!r}{_suggest(section, list(_SECTION_TYPES))}; "
+            f"sections: {', '.join(_SECTION_TYPES)}"
+        )
+    types_ = _field_types(section)
+    if key not in types_:
+        all_keys = [f"{section}.{k}" for k in types_] + [
+            f"{s}.{k}" for s in _SECTION_TYPES for k in _field_types(s)
+        ]
+        raise ConfigError(f"unknown config key {dotted_key!r}{_suggest(dotted_key, all_keys)}")
+    setattr(getattr(cfg, section), key, _coerce(dotted_key, value, types_[key]))
+
+
+def apply_dict(cfg: Config, data: dict[str, Any], source: str) -> None:
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise ConfigError(
+                f"{source}: top-level key {section!r} must be a [section] table, "
+                f"e.g. [{section if section in _SECTION_TYPES else 'train'}]"
+            )
+        for key, value in values.items():
+            set_value(cfg, f"{section}.{key}", value)
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+
+
+def resolve_preset(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix == ".toml" or p.exists():
+        if not p.is_file():
+            raise ConfigError(f"config file {name_or_path!r} does not exist")
+        return p
+    preset = PRESET_DIR / f"{name_or_path}.toml"
+    if not preset.is_file():
+        names = preset_names()
+        raise ConfigError(
+            f"unknown preset {name_or_path!r}{_suggest(name_or_path, names)}; "
+            f"presets: {', '.join(names)}, or give a path to a .toml file"
+        )
+    return preset
+
+
+def load_config(preset: str = "tiny", overrides: list[str] | dict[str, Any] | None = None) -> Config:
+    """Build a validated config from a preset name or TOML path plus overrides.
+
+    `overrides` is a list of `section.key=value` strings (a leading `--` is allowed) or a dict
+    mapping `section.key` to a value.
+    """
+    cfg = Config()
+    path = resolve_preset(preset)
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    apply_dict(cfg, data, str(path))
+    if isinstance(overrides, dict):
+        for k, v in overrides.items():
+            set_value(cfg, k, v)
+    else:
+        for item in overrides or []:
+            item = item[2:] if item.startswith("--") else item
+            if "=" not in item:
+                raise ConfigError(
+                    f"override {item!r} needs a value: write --{item}=VALUE"
+                )
+            key, value = item.split("=", 1)
+            set_value(cfg, key.strip(), value.strip())
+    validate(cfg, need_vocab=False)
+    return cfg
+
+
+def validate(cfg: Config, need_vocab: bool = True) -> None:
+    """Check that values fit together; raise ConfigError naming the value and the fix."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    for name, v in [
+        ("model.num_layers", m.num_layers),
+        ("model.hidden_size", m.hidden_size),
+        ("model.num_attention_heads", m.num_attention_heads),
+        ("model.seq_length", m.seq_length),
+        ("train.global_batch_size", t.global_batch_size),
+        ("train.micro_batch_size", t.micro_batch_size),
+        ("parallel.tensor", p.tensor),
+        ("parallel.pipeline", p.pipeline),
+        ("parallel.virtual_pipeline", p.virtual_pipeline),
+        ("parallel.context", p.context),
+        ("parallel.expert", p.expert),
+        ("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by),
+    ]:
+        if v < 1:
+            raise ConfigError(f"{name} = {v} must be at least 1")
+    for name, v in [
+        ("model.num_query_groups", m.num_query_groups),
+        ("model.head_dim", m.head_dim),
+        ("model.ffn_hidden_size", m.ffn_hidden_size),
+        ("model.vocab_size", m.vocab_size),
+        ("train.steps", t.steps),
+        ("train.eval_interval", t.eval_interval),
+        ("train.eval_steps", t.eval_steps),
+        ("checkpoint.interval", cfg.checkpoint.interval),
+        ("checkpoint.keep_last", cfg.checkpoint.keep_last),
+        ("schedule.warmup_steps", cfg.schedule.warmup_steps),
+        ("schedule.decay_steps", cfg.schedule.decay_steps),
+    ]:
+        if v < 0:
+            raise ConfigError(f"{name} = {v} must not be negative")
+    if t.log_interval < 1:
+        raise ConfigError(f"train.log_interval = {t.log_interval} must be at least 1")
+    if m.head_dim == 0 and m.hidden_size % m.num_attention_heads:
+        raise ConfigError(
+            f"model.hidden_size = {m.hidden_size} is not divisible by model.num_attention_heads = "
+            f"{m.num_attention_heads}; change one of them or set model.head_dim"
+        )
+    if m.num_attention_heads % m.kv_heads:
+        raise ConfigError(
+            f"model.num_attention_heads = {m.num_attention_heads} is not divisible by "
+            f"model.num_query_groups = {m.num_query_groups}"
+        )
+    if m.position_embedding == "rope" and m.head_size % 2:
+        raise ConfigError(f"rotary embeddings need an even head size, got {m.head_size}")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"model.dropout = {m.dropout} must be in [0, 1)")
+    if need_vocab and m.vocab_size < 1:
+        raise ConfigError("model.vocab_size must be set (or taken from the tokenizer)")
+    if t.global_batch_size % t.micro_batch_size:
+        raise ConfigError(
+            f"train.global_batch_size = {t.global_batch_size} is not divisible by "
+            f"train.micro_batch_size = {t.micro_batch_size} (times the data-parallel degree)"
+        )
+    if cfg.optimizer.lr < 0 or cfg.optimizer.min_lr < 0:
+        raise ConfigError("optimizer.lr and optimizer.min_lr must not be negative")
+    if cfg.optimizer.min_lr > cfg.optimizer.lr:
+        raise ConfigError(
+            f"optimizer.min_lr = {cfg.optimizer.min_lr} exceeds optimizer.lr = {cfg.optimizer.lr}"
+        )
+    if not 0.0 <= cfg.schedule.wsd_decay_fraction <= 1.0:
+        raise ConfigError("schedule.wsd_decay_fraction must be in [0, 1]")
+    for kind in cfg.optimizer.no_decay:
+        if kind not in ("norm", "bias", "embedding"):
+            raise ConfigError(
+                f"optimizer.no_decay entry {kind!r} is not one of: norm, bias, embedding"
+            )
+    try:
+        shares = [float(s) for s in cfg.data.split.split(",")]
+    except ValueError:
+        shares = []
+    if len(shares) != 3 or any(s < 0 for s in shares) or shares[0] <= 0:
+        raise ConfigError(
+            f"data.split = {cfg.data.split!r} must be three non-negative weights like '969,30,1'"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# TOML writing (tomllib reads only)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def to_toml(data: dict[str, dict[str, Any]]) -> str:
+    lines: list[str] = []
+    for section, values in data.items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items())
+        lines.append("")
+    return "\n".join(lines)
+
+
+def reference_markdown() -> str:
+    """The config reference (docs/config.md), generated from the field docs."""
+    out = ["# Config reference", "", "Generated by `trireme config-doc`; every key can be set in a "
+           "TOML file under its `[section]` or on the command line as `--section.key=value`.", ""]
+    for section, cls in _SECTION_TYPES.items():
+        out += [f"## [{section}]", "", (cls.__doc__ or "").strip(), "",
+                "| key | type | default | meaning |", "|---|---|---|---|"]
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            out.append(
+                f"| `{section}.{f.name}` | {_type_name(hints[f.name])} | `{_toml_value(default)}` "
+                f"| {f.metadata.get('help', '')} |"
+            )
+        out.append("")
+    return "\n".join(out)
