@@ -414,6 +414,18 @@ def load_config(preset: str = "tiny", overrides: list[str] | dict[str, Any] | No
     return cfg
 
 
+def config_from_toml(text: str, source: str = "config.toml") -> Config:
+    """A config from TOML text (e.g. the resolved config saved with a checkpoint)."""
+    cfg = Config()
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{source}: not valid TOML: {e}") from None
+    apply_dict(cfg, data, source)
+    validate(cfg, need_vocab=False)
+    return cfg
+
+
 def validate(cfg: Config, need_vocab: bool = True) -> None:
     """Check that values fit together; raise ConfigError naming the value and the fix."""
     m, p, t = cfg.model, cfg.parallel, cfg.train

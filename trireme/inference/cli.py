@@ -1,0 +1,47 @@
+"""`trireme generate`: load a checkpoint and continue a prompt."""
+
+from __future__ import annotations
+
+import torch
+
+from trireme.checkpoint.store import load_checkpoint, load_model_state
+from trireme.config import config_from_toml
+from trireme.data.tokenizer import load_tokenizer
+from trireme.errors import ConfigError
+from trireme.inference.generate import generate
+from trireme.models.gpt import GPT
+from trireme.train import DTYPES, pick_device
+
+
+def generate_from_checkpoint(
+    checkpoint: str,
+    prompt: str,
+    *,
+    max_new_tokens: int = 100,
+    temperature: float = 0.8,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+    seed: int | None = None,
+    tokenizer: str = "",
+    device: str = "auto",
+) -> str:
+    """Generate a continuation of `prompt` with the model saved in `checkpoint`."""
+    ckpt = load_checkpoint(checkpoint)
+    cfg = config_from_toml(ckpt.config_toml, f"{ckpt.path}/config.toml")
+    tok_spec = tokenizer or cfg.data.tokenizer
+    if not tok_spec:
+        raise ConfigError("the checkpoint names no tokenizer; pass --tokenizer PATH")
+    tok = load_tokenizer(tok_spec)
+    dev = pick_device(device)
+    dtype = DTYPES[cfg.model.precision]
+    if dev.type == "cpu" and dtype == torch.float16:
+        dtype = torch.float32  # fp16 matmuls are slow or missing on CPU
+    model = GPT(cfg.model)
+    load_model_state(model, ckpt.model)
+    model.to(device=dev, dtype=dtype).eval()
+    ids = tok.encode(prompt) or [tok.eod]
+    out = generate(model, ids, max_new_tokens, temperature=temperature, top_k=top_k,
+                   top_p=top_p, greedy=greedy, seed=seed, eos_id=tok.eod)
+    out_ids = out[0].tolist() if out.dim() == 2 else out.tolist()
+    return tok.decode(out_ids)
