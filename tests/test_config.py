@@ -1,0 +1,137 @@
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from trireme.config import (
+    Config,
+    config_from_toml,
+    load_config,
+    preset_names,
+    reference_markdown,
+)
+from trireme.errors import ConfigError
+
+REQUIRED_KEYS = """train.steps train.seed train.global_batch_size train.micro_batch_size
+train.eval_interval train.log_interval run.dir data.path checkpoint.dir checkpoint.interval
+parallel.tensor parallel.pipeline parallel.virtual_pipeline parallel.context parallel.expert
+parallel.sequence_parallel parallel.distributed_optimizer model.num_layers model.hidden_size
+model.num_attention_heads model.num_query_groups model.ffn_hidden_size model.vocab_size
+model.seq_length model.dropout model.precision""".split()
+
+
+def test_required_keys_exist_and_documented():
+    cfg = Config()
+    for key in REQUIRED_KEYS:
+        section, name = key.split(".")
+        fields = {f.name: f for f in dataclasses.fields(getattr(cfg, section))}
+        assert name in fields, key
+        assert fields[name].metadata.get("help"), f"{key} has no documentation"
+
+
+def test_all_fields_documented():
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(section.type if isinstance(section.type, type) else
+                                    getattr(Config(), section.name)):
+            assert f.metadata.get("help"), f"{section.name}.{f.name}"
+
+
+@pytest.mark.parametrize("name", ["tiny", "gpt2-124m", "llama3-1b", "llama3-8b"])
+def test_presets_load(name):
+    assert name in preset_names()
+    cfg = load_config(name)
+    assert cfg.model.num_layers > 0
+
+
+def test_llama3_1b_shape():
+    m = load_config("llama3-1b").model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups) == (
+        16, 2048, 32, 8)
+    assert (m.ffn_hidden_size, m.vocab_size, m.seq_length, m.rope_theta) == (
+        8192, 128256, 4096, 500000.0)
+    assert m.activation == "swiglu" and m.normalization == "rmsnorm" and m.head_size == 64
+
+
+def test_overrides_are_type_checked():
+    cfg = load_config("tiny", ["--train.steps=7", "model.dropout=0.1",
+                               "--parallel.sequence_parallel=true", "optimizer.no_decay=norm"])
+    assert cfg.train.steps == 7 and isinstance(cfg.train.steps, int)
+    assert cfg.model.dropout == 0.1
+    assert cfg.parallel.sequence_parallel is True
+    assert cfg.optimizer.no_decay == ["norm"]
+    with pytest.raises(ConfigError, match="expected an integer"):
+        load_config("tiny", ["train.steps=ten"])
+    with pytest.raises(ConfigError, match="expected true or false"):
+        load_config("tiny", ["parallel.sequence_parallel=maybe"])
+    with pytest.raises(ConfigError, match="not one of"):
+        load_config("tiny", ["model.precision=fp8x"])
+
+
+def test_unknown_key_suggests_closest():
+    with pytest.raises(ConfigError, match="did you mean 'train.steps'"):
+        load_config("tiny", ["train.stepz=3"])
+    with pytest.raises(ConfigError, match="did you mean 'model.hidden_size'"):
+        load_config("tiny", ["model.hiden_size=3"])
+    with pytest.raises(ConfigError, match="unknown config section"):
+        load_config("tiny", ["modle.hidden_size=3"])
+    with pytest.raises(ConfigError, match="unknown preset"):
+        load_config("tinyy")
+
+
+def test_divisibility_errors():
+    with pytest.raises(ConfigError, match="not divisible by model.num_attention_heads"):
+        load_config("tiny", ["model.hidden_size=100", "model.num_attention_heads=3"])
+    with pytest.raises(ConfigError, match="num_query_groups"):
+        load_config("tiny", ["model.num_attention_heads=6", "model.num_query_groups=4"])
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        load_config("tiny", ["train.global_batch_size=10", "train.micro_batch_size=4"])
+
+
+def test_toml_round_trip():
+    cfg = load_config("gpt2-124m", ["train.sample_prompt=say \"hi\"\\n"])
+    again = config_from_toml(cfg.to_toml())
+    assert again == cfg
+
+
+def test_reference_markdown_lists_every_key():
+    md = reference_markdown()
+    for key in REQUIRED_KEYS:
+        assert f"`{key}`" in md
+
+
+def run_cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "trireme", *args], capture_output=True,
+                          text=True, timeout=120, **kw)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["train", "--train.stepz=1"], "did you mean 'train.steps'"),
+    (["train", "--model.hidden_size=abc"], "expected an integer"),
+    (["train", "--model.hidden_size=100", "--model.num_attention_heads=3"], "not divisible"),
+    (["train", "--config", "nope"], "unknown preset"),
+    (["train", "--data.path=/nonexistent/data"], "/nonexistent/data"),
+    (["train", "--parallel.tensor=2"], "not implemented yet"),
+])
+def test_cli_bad_input_one_line_exit_2(args, needle, tmp_path):
+    r = run_cli(*args, f"--run.dir={tmp_path}/run")
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert needle in lines[0] and "Traceback" not in r.stderr
+
+
+def test_cli_foreign_idx_file(tmp_path):
+    (tmp_path / "d.idx").write_bytes(b"NOTANIDX" * 8)
+    (tmp_path / "d.bin").write_bytes(b"\0" * 16)
+    r = run_cli("train", f"--data.path={tmp_path}/d", "--data.tokenizer=bytes",
+                f"--run.dir={tmp_path}/run")
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and "d.idx" in r.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_cli_config_prints_resolved_toml():
+    r = run_cli("config", "--config", "llama3-1b", "--train.steps=3")
+    assert r.returncode == 0
+    assert config_from_toml(r.stdout).train.steps == 3

@@ -1,0 +1,305 @@
+"""Megatron's indexed dataset: token ids in `P.bin`, an index in `P.idx`, byte for byte.
+
+A dataset is a path prefix `P`. `P.bin` is every sequence's token ids back to back, no header.
+`P.idx` is little-endian, fields back to back (see docs / REFERENCE.md §1):
+
+    magic b"MMIDIDX\\x00\\x00" | version u64 = 1 | dtype code u8 | N u64 | D u64
+    sequence_lengths   int32[N]   tokens in each sequence
+    sequence_pointers  int64[N]   byte offset of each sequence in P.bin
+    document_indices   int64[D]   0, then the number of sequences after each document (last = N)
+    sequence_modes     int8[N]    only in multimodal datasets (read past, never written)
+
+Without sentence splitting, one document is one sequence, so D = N + 1. Files written here are
+readable by Megatron-LM and the other way round.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+import numpy as np
+
+from trireme.errors import DataError
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, N, D: 34 bytes
+
+DTYPE_CODES: dict[int, type[np.generic]] = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
+CODE_OF_DTYPE: dict[np.dtype, int] = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
+
+
+def best_dtype(vocab_size: int) -> np.dtype:
+    """The token dtype Megatron's preprocessing picks: uint16 below 65,500 ids, else int32."""
+    return np.dtype(np.uint16) if vocab_size < 65500 else np.dtype(np.int32)
+
+
+def _strip_extension(prefix: str | os.PathLike[str]) -> str:
+    """`P`, `P.bin` and `P.idx` all name the dataset `P`."""
+    s = os.fspath(prefix)
+    return s[:-4] if s.endswith((".bin", ".idx")) else s
+
+
+class IndexedDatasetWriter:
+    """Write a `.bin/.idx` pair one document at a time; each document is one sequence.
+
+    Tokens stream to a temporary file next to the target; `finalize()` writes the index and renames
+    both into place (the `.idx` last), so an interrupted run never leaves a valid-looking `P.idx`.
+    As a context manager it finalizes on a clean exit and removes its temporaries on an exception.
+    """
+
+    def __init__(self, prefix: str | os.PathLike[str], dtype: np.dtype | type | str) -> None:
+        self.prefix = _strip_extension(prefix)
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in CODE_OF_DTYPE:
+            raise ValueError(f"dtype {self.dtype} has no Megatron dtype code")
+        directory, name = os.path.split(os.path.abspath(self.prefix))
+        os.makedirs(directory, exist_ok=True)
+        fd, self._bin_tmp = tempfile.mkstemp(prefix=f".{name}.bin.", suffix=".tmp", dir=directory)
+        self._bin_file = os.fdopen(fd, "wb", buffering=1 << 20)
+        self._idx_tmp: str | None = None
+        self._lengths: list[int] = []
+        self._done = False
+        if np.issubdtype(self.dtype, np.integer):
+            info = np.iinfo(self.dtype)
+            self._bounds: tuple[int, int] | None = (int(info.min), int(info.max))
+        else:
+            self._bounds = None
+
+    @property
+    def num_documents(self) -> int:
+        return len(self._lengths)
+
+    def add_document(self, tokens: Sequence[int] | np.ndarray) -> None:
+        """Append one document (one sequence) of token ids."""
+        if self._done:
+            raise RuntimeError(f"{self.prefix}: add_document after finalize")
+        array = np.asarray(tokens)
+        if array.ndim != 1:
+            raise ValueError(f"a document must be a 1-d sequence of token ids, got shape {array.shape}")
+        if array.dtype != self.dtype:
+            if self._bounds is not None and array.size:
+                lo, hi = int(array.min()), int(array.max())
+                if lo < self._bounds[0] or hi > self._bounds[1]:
+                    bad = lo if lo < self._bounds[0] else hi
+                    raise DataError(
+                        f"{self.prefix}.bin: token id {bad} does not fit in {self.dtype}; "
+                        f"write with a wider dtype (best_dtype(vocab_size))"
+                    )
+            array = array.astype(self.dtype)
+        self._bin_file.write(array.tobytes())
+        self._lengths.append(int(array.size))
+
+    def finalize(self) -> None:
+        """Write the index and move `P.bin` then `P.idx` into place."""
+        if self._done:
+            return
+        self._bin_file.close()
+        lengths = np.asarray(self._lengths, dtype=np.int64)
+        if lengths.size and lengths.max() > np.iinfo(np.int32).max:
+            self.abort()
+            raise DataError(f"{self.prefix}.idx: a document exceeds 2^31-1 tokens")
+        num_sequences = lengths.size
+        pointers = np.zeros(num_sequences, dtype=np.int64)
+        np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
+        document_indices = np.arange(num_sequences + 1, dtype=np.int64)
+        directory, name = os.path.split(os.path.abspath(self.prefix))
+        fd, self._idx_tmp = tempfile.mkstemp(prefix=f".{name}.idx.", suffix=".tmp", dir=directory)
+        with os.fdopen(fd, "wb") as f:
+            f.write(
+                HEADER.pack(
+                    MAGIC, VERSION, CODE_OF_DTYPE[self.dtype], num_sequences, num_sequences + 1
+                )
+            )
+            f.write(lengths.astype("<i4").tobytes())
+            f.write(pointers.astype("<i8").tobytes())
+            f.write(document_indices.astype("<i8").tobytes())
+        # An old index must not describe the new .bin, even for a moment.
+        if os.path.exists(self.prefix + ".idx"):
+            os.remove(self.prefix + ".idx")
+        os.replace(self._bin_tmp, self.prefix + ".bin")
+        os.replace(self._idx_tmp, self.prefix + ".idx")
+        self._done = True
+
+    def abort(self) -> None:
+        """Remove the temporaries; nothing is written under the final names."""
+        if not self._bin_file.closed:
+            self._bin_file.close()
+        for path in (self._bin_tmp, self._idx_tmp):
+            if path and os.path.exists(path):
+                os.remove(path)
+        self._done = True
+
+    def __enter__(self) -> IndexedDatasetWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.finalize()
+        elif not self._done:
+            self.abort()
+
+
+def _map(path: str) -> np.ndarray:
+    """Memory-map a whole file read-only as bytes (an empty file gives an empty array)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return np.zeros(0, dtype=np.uint8)
+        buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    return np.frombuffer(buffer, dtype=np.uint8)
+
+
+class IndexedDataset:
+    """A read-only, memory-mapped `.bin/.idx` dataset, validated when opened.
+
+    `dataset[i]` is sequence i as a read-only numpy view of `P.bin` (copy it to modify it).
+    """
+
+    def __init__(self, prefix: str | os.PathLike[str]) -> None:
+        self.prefix = _strip_extension(prefix)
+        self._open()
+
+    def _error(self, message: str) -> DataError:
+        return DataError(f"data.path {self.prefix!r}: {message}")
+
+    def _open(self) -> None:
+        idx_path, bin_path = self.prefix + ".idx", self.prefix + ".bin"
+        missing = [os.path.basename(p) for p in (bin_path, idx_path) if not os.path.isfile(p)]
+        if missing:
+            raise self._error(f"{' and '.join(missing)} not found")
+        idx = _map(idx_path)
+        name = os.path.basename(idx_path)
+        if idx.size < HEADER.size:
+            raise self._error(
+                f"{name} is {idx.size} bytes, too short for an index header; truncated?"
+            )
+        magic, version, code, n, d = HEADER.unpack(idx[: HEADER.size].tobytes())
+        if magic != MAGIC:
+            raise self._error(f"{name} is not a Megatron indexed-dataset index (magic {magic!r})")
+        if version != VERSION:
+            raise self._error(f"{name} has index version {version}; only version 1 is supported")
+        if code not in DTYPE_CODES:
+            raise self._error(f"{name} has unknown token dtype code {code}")
+        self._dtype = np.dtype(DTYPE_CODES[code])
+        expected = HEADER.size + 12 * n + 8 * d
+        if idx.size not in (expected, expected + n):  # + n: multimodal sequence_modes
+            raise self._error(
+                f"{name} is {idx.size} bytes but its header ({n} sequences, {d} document "
+                f"indices) needs {expected}; truncated or corrupted"
+            )
+        offset = HEADER.size
+        self._lengths = idx[offset : offset + 4 * n].view("<i4")
+        offset += 4 * n
+        self._pointers = idx[offset : offset + 8 * n].view("<i8")
+        offset += 8 * n
+        self._document_indices = idx[offset : offset + 8 * d].view("<i8")
+        if d == 0 or self._document_indices[-1] != n or self._document_indices[0] != 0:
+            last = int(self._document_indices[-1]) if d else "nothing"
+            raise self._error(
+                f"{name} lists {n} sequences but its document indices end at {last}; corrupted"
+            )
+        if np.any(np.diff(self._document_indices) < 0) or (n and self._lengths.min() < 0):
+            raise self._error(f"{name} has decreasing document indices or negative lengths")
+        self._num_tokens = int(self._lengths.sum(dtype=np.int64))
+
+        data = _map(bin_path)
+        need = self._num_tokens * self._dtype.itemsize
+        if data.size != need:
+            raise self._error(
+                f"{os.path.basename(bin_path)} is {data.size} bytes but {name} describes "
+                f"{self._num_tokens} {self._dtype} tokens ({need} bytes); truncated, or the two "
+                f"files are from different datasets"
+            )
+        ends = self._pointers + self._lengths.astype(np.int64) * self._dtype.itemsize
+        misaligned = n and np.any(self._pointers % self._dtype.itemsize)
+        if n and (self._pointers.min() < 0 or ends.max() > need or misaligned):
+            raise self._error(f"{name} points outside {os.path.basename(bin_path)}; corrupted")
+        self._tokens = data.view(self._dtype)
+
+    # Memory maps do not pickle; a DataLoader worker reopens the files instead.
+    def __getstate__(self) -> dict[str, str]:
+        return {"prefix": self.prefix}
+
+    def __setstate__(self, state: dict[str, str]) -> None:
+        self.prefix = state["prefix"]
+        self._open()
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    @property
+    def sequence_lengths(self) -> np.ndarray:
+        """int32[N]: tokens in each sequence."""
+        return self._lengths
+
+    @property
+    def sequence_pointers(self) -> np.ndarray:
+        """int64[N]: byte offset of each sequence in the .bin file."""
+        return self._pointers
+
+    @property
+    def document_indices(self) -> np.ndarray:
+        """int64[D]: 0, then the number of sequences after each document."""
+        return self._document_indices
+
+    @property
+    def num_documents(self) -> int:
+        return len(self._document_indices) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """All of the .bin file as one flat read-only array of tokens."""
+        return self._tokens
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.get(i)
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens `offset : offset + length` of sequence `i` (to its end when length is None)."""
+        n = len(self._lengths)
+        if not -n <= i < n:
+            raise IndexError(f"sequence {i} out of range for {n} sequences in {self.prefix}")
+        i = int(i) % n
+        size = int(self._lengths[i])
+        if length is None:
+            length = size - offset
+        if offset < 0 or length < 0 or offset + length > size:
+            raise IndexError(
+                f"tokens [{offset}, {offset + length}) out of range for sequence {i} of {size}"
+            )
+        start = int(self._pointers[i]) // self._dtype.itemsize + offset
+        return self._tokens[start : start + length]
+
+    def __repr__(self) -> str:
+        return (
+            f"IndexedDataset({self.prefix!r}, sequences={len(self)}, "
+            f"documents={self.num_documents}, tokens={self.num_tokens}, dtype={self.dtype})"
+        )
