@@ -1,0 +1,179 @@
+"""Scaled dot-product attention: one entry point over torch's SDPA kernels, plus a reference.
+
+Shapes: q is [b, n_heads, s_q, d]; k and v are [b, n_kv, s_k, d] with n_heads a multiple of n_kv
+(MHA when equal, GQA when n_kv divides n_heads, MQA when n_kv == 1). The kernels read the shared
+K/V heads directly (`enable_gqa=True`); nothing repeats them in memory.
+
+Causality with a KV cache: query i sits at absolute position `q_offset + i`, key j at position j, and
+a query sees the keys at or before its own position. SDPA's `is_causal` aligns the mask to the top
+left corner (query i sees keys 0..i), which is right only when `q_offset == 0`; other cases get an
+explicit mask, except a single query at the end of the keys, which sees everything (no mask at all).
+
+Backends: "auto" lets SDPA choose, with cuDNN first on Hopper (fastest there, see REFERENCE.md),
+then flash, memory-efficient, math; "cudnn", "flash", "efficient" and "math" force one kernel;
+"reference" is plain PyTorch in fp32, the yardstick the tests hold the kernels to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import math
+import warnings
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from trireme.errors import ConfigError
+
+BACKENDS = ("auto", "cudnn", "flash", "efficient", "math", "reference")
+
+_SDPA_BACKENDS = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+# On Hopper cuDNN's kernel is ~1.5x flash's (REFERENCE.md section 4); SDPA takes the first one
+# in this order that supports the call (dtype, head size, mask, dropout).
+_HOPPER_ORDER = [
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
+_HAS_SET_PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters
+
+
+@functools.lru_cache(maxsize=None)
+def _is_hopper(device_index: int | None) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+def _kernel_choice(backend: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """The `sdpa_kernel` context that makes SDPA use `backend` on `device`."""
+    if backend == "auto":
+        if device.type == "cuda" and _is_hopper(device.index):
+            if _HAS_SET_PRIORITY:
+                return sdpa_kernel(_HOPPER_ORDER, set_priority=True)
+            return sdpa_kernel(_HOPPER_ORDER)
+        return contextlib.nullcontext()  # CPU and other GPUs: SDPA's own choice
+    return sdpa_kernel([_SDPA_BACKENDS[backend]])
+
+
+def causal_mask(
+    s_q: int, s_k: int, q_offset: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Bool mask [s_q, s_k], True where query i (at position q_offset + i) may see key j."""
+    query_pos = torch.arange(s_q, device=device).unsqueeze(1) + q_offset  # [s_q, 1]
+    key_pos = torch.arange(s_k, device=device).unsqueeze(0)  # [1, s_k]
+    return key_pos <= query_pos
+
+
+def _mask_args(
+    s_q: int, s_k: int, q_offset: int, causal: bool, device: torch.device
+) -> tuple[torch.Tensor | None, bool]:
+    """(attn_mask, is_causal) for SDPA: the cheapest form of the causal rule for this call."""
+    if not causal:
+        return None, False
+    if q_offset == 0:
+        return None, True  # top-left alignment is exactly right
+    if s_q == 1 and q_offset >= s_k - 1:
+        return None, False  # one query at (or past) the last key sees every key
+    return causal_mask(s_q, s_k, q_offset, device), False
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    dropout_p: float = 0.0,
+    q_offset: int = 0,
+) -> torch.Tensor:
+    """softmax(Q K^T / sqrt(d) + mask) V in plain PyTorch, accumulated in fp32."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(groups, dim=1)  # [b, n_heads, s_k, d]
+    v = v.float().repeat_interleave(groups, dim=1)
+    scores = q.float() @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # [b, n_heads, s_q, s_k]
+    if causal:
+        allowed = causal_mask(q.shape[2], k.shape[2], q_offset, q.device)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p)
+    return (probs @ v).to(q.dtype)  # [b, n_heads, s_q, d]
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    backend: str = "auto",
+    dropout_p: float = 0.0,
+    q_offset: int = 0,
+) -> torch.Tensor:
+    """Attention of q [b, n_heads, s_q, d] over k, v [b, n_kv, s_k, d]; returns [b, n_heads, s_q, d].
+
+    `q_offset` is the absolute position of the first query (keys start at position 0), as when
+    decoding with a KV cache. `dropout_p` applies to the attention probabilities; pass 0 in eval.
+    """
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
+    if backend == "reference":
+        return reference_attention(q, k, v, causal=causal, dropout_p=dropout_p, q_offset=q_offset)
+    if backend not in BACKENDS:
+        raise ConfigError(
+            f"attention backend {backend!r} is not one of: {', '.join(BACKENDS)}"
+        )
+    attn_mask, is_causal = _mask_args(q.shape[2], k.shape[2], q_offset, causal, q.device)
+    with _kernel_choice(backend, q.device):
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    # SDPA warns about every kernel it cannot use; a probe expects some to fail.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(backend: str, device: str, dtype: torch.dtype) -> bool:
+    q = torch.randn(1, 4, 16, 64, device=device, dtype=dtype)
+    kv = torch.randn(1, 2, 16, 64, device=device, dtype=dtype)
+    try:
+        with _quiet():
+            out = attention(q, kv, kv, causal=True, backend=backend)
+            return bool(torch.isfinite(out).all())
+    except RuntimeError:
+        return False
+
+
+def available_backends(
+    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> list[str]:
+    """The backends that run a causal GQA call on `device` for `dtype` (found by trying one).
+
+    Always includes "auto" and "reference". A kernel may still refuse some calls it does not
+    support (e.g. flash on GPU takes no explicit mask, used for chunked prefill with an offset).
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return [b for b in BACKENDS if b == "reference" or _probe(b, str(device), dtype)]
