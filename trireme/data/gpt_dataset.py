@@ -3,9 +3,9 @@
 One epoch: shuffle the chosen documents, concatenate them into one token stream, and cut it into
 samples of `seq_length + 1` tokens, where sample k covers stream tokens [k*s, (k+1)*s] (so
 consecutive samples share one token, as in Megatron: the last label of one is the first input of
-the next). The samples of the epoch are then visited in a shuffled order. Tokens left over at the end
-of an epoch (fewer than a sample) are dropped. Epoch e uses a fresh shuffle seeded by (seed, e), so
-sample i of the endless dataset depends only on (seed, i) and a resumed run continues the same order.
+the next). The samples of the epoch are then visited in a shuffled order. Tokens left over at the
+end of an epoch (fewer than a sample) are dropped. Epoch e uses a fresh shuffle seeded by (seed, e),
+so sample i of the endless dataset depends only on (seed, i) and a resumed run continues the order.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from trireme.errors import ConfigError, DataError
 
 
 def _rng(seed: int, epoch: int, stream: int) -> np.random.Generator:
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed % 2**64, epoch, stream])))
+    """Independent streams per (seed, epoch): 0 shuffles documents, 1 shuffles samples."""
+    return np.random.default_rng(np.random.SeedSequence([seed % 2**64, epoch, stream]))
 
 
 class _Epoch:
@@ -34,7 +35,7 @@ class _Epoch:
         run_starts = np.cumsum(counts) - counts
         self.sequence_ids = np.repeat(first - run_starts, counts) + np.arange(total)
         lengths = ds.sequence_lengths[self.sequence_ids].astype(np.int64)
-        # starts[j]: where sequence j begins in the epoch's stream; element offset in .bin
+        # where each sequence begins: in the epoch's token stream, and in .bin (in tokens)
         self.starts = np.cumsum(lengths) - lengths
         self.element_offsets = ds.sequence_pointers[self.sequence_ids] // ds.dtype.itemsize
         self.sample_order = _rng(data.seed, epoch, 1).permutation(data.samples_per_epoch)
@@ -66,11 +67,11 @@ class GPTDataset(torch.utils.data.Dataset):
             self.document_ids.min() < 0 or self.document_ids.max() >= dataset.num_documents
         ):
             raise ValueError(f"document ids out of range for {dataset.num_documents} documents")
-        doc_idx = dataset.document_indices
-        sequence_tokens = np.concatenate([[0], np.cumsum(dataset.sequence_lengths, dtype=np.int64)])
-        self.tokens_per_epoch = int(
-            (sequence_tokens[doc_idx[self.document_ids + 1]] - sequence_tokens[doc_idx[self.document_ids]]).sum()
-        )
+        # tokens before each sequence, indexed by the document boundaries
+        tokens_before = np.concatenate([[0], np.cumsum(dataset.sequence_lengths, dtype=np.int64)])
+        first = tokens_before[dataset.document_indices[self.document_ids]]
+        last = tokens_before[dataset.document_indices[self.document_ids + 1]]
+        self.tokens_per_epoch = int((last - first).sum())
         self.samples_per_epoch = max(self.tokens_per_epoch - 1, 0) // seq_length
         if self.samples_per_epoch == 0:
             raise DataError(
@@ -122,7 +123,9 @@ def split_documents(
     except ValueError:
         weights = np.array([])
     if not 1 <= weights.size <= 3 or np.any(weights < 0) or weights.sum() <= 0:
-        raise ConfigError(f"data.split = {split!r} must be up to three non-negative weights like '969,30,1'")
+        raise ConfigError(
+            f"data.split = {split!r} must be up to three non-negative weights like '969,30,1'"
+        )
     weights = np.pad(weights, (0, 3 - weights.size)) / weights.sum()
     raw = weights * num_documents
     counts = np.floor(raw).astype(np.int64)

@@ -18,9 +18,8 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-import tempfile
+import uuid
 from collections.abc import Sequence
-from pathlib import Path
 from types import TracebackType
 
 import numpy as np
@@ -55,6 +54,12 @@ def _strip_extension(prefix: str | os.PathLike[str]) -> str:
     return s[:-4] if s.endswith((".bin", ".idx")) else s
 
 
+def temporary_path(path: str | os.PathLike[str]) -> str:
+    """A unique hidden name beside `path` (same filesystem, so a rename into place is atomic)."""
+    directory, name = os.path.split(os.path.abspath(path))
+    return os.path.join(directory, f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+
+
 class IndexedDatasetWriter:
     """Write a `.bin/.idx` pair one document at a time; each document is one sequence.
 
@@ -68,10 +73,9 @@ class IndexedDatasetWriter:
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODE_OF_DTYPE:
             raise ValueError(f"dtype {self.dtype} has no Megatron dtype code")
-        directory, name = os.path.split(os.path.abspath(self.prefix))
-        os.makedirs(directory, exist_ok=True)
-        fd, self._bin_tmp = tempfile.mkstemp(prefix=f".{name}.bin.", suffix=".tmp", dir=directory)
-        self._bin_file = os.fdopen(fd, "wb", buffering=1 << 20)
+        os.makedirs(os.path.dirname(os.path.abspath(self.prefix)), exist_ok=True)
+        self._bin_tmp = temporary_path(self.prefix + ".bin")
+        self._bin_file = open(self._bin_tmp, "xb", buffering=1 << 20)
         self._idx_tmp: str | None = None
         self._lengths: list[int] = []
         self._done = False
@@ -91,7 +95,7 @@ class IndexedDatasetWriter:
             raise RuntimeError(f"{self.prefix}: add_document after finalize")
         array = np.asarray(tokens)
         if array.ndim != 1:
-            raise ValueError(f"a document must be a 1-d sequence of token ids, got shape {array.shape}")
+            raise ValueError(f"a document must be a 1-d sequence of token ids, not {array.shape}")
         if array.dtype != self.dtype:
             if self._bounds is not None and array.size:
                 lo, hi = int(array.min()), int(array.max())
@@ -109,18 +113,24 @@ class IndexedDatasetWriter:
         """Write the index and move `P.bin` then `P.idx` into place."""
         if self._done:
             return
+        try:
+            self._write_index()
+        except BaseException:
+            self.abort()
+            raise
+        self._done = True
+
+    def _write_index(self) -> None:
         self._bin_file.close()
         lengths = np.asarray(self._lengths, dtype=np.int64)
         if lengths.size and lengths.max() > np.iinfo(np.int32).max:
-            self.abort()
             raise DataError(f"{self.prefix}.idx: a document exceeds 2^31-1 tokens")
         num_sequences = lengths.size
         pointers = np.zeros(num_sequences, dtype=np.int64)
         np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
         document_indices = np.arange(num_sequences + 1, dtype=np.int64)
-        directory, name = os.path.split(os.path.abspath(self.prefix))
-        fd, self._idx_tmp = tempfile.mkstemp(prefix=f".{name}.idx.", suffix=".tmp", dir=directory)
-        with os.fdopen(fd, "wb") as f:
+        self._idx_tmp = temporary_path(self.prefix + ".idx")
+        with open(self._idx_tmp, "xb") as f:
             f.write(
                 HEADER.pack(
                     MAGIC, VERSION, CODE_OF_DTYPE[self.dtype], num_sequences, num_sequences + 1
@@ -134,7 +144,6 @@ class IndexedDatasetWriter:
             os.remove(self.prefix + ".idx")
         os.replace(self._bin_tmp, self.prefix + ".bin")
         os.replace(self._idx_tmp, self.prefix + ".idx")
-        self._done = True
 
     def abort(self) -> None:
         """Remove the temporaries; nothing is written under the final names."""
