@@ -115,3 +115,11 @@ def test_cli_trains_and_generates(toy_data, tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("def ")
+
+
+def test_token_ids_outside_vocab_are_refused(toy_data, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "trireme", "train", f"--data.path={toy_data}",
+                        "--model.vocab_size=200", f"--run.dir={tmp_path}/run",
+                        "--logging.progress=false"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert "outside model.vocab_size = 200" in r.stderr and "Traceback" not in r.stderr

@@ -20,7 +20,7 @@ from trireme.config import Config, validate
 from trireme.data.gpt_dataset import GPTDataset, get_batch, split_documents
 from trireme.data.indexed import IndexedDataset
 from trireme.data.tokenizer import Tokenizer, load_tokenizer
-from trireme.errors import ConfigError
+from trireme.errors import ConfigError, DataError
 from trireme.metrics import MetricsLogger, flops_per_token, memory_gib, peak_flops
 from trireme.models.gpt import GPT
 from trireme.models.init import init_parameters
@@ -74,6 +74,8 @@ class Trainer:
         batches = []
         for i in range(self.num_micro_batches):
             tokens, labels = get_batch(self.train_data, start + i * mbs, mbs)
+            for ids in (tokens, labels):
+                check_token_ids(ids, self.cfg.model.vocab_size, self.cfg.data.path)
             batches.append((tokens.to(self.device, non_blocking=True),
                             labels.to(self.device, non_blocking=True)))
         return batches
@@ -89,6 +91,16 @@ class Trainer:
             total += self.model(tokens.to(self.device), labels.to(self.device)).float()
         self.model.train()
         return (total / self.cfg.train.eval_steps).item()
+
+
+def check_token_ids(labels: torch.Tensor, vocab_size: int, path: str) -> None:
+    """Token ids at or above the vocabulary would index past the embedding: say so plainly."""
+    top = int(labels.max())
+    if top >= vocab_size or int(labels.min()) < 0:
+        raise DataError(
+            f"data.path {path!r} holds token id {top}, outside model.vocab_size = {vocab_size}; "
+            "use the tokenizer the data was made with or raise model.vocab_size"
+        )
 
 
 def pick_device(name: str) -> torch.device:
@@ -127,14 +139,15 @@ def setup_determinism(cfg: Config) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def resolve_data(cfg: Config) -> tuple[str, Tokenizer | None]:
-    """Find the dataset prefix and tokenizer; build the embedded corpus when no path is given."""
+def resolve_data(cfg: Config) -> tuple[IndexedDataset, Tokenizer | None]:
+    """Open the dataset and tokenizer; build the embedded corpus when no path is given."""
     if not cfg.data.path:
         from trireme.data.corpus import default_corpus
 
         prefix, tok_path = default_corpus(cfg.data.cache_dir or None, cfg.data.embedded_vocab_size)
         cfg.data.path = str(prefix)
         cfg.data.tokenizer = cfg.data.tokenizer or str(tok_path)
+    indexed = IndexedDataset(cfg.data.path)  # checks the files before anything else
     tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
     if cfg.model.vocab_size == 0:
         if tokenizer is None:
@@ -145,11 +158,10 @@ def resolve_data(cfg: Config) -> tuple[str, Tokenizer | None]:
             f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size = "
             f"{cfg.model.vocab_size}; raise model.vocab_size or set it to 0"
         )
-    return cfg.data.path, tokenizer
+    return indexed, tokenizer
 
 
-def build_datasets(cfg: Config, prefix: str) -> tuple[GPTDataset, GPTDataset | None]:
-    indexed = IndexedDataset(prefix)
+def build_datasets(cfg: Config, indexed: IndexedDataset) -> tuple[GPTDataset, GPTDataset | None]:
     num_docs = len(indexed.document_indices) - 1
     train_ids, valid_ids, _ = split_documents(num_docs, cfg.data.split)
     seq = cfg.model.seq_length
@@ -175,9 +187,9 @@ def build_trainer(cfg: Config, with_data: bool = True) -> Trainer:
     setup_determinism(cfg)
     tokenizer, train_data, valid_data = None, None, None
     if with_data:
-        prefix, tokenizer = resolve_data(cfg)
+        indexed, tokenizer = resolve_data(cfg)
         validate(cfg)
-        train_data, valid_data = build_datasets(cfg, prefix)
+        train_data, valid_data = build_datasets(cfg, indexed)
     else:
         validate(cfg)
     model = build_model(cfg, device)
