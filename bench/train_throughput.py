@@ -1,0 +1,426 @@
+"""Training throughput of trireme, and of a Hugging Face baseline of the same shape.
+
+    python bench/train_throughput.py --preset llama3-1b --compare hf
+    python bench/train_throughput.py --preset gpt2-124m --compare hf --compile-hf
+    python bench/train_throughput.py --preset tiny --device cpu --steps 2 --warmup 1 --compare hf
+
+Each system trains on the same random token batches (a fixed seed, made on the device once, outside
+the timed region): `--warmup` untimed steps, then `--steps` timed optimizer steps, each of
+global_batch / micro_batch micro batches. Reported: tokens/s, TFLOP/s per GPU by Megatron's formula
+(trireme.metrics.flops_per_token), MFU against the device's dense bf16 peak, and peak memory
+(torch.cuda.max_memory_allocated, reset before each system is built). The Hugging Face baseline is
+measured in the same process after trireme, once trireme's model and optimizer are freed:
+LlamaForCausalLM (or GPT2LMHeadModel for learned-position presets) with SDPA attention, fp32
+parameters under bf16 autocast, fused AdamW. A table is printed and a JSON file written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from trireme.config import Config, ModelConfig, load_config  # noqa: E402
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+
+
+# --------------------------------------------------------------------------------------------
+# Settings and inputs
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="llama3-1b", help="preset name or .toml path")
+    p.add_argument("--compare", choices=["none", "hf"], default="none",
+                   help="hf: also measure the Hugging Face baseline in the same process")
+    p.add_argument("--steps", type=int, default=8, help="timed optimizer steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed optimizer steps first")
+    p.add_argument("--micro-batch-size", type=int, help="override train.micro_batch_size")
+    p.add_argument("--global-batch-size", type=int, help="override train.global_batch_size")
+    p.add_argument("--seq-length", type=int, help="override model.seq_length")
+    p.add_argument("--compile", action="store_true", help="trireme: model.compile=true")
+    p.add_argument("--compile-hf", action="store_true", help="torch.compile the HF model")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--override", nargs="+", action="extend", default=[], metavar="SECTION.KEY=V",
+                   help="any config override, e.g. model.attention_backend=flash")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak for MFU in TFLOP/s (default: trireme.metrics.peak_flops)")
+    p.add_argument("--seed", type=int, default=1234, help="seed of the random token batches")
+    p.add_argument("--skip-trireme", action="store_true", help="measure only the baseline")
+    p.add_argument("--out", default=None,
+                   help="JSON path (default bench/results/train_throughput-<preset>.json); "
+                   "a copy goes to $OUT when that variable is set")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be at least 1 and --warmup at least 0")
+    return args
+
+
+def build_config(args: argparse.Namespace) -> tuple[Config, list[str]]:
+    overrides = [f"train.device={args.device}"]
+    if args.micro_batch_size:
+        overrides.append(f"train.micro_batch_size={args.micro_batch_size}")
+    if args.global_batch_size:
+        overrides.append(f"train.global_batch_size={args.global_batch_size}")
+    if args.seq_length:
+        overrides.append(f"model.seq_length={args.seq_length}")
+    if args.compile:
+        overrides.append("model.compile=true")
+    overrides += list(args.override)
+    cfg = load_config(args.preset, overrides)
+    if cfg.model.vocab_size == 0:  # presets that take the vocabulary from their tokenizer
+        cfg.model.vocab_size = cfg.data.embedded_vocab_size
+        overrides.append(f"model.vocab_size={cfg.model.vocab_size}")
+    return cfg, overrides
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def make_batches(cfg: Config, device: torch.device, seed: int, steps: int) -> list[list]:
+    """Fresh random (tokens, labels) micro batches for each of `steps` steps, all made up front.
+
+    Random tokens cannot be learned, so the loss should stay near ln(vocab): a cheap check that
+    the step trains what it should.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    mbs, seq = cfg.train.micro_batch_size, cfg.model.seq_length
+    shape = (steps, cfg.train.global_batch_size // mbs, mbs, seq + 1)
+    x = torch.randint(0, cfg.model.vocab_size, shape, generator=gen).to(device)
+    return [[(m[:, :-1].contiguous(), m[:, 1:].contiguous()) for m in step] for step in x]
+
+
+def metrics_funcs():
+    from trireme.metrics import flops_per_token, peak_flops
+
+    return flops_per_token, peak_flops
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def time_steps(step, device: torch.device, warmup: int, steps: int) -> dict:
+    """Run `step(i)` for i < warmup + steps; seconds of each timed step and all the losses."""
+    losses = []
+    for i in range(warmup):
+        losses.append(step(i))
+    sync(device)
+    if device.type == "cuda":
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        events[0].record()
+        for i in range(steps):
+            losses.append(step(warmup + i))
+            events[i + 1].record()
+        torch.cuda.synchronize(device)
+        times = [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(steps)]
+    else:
+        times = []
+        for i in range(steps):
+            t0 = time.perf_counter()
+            losses.append(step(warmup + i))
+            times.append(time.perf_counter() - t0)
+    values = [float(v) for v in torch.stack([v.float() for v in losses]).cpu()]
+    return {"step_times": times, "losses": values}
+
+
+def summarize(name: str, run: dict, cfg: Config, flops_tok: float, peak: float,
+              device: torch.device, extra: dict) -> dict:
+    tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
+    total = sum(run["step_times"])
+    tps = tokens_per_step * len(run["step_times"]) / total
+    tflops = tps * flops_tok / 1e12
+    peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return {
+        "system": name,
+        "tokens_per_s": tps,
+        "tflops_per_gpu": tflops,
+        "mfu": tflops * 1e12 / peak,
+        "peak_mem_gib": peak_mem,
+        "step_time_s_mean": total / len(run["step_times"]),
+        "step_time_s_median": statistics.median(run["step_times"]),
+        "step_time_s_min": min(run["step_times"]),
+        "step_time_s_max": max(run["step_times"]),
+        "flops_per_token": flops_tok,
+        "first_loss": run["losses"][0],
+        "last_loss": run["losses"][-1],
+        "losses_finite": all(math.isfinite(v) for v in run["losses"]),
+        "losses": run["losses"],  # every step's, warmup included
+        **extra,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# trireme
+
+
+def measure_trireme(cfg: Config, args: argparse.Namespace, device: torch.device,
+                    flops_tok: float, peak: float) -> dict:
+    from trireme.train import build_trainer
+
+    reset_memory(device)
+    t0 = time.perf_counter()
+    trainer = build_trainer(cfg, with_data=False)
+    sync(device)
+    build_s = time.perf_counter() - t0
+    params = sum(p.numel() for p in trainer.model.parameters())
+    batches = make_batches(cfg, trainer.device, args.seed, args.warmup + args.steps)
+    lr = cfg.optimizer.lr
+
+    def step(i):
+        return trainer.train_step(batches[i], lr)["loss"]
+
+    run = time_steps(step, trainer.device, args.warmup, args.steps)
+    name = "trireme" + (" (compile)" if cfg.model.compile else "")
+    return summarize(name, run, cfg, flops_tok, peak, device,
+                     {"parameters": params, "build_s": build_s,
+                      "precision": cfg.model.precision, "compile": cfg.model.compile})
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face baseline
+
+
+def hf_model(m: ModelConfig, device: torch.device):
+    """A randomly initialized HF model of the same shape (no download), fp32 parameters."""
+    if m.position_embedding == "learned":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        mha = m.kv_heads == m.num_attention_heads
+        if not mha or m.head_size * m.num_attention_heads != m.hidden_size:
+            raise ValueError("GPT2LMHeadModel needs multi-head attention with head_dim = h / heads")
+        hcfg = GPT2Config(
+            vocab_size=m.vocab_size, n_positions=m.seq_length, n_embd=m.hidden_size,
+            n_layer=m.num_layers, n_head=m.num_attention_heads, n_inner=m.ffn_size,
+            resid_pdrop=m.dropout, embd_pdrop=m.dropout, attn_pdrop=m.dropout,
+            layer_norm_epsilon=m.norm_eps, initializer_range=m.init_std, use_cache=False,
+            tie_word_embeddings=m.tie_embeddings, bos_token_id=None, eos_token_id=None,
+        )
+        cls = GPT2LMHeadModel
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        if m.activation != "swiglu" or m.normalization != "rmsnorm":
+            raise ValueError("the Llama baseline needs activation=swiglu and normalization=rmsnorm")
+        rope = {"rope_type": "default", "rope_theta": m.rope_theta}
+        max_pos = m.seq_length
+        if m.rope_scaling == "llama3":
+            rope.update(rope_type="llama3", factor=m.rope_scaling_factor,
+                        low_freq_factor=m.rope_low_freq_factor,
+                        high_freq_factor=m.rope_high_freq_factor,
+                        original_max_position_embeddings=m.rope_original_max_position)
+            max_pos = max(max_pos, int(m.rope_original_max_position * m.rope_scaling_factor))
+        hcfg = LlamaConfig(
+            vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_size,
+            num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+            num_key_value_heads=m.kv_heads, head_dim=m.head_size, max_position_embeddings=max_pos,
+            rms_norm_eps=m.norm_eps, rope_parameters=rope, tie_word_embeddings=m.tie_embeddings,
+            attention_bias=m.bias, mlp_bias=m.bias, attention_dropout=m.dropout,
+            initializer_range=m.init_std, use_cache=False,
+        )
+        cls = LlamaForCausalLM
+    with torch.device(device):
+        model = cls._from_config(hcfg, attn_implementation="sdpa", dtype=torch.float32)
+    return model.to(device)
+
+
+def measure_hf(cfg: Config, args: argparse.Namespace, device: torch.device,
+               flops_tok: float, peak: float) -> dict:
+    import transformers
+
+    reset_memory(device)
+    t0 = time.perf_counter()
+    model = hf_model(cfg.model, device)
+    model.train()
+    params = sum(p.numel() for p in model.parameters())
+    o = cfg.optimizer
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                            weight_decay=o.weight_decay, fused=device.type == "cuda")
+    fwd = torch.compile(model) if args.compile_hf else model
+    sync(device)
+    build_s = time.perf_counter() - t0
+    amp = AMP_DTYPES[cfg.model.precision]
+    scaler = torch.amp.GradScaler(device.type) if amp is torch.float16 else None
+    batches = make_batches(cfg, device, args.seed, args.warmup + args.steps)
+    n = len(batches[0])
+
+    def step(i):
+        loss_sum = torch.zeros((), device=device)
+        for tokens, _labels in batches[i]:  # HF shifts the labels itself
+            with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+                loss = fwd(input_ids=tokens, labels=tokens).loss
+            scaled = loss / n
+            (scaler.scale(scaled) if scaler else scaled).backward()
+            loss_sum += loss.detach().float()
+        if scaler:
+            scaler.unscale_(opt)
+        if o.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad, foreach=True)
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss_sum / n
+
+    run = time_steps(step, device, args.warmup, args.steps)
+    name = "hf " + type(model).__name__ + (" (compile)" if args.compile_hf else "")
+    return summarize(name, run, cfg, flops_tok, peak, device,
+                     {"parameters": params, "build_s": build_s,
+                      "precision": f"fp32 params + {cfg.model.precision} autocast",
+                      "compile": args.compile_hf, "transformers": transformers.__version__})
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+
+
+def git_commit() -> str:
+    if os.environ.get("TRIREME_COMMIT"):
+        return os.environ["TRIREME_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                             text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def format_table(results: list[dict]) -> str:
+    hf = next((r for r in results if r["system"].startswith("hf") and "error" not in r), None)
+    header = f"{'system':<34}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{'peak GiB':>10}{'vs hf':>8}"
+    lines = [header, "-" * len(header)]
+    for r in results:
+        if "error" in r:
+            lines.append(f"{r['system']:<34}  FAILED: {r['error'].splitlines()[-1][:80]}")
+            continue
+        mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
+        ratio = f"{r['tokens_per_s'] / hf['tokens_per_s']:.2f}x" if hf else "-"
+        lines.append(f"{r['system']:<34}{r['tokens_per_s']:>12,.0f}{r['tflops_per_gpu']:>10.1f}"
+                     f"{100 * r['mfu']:>7.1f}%{mem:>10}{ratio:>8}")
+    return "\n".join(lines)
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg, overrides = build_config(args)
+    device = pick_device(cfg.train.device)
+    flops_per_token, peak_flops = metrics_funcs()
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else None
+    if peak is None:
+        peak = peak_flops(device)  # 989e12 on an H100 / H200; a nominal 1e12 on the CPU
+    trireme_flops = flops_per_token(cfg.model)
+    # HF does not pad the vocabulary: count its own output layer.
+    hf_flops = flops_per_token(dataclasses.replace(cfg.model, make_vocab_size_divisible_by=1))
+    mbs, gbs, seq = (cfg.train.micro_batch_size, cfg.train.global_batch_size,
+                     cfg.model.seq_length)
+    print(f"train_throughput: {args.preset} on {device_name(device)}, micro batch {mbs} x "
+          f"{gbs // mbs} = {gbs} sequences of {seq} tokens, {args.warmup} warmup + {args.steps} "
+          f"timed steps, {trireme_flops / 1e9:.2f} GFLOP/token", flush=True)
+
+    systems = [] if args.skip_trireme else [("trireme", measure_trireme, trireme_flops)]
+    if args.compare == "hf":
+        systems.append(("hf", measure_hf, hf_flops))
+    results, failed = [], False
+    for name, fn, flops_tok in systems:
+        try:
+            r = fn(cfg, args, device, flops_tok, peak)
+        except Exception as e:  # report it and go on to the next system
+            traceback.print_exc()
+            failed = True
+            r = {"system": name, "error": f"{type(e).__name__}: {e}"}
+        else:
+            print(f"  {r['system']}: {r['tokens_per_s']:,.0f} tokens/s, median step "
+                  f"{r['step_time_s_median']:.3f} s, loss {r['first_loss']:.3f} -> "
+                  f"{r['last_loss']:.3f}", flush=True)
+            failed |= not r["losses_finite"]
+        results.append(r)
+        gc.collect()
+        if name == "trireme" and cfg.model.compile:
+            torch._dynamo.reset()
+        reset_memory(device)
+    hf = next((r for r in results if r["system"].startswith("hf") and "error" not in r), None)
+    for r in results:
+        if hf and "error" not in r:
+            r["ratio_vs_hf"] = r["tokens_per_s"] / hf["tokens_per_s"]
+
+    print(format_table(results))
+    data = {
+        "benchmark": "train_throughput",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "git_commit": git_commit(),
+        "command": " ".join(["bench/train_throughput.py", *(argv or sys.argv[1:])]),
+        "settings": {
+            "preset": args.preset, "device": device.type, "micro_batch_size": mbs,
+            "global_batch_size": gbs, "micro_batches": gbs // mbs, "seq_length": seq,
+            "tokens_per_step": gbs * seq, "warmup_steps": args.warmup, "timed_steps": args.steps,
+            "compile": cfg.model.compile, "compile_hf": args.compile_hf,
+            "compare": args.compare, "seed": args.seed, "overrides": overrides,
+            "peak_flops": peak, "model": dataclasses.asdict(cfg.model),
+        },
+        "results": results,
+    }
+    default_out = REPO / "bench" / "results" / f"train_throughput-{Path(args.preset).stem}.json"
+    out = Path(args.out or default_out)
+    write_json(out, data)
+    print(f"wrote {out}")
+    if os.environ.get("OUT"):
+        write_json(Path(os.environ["OUT"]) / out.name, data)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""KV-cache generation equals full recomputation; the samplers behave."""
+
+import pytest
+import torch
+
+from trireme.config import ModelConfig
+from trireme.errors import TriremeError
+from trireme.inference.generate import KVCache, generate, sample_next
+from trireme.models.gpt import GPT
+
+VOCAB = 100
+
+
+def gpt2_config(**overrides) -> ModelConfig:
+    values = dict(
+        num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=VOCAB, seq_length=32,
+        position_embedding="learned", normalization="layernorm", activation="gelu", bias=True,
+        tie_embeddings=True,
+    )
+    return ModelConfig(**{**values, **overrides})
+
+
+def llama_config(**overrides) -> ModelConfig:
+    values = dict(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+        ffn_hidden_size=96, vocab_size=VOCAB, seq_length=32, position_embedding="rope",
+        normalization="rmsnorm", activation="swiglu", qk_norm=True,
+    )
+    return ModelConfig(**{**values, **overrides})
+
+
+CONFIGS = {
+    "gpt2": gpt2_config(),
+    "llama-gqa": llama_config(),
+    "llama-mqa": llama_config(num_query_groups=1, rope_scaling="llama3"),
+}
+
+
+def _model(cfg: ModelConfig, seed: int = 0) -> GPT:
+    model = GPT(cfg, seed=seed).eval()
+    with torch.no_grad():  # larger weights than the 0.02 init, so that logits are far from flat
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(8.0)
+    return model
+
+
+@pytest.mark.parametrize("kind", CONFIGS)
+def test_cache_decoding_equals_recomputation(kind):
+    model = _model(CONFIGS[kind])
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
+    cache = KVCache.for_model(model, batch_size=2, max_len=20)
+    ids = prompt
+    with torch.no_grad():
+        logits = model(ids, kv_cache=cache)[:, -1]
+        for _ in range(12):
+            full = model(ids)[:, -1]  # the reference: recompute everything
+            torch.testing.assert_close(logits, full, atol=1e-4, rtol=1e-4)
+            next_ids = full.argmax(-1, keepdim=True)  # [2, 1]
+            assert torch.equal(logits.argmax(-1, keepdim=True), next_ids)
+            logits = model(next_ids, kv_cache=cache, start_pos=ids.shape[1])[:, -1]
+            ids = torch.cat([ids, next_ids], dim=1)
+    cached = generate(model, prompt, 12, greedy=True)
+    recomputed = generate(model, prompt, 12, greedy=True, use_cache=False)
+    assert torch.equal(cached, ids) and torch.equal(recomputed, ids)
+
+
+def test_chunked_prefill_equals_one_prefill():
+    model = _model(llama_config())
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(2))
+    cache = KVCache.for_model(model, 1, 12)
+    with torch.no_grad():
+        model(ids[:, :7], kv_cache=cache)
+        chunk = model(ids[:, 7:], kv_cache=cache, start_pos=7)  # 5 queries at offset 7
+        torch.testing.assert_close(chunk, model(ids)[:, 7:], atol=1e-4, rtol=1e-4)
+
+
+def test_top_k_one_and_tiny_top_p_equal_greedy():
+    model = _model(llama_config())
+    prompt = [3, 14, 15, 92]
+    greedy = generate(model, prompt, 10, greedy=True)
+    assert greedy.shape == (14,) and greedy[:4].tolist() == prompt
+    assert torch.equal(generate(model, prompt, 10, top_k=1, seed=0), greedy)
+    assert torch.equal(generate(model, prompt, 10, top_p=1e-6, seed=0), greedy)
+    assert torch.equal(generate(model, prompt, 10, temperature=0.0), greedy)
+
+
+def test_sampling_with_a_seed_is_reproducible():
+    model = _model(gpt2_config(), seed=3)
+    a = generate(model, [1, 2, 3], 20, temperature=1.5, top_k=50, top_p=0.95, seed=11)
+    b = generate(model, [1, 2, 3], 20, temperature=1.5, top_k=50, top_p=0.95, seed=11)
+    c = generate(model, [1, 2, 3], 20, temperature=1.5, top_k=50, top_p=0.95, seed=12)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert torch.equal(a, generate(model, [1, 2, 3], 20, temperature=1.5, top_k=50, top_p=0.95,
+                                   seed=11, use_cache=False))
+
+
+def test_padded_ids_are_never_sampled():
+    model = _model(llama_config(), seed=4)  # vocab 100 padded to 128
+    with torch.no_grad():  # make the padded rows as attractive as possible
+        model.output.weight[VOCAB:] = 100.0 * model.output.weight[:VOCAB].mean(0)
+    out = generate(model, torch.zeros(4, 1, dtype=torch.long), 31, temperature=3.0, seed=0)
+    assert out.shape == (4, 32)  # stops at seq_length
+    assert int(out.max()) < VOCAB
+
+
+def test_sample_next_filters():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).repeat(2000, 1)
+    gen = torch.Generator().manual_seed(0)
+    top2 = sample_next(logits, top_k=2, generator=gen)
+    assert set(top2.tolist()) == {2, 3}
+    # probs ~ [.03, .09, .24, .64]: top_p 0.8 keeps {3, 2}, 0.5 keeps {3}
+    assert set(sample_next(logits, top_p=0.8, generator=gen).tolist()) == {2, 3}
+    assert set(sample_next(logits, top_p=0.5, generator=gen).tolist()) == {3}
+    assert set(sample_next(logits, top_p=0.0, generator=gen).tolist()) == {3}
+
+
+def test_eos_stops_and_pads():
+    model = _model(llama_config())
+    greedy = generate(model, [5, 6], 10, greedy=True)
+    eos = int(greedy[4])  # the third generated token
+    out = generate(model, [5, 6], 10, greedy=True, eos_id=eos)
+    first = int((out[2:] == eos).nonzero()[0]) + 2
+    assert out.shape[0] == first + 1 and torch.equal(out, greedy[: first + 1])
+
+
+def test_prompt_checks():
+    model = _model(gpt2_config())
+    with pytest.raises(TriremeError, match="seq_length"):
+        generate(model, list(range(33)), 1)
+    with pytest.raises(TriremeError, match="vocab"):
+        generate(model, [VOCAB + 5], 1)
+    assert generate(model, list(range(30)), 10, greedy=True).shape == (32,)  # truncated
+    assert model.training is False
+    model.train()
+    generate(model, [1], 2)
+    assert model.training  # the mode is restored

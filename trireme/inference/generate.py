@@ -1,0 +1,163 @@
+"""Autoregressive generation with a preallocated KV cache, and the samplers it uses.
+
+The prompt goes through the model once (prefill, filling the cache at positions 0..s-1); then each
+new token is one forward of length 1 at position start_pos, attending over the cached keys/values.
+`use_cache=False` recomputes the whole sequence every step: slow, but a reference for the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trireme.errors import TriremeError
+from trireme.models.gpt import GPT
+
+
+class KVCache:
+    """Keys and values of every layer, preallocated: `k[i]`, `v[i]` are [b, n_kv, max_len, d].
+
+    `cache[i]` gives layer i's (k, v) pair; the attention writes positions start_pos..start_pos+s-1
+    and reads 0..start_pos+s-1. A batch smaller than the cache's uses its first rows.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_size: int,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        shape = (batch_size, num_kv_heads, max_len, head_size)
+        self.max_len = max_len
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+
+    @classmethod
+    def for_model(cls, model: GPT, batch_size: int, max_len: int | None = None) -> KVCache:
+        """A cache shaped for `model`, on its device and in its parameters' dtype."""
+        cfg = model.cfg
+        weight = model.embedding.weight
+        return cls(
+            cfg.num_layers, batch_size, cfg.kv_heads, max_len or cfg.seq_length, cfg.head_size,
+            device=weight.device, dtype=weight.dtype,
+        )
+
+    def __getitem__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer], self.v[layer]
+
+    def __len__(self) -> int:
+        return len(self.k)
+
+
+def sample_next(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Next token ids [b] from logits [b, vocab]: greedy (or temperature <= 0), else a sample of
+    softmax(logits / temperature) restricted to the top_k tokens (0: all) and to the smallest set
+    whose probability reaches top_p (nucleus; 1.0: all)."""
+    if greedy or temperature <= 0.0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth_best = logits.topk(top_k, dim=-1).values[:, -1:]  # [b, 1]
+        logits = logits.masked_fill(logits < kth_best, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [b, vocab]
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # probability of the better tokens
+        drop_sorted = mass_before >= top_p
+        drop_sorted[:, 0] = False  # the best token always stays, even for top_p = 0
+        drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+def _as_batch(prompt_ids: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long)
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)  # [1, s]
+    if ids.dim() != 2 or ids.shape[1] == 0:
+        raise TriremeError(
+            f"prompt must be a non-empty [batch, tokens] array, got shape {tuple(ids.shape)}"
+        )
+    return ids.to(device)
+
+
+@torch.no_grad()
+def generate(
+    model: GPT,
+    prompt_ids: list[int] | torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+    eos_id: int | None = None,
+    seed: int | None = None,
+    use_cache: bool = True,
+) -> torch.LongTensor:
+    """Continue `prompt_ids` ([s] / list, or [b, s]) by up to `max_new_tokens` tokens.
+
+    Returns prompt + generated ids, [b, total] (or [total] for a 1-D prompt). Generation stops at
+    model.seq_length tokens; with `eos_id`, a sequence that has produced it is padded with eos_id
+    and the loop stops once every sequence has. `seed` makes sampling reproducible. The model's
+    training/eval mode is restored afterwards.
+    """
+    cfg = model.cfg
+    device = model.embedding.weight.device
+    one_dim = not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() == 1
+    ids = _as_batch(prompt_ids, device)
+    b, s = ids.shape
+    if s > cfg.seq_length:
+        raise TriremeError(
+            f"prompt has {s} tokens but model.seq_length is {cfg.seq_length}; shorten the prompt"
+        )
+    if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
+        raise TriremeError(f"prompt ids must be in [0, {cfg.vocab_size}) (model.vocab_size)")
+    total = min(s + max(max_new_tokens, 0), cfg.seq_length)
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+
+    was_training = model.training
+    model.eval()
+    try:
+        out = torch.empty(b, total, dtype=torch.long, device=device)
+        out[:, :s] = ids
+        finished = torch.zeros(b, dtype=torch.bool, device=device)
+        cache = KVCache.for_model(model, b, total) if use_cache else None
+        pos = s  # position of the next token to produce
+        if pos < total:  # prefill; the logits have no padded ids, so none can be sampled
+            logits = model(ids, kv_cache=cache)[:, -1]  # [b, vocab]
+        while pos < total:
+            next_ids = sample_next(
+                logits, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
+                generator=generator,
+            )  # [b]
+            if eos_id is not None:
+                next_ids = next_ids.masked_fill(finished, eos_id)
+                finished |= next_ids == eos_id
+            out[:, pos] = next_ids
+            pos += 1
+            if pos == total or (eos_id is not None and bool(finished.all())):
+                break
+            if cache is not None:
+                logits = model(out[:, pos - 1 : pos], kv_cache=cache, start_pos=pos - 1)[:, -1]
+            else:
+                logits = model(out[:, :pos])[:, -1]
+        out = out[:, :pos]
+    finally:
+        model.train(was_training)
+    return out[0] if one_dim else out

@@ -1,0 +1,191 @@
+"""Throughput, FLOPs and MFU (Megatron's formula), memory, and the metrics.jsonl / TensorBoard sink.
+
+FLOPs are counted the way Megatron-LM counts them (docs: REFERENCE.md section 3), so MFU numbers
+compare with published tables:
+
+    per token = 6 * L * (h*(q + 2*kv) + q*h + h*ffn*k_ffn)   attention projections and MLP
+              + 6 * h * V_padded                              output layer (also when tied)
+              + 6 * L * q * s                                 QK^T and PV, halved by the causal mask
+
+with q = heads * head_dim, kv = groups * head_dim, k_ffn = 3 for SwiGLU and 2 for GeLU;
+6 = 3 (forward and backward) x 2 (a multiply-add is two FLOPs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trireme.config import ModelConfig
+
+# Dense bf16 tensor-core peak per GPU, FLOP/s, from the vendor datasheets. Matched in order against
+# the device name, so the more specific names come first.
+PEAK_BF16_FLOPS: list[tuple[str, float]] = [
+    ("GB200", 2.5e15),
+    ("B200", 2.25e15),
+    ("H100 PCIe", 756e12),
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+]
+# A nominal 1 TFLOP/s for the CPU and for GPUs not in the table: MFU is then only a relative figure.
+NOMINAL_PEAK_FLOPS = 1e12
+
+
+def flops_per_token(cfg: ModelConfig, seq_length: int | None = None) -> float:
+    """Training FLOPs (forward + backward) per token of `cfg`, Megatron's formula.
+
+    `seq_length` defaults to `cfg.seq_length`; the output layer uses the padded vocabulary.
+    """
+    s = seq_length or cfg.seq_length
+    h, num_layers = cfg.hidden_size, cfg.num_layers
+    q = cfg.num_attention_heads * cfg.head_size
+    kv = cfg.kv_heads * cfg.head_size
+    k_ffn = 3 if cfg.activation == "swiglu" else 2
+    per_layer = h * (q + 2 * kv) + q * h + h * cfg.ffn_size * k_ffn + q * s
+    return 6.0 * (num_layers * per_layer + h * cfg.padded_vocab_size)
+
+
+def peak_flops(device: torch.device | str) -> float:
+    """Dense bf16 peak FLOP/s of one `device`; a nominal 1e12 for the CPU and unknown GPUs."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return NOMINAL_PEAK_FLOPS
+    name = torch.cuda.get_device_name(device)
+    for key, flops in PEAK_BF16_FLOPS:
+        if key in name:
+            return flops
+    return NOMINAL_PEAK_FLOPS
+
+
+def throughput(
+    tokens: int, seconds: float, flops_per_tok: float, num_devices: int, peak: float
+) -> dict[str, float]:
+    """tokens_per_s (all devices), tflops_per_gpu and mfu for `tokens` trained in `seconds`."""
+    tokens_per_s = tokens / max(seconds, 1e-9)
+    flops_per_device = tokens_per_s * flops_per_tok / num_devices
+    return {
+        "tokens_per_s": tokens_per_s,
+        "tflops_per_gpu": flops_per_device / 1e12,
+        "mfu": flops_per_device / peak,
+    }
+
+
+def memory_gib(device: torch.device | str) -> float:
+    """Peak memory in GiB: CUDA's max_memory_allocated; on the CPU the process's peak resident set.
+
+    The CPU figure covers the whole process (Python, libraries, buffers), not only tensors; it is
+    0.0 where the `resource` module is missing (Windows).
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    try:
+        import resource
+    except ImportError:
+        return 0.0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+class StepTimer:
+    """Wall time between log points.
+
+    Call `step()` after each optimizer step (free: no synchronisation) and `lap()` at a log point;
+    `lap()` waits for the device (CUDA synchronize) and returns the seconds and the steps since the
+    previous lap. `reset()` starts a new window, e.g. after an evaluation or a checkpoint save, so
+    their time does not count as training time.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.reset()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def reset(self) -> None:
+        self._sync()
+        self._start = time.perf_counter()
+        self._steps = 0
+
+    def step(self) -> None:
+        self._steps += 1
+
+    def lap(self) -> tuple[float, int]:
+        self._sync()
+        now = time.perf_counter()
+        seconds, steps = now - self._start, self._steps
+        self._start, self._steps = now, 0
+        return seconds, steps
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-ready value: tensors and numpy scalars become numbers, non-finite floats null."""
+    if isinstance(value, torch.Tensor):
+        value = value.item() if value.numel() == 1 else value.tolist()
+    elif hasattr(value, "item") and callable(value.item):  # numpy scalar
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+class MetricsLogger:
+    """Appends one JSON object per `log()` to `<run_dir>/metrics.jsonl`, mirrored to TensorBoard.
+
+    Values may be Python numbers, strings or scalar tensors; non-finite numbers are written as null
+    (JSON has no NaN). Numbers also go to TensorBoard under `<run_dir>/tb` (x axis: the record's
+    `step`) when `tensorboard` is true and the package is installed. Only one process (rank 0)
+    should log. The file is opened for appending, so a resumed run continues it.
+    """
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        self._file = self.path.open("a", encoding="utf-8")
+        self._writer = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard not installed: JSONL only
+                pass
+            else:
+                self._writer = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+
+    def log(self, record: dict[str, Any]) -> None:
+        plain = {key: _plain(value) for key, value in record.items()}
+        self._file.write(json.dumps(plain, allow_nan=False) + "\n")
+        self._file.flush()
+        if self._writer is not None:
+            step = plain.get("step")
+            for key, value in plain.items():
+                is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if key != "step" and is_number:
+                    self._writer.add_scalar(key, value, global_step=step)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if not self._file.closed:
+            self._file.close()
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,250 @@
+"""The GPT family: one decoder-only transformer for GPT-2 and Llama shapes.
+
+    x = embedding(ids) (+ position_embedding(positions))           [b, s, h]
+    for each block:
+        x = x + attention(attention_norm(x))
+        x = x + mlp(mlp_norm(x))
+    logits = output(final_norm(x))[..., :vocab_size]                 [b, s, vocab]
+
+The config picks learned or rotary positions, LayerNorm or RMSNorm, GeLU or SwiGLU, MHA / GQA / MQA,
+QK-norm, biases and tied embeddings. Activations are [b, s, h] (batch first).
+
+Fused weights, and their row layout (what a converter or a tensor-parallel split must respect):
+- `attention.qkv.weight` is [(n_heads + 2 * n_kv) * d, h]: rows [all q heads; all k heads; all v
+  heads], each part head-major (head 0's d rows, then head 1's, ...).
+- SwiGLU's `mlp.fc1.weight` is [2 * ffn, h]: rows [gate; up]; GeLU's is [ffn, h].
+The embedding (and an untied output layer) has cfg.padded_vocab_size rows; the rows past
+cfg.vocab_size are padding, never seen in logits, the loss or sampling.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trireme.config import ModelConfig
+from trireme.errors import TriremeError
+from trireme.ops.attention import attention
+from trireme.ops.norms import RMSNorm, build_norm
+from trireme.ops.rope import RotaryEmbedding, apply_rotary, rope_frequencies
+
+if TYPE_CHECKING:
+    from trireme.inference.generate import KVCache
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [s, d] (or [b, s, d])
+LayerCache = tuple[torch.Tensor, torch.Tensor]  # k, v buffers: [b, n_kv, max_len, d]
+
+
+class Attention(nn.Module):
+    """Causal self-attention with a fused QKV projection, optional QK-norm, RoPE and KV cache."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_size = (
+            cfg.num_attention_heads, cfg.kv_heads, cfg.head_size,
+        )
+        self.backend = cfg.attention_backend
+        self.dropout_p = cfg.dropout
+        q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.bias)
+        self.out = nn.Linear(q_size, cfg.hidden_size, bias=cfg.bias)
+        if cfg.qk_norm:  # RMSNorm over each head's d features, shared by all heads
+            self.q_norm = RMSNorm(self.head_size, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_size, cfg.norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Rope | None = None,
+        cache: LayerCache | None = None,
+        start_pos: int = 0,
+    ) -> torch.Tensor:
+        b, s, _ = x.shape
+        d = self.head_size
+        q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)  # [b, s, heads * d] each
+        q = q.view(b, s, self.num_heads, d).transpose(1, 2)  # [b, n_heads, s, d]
+        k = k.view(b, s, self.num_kv_heads, d).transpose(1, 2)  # [b, n_kv, s, d]
+        v = v.view(b, s, self.num_kv_heads, d).transpose(1, 2)  # [b, n_kv, s, d]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if cache is not None:  # store this chunk's keys/values, attend over everything so far
+            k_cache, v_cache = cache
+            end = start_pos + s
+            k_cache[:b, :, start_pos:end] = k
+            v_cache[:b, :, start_pos:end] = v
+            k, v = k_cache[:b, :, :end], v_cache[:b, :, :end]  # [b, n_kv, end, d]
+        y = attention(
+            q, k, v,
+            causal=True,
+            backend=self.backend,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            q_offset=start_pos,
+        )  # [b, n_heads, s, d]
+        y = y.transpose(1, 2).reshape(b, s, self.num_heads * d)  # [b, s, n_heads * d]
+        return self.resid_dropout(self.out(y))
+
+
+class MLP(nn.Module):
+    """SwiGLU: fc2(silu(gate) * up) with fc1 = [gate; up]; or GeLU: fc2(gelu_tanh(fc1(x)))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.swiglu = cfg.activation == "swiglu"
+        fc1_out = 2 * cfg.ffn_size if self.swiglu else cfg.ffn_size
+        self.fc1 = nn.Linear(cfg.hidden_size, fc1_out, bias=cfg.bias)
+        self.fc2 = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=cfg.bias)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)  # [b, s, 2 * ffn] (SwiGLU) or [b, s, ffn]
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)  # [b, s, ffn] each
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.resid_dropout(self.fc2(h))
+
+
+class Block(nn.Module):
+    """One pre-norm transformer layer."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_eps, cfg.bias)
+        self.attention = Attention(cfg)
+        self.mlp_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_eps, cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Rope | None = None,
+        cache: LayerCache | None = None,
+        start_pos: int = 0,
+    ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, cache, start_pos)
+        x = x + self.mlp(self.mlp_norm(x))
+        return x
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer LM (GPT-2 and Llama families) described by a `ModelConfig`.
+
+    `GPT(cfg)` initializes with `init_parameters(model, seed)` (a function of seed and parameter
+    name only); pass `seed=None` to skip that, e.g. on the meta device or before loading weights.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, seed: int | None = 0) -> None:
+        super().__init__()
+        if cfg.vocab_size < 1:
+            raise TriremeError("model.vocab_size must be set before building the model")
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.embedding = nn.Embedding(cfg.padded_vocab_size, h)
+        if cfg.position_embedding == "learned":
+            self.position_embedding = nn.Embedding(cfg.seq_length, h)
+            self.rope = None
+        else:
+            inv_freq = rope_frequencies(
+                cfg.head_size, cfg.rope_theta, cfg.rope_scaling, cfg.rope_scaling_factor,
+                cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                cfg.rope_original_max_position,
+            )
+            self.rope = RotaryEmbedding(cfg.head_size, cfg.seq_length, inv_freq)
+        self.dropout = nn.Dropout(cfg.dropout)  # on the embeddings, the start of the residual
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.num_layers)})
+        self.final_norm = build_norm(cfg.normalization, h, cfg.norm_eps, cfg.bias)
+        if not cfg.tie_embeddings:
+            self.output = nn.Linear(h, cfg.padded_vocab_size, bias=False)
+        self._compile_pending = cfg.compile
+        if seed is not None:
+            from trireme.models.init import init_parameters
+
+            init_parameters(self, seed)
+
+    def output_weight(self) -> torch.Tensor:
+        """[padded_vocab, h]: the output layer's weight, the embedding's when tied."""
+        return self.embedding.weight if self.cfg.tie_embeddings else self.output.weight
+
+    def _maybe_compile(self, device: torch.device) -> None:
+        # Compile each block (not the whole model): small graphs, the same one reused by every
+        # layer, and parameter names unchanged (nn.Module.compile works in place). CPU: skipped.
+        if self._compile_pending and device.type == "cuda":
+            for block in self.layers.values():
+                block.compile()
+            self._compile_pending = False
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *,
+        loss_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        start_pos: int = 0,
+    ) -> torch.Tensor:
+        """Logits [b, s, vocab_size] (fp32 not guaranteed), or with `labels` [b, s] the mean
+        cross-entropy (fp32 scalar) over tokens with labels != -100 and loss_mask (if given) != 0.
+
+        `kv_cache[i]` is layer i's (k, v) buffer pair, [b, n_kv, max_len, d]; input_ids are then
+        the tokens at positions start_pos..start_pos+s-1 (see trireme.inference.generate).
+        """
+        b, s = input_ids.shape
+        end = start_pos + s
+        if self.rope is None and end > self.cfg.seq_length:
+            raise TriremeError(
+                f"positions up to {end} exceed model.seq_length = {self.cfg.seq_length} "
+                "(learned position embeddings have no rows past it)"
+            )
+        self._maybe_compile(input_ids.device)
+        x = self.embedding(input_ids)  # [b, s, h]
+        if self.rope is None:
+            positions = torch.arange(start_pos, end, device=input_ids.device)  # [s]
+            x = x + self.position_embedding(positions)  # [b, s, h] + [s, h]
+            rope = None
+        else:
+            rope = self.rope(input_ids.device, offset=start_pos, length=s)  # 2 x [s, d]
+        x = self.dropout(x)
+        for name, block in self.layers.items():
+            if kv_cache is None:
+                x = block(x, rope)
+            else:  # decoding: shapes change every step, so run the blocks eagerly
+                x = block.forward(x, rope, kv_cache[int(name)], start_pos)
+        x = self.final_norm(x)
+        logits = F.linear(x, self.output_weight())  # [b, s, padded_vocab]: a padded-size matmul
+        logits = logits[..., : self.cfg.vocab_size]  # [b, s, vocab]: the padding never leaves
+        if labels is None:
+            return logits
+        return cross_entropy(logits, labels, loss_mask)
+
+    def num_parameters(self, exclude_embedding: bool = False) -> int:
+        """Parameters (each shared tensor once); without the input token and position embeddings
+        when `exclude_embedding` (a tied output layer then goes too, as it is the embedding)."""
+        skip = {"embedding.weight", "position_embedding.weight"} if exclude_embedding else set()
+        return sum(p.numel() for n, p in self.named_parameters() if n not in skip)
+
+
+def cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mean next-token cross-entropy in fp32 over tokens with labels != -100 and loss_mask != 0.
+
+    logits [b, s, vocab] (already free of padded entries), labels [b, s], loss_mask [b, s]
+    (0/1, or weights). Returns 0 (not NaN) when no token counts.
+    """
+    vocab = logits.shape[-1]
+    per_token = F.cross_entropy(
+        logits.float().reshape(-1, vocab), labels.reshape(-1), ignore_index=-100, reduction="none"
+    )  # [b * s], 0 where label == -100
+    weight = (labels.reshape(-1) != -100).float()
+    if loss_mask is not None:
+        weight = weight * loss_mask.reshape(-1).float()
+    return (per_token * weight).sum() / weight.sum().clamp(min=1e-12)

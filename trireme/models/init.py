@@ -1,0 +1,82 @@
+"""Parameter initialization as a function of (seed, parameter name) only.
+
+Each tensor is drawn from its own CPU generator, seeded from sha256(f"{seed}:{name}"), in fp32, then
+copied into the parameter (any device, any dtype). Nothing depends on construction order, on
+the number of layers (beyond the scaled-init factor), on the vocabulary padding or on a parallel
+layout, so a sharded model can draw the full tensor for a name and keep its slice, and start
+bit-identical to the single-process model.
+
+- weights: Normal(0, init_std); the residual output projections (`attention.out`, `mlp.fc2`) use
+  init_std / sqrt(2 * num_layers) when cfg.scaled_init (GPT-2).
+- norms: weight 1 (and bias 0); all biases 0.
+- embedding and untied output layer: exactly vocab_size rows drawn, padded rows 0.
+- fused weights draw their parts as separate tensors: `...qkv.weight/q`, `/k`, `/v`, and SwiGLU's
+  `...fc1.weight/gate`, `/up`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from trireme.ops.norms import LayerNorm, RMSNorm
+
+if TYPE_CHECKING:
+    from trireme.models.gpt import GPT
+
+
+def name_seed(seed: int, name: str) -> int:
+    """A 64-bit generator seed derived from (seed, name)."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def draw_normal(
+    seed: int, name: str, shape: tuple[int, ...] | torch.Size, std: float
+) -> torch.Tensor:
+    """Normal(0, std) of `shape` in fp32 on CPU, a function of (seed, name, shape) only."""
+    generator = torch.Generator(device="cpu").manual_seed(name_seed(seed, name))
+    out = torch.empty(tuple(shape), dtype=torch.float32)
+    return out.normal_(0.0, std, generator=generator)
+
+
+def _weight_value(model: GPT, seed: int, name: str, param: torch.Tensor) -> torch.Tensor:
+    """The fp32 initial value of a (non-norm, non-bias) weight called `name`."""
+    cfg = model.cfg
+    std = cfg.init_std
+    if name.endswith(("attention.out.weight", "mlp.fc2.weight")) and cfg.scaled_init:
+        std = std / math.sqrt(2 * cfg.num_layers)
+    if name in ("embedding.weight", "output.weight"):
+        value = torch.zeros(tuple(param.shape))  # padded rows stay 0
+        value[: cfg.vocab_size] = draw_normal(seed, name, (cfg.vocab_size, param.shape[1]), std)
+        return value
+    if name.endswith("attention.qkv.weight"):
+        q_rows = cfg.num_attention_heads * cfg.head_size
+        kv_rows = cfg.kv_heads * cfg.head_size
+        parts = [("q", q_rows), ("k", kv_rows), ("v", kv_rows)]
+    elif name.endswith("mlp.fc1.weight") and cfg.activation == "swiglu":
+        parts = [("gate", cfg.ffn_size), ("up", cfg.ffn_size)]
+    else:
+        return draw_normal(seed, name, param.shape, std)
+    return torch.cat(
+        [draw_normal(seed, f"{name}/{part}", (rows, param.shape[1]), std) for part, rows in parts]
+    )
+
+
+@torch.no_grad()
+def init_parameters(model: GPT, seed: int) -> None:
+    """Initialize every parameter of `model` from (seed, its name); see the module docstring."""
+    for module_name, module in model.named_modules():
+        is_norm = isinstance(module, (RMSNorm, LayerNorm, nn.LayerNorm, nn.RMSNorm))
+        for short_name, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{short_name}" if module_name else short_name
+            if short_name == "bias":
+                param.zero_()
+            elif is_norm:
+                param.fill_(1.0)
+            else:
+                param.copy_(_weight_value(model, seed, name, param))
