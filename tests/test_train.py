@@ -123,3 +123,19 @@ def test_token_ids_outside_vocab_are_refused(toy_data, tmp_path):
                         "--logging.progress=false"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2
     assert "outside model.vocab_size = 200" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_build_model_on_device_equals_plain_construction():
+    """The trainer builds on the meta device and initializes in place: same numbers as GPT(cfg)."""
+    import torch
+
+    from trireme.models.gpt import GPT
+    from trireme.train import build_model
+
+    cfg = load_config("tiny", ["model.vocab_size=300", "model.num_layers=2"])
+    built = build_model(cfg, torch.device("cpu"))
+    plain = GPT(cfg.model, seed=cfg.train.seed)
+    a, b = built.state_dict(), plain.state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name

@@ -173,9 +173,12 @@ def build_datasets(cfg: Config, indexed: IndexedDataset) -> tuple[GPTDataset, GP
 
 
 def build_model(cfg: Config, device: torch.device) -> GPT:
-    model = GPT(cfg.model)
+    """Build the model directly on its device (no CPU copy), then initialize it by name."""
+    with torch.device("meta"):
+        model = GPT(cfg.model, seed=None)
+    model = model.to_empty(device=device).to(DTYPES[cfg.model.precision])
     init_parameters(model, cfg.train.seed)
-    return model.to(device=device, dtype=DTYPES[cfg.model.precision])
+    return model
 
 
 def build_trainer(cfg: Config, with_data: bool = True) -> Trainer:

@@ -36,11 +36,20 @@ def name_seed(seed: int, name: str) -> int:
 
 
 def draw_normal(
-    seed: int, name: str, shape: tuple[int, ...] | torch.Size, std: float
+    seed: int,
+    name: str,
+    shape: tuple[int, ...] | torch.Size,
+    std: float,
+    device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """Normal(0, std) of `shape` in fp32 on CPU, a function of (seed, name, shape) only."""
-    generator = torch.Generator(device="cpu").manual_seed(name_seed(seed, name))
-    out = torch.empty(tuple(shape), dtype=torch.float32)
+    """Normal(0, std) of `shape` in fp32, a function of (seed, name, shape, device type) only.
+
+    Drawing on the parameter's own device keeps building a large model on a GPU fast; CPU and
+    CUDA generators give different (each reproducible) numbers.
+    """
+    device = torch.device(device)
+    generator = torch.Generator(device=device).manual_seed(name_seed(seed, name))
+    out = torch.empty(tuple(shape), dtype=torch.float32, device=device)
     return out.normal_(0.0, std, generator=generator)
 
 
@@ -48,11 +57,14 @@ def _weight_value(model: GPT, seed: int, name: str, param: torch.Tensor) -> torc
     """The fp32 initial value of a (non-norm, non-bias) weight called `name`."""
     cfg = model.cfg
     std = cfg.init_std
+    dev = param.device
     if name.endswith(("attention.out.weight", "mlp.fc2.weight")) and cfg.scaled_init:
         std = std / math.sqrt(2 * cfg.num_layers)
     if name in ("embedding.weight", "output.weight"):
-        value = torch.zeros(tuple(param.shape))  # padded rows stay 0
-        value[: cfg.vocab_size] = draw_normal(seed, name, (cfg.vocab_size, param.shape[1]), std)
+        value = torch.zeros(tuple(param.shape), device=dev)  # padded rows stay 0
+        value[: cfg.vocab_size] = draw_normal(
+            seed, name, (cfg.vocab_size, param.shape[1]), std, dev
+        )
         return value
     if name.endswith("attention.qkv.weight"):
         q_rows = cfg.num_attention_heads * cfg.head_size
@@ -61,9 +73,10 @@ def _weight_value(model: GPT, seed: int, name: str, param: torch.Tensor) -> torc
     elif name.endswith("mlp.fc1.weight") and cfg.activation == "swiglu":
         parts = [("gate", cfg.ffn_size), ("up", cfg.ffn_size)]
     else:
-        return draw_normal(seed, name, param.shape, std)
+        return draw_normal(seed, name, param.shape, std, dev)
     return torch.cat(
-        [draw_normal(seed, f"{name}/{part}", (rows, param.shape[1]), std) for part, rows in parts]
+        [draw_normal(seed, f"{name}/{part}", (rows, param.shape[1]), std, dev)
+         for part, rows in parts]
     )
 
 

@@ -53,7 +53,8 @@ def rope_frequencies(
     original_max_position: int = 8192,
 ) -> torch.Tensor:
     """inv_freq[i] = theta^(-2i / head_size) for i < head_size / 2, fp64, optionally scaled."""
-    exponents = torch.arange(0, head_size, 2, dtype=torch.float64) / head_size
+    # always on CPU (also when the model is built under a meta-device context); moved on use
+    exponents = torch.arange(0, head_size, 2, dtype=torch.float64, device="cpu") / head_size
     inv_freq = 1.0 / (theta**exponents)  # [head_size / 2]
     if scaling == "llama3":
         inv_freq = llama3_scale(
