@@ -4,6 +4,8 @@
     trireme generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T] ...
     trireme config [--config PRESET_OR_PATH] [--section.key=value ...]   print the resolved config
     trireme config-doc                                                   print the config reference
+    trireme preprocess | data | tokenizer                                data tools (docs/data.md)
+    trireme convert | inspect                                            checkpoint tools
 
 Errors the user can fix are printed as one line on stderr with exit status 2, never a traceback.
 """
@@ -108,6 +110,31 @@ COMMANDS = {
     "config-doc": _cmd_config_doc,
 }
 
+# Subcommands that live beside the code they drive: "module:function", imported on use.
+# Each function takes the remaining argv and returns an exit status.
+LAZY_COMMANDS = {
+    "preprocess": "trireme.data.cli:preprocess_main",
+    "data": "trireme.data.cli:data_main",
+    "tokenizer": "trireme.data.cli:tokenizer_main",
+    "convert": "trireme.checkpoint.cli:convert_main",
+    "inspect": "trireme.checkpoint.cli:inspect_main",
+}
+
+
+def _resolve(command: str):
+    if command in COMMANDS:
+        return COMMANDS[command]
+    module_name, func = LAZY_COMMANDS[command].split(":")
+    import importlib
+
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name:
+            raise
+        raise TriremeError(f"'trireme {command}' is not implemented yet") from None
+    return getattr(module, func)
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -121,14 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # No subcommand (or only overrides): train, the main job.
     command = argv.pop(0) if argv and not argv[0].startswith("-") else "train"
-    if command not in COMMANDS:
-        print(
-            f"trireme: unknown command {command!r}; commands: {', '.join(COMMANDS)}",
-            file=sys.stderr,
-        )
+    if command not in COMMANDS and command not in LAZY_COMMANDS:
+        names = ", ".join([*COMMANDS, *LAZY_COMMANDS])
+        print(f"trireme: unknown command {command!r}; commands: {names}", file=sys.stderr)
         return 2
     try:
-        return COMMANDS[command](argv)
+        return _resolve(command)(argv)
     except TriremeError as e:
         print(f"trireme: error: {e}", file=sys.stderr)
         return 2
