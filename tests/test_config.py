@@ -135,3 +135,11 @@ def test_cli_config_prints_resolved_toml():
     r = run_cli("config", "--config", "llama3-1b", "--train.steps=3")
     assert r.returncode == 0
     assert config_from_toml(r.stdout).train.steps == 3
+
+
+def test_docs_config_reference_is_current():
+    """docs/config.md is generated from the field docs; regenerate with `trireme config-doc`."""
+    from pathlib import Path
+
+    doc = Path(__file__).resolve().parent.parent / "docs" / "config.md"
+    assert doc.read_text() == reference_markdown() + "\n", "run: trireme config-doc > docs/config.md"
