@@ -142,4 +142,5 @@ def test_docs_config_reference_is_current():
     from pathlib import Path
 
     doc = Path(__file__).resolve().parent.parent / "docs" / "config.md"
-    assert doc.read_text() == reference_markdown() + "\n", "run: trireme config-doc > docs/config.md"
+    expected = reference_markdown() + "\n"
+    assert doc.read_text() == expected, "run: trireme config-doc > docs/config.md"

@@ -11,7 +11,9 @@ from trireme.config import load_config
 from trireme.data.indexed import IndexedDatasetWriter
 from trireme.train import train
 
-METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_gpu", "mfu", "mem_gib"}
+METRIC_KEYS = {
+    "step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_gpu", "mfu", "mem_gib"
+}
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,9 @@ def _cmd_train(argv: list[str]) -> int:
         prog="trireme train",
         description="Train a model. Any config key can be overridden as --section.key=value.",
     )
-    parser.add_argument("--config", default="tiny", help="preset name (see configs/) or a .toml path")
+    parser.add_argument(
+        "--config", default="tiny", help="preset name (see configs/) or a .toml path"
+    )
     args = parser.parse_args(own)
     from trireme.config import load_config
     from trireme.train import train
@@ -55,7 +57,9 @@ def _cmd_train(argv: list[str]) -> int:
 
 def _cmd_config(argv: list[str]) -> int:
     own, overrides = _split_overrides(argv, set())
-    parser = argparse.ArgumentParser(prog="trireme config", description="Print the resolved config.")
+    parser = argparse.ArgumentParser(
+        prog="trireme config", description="Print the resolved config."
+    )
     parser.add_argument("--config", default="tiny", help="preset name or a .toml path")
     args = parser.parse_args(own)
     from trireme.config import load_config

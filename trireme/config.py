@@ -112,7 +112,9 @@ class ParallelConfig:
     expert: int = doc(1, "Expert-parallel degree (MoE).")
     sequence_parallel: bool = doc(False, "Shard norms and dropout along the sequence under TP.")
     distributed_optimizer: bool = doc(False, "Shard optimizer state across data-parallel ranks.")
-    bucket_size: int = doc(40_000_000, "Gradient bucket size for data-parallel reduction (elements).")
+    bucket_size: int = doc(
+        40_000_000, "Gradient bucket size for data-parallel reduction (elements)."
+    )
 
 
 @dataclass
@@ -130,7 +132,9 @@ class DataConfig:
     cache_dir: str = doc(
         "", "Where the embedded corpus and dataset indices are cached. Empty: ~/.cache/trireme."
     )
-    embedded_vocab_size: int = doc(4096, "Vocabulary of the tokenizer trained for the embedded corpus.")
+    embedded_vocab_size: int = doc(
+        4096, "Vocabulary of the tokenizer trained for the embedded corpus."
+    )
 
 
 @dataclass
@@ -151,7 +155,9 @@ class OptimizerConfig:
         "auto", "Use torch's fused AdamW kernel (auto: on GPU)."
     )
     initial_loss_scale: float = doc(65536.0, "fp16 only: starting loss scale.")
-    loss_scale_window: int = doc(1000, "fp16 only: steps without overflow before the scale doubles.")
+    loss_scale_window: int = doc(
+        1000, "fp16 only: steps without overflow before the scale doubles."
+    )
     min_loss_scale: float = doc(1.0, "fp16 only: the scale never drops below this.")
 
 
@@ -163,9 +169,12 @@ class ScheduleConfig:
     decay_style: Literal["cosine", "linear", "constant", "wsd", "inverse-sqrt"] = doc(
         "cosine", "Shape of the decay after warmup."
     )
-    decay_steps: int = doc(0, "Steps over which the LR decays (after warmup). 0: until train.steps.")
+    decay_steps: int = doc(
+        0, "Steps over which the LR decays (after warmup). 0: until train.steps."
+    )
     wsd_decay_fraction: float = doc(
-        0.2, "wsd only: the final fraction of decay_steps spent decaying (before it, LR is constant)."
+        0.2, "wsd only: the final fraction of decay_steps spent decaying "
+        "(before it, LR is constant)."
     )
 
 
@@ -179,14 +188,18 @@ class TrainConfig:
         16, "Sequences per optimizer step, over all data-parallel ranks and micro batches."
     )
     micro_batch_size: int = doc(4, "Sequences per forward/backward pass on one rank.")
-    eval_interval: int = doc(50, "Evaluate on the validation split every this many steps; 0: never.")
+    eval_interval: int = doc(
+        50, "Evaluate on the validation split every this many steps; 0: never."
+    )
     eval_steps: int = doc(4, "Micro batches per evaluation.")
     log_interval: int = doc(10, "Log metrics every this many steps.")
     device: Literal["auto", "cpu", "cuda"] = doc("auto", "auto: cuda when available, else cpu.")
     deterministic: bool = doc(
         False, "Deterministic algorithms only (slower); the same run gives the same numbers."
     )
-    max_minutes: float = doc(0.0, "Stop (after saving a checkpoint) after this many minutes; 0: no limit.")
+    max_minutes: float = doc(
+        0.0, "Stop (after saving a checkpoint) after this many minutes; 0: no limit."
+    )
     sample_prompt: str = doc("def ", "Prompt for the text sample printed at the end of training.")
     sample_tokens: int = doc(64, "Tokens to generate for the final sample; 0 disables it.")
 
@@ -196,7 +209,9 @@ class CheckpointConfig:
     """Saving and resuming."""
 
     dir: str = doc("", "Checkpoint directory. Empty: no checkpoints.")
-    interval: int = doc(0, "Save every this many steps (and always at the end); 0: only at the end.")
+    interval: int = doc(
+        0, "Save every this many steps (and always at the end); 0: only at the end."
+    )
     resume: Literal["auto", "never"] = doc(
         "auto", "auto: resume from the latest checkpoint in dir if there is one."
     )
@@ -385,7 +400,9 @@ def resolve_preset(name_or_path: str) -> Path:
     return preset
 
 
-def load_config(preset: str = "tiny", overrides: list[str] | dict[str, Any] | None = None) -> Config:
+def load_config(
+    preset: str = "tiny", overrides: list[str] | dict[str, Any] | None = None
+) -> Config:
     """Build a validated config from a preset name or TOML path plus overrides.
 
     `overrides` is a list of `section.key=value` strings (a leading `--` is allowed) or a dict

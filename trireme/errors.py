@@ -1,8 +1,9 @@
 """Errors that speak to the user.
 
-Every error a user can cause (a bad config value, a missing or corrupted file, a malformed input line)
-is raised as a `TriremeError`. The command line catches it, prints its one-line message to stderr and
-exits with status 2, with no traceback. Anything else is a bug in trireme and keeps its traceback.
+Every error a user can cause (a bad config value, a missing or corrupted file, a malformed input
+line) is raised as a `TriremeError`. The command line catches it, prints its one-line message to
+stderr and exits with status 2, with no traceback. Anything else is a bug in trireme and keeps its
+traceback.
 """
 
 

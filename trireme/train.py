@@ -21,11 +21,10 @@ from trireme.data.gpt_dataset import GPTDataset, get_batch, split_documents
 from trireme.data.indexed import IndexedDataset
 from trireme.data.tokenizer import Tokenizer, load_tokenizer
 from trireme.errors import ConfigError, DataError
-from trireme.metrics import MetricsLogger, flops_per_token, memory_gib, peak_flops
+from trireme.metrics import flops_per_token, memory_gib, peak_flops
 from trireme.models.gpt import GPT
 from trireme.models.init import init_parameters
 from trireme.optim.optimizer import MixedPrecisionOptimizer, build_optimizer
-from trireme.optim.schedules import lr_at
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
