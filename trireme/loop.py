@@ -95,14 +95,14 @@ def run_loop(trainer: Trainer) -> None:
                 time.monotonic() - started > 60 * cfg.train.max_minutes
             )
             last = step == cfg.train.steps or out_of_time
-            if step % cfg.train.log_interval == 0 or last:
+            do_eval = trainer.valid_data is not None and cfg.train.eval_interval and (
+                step % cfg.train.eval_interval == 0 or last
+            )
+            if step % cfg.train.log_interval == 0 or last or do_eval:
                 if trainer.device.type == "cuda":
                     torch.cuda.synchronize(trainer.device)
                 record = step_metrics(trainer, pending, lr, now() - last_log)
                 pending = []
-                do_eval = trainer.valid_data is not None and cfg.train.eval_interval and (
-                    step % cfg.train.eval_interval == 0 or last
-                )
                 if do_eval:
                     record["eval_loss"] = trainer.evaluate()
                 logger.log(record)
