@@ -232,6 +232,7 @@ def child(code: str, root: Path) -> list[str]:
     """The command line of a fresh Python process running `code` with `store`, `save`, `root`."""
     prelude = f"""
 import os, sys, torch
+import trireme.checkpoint.format as fmt
 import trireme.checkpoint.store as store
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from test_checkpoint_store import save
@@ -243,23 +244,23 @@ root = {str(root)!r}
 CRASHES = {
     # halfway through the model file (the last tensor file written)
     "mid-file": """
-        orig = store._write_safetensors
+        orig = fmt.write_safetensors
         def crash(f, tensors, metadata):
             if 'embedding.weight' in tensors:
                 f.write(b'x' * 1000)
                 f.f.flush()
                 os._exit(1)
             orig(f, tensors, metadata)
-        store._write_safetensors = crash
+        fmt.write_safetensors = crash
         """,
     # everything written but meta.json
     "before-meta": """
-        orig = store._write_json
+        orig = fmt.write_json
         def crash(f, obj):
             if isinstance(obj, dict) and obj.get('format') == store.FORMAT:
                 os._exit(1)
             orig(f, obj)
-        store._write_json = crash
+        fmt.write_json = crash
         """,
     # the new directory renamed into place, the pointer not yet moved
     "before-latest": """
@@ -384,32 +385,63 @@ def test_load_model_state_reports_every_problem(tmp_path: Path) -> None:
     assert torch.equal(model.fc2.weight, state["fc2.weight"])
 
 
-BANNED_MODULES = {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve", "joblib"}
+BANNED_MODULES = {"cPickle", "dill", "cloudpickle", "marshal", "shelve", "joblib"}
+RESTRICTED_UNPICKLER_FILE = "safe_pickle.py"  # the one place allowed to import pickle
 
 
-def code_execution_risks(source: str) -> list[int]:
-    """Lines that import a pickle-like module or call torch.load (docstrings and comments aside)."""
+def _is_weights_only(call: ast.Call) -> bool:
+    return any(k.arg == "weights_only" and isinstance(k.value, ast.Constant)
+               and k.value.value is True for k in call.keywords)
+
+
+def code_execution_risks(source: str, pickle_allowed: bool = False) -> list[int]:
+    """Lines that could unpickle arbitrary objects (docstrings and comments aside).
+
+    Flagged: pickle-like modules; `pickle` itself outside the restricted unpickler's file;
+    `pickle.load` / `pickle.loads` anywhere (the restricted unpickler subclasses pickle.Unpickler
+    and overrides find_class instead); `torch.load` without a literal `weights_only=True`;
+    `from torch import load`; an Unpickler subclass that does not override find_class.
+    """
     lines = []
     for node in ast.walk(ast.parse(source)):
+        bad = False
         if isinstance(node, ast.Import):
-            bad = any(a.name.split(".")[0] in BANNED_MODULES for a in node.names)
+            for a in node.names:
+                mod = a.name.split(".")[0]
+                bad |= mod in BANNED_MODULES or (mod == "pickle" and not pickle_allowed)
         elif isinstance(node, ast.ImportFrom):
             mod = (node.module or "").split(".")[0]
-            bad = mod in BANNED_MODULES or (mod == "torch" and any(a.name == "load"
-                                                                   for a in node.names))
-        else:
-            bad = (isinstance(node, ast.Attribute) and node.attr == "load"
-                   and isinstance(node.value, ast.Name) and node.value.id == "torch")
+            bad = (mod in BANNED_MODULES or mod == "pickle"
+                   or (mod == "torch" and any(a.name == "load" for a in node.names)))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            f = node.func
+            if isinstance(f.value, ast.Name) and f.value.id == "torch" and f.attr == "load":
+                bad = not _is_weights_only(node)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            bad = node.value.id == "pickle" and node.attr in ("load", "loads")
+        elif isinstance(node, ast.ClassDef):
+            unpickler = any(isinstance(b, ast.Attribute) and b.attr == "Unpickler"
+                            for b in node.bases)
+            methods = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+            bad = unpickler and "find_class" not in methods
         if bad:
             lines.append(node.lineno)
     return lines
 
 
 def test_no_code_execution_on_load() -> None:
-    """trireme/checkpoint/ never calls torch.load nor uses pickle-like modules."""
-    bad = "import pickle\nx = torch.load(f)\nfrom torch import load\nfrom dill import loads\n"
-    assert sorted(code_execution_risks(bad + "'torch.load in a docstring'")) == [1, 2, 3, 4]
+    """trireme/checkpoint/ unpickles only through torch's weights_only loader or its own
+    restricted unpickler (safe_pickle.py); nothing calls pickle.load or a bare torch.load."""
+    bad = ("import pickle\nx = torch.load(f)\nfrom torch import load\nfrom dill import loads\n"
+           "y = pickle.loads(b)\nz = torch.load(f, weights_only=False)\n"
+           "class U(pickle.Unpickler):\n    pass\n")
+    assert sorted(code_execution_risks(bad + "'torch.load in a docstring'")) == [
+        1, 2, 3, 4, 5, 6, 7]
+    good = ("import pickle\nx = torch.load(f, map_location='cpu', weights_only=True)\n"
+            "class U(pickle.Unpickler):\n    def find_class(self, m, n):\n        raise KeyError\n")
+    assert code_execution_risks(good, pickle_allowed=True) == []
     files = sorted(PACKAGE_DIR.rglob("*.py"))
-    assert PACKAGE_DIR / "store.py" in files
-    problems = {f.name: code_execution_risks(f.read_text()) for f in files}
-    assert not any(problems.values()), f"torch.load / pickle in trireme/checkpoint: {problems}"
+    assert PACKAGE_DIR / "store.py" in files and PACKAGE_DIR / RESTRICTED_UNPICKLER_FILE in files
+    problems = {f.name: code_execution_risks(f.read_text(), f.name == RESTRICTED_UNPICKLER_FILE)
+                for f in files}
+    assert not any(problems.values()), f"unsafe unpickling in trireme/checkpoint: {problems}"

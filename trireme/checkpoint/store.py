@@ -19,36 +19,41 @@ to its final name, and only then does `latest` move (through a temporary file an
 the previous checkpoint loadable.
 
 Loading never executes code: tensors come from safetensors files and everything else from JSON,
-decoded by a small tagged format (tuples, non-string dict keys and tensor references are tagged).
+decoded by a small tagged format (tuples, non-string dict keys and tensor references are tagged;
+see format.py). This module is the public face of the checkpoint package: the training loop imports
+save / load / latest, `load_model_state` (model_state.py) and the RNG helpers (rng.py) from here.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import hashlib
 import json
 import os
-import random
 import re
 import secrets
 import shutil
-import struct
 import sys
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, NamedTuple
+from typing import Any
 
-import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
-from torch import Tensor, nn
+from torch import Tensor
 
 from trireme import __version__
+from trireme.checkpoint import format as fmt
+from trireme.checkpoint.model_state import LoadResult, load_model_state
+from trireme.checkpoint.rng import capture_rng_state, restore_rng_state
 from trireme.errors import CheckpointError
+
+__all__ = [
+    "Checkpoint", "LoadResult", "capture_rng_state", "latest_checkpoint", "load_checkpoint",
+    "load_model_state", "restore_rng_state", "save_checkpoint", "step_dir_name",
+]
 
 FORMAT = "trireme-checkpoint"
 FORMAT_VERSION = 1
@@ -65,9 +70,6 @@ REQUIRED_FILES = (MODEL_FILE, OPTIMIZER_FILE, OPTIMIZER_JSON, RNG_FILE, TRAINER_
 
 _STEP_RE = re.compile(r"step_(\d+)")
 _TMP_PREFIX = ".tmp-"
-# model.safetensors metadata: {name: stored name} for every name, in the order given (tied names
-# point at the one stored copy)
-_NAMES_KEY = "trireme.names"
 
 
 def step_dir_name(step: int) -> str:
@@ -75,174 +77,9 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:07d}"
 
 
-# --------------------------------------------------------------------------------------------
-# Nested state <-> (JSON structure, flat tensors)
-#
-# Plain JSON keeps None, bools, ints, floats (NaN and infinities included), strings and lists with
-# their types. Everything else is a one-key object whose key is a tag: {"__tensor__": flat name},
-# {"__tuple__": [...]}, {"__items__": [[key, value], ...]} for dicts whose keys are not all plain
-# strings. Plain dicts never have keys starting with "__", so tags cannot be confused with data.
-
-_TENSOR, _TUPLE, _ITEMS = "__tensor__", "__tuple__", "__items__"
-_PLAIN = (type(None), bool, int, float, str)
-
-
-def _identity(t: Tensor) -> tuple[Any, ...] | None:
-    """Two tensors with the same identity are the same view of the same memory (tied weights)."""
-    if t.numel() == 0:
-        return None
-    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
-
-
-class _Flattener:
-    """Turns a nested state into a JSON-able structure plus a flat dict of tensors."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-        self.tensors: dict[str, Tensor] = {}
-        self._seen: dict[tuple[Any, ...], str] = {}
-
-    def encode(self, obj: Any, path: tuple[str, ...] = ()) -> Any:
-        if isinstance(obj, Tensor):
-            return {_TENSOR: self._add(obj, path)}
-        if type(obj) in _PLAIN:
-            return obj
-        if type(obj) is list:
-            return [self.encode(v, (*path, str(i))) for i, v in enumerate(obj)]
-        if type(obj) is tuple:
-            return {_TUPLE: [self.encode(v, (*path, str(i))) for i, v in enumerate(obj)]}
-        if type(obj) is dict:
-            if all(type(k) is str and not k.startswith("__") for k in obj):
-                return {k: self.encode(v, (*path, k)) for k, v in obj.items()}
-            return {_ITEMS: [[self._key(k, path), self.encode(v, (*path, str(k)))]
-                             for k, v in obj.items()]}
-        raise TypeError(
-            f"{self.what} state at {'/'.join(path) or '<top>'!r} is a {type(obj).__qualname__}; "
-            "checkpoints hold tensors, None, bools, ints, floats, strings and lists, tuples and "
-            "dicts of them"
-        )
-
-    def _key(self, key: Any, path: tuple[str, ...]) -> Any:
-        if type(key) not in _PLAIN:
-            raise TypeError(
-                f"{self.what} state at {'/'.join(path) or '<top>'!r} has a dict key of type "
-                f"{type(key).__qualname__}; keys must be strings, ints, floats, bools or None"
-            )
-        return key
-
-    def _add(self, t: Tensor, path: tuple[str, ...]) -> str:
-        ident = _identity(t)
-        if ident is not None and ident in self._seen:
-            return self._seen[ident]  # the same tensor again: store it once
-        name = "/".join(path) or "."
-        if name in self.tensors:
-            raise ValueError(
-                f"{self.what} state: two tensors flatten to the same name {name!r}; "
-                "avoid '/' in dict keys"
-            )
-        self.tensors[name] = t
-        if ident is not None:
-            self._seen[ident] = name
-        return name
-
-
-def _decode(obj: Any, tensors: dict[str, Tensor], source: Path) -> Any:
-    """Inverse of `_Flattener.encode`; `source` names the JSON file in error messages."""
-    if isinstance(obj, list):
-        return [_decode(v, tensors, source) for v in obj]
-    if not isinstance(obj, dict):
-        return obj
-    if not any(k.startswith("__") for k in obj):
-        return {k: _decode(v, tensors, source) for k, v in obj.items()}
-    (tag, value), *rest = obj.items()
-    if rest:
-        raise CheckpointError(f"{source}: malformed entry {obj!r}; the file is corrupted")
-    if tag == _TENSOR:
-        if value not in tensors:
-            raise CheckpointError(
-                f"{source} refers to tensor {value!r}, which its .safetensors file lacks; "
-                "the checkpoint is corrupted, load an earlier step"
-            )
-        return tensors[value]
-    if tag == _TUPLE:
-        return tuple(_decode(v, tensors, source) for v in value)
-    if tag == _ITEMS:
-        return {_decode(k, tensors, source): _decode(v, tensors, source) for k, v in value}
-    raise CheckpointError(
-        f"{source}: unknown entry {tag!r}; the checkpoint was written by a newer trireme, upgrade"
-    )
-
 
 # --------------------------------------------------------------------------------------------
-# Writing files: hashed as they are written, fsynced before they count
-
-_DTYPE_CODES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.complex64: "C64",
-}
-
-
-class _HashingWriter:
-    """A binary file wrapper that counts and hashes what is written through it."""
-
-    def __init__(self, f: IO[bytes]) -> None:
-        self.f = f
-        self.size = 0
-        self.sha256 = hashlib.sha256()
-
-    def write(self, data: Any) -> None:
-        view = memoryview(data).cast("B")
-        self.f.write(view)
-        self.sha256.update(view)
-        self.size += len(view)
-
-
-def _write_file(path: Path, write: Callable[[_HashingWriter], None]) -> dict[str, Any]:
-    """Write a file through `write`, fsync it, and return its size and sha256."""
-    with open(path, "wb") as f:
-        w = _HashingWriter(f)
-        write(w)
-        f.flush()
-        os.fsync(f.fileno())
-    return {"size": w.size, "sha256": w.sha256.hexdigest()}
-
-
-def _write_safetensors(
-    f: _HashingWriter, tensors: dict[str, Tensor], metadata: dict[str, str]
-) -> None:
-    """Stream `tensors` to `f` in the safetensors format, one tensor in memory at a time.
-
-    Tensors are ordered by element size (largest first), then name, so that each one starts at a
-    multiple of its element size and can be memory-mapped in place. Storage shared between tensors
-    is no obstacle: every tensor's bytes are copied out on their own.
-    """
-    if "__metadata__" in tensors:
-        raise ValueError("'__metadata__' is reserved by safetensors and cannot name a tensor")
-    names = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
-    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for name in names:
-        t = tensors[name]
-        if t.dtype not in _DTYPE_CODES:
-            raise TypeError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPE_CODES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    f.write(struct.pack("<Q", len(raw)))
-    f.write(raw)
-    for name in names:  # raw little-endian bytes, as safetensors specifies (every torch host is LE)
-        t = tensors[name].detach().to("cpu").contiguous().reshape(-1)
-        f.write(t.view(torch.uint8).numpy())
-
-
-def _write_json(f: _HashingWriter, obj: Any) -> None:
-    f.write(json.dumps(obj, indent=1).encode())
+# Atomic file-system steps
 
 
 def _fsync_dir(path: Path) -> None:
@@ -281,25 +118,6 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(a))
 
 
-def _dedupe_model(model: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """Store tied tensors once: returns the tensors to write and {name: stored name}."""
-    stored: dict[str, Tensor] = {}
-    names: dict[str, str] = {}
-    seen: dict[tuple[Any, ...], str] = {}
-    for name, t in model.items():
-        if not isinstance(t, Tensor):
-            raise TypeError(f"model state {name!r} is a {type(t).__qualname__}, not a tensor")
-        ident = _identity(t)
-        if ident is not None and ident in seen:
-            names[name] = seen[ident]
-            continue
-        stored[name] = t
-        names[name] = name
-        if ident is not None:
-            seen[ident] = name
-    return stored, names
-
-
 # --------------------------------------------------------------------------------------------
 # Save
 
@@ -328,32 +146,33 @@ def save_checkpoint(
     name = step_dir_name(step)
     final = root / name
     # Check and flatten everything before touching the disk, so a bad value leaves nothing behind.
-    model_tensors, model_names = _dedupe_model(model)
-    opt = _Flattener("optimizer")
+    model_tensors, model_names = fmt.dedupe_model(model)
+    opt = fmt.Flattener("optimizer")
     opt_structure = opt.encode(optimizer)
-    tr = _Flattener("trainer")
+    tr = fmt.Flattener("trainer")
     trainer_structure = tr.encode(trainer)
-    model_meta = {_NAMES_KEY: json.dumps(model_names)}
+    model_meta = {fmt.NAMES_KEY: json.dumps(model_names)}
 
-    writers: list[tuple[str, Callable[[_HashingWriter], None]]] = [
+    writers: list[tuple[str, Callable[[fmt.HashingWriter], None]]] = [
         (CONFIG_FILE, lambda f: f.write(config_toml.encode())),
-        (TRAINER_JSON, lambda f: _write_json(f, trainer_structure)),
-        (RNG_FILE, lambda f: _write_safetensors(f, tr.tensors, {})),
-        (OPTIMIZER_JSON, lambda f: _write_json(f, opt_structure)),
-        (OPTIMIZER_FILE, lambda f: _write_safetensors(f, opt.tensors, {})),
-        (MODEL_FILE, lambda f: _write_safetensors(f, model_tensors, model_meta)),
+        (TRAINER_JSON, lambda f: fmt.write_json(f, trainer_structure)),
+        (RNG_FILE, lambda f: fmt.write_safetensors(f, tr.tensors, {})),
+        (OPTIMIZER_JSON, lambda f: fmt.write_json(f, opt_structure)),
+        (OPTIMIZER_FILE, lambda f: fmt.write_safetensors(f, opt.tensors, {})),
+        (MODEL_FILE, lambda f: fmt.write_safetensors(f, model_tensors, model_meta)),
     ]
     tmp = root / f"{_TMP_PREFIX}{name}-{secrets.token_hex(4)}"
     try:
         root.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
-        files = {fname: _write_file(tmp / fname, write) for fname, write in writers}
+        files = {fname: fmt.write_file(tmp / fname, write) for fname, write in writers}
         meta = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "unix_time": time.time(),
             "trireme_version": __version__, "torch_version": torch.__version__, "files": files,
         }
-        _write_file(tmp / META_FILE, lambda f: _write_json(f, meta))  # last: marks it complete
+        # meta.json last: its presence marks the checkpoint complete
+        fmt.write_file(tmp / META_FILE, lambda f: fmt.write_json(f, meta))
         _fsync_dir(tmp)
         _publish(tmp, final)
         _write_latest(root, name)
@@ -390,7 +209,7 @@ def _publish(tmp: Path, final: Path) -> None:
 def _write_latest(root: Path, name: str) -> None:
     tmp = root / f"{_TMP_PREFIX}latest-{secrets.token_hex(4)}"
     try:
-        _write_file(tmp, lambda f: f.write(f"{name}\n".encode()))
+        fmt.write_file(tmp, lambda f: f.write(f"{name}\n".encode()))
         os.replace(tmp, root / LATEST_FILE)
     finally:
         tmp.unlink(missing_ok=True)
@@ -430,16 +249,7 @@ def _step_dirs(root: Path) -> list[tuple[int, Path]]:
     return out
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(
-            f"{path} is unreadable or corrupted ({e}); load an earlier step"
-        ) from None
-
-
-def _check_complete(path: Path) -> dict[str, Any]:
+def check_complete(path: Path) -> dict[str, Any]:
     """Return the meta.json of a complete checkpoint directory; raise CheckpointError if not."""
     meta_path = path / META_FILE
     if not meta_path.is_file():
@@ -447,7 +257,7 @@ def _check_complete(path: Path) -> dict[str, Any]:
             f"{path} is incomplete: {META_FILE} is missing (was the save interrupted?); "
             "load an earlier step_* directory or the checkpoint root"
         )
-    meta = _read_json(meta_path)
+    meta = fmt.read_json(meta_path)
     if not (isinstance(meta, dict) and meta.get("format") == FORMAT
             and isinstance(meta.get("step"), int) and isinstance(meta.get("files"), dict)):
         raise CheckpointError(f"{meta_path} is not a trireme checkpoint meta file")
@@ -480,7 +290,7 @@ def _check_complete(path: Path) -> dict[str, Any]:
 
 def _is_complete(path: Path) -> bool:
     try:
-        _check_complete(path)
+        check_complete(path)
     except CheckpointError:
         return False
     return True
@@ -526,40 +336,6 @@ class Checkpoint:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """All tensors (on CPU) and the metadata of a safetensors file, with errors naming the file."""
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            metadata = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise CheckpointError(
-            f"{path} is truncated or corrupted ({e}); load an earlier step"
-        ) from None
-    return tensors, metadata
-
-
-def _read_model(path: Path) -> dict[str, Tensor]:
-    """The model state in its saved order, tied names sharing one tensor."""
-    tensors, metadata = _read_safetensors(path)
-    try:
-        names = json.loads(metadata.get(_NAMES_KEY, "{}"))
-    except json.JSONDecodeError:
-        names = None
-    if not isinstance(names, dict) or any(s not in tensors for s in names.values()):
-        raise CheckpointError(f"{path}: its tensor name list is corrupted; load an earlier step")
-    model = {name: tensors[stored] for name, stored in names.items()}
-    return model | {k: v for k, v in tensors.items() if k not in model}
-
-
 def load_checkpoint(path: str | Path, *, verify: bool = True) -> Checkpoint:
     """Load a checkpoint from a step directory, or from a root (then its latest checkpoint).
 
@@ -581,139 +357,22 @@ def load_checkpoint(path: str | Path, *, verify: bool = True) -> Checkpoint:
                 "check checkpoint.dir or give a step_* directory"
             )
         path = found
-    meta = _check_complete(path)
+    meta = check_complete(path)
     if verify:
         for fname, info in meta["files"].items():
-            if "sha256" in info and _sha256(path / fname) != info["sha256"]:
+            if "sha256" in info and fmt.sha256_file(path / fname) != info["sha256"]:
                 raise CheckpointError(
                     f"{path / fname} does not match the sha256 in {META_FILE}: it is corrupted; "
                     "load an earlier step"
                 )
-    model = _read_model(path / MODEL_FILE)
-    opt_tensors, _ = _read_safetensors(path / OPTIMIZER_FILE)
-    optimizer = _decode(_read_json(path / OPTIMIZER_JSON), opt_tensors, path / OPTIMIZER_JSON)
-    rng_tensors, _ = _read_safetensors(path / RNG_FILE)
-    trainer = _decode(_read_json(path / TRAINER_JSON), rng_tensors, path / TRAINER_JSON)
+    model = fmt.read_model(path / MODEL_FILE)
+    opt_tensors, _ = fmt.read_safetensors(path / OPTIMIZER_FILE)
+    optimizer = fmt.decode(fmt.read_json(path / OPTIMIZER_JSON), opt_tensors, path / OPTIMIZER_JSON)
+    rng_tensors, _ = fmt.read_safetensors(path / RNG_FILE)
+    trainer = fmt.decode(fmt.read_json(path / TRAINER_JSON), rng_tensors, path / TRAINER_JSON)
     try:
         config_toml = (path / CONFIG_FILE).read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path / CONFIG_FILE} is unreadable ({e})") from None
     return Checkpoint(step=int(meta["step"]), model=model, optimizer=optimizer, trainer=trainer,
                       config_toml=config_toml, path=path, meta=meta)
-
-
-# --------------------------------------------------------------------------------------------
-# Model state
-
-
-class LoadResult(NamedTuple):
-    """Keys skipped by a non-strict `load_model_state`."""
-
-    missing: list[str]
-    unexpected: list[str]
-
-
-def _listing(label: str, items: list[str], limit: int = 8) -> str:
-    more = f", ... ({len(items) - limit} more)" if len(items) > limit else ""
-    return f"{label}: {', '.join(items[:limit])}{more}"
-
-
-def load_model_state(model: nn.Module, state: dict[str, Tensor], strict: bool = True) -> LoadResult:
-    """Copy `state` into the model's parameters and persistent buffers by name.
-
-    Values are converted to each parameter's dtype and device. Nothing is copied unless everything
-    fits: shape mismatches always raise, and with `strict` so do missing and unexpected keys, all
-    listed in one CheckpointError. Tied parameters (one tensor under several names) are satisfied by
-    any of their names; if the state holds several of them, they must agree.
-    """
-    targets = {n: t for n, t in model.state_dict(keep_vars=True).items() if isinstance(t, Tensor)}
-    groups: dict[int, list[str]] = {}  # one entry per distinct tensor: all its names
-    for name, t in targets.items():
-        groups.setdefault(id(t), []).append(name)
-    missing: list[str] = []
-    mismatched: list[str] = []
-    conflicting: list[str] = []
-    copies: list[tuple[Tensor, Tensor]] = []
-    for names in groups.values():
-        present = [n for n in names if n in state]
-        if not present:
-            missing.extend(names)
-            continue
-        target = targets[names[0]]
-        shapes_fit = True
-        for n in present:
-            value = state[n]
-            if not isinstance(value, Tensor):
-                raise CheckpointError(
-                    f"model state {n!r} is a {type(value).__qualname__}, not a tensor"
-                )
-            if tuple(value.shape) != tuple(target.shape):
-                shapes_fit = False
-                mismatched.append(
-                    f"{n}: checkpoint {tuple(value.shape)} vs model {tuple(target.shape)}"
-                )
-        first = state[present[0]]
-        if shapes_fit and any(_identity(state[n]) != _identity(first)
-                              and not torch.equal(state[n], first) for n in present[1:]):
-            conflicting.append("=".join(present))
-        copies.append((target, first))
-    unexpected = [n for n in state if n not in targets]
-    problems = []
-    if strict and missing:
-        problems.append(_listing("missing keys", missing))
-    if strict and unexpected:
-        problems.append(_listing("unexpected keys", unexpected))
-    if mismatched:
-        problems.append(_listing("shape mismatches", mismatched))
-    if conflicting:
-        problems.append(_listing("tied in the model but different in the checkpoint", conflicting))
-    if problems:
-        raise CheckpointError(
-            "checkpoint does not fit the model: " + "; ".join(problems)
-            + " (was it saved with a different model config? compare its config.toml)"
-        )
-    with torch.no_grad():
-        for target, value in copies:
-            target.copy_(value)
-    return LoadResult(missing=missing, unexpected=unexpected)
-
-
-# --------------------------------------------------------------------------------------------
-# RNG state
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """The state of every random generator a run uses: torch CPU, each CUDA device, Python, numpy.
-
-    The result is a plain nested dict of tensors and numbers that `save_checkpoint` can store (for
-    example as `trainer["rng"]`).
-    """
-    name, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": {"name": str(name), "key": torch.from_numpy(np.array(key, dtype=np.uint32)),
-                  "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)},
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = list(torch.cuda.get_rng_state_all())
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Restore generators captured by `capture_rng_state`.
-
-    Parts that are absent are left alone; CUDA states are restored for the devices present (a
-    checkpoint saved on GPUs can be resumed on CPU, without its CUDA states).
-    """
-    if "torch" in state:
-        torch.set_rng_state(state["torch"].to(device="cpu", dtype=torch.uint8))
-    if "python" in state:
-        random.setstate(state["python"])
-    if "numpy" in state:
-        s = state["numpy"]
-        np.random.set_state((s["name"], s["key"].numpy().astype(np.uint32), s["pos"],
-                             s["has_gauss"], s["gauss"]))
-    if "cuda" in state and torch.cuda.is_available():
-        for i, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(s.to(device="cpu", dtype=torch.uint8), i)

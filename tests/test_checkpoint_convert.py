@@ -1,0 +1,437 @@
+"""`trireme convert` / `trireme inspect`: Hugging Face and Megatron-Core checkpoints in and out.
+
+Logits are the test everywhere: a converter that only gets the shapes right is wrong. Hugging Face
+models are random-init tiny `transformers` models built here (no download); Megatron checkpoints are
+the real ones in ../shared/fixtures/megatron-llama-tiny, written by Megatron-LM itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trireme.checkpoint.convert import convert
+from trireme.checkpoint.safe_pickle import load_dcp_metadata, load_torch_file, namespace_dict
+from trireme.checkpoint.store import load_checkpoint, load_model_state
+from trireme.cli import main
+from trireme.config import config_from_toml
+from trireme.errors import CheckpointError
+from trireme.models.gpt import GPT
+
+transformers = pytest.importorskip("transformers")
+
+FIXTURE = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "megatron-llama-tiny"
+needs_fixture = pytest.mark.skipif(
+    not FIXTURE.is_dir(), reason=f"Megatron fixture not found at {FIXTURE}"
+)
+VOCAB = 100
+
+
+def trireme_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    ckpt = load_checkpoint(path)
+    cfg = config_from_toml(ckpt.config_toml)
+    model = GPT(cfg.model, seed=None)
+    load_model_state(model, ckpt.model)
+    with torch.no_grad():
+        return model.eval()(ids)
+
+
+def hf_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        return model.eval()(ids).logits
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-4) -> float:
+    """Max abs difference, asserted below `rel` x the largest logit."""
+    assert got.shape == want.shape
+    diff = (got.float() - want.float()).abs().max().item()
+    assert diff <= rel * want.abs().max().item(), f"max |diff| {diff}"
+    return diff
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face, both ways
+
+
+def _llama_like(cls_name: str, **kw: Any):
+    cfg_cls = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return getattr(transformers, cls_name)(cfg_cls(**{**base, **kw}))
+
+
+HF_MODELS = {
+    "llama-gqa-untied-llama3-rope": lambda: _llama_like(
+        "LlamaForCausalLM", tie_word_embeddings=False, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "llama-mqa-tied": lambda: _llama_like(
+        "LlamaForCausalLM", num_key_value_heads=1, tie_word_embeddings=True),
+    "llama-attention-and-mlp-bias": lambda: _llama_like(
+        "LlamaForCausalLM", attention_bias=True, mlp_bias=True),
+    "qwen2-qkv-bias": lambda: _llama_like("Qwen2ForCausalLM", tie_word_embeddings=True),
+    "qwen3-qk-norm-head-dim": lambda: _llama_like("Qwen3ForCausalLM", head_dim=32),
+    "mistral": lambda: _llama_like("MistralForCausalLM", sliding_window=4096),
+    "gpt2-tied": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+        bos_token_id=None, eos_token_id=None)),
+    "gpt2-untied": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, n_inner=96,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)),
+}
+EXPORTED_AS = {"mistral": "llama"}  # a Mistral without its window is a Llama
+
+
+def make_hf(kind: str, folder: Path, **save_kw: Any) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = HF_MODELS[kind]().eval()
+    with torch.no_grad():  # norms, biases and embeddings away from their trivial init
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.normal_(0.3 if name.endswith("weight") else 0.0, 0.2)
+            else:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(folder, **save_kw)
+    return model
+
+
+@pytest.mark.parametrize("kind", list(HF_MODELS))
+def test_hf_round_trip(tmp_path: Path, kind: str) -> None:
+    hf = make_hf(kind, tmp_path / "hf")
+    ids = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits
+    assert want.std() > 0.1  # logits with something to compare
+
+    conv, step_dir = convert("hf", "trireme", tmp_path / "hf", tmp_path / "trireme")
+    assert step_dir == tmp_path / "trireme" / "step_0000000"
+    assert_close(trireme_logits(tmp_path / "trireme", ids), want)
+
+    convert("trireme", "hf", tmp_path / "trireme", tmp_path / "back")
+    exported = json.loads((tmp_path / "back" / "config.json").read_text())
+    expected_type = EXPORTED_AS.get(kind, hf.config.model_type)
+    assert exported["model_type"] == expected_type
+    assert_close(hf_logits(tmp_path / "back", ids), want)
+    original, back = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "back"))
+    assert sorted(back) == sorted(original)
+    assert all(torch.equal(back[n], original[n]) for n in original)  # fp32: bit-identical
+    if kind == "mistral":
+        assert any("sliding" in note for note in conv.notes)
+
+
+def test_hf_sharded_in_and_out_and_dtype(tmp_path: Path) -> None:
+    from trireme.checkpoint.convert_hf import read_hf, write_hf
+
+    hf = make_hf("llama-gqa-untied-llama3-rope", tmp_path / "hf", max_shard_size="40KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    ids = torch.randint(0, VOCAB, (1, 32))
+    with torch.no_grad():
+        want = hf(ids).logits
+    conv = read_hf(tmp_path / "hf")
+    write_hf(conv, tmp_path / "out", torch.float32, shard_bytes=50_000)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert_close(hf_logits(tmp_path / "out", ids), want)
+
+    convert("hf", "trireme", tmp_path / "hf", tmp_path / "bf16", dtype="bf16")
+    ckpt = load_checkpoint(tmp_path / "bf16")
+    assert {t.dtype for t in ckpt.model.values()} == {torch.bfloat16}
+    assert config_from_toml(ckpt.config_toml).model.precision == "bf16"
+    assert_close(trireme_logits(tmp_path / "bf16", ids), want, rel=3e-2)
+
+
+# --------------------------------------------------------------------------------------------
+# Megatron: the real checkpoints, and TP / PP splits of them laid out as Megatron does
+
+
+def megatron_reference() -> tuple[torch.Tensor, torch.Tensor]:
+    ref = np.load(FIXTURE / "megatron_reference_logits.npz")
+    return torch.from_numpy(ref["tokens"]), torch.from_numpy(ref["logits"])
+
+
+def check_against_megatron(path: Path) -> float:
+    tokens, logits = megatron_reference()
+    cfg = config_from_toml(load_checkpoint(path).config_toml).model
+    assert (cfg.vocab_size, cfg.padded_vocab_size) == (500, 512)
+    # fp32 checkpoint and reference: the README asks for about 1e-4 relative
+    return assert_close(trireme_logits(path, tokens), logits[..., : cfg.vocab_size], rel=1e-4)
+
+
+@needs_fixture
+@pytest.mark.parametrize("fmt", ["megatron_torch", "megatron_torch_dist"])
+def test_megatron_fixture_reproduces_megatron_logits(tmp_path: Path, fmt: str) -> None:
+    conv, step_dir = convert("megatron", "trireme", FIXTURE / fmt, tmp_path / "out")
+    assert step_dir.name == "step_0000004" and conv.consumed_samples == 16
+    assert conv.notes == []
+    diff = check_against_megatron(tmp_path / "out")
+    print(f"{fmt}: max |logit diff| vs Megatron = {diff:.3g}")
+
+
+@needs_fixture
+def test_megatron_to_hf_gives_megatron_logits(tmp_path: Path) -> None:
+    assert main(["convert", "--from", "megatron", "--to", "hf", "--input",
+                 str(FIXTURE / "megatron_torch"), "--output", str(tmp_path / "hf")]) == 0
+    tokens, logits = megatron_reference()
+    assert_close(hf_logits(tmp_path / "hf", tokens), logits[..., :500])
+
+
+def split_like_megatron(model: dict[str, Any], layers: int, tp: int, pp: int, vpp: int = 1):
+    """{(tp_rank, pp_rank): {"model" or "model{v}": state}}: Megatron's legacy layout.
+
+    Column-parallel weights split on dim 0 (linear_qkv by query groups, which its rows are already
+    grouped by; SwiGLU's linear_fc1 as [gate_r; up_r] on rank r), row-parallel ones on dim 1, the
+    embedding and output layer by vocabulary rows; norms replicated. The layers form pp x vpp
+    contiguous chunks; chunk c sits on pipeline rank c % pp as virtual stage c // pp and numbers
+    its layers from 0. The embedding is in the first chunk, the final norm and output layer in the
+    last.
+    """
+    per_chunk = layers // (pp * vpp)
+    ranks: dict[tuple[int, int], dict[str, Any]] = {
+        (t, p): {("model" if vpp == 1 else f"model{v}"): {} for v in range(vpp)}
+        for t in range(tp) for p in range(pp)}
+    for name, w in model.items():
+        parts = name.split(".")
+        if name.startswith("decoder.layers."):
+            chunk, local = divmod(int(parts[2]), per_chunk)
+            parts[2] = str(local)
+        else:
+            last = name.startswith(("output_layer", "decoder.final"))
+            chunk = pp * vpp - 1 if last else 0
+        stage, v = chunk % pp, chunk // pp
+        if w is None or not torch.is_tensor(w):
+            pieces = [w] * tp
+        elif "linear_fc1.weight" in name:
+            gate, up = w.chunk(2)
+            pieces = [torch.cat([g, u]) for g, u in zip(gate.chunk(tp), up.chunk(tp))]
+        elif "linear_qkv.weight" in name or name.endswith(("word_embeddings.weight",
+                                                            "output_layer.weight")):
+            pieces = list(w.chunk(tp, dim=0))
+        elif "linear_proj.weight" in name or "linear_fc2.weight" in name:
+            pieces = list(w.chunk(tp, dim=1))
+        else:
+            pieces = [w] * tp
+        key = "model" if vpp == 1 else f"model{v}"
+        for t in range(tp):
+            ranks[(t, stage)][key][".".join(parts)] = None if w is None else pieces[t].clone()
+    return ranks
+
+
+def write_split_checkpoint(root: Path, tp: int, pp: int, vpp: int = 1, mutate=None) -> Path:
+    src = load_torch_file(FIXTURE / "megatron_torch" / "iter_0000004" / "mp_rank_00" /
+                          "model_optim_rng.pt")
+    plain = (int, float, str, bool, type(None), torch.dtype)
+    args = {k: v for k, v in namespace_dict(src["args"]).items() if isinstance(v, plain)}
+    args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    if mutate:
+        mutate(args)
+    for (t, p), models in split_like_megatron(src["model"], 2, tp, pp, vpp).items():
+        rank_dir = root / "iter_0000004" / (f"mp_rank_{t:02d}" if pp == 1 else
+                                            f"mp_rank_{t:02d}_{p:03d}")
+        rank_dir.mkdir(parents=True)
+        torch.save({"args": argparse.Namespace(**args), "checkpoint_version": 3.0,
+                    "iteration": 4, **models}, rank_dir / "model_optim_rng.pt")
+    (root / "latest_checkpointed_iteration.txt").write_text("4")
+    return root
+
+
+@needs_fixture
+@pytest.mark.parametrize("tp,pp,vpp", [(2, 1, 1), (2, 2, 1), (2, 1, 2)])
+def test_megatron_tensor_and_pipeline_split(tmp_path: Path, tp: int, pp: int, vpp: int) -> None:
+    root = write_split_checkpoint(tmp_path / "split", tp, pp, vpp)
+    rank_dir = "mp_rank_01" if pp == 1 else "mp_rank_01_000"
+    shard = load_torch_file(root / "iter_0000004" / rank_dir / "model_optim_rng.pt")
+    first = shard["model" if vpp == 1 else "model0"]
+    assert first["decoder.layers.0.mlp.linear_fc1.weight"].shape == (160, 64)  # [gate_1; up_1]
+    assert first["embedding.word_embeddings.weight"].shape == (256, 64)
+    conv, _ = convert("megatron", "trireme", root, tmp_path / "out")
+    assert f"TP={tp} PP={pp}" in conv.source and (vpp == 1 or f"VPP={vpp}" in conv.source)
+    check_against_megatron(tmp_path / "out")
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input: a clear error naming the file or the keys, nothing half-written
+
+
+def test_hf_bad_input(tmp_path: Path) -> None:
+    make_hf("llama-mqa-tied", tmp_path / "hf", max_shard_size="40KB")
+    good = tmp_path / "hf"
+
+    broken = tmp_path / "truncated"
+    shutil.copytree(good, broken)
+    shard = sorted(broken.glob("model-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=f"{shard.name} is truncated or corrupted"):
+        convert("hf", "trireme", broken, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"{shard.name} is missing"):
+        convert("hf", "trireme", broken, tmp_path / "out")
+
+    wrong = tmp_path / "wrong-shape"
+    shutil.copytree(good, wrong)
+    config = json.loads((wrong / "config.json").read_text())
+    config["intermediate_size"] = 80
+    (wrong / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"layers\.0\.mlp\.gate_proj\.weight: \(96, 64\) "
+                                              r"vs \(80, 64\)"):
+        convert("hf", "trireme", wrong, tmp_path / "out")
+
+    (wrong / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        convert("hf", "trireme", wrong, tmp_path / "out")
+
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("")
+    with pytest.raises(CheckpointError, match="already exists"):
+        convert("hf", "trireme", good, tmp_path / "taken")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+@needs_fixture
+def test_megatron_bad_input(tmp_path: Path) -> None:
+    root = write_split_checkpoint(tmp_path / "split", 2, 1)
+    rank1 = root / "iter_0000004" / "mp_rank_01" / "model_optim_rng.pt"
+    data = rank1.read_bytes()
+    rank1.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"mp_rank_01/model_optim_rng.pt is (not a torch "
+                                              r"zip|truncated)"):
+        convert("megatron", "trireme", root, tmp_path / "out")
+    rank1.unlink()
+    with pytest.raises(CheckpointError, match="mp_rank_01/model_optim_rng.pt is missing"):
+        convert("megatron", "trireme", root, tmp_path / "out")
+
+    wrong = write_split_checkpoint(tmp_path / "wrong", 1, 1,
+                                   mutate=lambda a: a.update(ffn_hidden_size=128))
+    with pytest.raises(CheckpointError, match=r"layers\.0\.mlp\.fc1\.weight: \(320, 64\) vs "
+                                              r"\(256, 64\)"):
+        convert("megatron", "trireme", wrong, tmp_path / "out")
+
+    dist = tmp_path / "dist"
+    shutil.copytree(FIXTURE / "megatron_torch_dist", dist)
+    data_file = dist / "iter_0000004" / "__0_0.distcp"
+    data_file.chmod(0o644)
+    data_file.write_bytes(data_file.read_bytes()[:100_000])
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp is truncated"):
+        convert("megatron", "trireme", dist, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+class RunsCode:
+    """Unpickling this runs a shell command: what a malicious checkpoint would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_malicious_pickles_are_refused_unexecuted(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    iter_dir = tmp_path / "meg" / "iter_0000001" / "mp_rank_00"
+    iter_dir.mkdir(parents=True)
+    torch.save({"args": RunsCode(marker), "model": {}}, iter_dir / "model_optim_rng.pt")
+    (tmp_path / "meg" / "latest_checkpointed_iteration.txt").write_text("1")
+    refused = r"refers to (posix|os)\.system.*nothing was executed"
+    with pytest.raises(CheckpointError, match=refused):
+        convert("megatron", "trireme", tmp_path / "meg", tmp_path / "out")
+    assert main(["convert", "--from", "megatron", "--to", "trireme", "--input",
+                 str(tmp_path / "meg"), "--output", str(tmp_path / "out")]) == 2
+
+    metadata = tmp_path / ".metadata"
+    buf = io.BytesIO()
+    pickle.dump({"state_dict_metadata": RunsCode(marker)}, buf)
+    metadata.write_bytes(buf.getvalue())
+    with pytest.raises(CheckpointError, match=r"global (posix|os)\.system is not allowed"):
+        load_dcp_metadata(metadata)
+    assert not marker.exists()
+
+
+# --------------------------------------------------------------------------------------------
+# inspect, and training on from a converted checkpoint
+
+
+@needs_fixture
+def test_inspect(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    convert("megatron", "trireme", FIXTURE / "megatron_torch", tmp_path / "tri")
+    convert("trireme", "hf", tmp_path / "tri", tmp_path / "hf")
+    for path, expected in [
+        (tmp_path / "tri", ["trireme checkpoint", "step               4", "151.87K",
+                            "vocab 500 (padded 512)", "empty (a fresh optimizer"]),
+        (tmp_path / "hf", ["hugging face llama", "LlamaForCausalLM", "150.34K"]),
+        (FIXTURE / "megatron_torch_dist", ["megatron checkpoint", "torch_dist",
+                                           "iteration          4"]),
+        (FIXTURE / "megatron_torch", ["legacy, TP=1 PP=1", "4 heads / 2 query groups"]),
+    ]:
+        assert main(["inspect", str(path)]) == 0
+        out = capsys.readouterr().out
+        for text in expected:
+            assert text in out, (text, out)
+    assert main(["inspect", str(tmp_path / "nothing")]) == 2
+
+
+@needs_fixture
+def test_training_continues_from_a_converted_checkpoint(tmp_path: Path) -> None:
+    """checkpoint.dir = a converted checkpoint: the run resumes from its weights with a fresh
+    optimizer. With lr = 0 the weights it saves must be exactly the converted ones."""
+    from trireme.config import load_config
+    from trireme.data.indexed import IndexedDatasetWriter
+    from trireme.train import train
+
+    convert("megatron", "trireme", FIXTURE / "megatron_torch", tmp_path / "ckpt", step=0)
+    writer = IndexedDatasetWriter(str(tmp_path / "toy"), np.uint16)
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        writer.add_document(rng.integers(0, 256, size=100).tolist())
+    writer.finalize()
+    cfg = load_config(str(tmp_path / "ckpt" / "step_0000000" / "config.toml"), [
+        f"data.path={tmp_path / 'toy'}", "data.tokenizer=bytes",
+        f"checkpoint.dir={tmp_path / 'ckpt'}",
+        f"run.dir={tmp_path / 'run'}", "train.steps=2", "train.global_batch_size=2",
+        "train.micro_batch_size=2", "train.eval_interval=0", "train.sample_tokens=0",
+        "optimizer.lr=0", "optimizer.min_lr=0", "logging.progress=false",
+        "logging.tensorboard=false", "train.device=cpu",
+    ])
+    train(cfg)
+    before = load_checkpoint(tmp_path / "ckpt" / "step_0000000").model
+    after = load_checkpoint(tmp_path / "ckpt")
+    assert after.step == 2 and after.optimizer["exp_avg"]  # trained on, with real Adam state
+    for name, t in before.items():
+        assert torch.equal(after.model[name], t), name
+
+
+def test_tokenizer_travels_and_generate_works(tmp_path: Path) -> None:
+    """An HF folder's tokenizer files go along, and `trireme generate` runs on the result."""
+    from trireme.data.tokenizer import train_bpe
+    from trireme.inference.cli import generate_from_checkpoint
+
+    hf = tmp_path / "hf"
+    torch.manual_seed(0)
+    _llama_like("LlamaForCausalLM", vocab_size=320).save_pretrained(hf)
+    train_bpe(["def f(x):\n    return x + 1\n"] * 50, 320, hf / "tokenizer.json")
+    (hf / "generation_config.json").write_text("{}")
+    convert("hf", "trireme", hf, tmp_path / "tri")
+    copied = (tmp_path / "tri" / "tokenizer.json").read_bytes()
+    assert copied == (hf / "tokenizer.json").read_bytes()
+    cfg = config_from_toml(load_checkpoint(tmp_path / "tri").config_toml)
+    assert cfg.data.tokenizer == str((tmp_path / "tri" / "tokenizer.json").resolve())
+    text = generate_from_checkpoint(str(tmp_path / "tri"), "def ", max_new_tokens=4, greedy=True,
+                                    device="cpu")
+    assert text.startswith("def ")
+    convert("trireme", "hf", tmp_path / "tri", tmp_path / "back")
+    assert {p.name for p in (tmp_path / "back").iterdir()} == {
+        "config.json", "model.safetensors", "tokenizer.json", "generation_config.json"}

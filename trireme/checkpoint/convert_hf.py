@@ -1,0 +1,486 @@
+"""Hugging Face folders (config.json + safetensors) to and from trireme's model.
+
+Families: Llama-style decoders (model_type llama, mistral, qwen2, qwen3: RoPE, RMSNorm, SwiGLU, GQA,
+optional q/k/v biases or QK-norm) and GPT-2 (learned positions, LayerNorm, tanh GeLU, biases).
+
+One table per family lists, for each trireme tensor, the Hugging Face tensors it is made of and how:
+  copy     the same matrix
+  cat      rows concatenated: q/k/v -> our fused qkv ([all q; all k; all v], head-major on both
+           sides), gate/up -> our SwiGLU fc1 ([gate; up])
+  conv1d   transposed: GPT-2's Conv1D stores [in, out], nn.Linear [out, in]
+  vocab    embedding rows: ours are padded to padded_vocab_size with zero rows, theirs are not
+Reading runs the table forwards, writing backwards, so the two directions cannot drift apart. Both
+sides use the "rotate half" RoPE pairing, so q and k need no permutation.
+
+A bias that Hugging Face's architecture lacks but trireme's single `bias` switch implies (Qwen2 has
+q/k/v biases only) is filled with zeros on the way in, which changes nothing; on the way out the
+architecture is picked so that no non-zero tensor is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import Tensor
+
+from trireme.checkpoint.convert import (
+    Converted,
+    atomic_output_dir,
+    cast_state,
+    copy_tokenizer_files,
+    expected_shapes,
+    listing,
+)
+from trireme.config import ModelConfig
+from trireme.errors import CheckpointError
+
+LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+SHARD_BYTES = 5 * 2**30  # the size Hugging Face shards at by default
+# Buffers some Hugging Face checkpoints carry that are not weights.
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One trireme tensor and the Hugging Face tensors it is made of."""
+
+    ours: str
+    theirs: tuple[str, ...]
+    kind: str = "copy"  # copy | cat | conv1d | vocab
+    sizes: tuple[int, ...] = ()  # cat: rows of each part
+
+
+# --------------------------------------------------------------------------------------------
+# Tables
+
+
+def _llama_table(cfg: ModelConfig, qkv_bias: bool, out_bias: bool, mlp_bias: bool) -> list[Entry]:
+    q, kv, ffn = cfg.num_attention_heads * cfg.head_size, cfg.kv_heads * cfg.head_size, cfg.ffn_size
+    table = [Entry("embedding.weight", ("model.embed_tokens.weight",), "vocab")]
+    for i in range(cfg.num_layers):
+        ours, a, m = f"layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        table += [
+            Entry(ours + "attention_norm.weight", (f"model.layers.{i}.input_layernorm.weight",)),
+            Entry(ours + "attention.qkv.weight", tuple(f"{a}{x}_proj.weight" for x in "qkv"),
+                  "cat", (q, kv, kv)),
+            Entry(ours + "attention.out.weight", (a + "o_proj.weight",)),
+            Entry(ours + "mlp_norm.weight", (f"model.layers.{i}.post_attention_layernorm.weight",)),
+            Entry(ours + "mlp.fc1.weight", (m + "gate_proj.weight", m + "up_proj.weight"), "cat",
+                  (ffn, ffn)),
+            Entry(ours + "mlp.fc2.weight", (m + "down_proj.weight",)),
+        ]
+        if cfg.qk_norm:
+            table += [Entry(ours + "attention.q_norm.weight", (a + "q_norm.weight",)),
+                      Entry(ours + "attention.k_norm.weight", (a + "k_norm.weight",))]
+        if qkv_bias:
+            table.append(Entry(ours + "attention.qkv.bias",
+                               tuple(f"{a}{x}_proj.bias" for x in "qkv"), "cat", (q, kv, kv)))
+        if out_bias:
+            table.append(Entry(ours + "attention.out.bias", (a + "o_proj.bias",)))
+        if mlp_bias:
+            table += [Entry(ours + "mlp.fc1.bias", (m + "gate_proj.bias", m + "up_proj.bias"),
+                            "cat", (ffn, ffn)),
+                      Entry(ours + "mlp.fc2.bias", (m + "down_proj.bias",))]
+    table.append(Entry("final_norm.weight", ("model.norm.weight",)))
+    if not cfg.tie_embeddings:
+        table.append(Entry("output.weight", ("lm_head.weight",), "vocab"))
+    return table
+
+
+def _gpt2_table(cfg: ModelConfig) -> list[Entry]:
+    table = [Entry("embedding.weight", ("transformer.wte.weight",), "vocab"),
+             Entry("position_embedding.weight", ("transformer.wpe.weight",))]
+    pairs = {"attention_norm": ("ln_1", "copy"), "attention.qkv": ("attn.c_attn", "conv1d"),
+             "attention.out": ("attn.c_proj", "conv1d"), "mlp_norm": ("ln_2", "copy"),
+             "mlp.fc1": ("mlp.c_fc", "conv1d"), "mlp.fc2": ("mlp.c_proj", "conv1d")}
+    for i in range(cfg.num_layers):
+        for ours, (theirs, kind) in pairs.items():
+            hf = f"transformer.h.{i}.{theirs}"
+            table += [Entry(f"layers.{i}.{ours}.weight", (hf + ".weight",), kind),
+                      Entry(f"layers.{i}.{ours}.bias", (hf + ".bias",))]
+    table += [Entry("final_norm.weight", ("transformer.ln_f.weight",)),
+              Entry("final_norm.bias", ("transformer.ln_f.bias",))]
+    if not cfg.tie_embeddings:
+        table.append(Entry("output.weight", ("lm_head.weight",), "vocab"))
+    return table
+
+
+def _to_ours(entry: Entry, parts: list[Tensor], cfg: ModelConfig) -> Tensor:
+    if entry.kind == "cat":
+        return torch.cat(parts)
+    if entry.kind == "conv1d":
+        return parts[0].t()
+    if entry.kind == "vocab":
+        w = parts[0]
+        padded = w.new_zeros((cfg.padded_vocab_size, *w.shape[1:]))
+        padded[: w.shape[0]] = w
+        return padded
+    return parts[0]
+
+
+def _to_theirs(entry: Entry, t: Tensor, cfg: ModelConfig) -> list[Tensor]:
+    if entry.kind == "cat":
+        return list(t.split(list(entry.sizes)))
+    if entry.kind == "conv1d":
+        return [t.t()]
+    if entry.kind == "vocab":
+        return [t[: cfg.vocab_size]]
+    return [t]
+
+
+def export_state(
+    table: list[Entry], state: dict[str, Tensor], cfg: ModelConfig
+) -> dict[str, Tensor]:
+    """trireme state -> Hugging Face state. A tensor the table lacks must be all zeros (a bias
+    the architecture does not have); one the state lacks is written as zeros (GPT-2's biases)."""
+    out: dict[str, Tensor] = {}
+    dtype = _weight_dtype(state)
+    for entry in table:
+        t = state.get(entry.ours)
+        if t is None:
+            t = torch.zeros(_bias_shape(entry.ours, cfg), dtype=dtype)
+        out.update(zip(entry.theirs, _to_theirs(entry, t, cfg)))
+    covered = {entry.ours for entry in table}
+    dropped = [n for n, t in state.items() if n not in covered and bool(t.any())]
+    if dropped:
+        raise CheckpointError(
+            listing("the chosen Hugging Face architecture has no place for", dropped)
+        )
+    return out
+
+
+def their_shapes(table: list[Entry], cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every Hugging Face tensor the table names, for a model of config `cfg`."""
+    ours = expected_shapes(cfg)
+    out: dict[str, tuple[int, ...]] = {}
+    for entry in table:
+        shape = ours.get(entry.ours) or _bias_shape(entry.ours, cfg)
+        if entry.kind == "cat":
+            out.update((n, (size, *shape[1:])) for n, size in zip(entry.theirs, entry.sizes))
+        elif entry.kind == "conv1d":
+            out[entry.theirs[0]] = tuple(reversed(shape))
+        elif entry.kind == "vocab":
+            out[entry.theirs[0]] = (cfg.vocab_size, *shape[1:])
+        else:
+            out[entry.theirs[0]] = shape
+    return out
+
+
+def _bias_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
+    if "attention.qkv" in name:
+        return ((cfg.num_attention_heads + 2 * cfg.kv_heads) * cfg.head_size,)
+    if "mlp.fc1" in name:
+        return ((2 if cfg.activation == "swiglu" else 1) * cfg.ffn_size,)
+    return (cfg.hidden_size,)
+
+
+def _weight_dtype(state: dict[str, Tensor]) -> torch.dtype:
+    return next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# config.json <-> ModelConfig
+
+
+Biases = tuple[bool, bool, bool]  # q/k/v, output projection, MLP
+
+
+def _llama_model_config(hf: dict, has_lm_head: bool) -> tuple[ModelConfig, Biases, list[str]]:
+    kind, notes = hf["model_type"], []
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(
+            f"config.json: hidden_act {hf['hidden_act']!r} is not supported (only silu)"
+        )
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        raise CheckpointError("config.json: partial rotary embeddings are not supported")
+    h, heads = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or h // heads
+    rope = hf.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling = rope if "rope_type" in rope else (hf.get("rope_scaling") or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise CheckpointError(
+            f"config.json: rope scaling {rope_type!r} is not supported (none or llama3)"
+        )
+    window = hf.get("sliding_window")
+    if window and (kind == "mistral" or hf.get("use_sliding_window")):
+        notes.append(f"the sliding attention window ({window}) is not modelled: logits agree for "
+                     f"sequences up to {window} tokens")
+    attention_bias = bool(hf.get("attention_bias", False))
+    biases = {  # (qkv, out, mlp)
+        "llama": (attention_bias, attention_bias, bool(hf.get("mlp_bias", False))),
+        "mistral": (False, False, False),
+        "qwen2": (True, False, False),
+        "qwen3": (attention_bias, attention_bias, False),
+    }[kind]
+    cfg = ModelConfig(
+        num_layers=hf["num_hidden_layers"], hidden_size=h, num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        head_dim=0 if head_dim * heads == h else head_dim,
+        ffn_hidden_size=hf["intermediate_size"], vocab_size=hf["vocab_size"],
+        seq_length=hf.get("max_position_embeddings", 2048), position_embedding="rope",
+        rope_theta=float(theta), normalization="rmsnorm",
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), activation="swiglu",
+        qk_norm=kind == "qwen3", bias=any(biases),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", not has_lm_head)),
+    )
+    if rope_type == "llama3":
+        cfg.rope_scaling = "llama3"
+        cfg.rope_scaling_factor = float(scaling["factor"])
+        cfg.rope_low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+        cfg.rope_high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+        cfg.rope_original_max_position = int(scaling["original_max_position_embeddings"])
+    return cfg, biases, notes
+
+
+def _gpt2_model_config(hf: dict, has_lm_head: bool) -> tuple[ModelConfig, list[str]]:
+    notes = []
+    act = hf.get("activation_function", "gelu_new")
+    if act == "gelu":
+        notes.append("GPT-2 config asks for exact (erf) GeLU; trireme uses the tanh approximation, "
+                     "so logits differ slightly")
+    elif act not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise CheckpointError(f"config.json: activation_function {act!r} is not supported")
+    if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx"):
+        raise CheckpointError("config.json: GPT-2 attention scaling variants are not supported")
+    h = hf["n_embd"]
+    cfg = ModelConfig(
+        num_layers=hf["n_layer"], hidden_size=h, num_attention_heads=hf["n_head"],
+        ffn_hidden_size=hf.get("n_inner") or 4 * h, vocab_size=hf["vocab_size"],
+        seq_length=hf.get("n_positions", 1024), position_embedding="learned",
+        normalization="layernorm", norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        activation="gelu", bias=True,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", not has_lm_head)),
+    )
+    return cfg, notes
+
+
+def _hf_config(cfg: ModelConfig, kind: str, biases: Biases, dtype: torch.dtype) -> dict:
+    common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
+              "torch_dtype": _DTYPE_NAMES[dtype], "bos_token_id": None, "eos_token_id": None}
+    if kind == "gpt2":
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+                "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers,
+                "n_head": cfg.num_attention_heads, "n_inner": cfg.ffn_size,
+                "n_positions": cfg.seq_length, "layer_norm_epsilon": cfg.norm_eps,
+                "activation_function": "gelu_new", "resid_pdrop": cfg.dropout,
+                "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout, **common}
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    out = {"architectures": [arch[kind]], "model_type": kind,
+           "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
+           "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
+           "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_size, "hidden_act": "silu",
+           "max_position_embeddings": cfg.seq_length, "rms_norm_eps": cfg.norm_eps,
+           "rope_theta": cfg.rope_theta, "rope_scaling": None, "attention_dropout": cfg.dropout,
+           **common}
+    if kind == "llama":
+        out.update(attention_bias=biases[0], mlp_bias=biases[2])
+    if kind == "qwen3":
+        out["attention_bias"] = biases[0]
+    if cfg.rope_scaling == "llama3":
+        out["rope_scaling"] = {
+            "rope_type": "llama3", "factor": cfg.rope_scaling_factor,
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_position}
+    return out
+
+
+def _choose_architecture(cfg: ModelConfig, state: dict[str, Tensor]) -> tuple[str, Biases]:
+    """The Hugging Face architecture (and its bias switches) that holds this model exactly."""
+    shape = (cfg.position_embedding, cfg.normalization, cfg.activation)
+    if shape == ("learned", "layernorm", "gelu") and not cfg.qk_norm:
+        heads = cfg.num_attention_heads
+        if cfg.kv_heads != heads or cfg.head_size * heads != cfg.hidden_size:
+            raise CheckpointError("GPT-2 has no grouped-query attention or separate head_dim; "
+                                  "this model cannot be exported to Hugging Face")
+        return "gpt2", (True, True, True)
+    if shape != ("rope", "rmsnorm", "swiglu"):
+        raise CheckpointError(
+            f"no Hugging Face architecture matches position_embedding={shape[0]}, "
+            f"normalization={shape[1]}, activation={shape[2]} (supported: GPT-2 = learned / "
+            "layernorm / gelu, Llama family = rope / rmsnorm / swiglu)"
+        )
+    nonzero = lambda part: any(bool(t.any()) for n, t in state.items() if n.endswith(part))
+    out_bias = nonzero("attention.out.bias")
+    mlp_bias = nonzero("mlp.fc1.bias") or nonzero("mlp.fc2.bias")
+    if cfg.qk_norm:
+        if mlp_bias:
+            raise CheckpointError("QK-norm with MLP biases has no Hugging Face architecture (Qwen3 "
+                                  "has no MLP biases)")
+        return "qwen3", (cfg.bias, cfg.bias, False)
+    if not cfg.bias:
+        return "llama", (False, False, False)
+    if not out_bias and not mlp_bias:
+        return "qwen2", (True, False, False)
+    return "llama", (True, True, mlp_bias)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+
+
+def read_json_file(path: Path) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing; a Hugging Face folder needs it")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is unreadable or corrupted ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    return data
+
+
+def safetensors_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> the file holding it, from the index (sharded) or the single file."""
+    if (folder / INDEX_FILE).is_file():
+        weight_map = read_json_file(folder / INDEX_FILE).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{folder / INDEX_FILE} has no weight_map")
+        return {name: folder / file for name, file in weight_map.items()}
+    if (folder / SINGLE_FILE).is_file():
+        return {"": folder / SINGLE_FILE}  # every name; listed when opened
+    if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
+        raise CheckpointError(
+            f"{folder} holds pickled weights (.bin / .pt), which are never unpickled here; "
+            "re-save them with transformers' save_pretrained (safetensors is its default)"
+        )
+    raise CheckpointError(f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+
+
+def read_hf_tensors(folder: Path) -> dict[str, Tensor]:
+    """Every tensor of a Hugging Face folder, on CPU; errors name the file."""
+    by_file: dict[Path, list[str]] = {}
+    for name, file in safetensors_files(folder).items():
+        by_file.setdefault(file, []).append(name)
+    tensors: dict[str, Tensor] = {}
+    for file, names in by_file.items():
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing (listed in {INDEX_FILE})")
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                present = set(f.keys())
+                wanted = sorted(present) if names == [""] else names
+                lacking = [n for n in wanted if n not in present]
+                if lacking:
+                    raise CheckpointError(listing(f"{file} lacks tensors its index lists", lacking))
+                tensors.update({n: f.get_tensor(n) for n in wanted})
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{file} is truncated or corrupted ({e})") from None
+    return tensors
+
+
+def _with_prefix(tensors: dict[str, Tensor], prefix: str, probe: str) -> dict[str, Tensor]:
+    """Add the base-model prefix ("model." / "transformer.") if the file was saved without it."""
+    if prefix + probe in tensors or probe not in tensors:
+        return tensors
+    return {(n if n.startswith("lm_head.") else prefix + n): t for n, t in tensors.items()}
+
+
+def hf_model_config(hf: dict, has_lm_head: bool) -> tuple[ModelConfig, list[Entry], list[str]]:
+    """The ModelConfig, tensor table and notes for a config.json (`has_lm_head`: the files hold
+    lm_head.weight, which decides tying when config.json does not say)."""
+    kind = hf.get("model_type")
+    try:
+        if kind == "gpt2":
+            cfg, notes = _gpt2_model_config(hf, has_lm_head)
+            return cfg, _gpt2_table(cfg), notes
+        if kind in LLAMA_TYPES:
+            cfg, biases, notes = _llama_model_config(hf, has_lm_head)
+            return cfg, _llama_table(cfg, *biases), notes
+    except KeyError as e:
+        raise CheckpointError(f"config.json lacks {e}, which a {kind} model needs") from None
+    raise CheckpointError(
+        f"config.json: model_type {kind!r} is not supported (supported: gpt2, "
+        f"{', '.join(LLAMA_TYPES)})"
+    )
+
+
+def read_hf(folder: Path) -> Converted:
+    """A Hugging Face folder as a `Converted` model (shapes checked against config.json)."""
+    hf = read_json_file(folder / "config.json")
+    kind = hf.get("model_type")
+    tensors = read_hf_tensors(folder)
+    if kind == "gpt2":
+        tensors = _with_prefix(tensors, "transformer.", "wte.weight")
+    elif kind in LLAMA_TYPES:
+        tensors = _with_prefix(tensors, "model.", "embed_tokens.weight")
+    cfg, table, notes = hf_model_config(hf, "lm_head.weight" in tensors)
+    expected = their_shapes(table, cfg)
+    missing = [n for n in expected if n not in tensors]
+    mismatched = [f"{n}: {tuple(tensors[n].shape)} vs {expected[n]}" for n in expected
+                  if n in tensors and tuple(tensors[n].shape) != expected[n]]
+    ignorable = lambda n: (n.endswith(IGNORED_SUFFIXES)
+                           or (n == "lm_head.weight" and cfg.tie_embeddings))
+    unexpected = [n for n in tensors if n not in expected and not ignorable(n)]
+    problems = [listing(label, items) for label, items in (
+        ("missing", missing), ("unexpected", unexpected),
+        ("shapes (file vs config.json)", mismatched)) if items]
+    if problems:
+        raise CheckpointError(f"{folder} does not match its config.json: " + "; ".join(problems))
+    state = {}
+    for entry in table:
+        state[entry.ours] = _to_ours(entry, [tensors[n] for n in entry.theirs], cfg)
+    dtype = _weight_dtype(state)
+    for name, shape in expected_shapes(cfg).items():
+        if name not in state:  # biases Hugging Face's architecture lacks: zeros change nothing
+            state[name] = torch.zeros(shape, dtype=dtype)
+    return Converted(model=cfg, state=state, source=f"hf {kind} {folder}", notes=notes,
+                     tokenizer_dir=folder)
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+
+
+def write_hf(
+    conv: Converted, output: Path, dtype: torch.dtype, shard_bytes: int = SHARD_BYTES
+) -> str:
+    """Write `conv` as a Hugging Face folder that `from_pretrained` loads; returns the model_type.
+
+    Above `shard_bytes` the weights are split into shards with a model.safetensors.index.json.
+    """
+    from safetensors.torch import save_file
+
+    cfg = conv.model
+    kind, biases = _choose_architecture(cfg, conv.state)
+    table = _gpt2_table(cfg) if kind == "gpt2" else _llama_table(cfg, *biases)
+    tensors = cast_state(export_state(table, conv.state, cfg), dtype)
+    shards = _shard(tensors, shard_bytes)
+    with atomic_output_dir(output) as tmp:
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / SINGLE_FILE), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards, 1):
+                name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(tmp / name), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(shard, name))
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        (tmp / "config.json").write_text(json.dumps(_hf_config(cfg, kind, biases, dtype), indent=2))
+        copy_tokenizer_files(conv.tokenizer_dir, tmp)
+    return kind
+
+
+def _shard(tensors: dict[str, Tensor], shard_bytes: int) -> list[dict[str, Tensor]]:
+    shards: list[dict[str, Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    return shards
