@@ -122,11 +122,14 @@ class DataConfig:
     """Training data."""
 
     path: str = doc(
-        "", "Prefix of a Megatron .bin/.idx dataset (without extension). Empty: the embedded "
-        "corpus, built on first use from the Python standard library's sources."
+        "", "Prefix of a Megatron .bin/.idx dataset (without extension), or a blend of weights "
+        "and prefixes in turn ('0.7 /data/a_text_document 0.3 /data/b_text_document'). Empty: "
+        "the embedded corpus, built on first use from the Python standard library's sources."
     )
     tokenizer: str = doc(
-        "", "Tokenizer: a tokenizer.json path, 'bytes', or empty for the embedded corpus's own."
+        "", "Tokenizer: a path (tokenizer.json, vocab.json + merges.txt, SentencePiece .model, "
+        "tiktoken file; kind inferred, or kind:path), 'bytes', 'null:N', or empty for the "
+        "embedded corpus's own."
     )
     split: str = doc("969,30,1", "Train, validation and test shares of the documents.")
     cache_dir: str = doc(
@@ -134,6 +137,20 @@ class DataConfig:
     )
     embedded_vocab_size: int = doc(
         4096, "Vocabulary of the tokenizer trained for the embedded corpus."
+    )
+    mock: bool = doc(
+        False, "Train on random tokens (no files; for benchmarks). Needs model.vocab_size or "
+        "data.tokenizer."
+    )
+    eod_mask_loss: bool = doc(
+        False, "No loss where the input token is the end-of-document id (the guess of the next "
+        "document's first token)."
+    )
+    reset_position_ids: bool = doc(
+        False, "Positions restart at 0 after each end-of-document token (needs model support)."
+    )
+    reset_attention_mask: bool = doc(
+        False, "Tokens attend only within their own document (needs model support)."
     )
 
 

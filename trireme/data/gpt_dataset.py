@@ -6,15 +6,33 @@ consecutive samples share one token, as in Megatron: the last label of one is th
 the next). The samples of the epoch are then visited in a shuffled order. Tokens left over at the
 end of an epoch (fewer than a sample) are dropped. Epoch e uses a fresh shuffle seeded by (seed, e),
 so sample i of the endless dataset depends only on (seed, i) and a resumed run continues the order.
+
+Each epoch has three index arrays, built with numpy only (no Python loop over documents or tokens)
+and cached as `.npy` (see cache.py) under a hash of everything they depend on:
+    document_index  the epoch's documents, in shuffled order
+    sample_index    where each of the epoch's sequences starts in its token stream (sample k
+                    starts at stream token k * seq_length)
+    shuffle_index   the order in which the epoch's samples are visited
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
+from trireme.data.batch import (  # noqa: F401 (BatchIterator, get_batch: re-exported)
+    DEFAULT_OPTIONS,
+    BatchIterator,
+    BatchOptions,
+    get_batch,
+)
+from trireme.data.cache import array_digest, dataset_fingerprint, load_or_build
 from trireme.data.indexed import IndexedDataset
 from trireme.errors import ConfigError, DataError
+
+INDEX_VERSION = 1  # bump when the meaning of the index arrays changes
 
 
 def _rng(seed: int, epoch: int, stream: int) -> np.random.Generator:
@@ -22,30 +40,42 @@ def _rng(seed: int, epoch: int, stream: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([seed % 2**64, epoch, stream]))
 
 
+def _smallest_int(array: np.ndarray) -> np.ndarray:
+    """int32 when the values fit (half the cache size), else int64."""
+    if array.size == 0 or array.max() < 2**31:
+        return array.astype(np.int32)
+    return array.astype(np.int64)
+
+
 class _Epoch:
-    """The index arrays of one epoch, built with numpy only (no loop over documents or tokens)."""
+    """The index arrays of one epoch, and the per-sequence lookups derived from them."""
 
     def __init__(self, data: GPTDataset, epoch: int) -> None:
         ds = data.dataset
-        docs = _rng(data.seed, epoch, 0).permutation(data.document_ids)
-        # Documents -> their sequences, in order (one each unless the data was sentence-split).
-        first = ds.document_indices[docs]
-        counts = ds.document_indices[docs + 1] - first
-        total = int(counts.sum())
-        run_starts = np.cumsum(counts) - counts
-        self.sequence_ids = np.repeat(first - run_starts, counts) + np.arange(total)
-        lengths = ds.sequence_lengths[self.sequence_ids].astype(np.int64)
-        # where each sequence begins: in the epoch's token stream, and in .bin (in tokens)
-        self.starts = np.cumsum(lengths) - lengths
+        arrays = load_or_build(data.cache_dir, data.cache_description(epoch),
+                               lambda: data.build_epoch(epoch))
+        documents = np.asarray(arrays["document_index"], dtype=np.int64)
+        self.sample_index = np.asarray(arrays["sample_index"], dtype=np.int64)
+        self.shuffle_index = np.asarray(arrays["shuffle_index"], dtype=np.int64)
+        self.sequence_ids = _sequences_of(ds, documents)
+        # where each sequence begins in .bin, in tokens
         self.element_offsets = ds.sequence_pointers[self.sequence_ids] // ds.dtype.itemsize
-        self.sample_order = _rng(data.seed, epoch, 1).permutation(data.samples_per_epoch)
+
+
+def _sequences_of(ds: IndexedDataset, documents: np.ndarray) -> np.ndarray:
+    """The sequence ids of `documents`, in order (one each unless the data was sentence-split)."""
+    first = ds.document_indices[documents]
+    counts = ds.document_indices[documents + 1] - first
+    run_starts = np.cumsum(counts) - counts
+    return np.repeat(first - run_starts, counts) + np.arange(int(counts.sum()))
 
 
 class GPTDataset(torch.utils.data.Dataset):
     """Endless samples of `seq_length + 1` tokens from the chosen documents of an IndexedDataset.
 
     `dataset[i]` for any i >= 0 is an int64 array; epoch `i // samples_per_epoch` has its own
-    document and sample order, deterministic in (seed, epoch).
+    document and sample order, deterministic in (seed, epoch). `cache_dir` (None: no disk cache)
+    is where the epochs' index arrays are kept; `options` go to the batches (see batch.py).
     """
 
     def __init__(
@@ -54,12 +84,19 @@ class GPTDataset(torch.utils.data.Dataset):
         seq_length: int,
         seed: int,
         document_ids: np.ndarray | None = None,
+        *,
+        cache_dir: str | Path | None = None,
+        options: BatchOptions = DEFAULT_OPTIONS,
+        name: str = "",
     ) -> None:
         if seq_length < 1:
             raise ConfigError(f"model.seq_length = {seq_length} must be at least 1")
         self.dataset = dataset
         self.seq_length = seq_length
         self.seed = seed
+        self.cache_dir = Path(cache_dir) if cache_dir else None
+        self.options = options
+        self.name = name or Path(dataset.prefix).name
         if document_ids is None:
             document_ids = np.arange(dataset.num_documents, dtype=np.int64)
         self.document_ids = np.asarray(document_ids, dtype=np.int64)
@@ -79,7 +116,36 @@ class GPTDataset(torch.utils.data.Dataset):
                 f"{self.tokens_per_epoch} tokens, fewer than one sample of seq_length + 1 = "
                 f"{seq_length + 1}; use more data or a shorter model.seq_length"
             )
+        self._fingerprint: str | None = None
         self._epochs: dict[int, _Epoch] = {}
+
+    def cache_description(self, epoch: int) -> dict:
+        """Everything epoch `epoch`'s index arrays depend on (hashed into the cache key)."""
+        if self._fingerprint is None:
+            self._fingerprint = dataset_fingerprint(self.dataset)
+        return {
+            "kind": f"gpt-{self.name}"[:60],
+            "index_version": INDEX_VERSION,
+            "dataset": self._fingerprint,
+            "documents": array_digest(self.document_ids),
+            "num_documents": int(self.document_ids.size),
+            "seq_length": self.seq_length,
+            "seed": self.seed,
+            "epoch": epoch,
+        }
+
+    def build_epoch(self, epoch: int) -> dict[str, np.ndarray]:
+        """The three index arrays of one epoch (numpy only: a permutation, gathers, a cumsum)."""
+        documents = _rng(self.seed, epoch, 0).permutation(self.document_ids)
+        sequences = _sequences_of(self.dataset, documents)
+        lengths = self.dataset.sequence_lengths[sequences].astype(np.int64)
+        starts = np.cumsum(lengths) - lengths
+        order = _rng(self.seed, epoch, 1).permutation(self.samples_per_epoch)
+        return {
+            "document_index": _smallest_int(documents),
+            "sample_index": starts,
+            "shuffle_index": _smallest_int(order),
+        }
 
     def _epoch(self, epoch: int) -> _Epoch:
         if epoch not in self._epochs:
@@ -98,13 +164,16 @@ class GPTDataset(torch.utils.data.Dataset):
         for epoch in np.unique(epochs):  # one or two epochs per batch
             rows = np.nonzero(epochs == epoch)[0]
             ep = self._epoch(int(epoch))
-            k = ep.sample_order[indices[rows] % self.samples_per_epoch]
+            k = ep.shuffle_index[indices[rows] % self.samples_per_epoch]
             # positions in the epoch's stream: [b, s + 1]
             pos = k[:, None] * self.seq_length + np.arange(self.seq_length + 1)
-            seg = np.searchsorted(ep.starts, pos, side="right") - 1
-            flat = ep.element_offsets[seg] + (pos - ep.starts[seg])
+            seg = np.searchsorted(ep.sample_index, pos, side="right") - 1
+            flat = ep.element_offsets[seg] + (pos - ep.sample_index[seg])
             out[rows] = self.dataset.tokens[flat]
         return out
+
+    def __len__(self) -> int:
+        return self.samples_per_epoch
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.get_samples([i])[0]
@@ -139,37 +208,3 @@ def split_documents(
     bounds = np.concatenate([[0], np.cumsum(counts)])
     train, valid, test = (np.arange(bounds[j], bounds[j + 1], dtype=np.int64) for j in range(3))
     return train, valid, test
-
-
-def get_batch(
-    dataset: GPTDataset, consumed_samples: int, batch_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Samples `consumed_samples .. consumed_samples + batch_size - 1` as (tokens, labels).
-
-    Both are int64 [batch_size, seq_length]; labels are the tokens shifted left by one. The result
-    depends only on the dataset's seed and `consumed_samples`, so resuming continues the order.
-    """
-    samples = dataset.get_samples(np.arange(consumed_samples, consumed_samples + batch_size))
-    samples_t = torch.from_numpy(samples)  # [b, s + 1]
-    return samples_t[:, :-1].contiguous(), samples_t[:, 1:].contiguous()
-
-
-class BatchIterator:
-    """Endless (tokens, labels) batches from a GPTDataset, starting after `consumed_samples`.
-
-    `consumed_samples` advances by `batch_size` per batch; save it in a checkpoint and pass it back
-    to resume the same order.
-    """
-
-    def __init__(self, dataset: GPTDataset, batch_size: int, consumed_samples: int = 0) -> None:
-        self.dataset = dataset
-        self.batch_size = batch_size
-        self.consumed_samples = consumed_samples
-
-    def __iter__(self) -> BatchIterator:
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = get_batch(self.dataset, self.consumed_samples, self.batch_size)
-        self.consumed_samples += self.batch_size
-        return batch

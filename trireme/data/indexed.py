@@ -9,14 +9,16 @@ A dataset is a path prefix `P`. `P.bin` is every sequence's token ids back to ba
     document_indices   int64[D]   0, then the number of sequences after each document (last = N)
     sequence_modes     int8[N]    only in multimodal datasets (read past, never written)
 
-Without sentence splitting, one document is one sequence, so D = N + 1. Files written here are
-readable by Megatron-LM and the other way round.
+Without sentence splitting, one document is one sequence, so D = N + 1 (an empty document has
+zero sequences, as Megatron's preprocessing writes it). Files written here are readable by
+Megatron-LM and the other way round.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import shutil
 import struct
 import uuid
 from collections.abc import Sequence
@@ -61,11 +63,15 @@ def temporary_path(path: str | os.PathLike[str]) -> str:
 
 
 class IndexedDatasetWriter:
-    """Write a `.bin/.idx` pair one document at a time; each document is one sequence.
+    """Write a `.bin/.idx` pair, one document at a time or many at once, in constant memory.
 
-    Tokens stream to a temporary file next to the target; `finalize()` writes the index and renames
-    both into place (the `.idx` last), so an interrupted run never leaves a valid-looking `P.idx`.
-    As a context manager it finalizes on a clean exit and removes its temporaries on an exception.
+    A document is one sequence (the default) or several (`sequence_lengths`, from sentence
+    splitting); a document of zero sequences is allowed and is what Megatron's preprocessing
+    writes for an empty text. Tokens and the per-sequence lengths stream to hidden temporary files
+    next to the target, so memory does not grow with the data; `finalize()` writes the index and
+    renames both into place (the `.idx` last), so an interrupted run never leaves a valid-looking
+    `P.idx`. As a context manager it finalizes on a clean exit and removes its temporaries on an
+    exception.
     """
 
     def __init__(self, prefix: str | os.PathLike[str], dtype: np.dtype | type | str) -> None:
@@ -75,9 +81,15 @@ class IndexedDatasetWriter:
             raise ValueError(f"dtype {self.dtype} has no Megatron dtype code")
         os.makedirs(os.path.dirname(os.path.abspath(self.prefix)), exist_ok=True)
         self._bin_tmp = temporary_path(self.prefix + ".bin")
-        self._bin_file = open(self._bin_tmp, "xb", buffering=1 << 20)
+        self._lengths_tmp = temporary_path(self.prefix + ".lengths")
+        self._ends_tmp = temporary_path(self.prefix + ".documents")
         self._idx_tmp: str | None = None
-        self._lengths: list[int] = []
+        self._bin_file = open(self._bin_tmp, "xb", buffering=1 << 22)
+        self._lengths_file = open(self._lengths_tmp, "xb", buffering=1 << 20)  # int32 per sequence
+        self._ends_file = open(self._ends_tmp, "xb", buffering=1 << 20)  # int64 per document
+        self.num_sequences = 0
+        self.num_documents = 0
+        self.num_tokens = 0
         self._done = False
         if np.issubdtype(self.dtype, np.integer):
             info = np.iinfo(self.dtype)
@@ -85,14 +97,7 @@ class IndexedDatasetWriter:
         else:
             self._bounds = None
 
-    @property
-    def num_documents(self) -> int:
-        return len(self._lengths)
-
-    def add_document(self, tokens: Sequence[int] | np.ndarray) -> None:
-        """Append one document (one sequence) of token ids."""
-        if self._done:
-            raise RuntimeError(f"{self.prefix}: add_document after finalize")
+    def _tokens_array(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         array = np.asarray(tokens)
         if array.ndim != 1:
             raise ValueError(f"a document must be a 1-d sequence of token ids, not {array.shape}")
@@ -106,8 +111,61 @@ class IndexedDatasetWriter:
                         f"write with a wider dtype (best_dtype(vocab_size))"
                     )
             array = array.astype(self.dtype)
+        return array
+
+    def add_document(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        sequence_lengths: Sequence[int] | np.ndarray | None = None,
+    ) -> None:
+        """Append one document: its tokens, as one sequence or split by `sequence_lengths`."""
+        array = self._tokens_array(tokens)
+        lengths = [array.size] if sequence_lengths is None else sequence_lengths
+        self.add_documents(array, np.asarray(lengths, dtype=np.int64), [len(lengths)])
+
+    def add_documents(
+        self,
+        tokens: np.ndarray,
+        sequence_lengths: np.ndarray | Sequence[int],
+        sequences_per_document: np.ndarray | Sequence[int],
+    ) -> None:
+        """Append many documents at once: all their tokens back to back, the length of every
+        sequence, and how many sequences each document has (0 for an empty document)."""
+        if self._done:
+            raise RuntimeError(f"{self.prefix}: add_documents after finalize")
+        array = self._tokens_array(tokens)
+        lengths = np.asarray(sequence_lengths, dtype=np.int64)
+        counts = np.asarray(sequences_per_document, dtype=np.int64)
+        if int(lengths.sum()) != array.size or int(counts.sum()) != lengths.size:
+            raise ValueError(
+                f"{array.size} tokens, {lengths.size} sequence lengths summing to "
+                f"{int(lengths.sum())} and {int(counts.sum())} sequences per document disagree"
+            )
+        if lengths.size and (lengths.min() < 0 or lengths.max() > np.iinfo(np.int32).max):
+            raise DataError(f"{self.prefix}.idx: a sequence length is negative or above 2^31-1")
+        if counts.size and counts.min() < 0:
+            raise ValueError("a document cannot have a negative number of sequences")
         self._bin_file.write(array.tobytes())
-        self._lengths.append(int(array.size))
+        self._lengths_file.write(lengths.astype("<i4").tobytes())
+        ends = self.num_sequences + np.cumsum(counts)
+        self._ends_file.write(ends.astype("<i8").tobytes())
+        self.num_sequences += lengths.size
+        self.num_documents += counts.size
+        self.num_tokens += array.size
+
+    def append(self, other: IndexedDataset, chunk_tokens: int = 1 << 24) -> None:
+        """Append every document of an opened dataset (its tokens converted to this dtype)."""
+        if self._done:
+            raise RuntimeError(f"{self.prefix}: append after finalize")
+        tokens = other.tokens
+        for start in range(0, tokens.size, chunk_tokens):
+            self._bin_file.write(self._tokens_array(tokens[start : start + chunk_tokens]).tobytes())
+        self._lengths_file.write(np.asarray(other.sequence_lengths, dtype="<i4").tobytes())
+        ends = other.document_indices[1:].astype(np.int64) + self.num_sequences
+        self._ends_file.write(ends.astype("<i8").tobytes())
+        self.num_sequences += len(other)
+        self.num_documents += other.num_documents
+        self.num_tokens += other.num_tokens
 
     def finalize(self) -> None:
         """Write the index and move `P.bin` then `P.idx` into place."""
@@ -118,40 +176,49 @@ class IndexedDatasetWriter:
         except BaseException:
             self.abort()
             raise
+        self._remove_spools()
         self._done = True
 
-    def _write_index(self) -> None:
-        self._bin_file.close()
-        lengths = np.asarray(self._lengths, dtype=np.int64)
-        if lengths.size and lengths.max() > np.iinfo(np.int32).max:
-            raise DataError(f"{self.prefix}.idx: a document exceeds 2^31-1 tokens")
-        num_sequences = lengths.size
-        pointers = np.zeros(num_sequences, dtype=np.int64)
-        np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
-        document_indices = np.arange(num_sequences + 1, dtype=np.int64)
+    def _write_index(self, chunk: int = 1 << 22) -> None:
+        for f in (self._bin_file, self._lengths_file, self._ends_file):
+            f.close()
+        n, d = self.num_sequences, self.num_documents + 1
         self._idx_tmp = temporary_path(self.prefix + ".idx")
         with open(self._idx_tmp, "xb") as f:
-            f.write(
-                HEADER.pack(
-                    MAGIC, VERSION, CODE_OF_DTYPE[self.dtype], num_sequences, num_sequences + 1
-                )
-            )
-            f.write(lengths.astype("<i4").tobytes())
-            f.write(pointers.astype("<i8").tobytes())
-            f.write(document_indices.astype("<i8").tobytes())
+            f.write(HEADER.pack(MAGIC, VERSION, CODE_OF_DTYPE[self.dtype], n, d))
+            lengths = np.fromfile(self._lengths_tmp, dtype="<i4") if n else np.zeros(0, "<i4")
+            f.write(lengths.tobytes())
+            # byte offsets: 0, then the running sum of length x itemsize, a chunk at a time
+            offset = 0
+            for start in range(0, n, chunk):
+                part = lengths[start : start + chunk].astype(np.int64) * self.dtype.itemsize
+                pointers = np.cumsum(part) - part + offset
+                offset = int(pointers[-1] + part[-1])
+                f.write(pointers.astype("<i8").tobytes())
+            del lengths
+            f.write(np.zeros(1, dtype="<i8").tobytes())
+            with open(self._ends_tmp, "rb") as ends:
+                shutil.copyfileobj(ends, f, 1 << 22)
         # An old index must not describe the new .bin, even for a moment.
         if os.path.exists(self.prefix + ".idx"):
             os.remove(self.prefix + ".idx")
         os.replace(self._bin_tmp, self.prefix + ".bin")
         os.replace(self._idx_tmp, self.prefix + ".idx")
 
+    def _remove_spools(self) -> None:
+        for path in (self._lengths_tmp, self._ends_tmp):
+            if os.path.exists(path):
+                os.remove(path)
+
     def abort(self) -> None:
         """Remove the temporaries; nothing is written under the final names."""
-        if not self._bin_file.closed:
-            self._bin_file.close()
+        for f in (self._bin_file, self._lengths_file, self._ends_file):
+            if not f.closed:
+                f.close()
         for path in (self._bin_tmp, self._idx_tmp):
             if path and os.path.exists(path):
                 os.remove(path)
+        self._remove_spools()
         self._done = True
 
     def __enter__(self) -> IndexedDatasetWriter:

@@ -1,0 +1,134 @@
+"""Batch options (eod_mask_loss, reset_position_ids, reset_attention_mask), mock data, and the
+training side of the data features: blends, mock data and eod_mask_loss through `trireme train`."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from trireme.config import load_config
+from trireme.data.batch import BatchOptions, attention_mask, get_batch, make_batch
+from trireme.data.indexed import IndexedDatasetWriter
+from trireme.data.mock import MockGPTDataset
+from trireme.errors import ConfigError
+from trireme.train import build_trainer, train
+
+EOD = 9
+
+
+def test_eod_mask_loss_and_resets():
+    samples = np.array([[1, 2, EOD, 3, 4, EOD, 5, 6], [EOD, 1, 2, 3, 4, 5, 6, 7]])
+    batch = make_batch(samples, BatchOptions(EOD, True, True, True))
+    assert batch.tokens.tolist() == samples[:, :-1].tolist()
+    assert batch.labels.tolist() == samples[:, 1:].tolist()
+    assert batch.loss_mask.tolist() == [[1, 1, 0, 1, 1, 0, 1], [0, 1, 1, 1, 1, 1, 1]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 0], [0, 0, 1, 2, 3, 4, 5]]
+    assert batch.document_ids.tolist() == [[0, 0, 0, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1, 1]]
+    mask = attention_mask(batch.document_ids)  # [b, s, s]
+    assert mask[0, 3].tolist() == [False, False, False, True, False, False, False]
+    assert mask[0, 5].tolist() == [False, False, False, True, True, True, False]
+    assert mask[1, 1, 0].item() is False and mask[1, 6, 1].item() is True
+    plain = make_batch(samples, BatchOptions(EOD))
+    assert plain.position_ids is None and plain.document_ids is None
+    assert bool(plain.loss_mask.all())
+
+
+class Fixed:
+    seq_length = 7
+
+    def __init__(self, options):
+        self.options = options
+
+    def get_samples(self, indices):
+        return np.tile(np.array([1, 2, EOD, 3, 4, EOD, 5, 6]), (len(indices), 1))
+
+
+def test_get_batch_writes_masked_labels_as_ignore_index():
+    tokens, labels = get_batch(Fixed(BatchOptions(EOD, eod_mask_loss=True)), 0, 2)
+    assert labels[0].tolist() == [2, EOD, -100, 4, EOD, -100, 6]
+    _, labels = get_batch(Fixed(BatchOptions(EOD)), 0, 2)
+    assert -100 not in labels
+
+
+def test_mock_dataset():
+    ds = MockGPTDataset(1000, 16, seed=3, options=BatchOptions(EOD), mean_document_length=8)
+    a = ds.get_samples(np.arange(50))
+    assert a.shape == (50, 17) and a.dtype == np.int64
+    assert a.min() >= 0 and a.max() < 1000
+    np.testing.assert_array_equal(ds.get_samples([7, 2]), a[[7, 2]])
+    assert not np.array_equal(MockGPTDataset(1000, 16, seed=4).get_samples(np.arange(50)), a)
+    assert 0.05 < np.mean(a == EOD) < 0.25  # about one token in 8 ends a document
+    with pytest.raises(ConfigError, match="vocab_size"):
+        MockGPTDataset(0, 16, seed=0)
+
+
+@pytest.fixture(scope="module")
+def two_datasets(tmp_path_factory):
+    """Two byte-level datasets whose tokens tell them apart: bytes < 128 in A, >= 128 in B."""
+    root = tmp_path_factory.mktemp("blend")
+    rng = np.random.default_rng(0)
+    prefixes = []
+    for name, low in (("a", 0), ("b", 128)):
+        prefix = str(root / name)
+        with IndexedDatasetWriter(prefix, np.uint16) as writer:
+            for _ in range(60):
+                writer.add_document(list(rng.integers(low, low + 128, 50)) + [256])
+        prefixes.append(prefix)
+    return prefixes
+
+
+def cfg_for(tmp_path, path, *extra):
+    return load_config("tiny", [
+        f"data.path={path}", "data.tokenizer=bytes", f"run.dir={tmp_path}/run",
+        f"data.cache_dir={tmp_path}/cache", "model.num_layers=1", "model.hidden_size=32",
+        "model.num_attention_heads=2", "model.ffn_hidden_size=64", "model.seq_length=16",
+        "train.global_batch_size=4", "train.micro_batch_size=4", "train.steps=3",
+        "train.log_interval=1", "train.eval_interval=3", "train.eval_steps=1",
+        "train.sample_tokens=0", "logging.progress=false", "logging.tensorboard=false", *extra,
+    ])
+
+
+def test_training_on_a_blend(two_datasets, tmp_path, capsys):
+    a, b = two_datasets
+    cfg = cfg_for(tmp_path, f"0.75 {a} 0.25 {b}", "train.steps=4")
+    trainer = build_trainer(cfg)
+    err = capsys.readouterr().err
+    assert "blend of 2 datasets, 16 samples" in err and "75.00%" in err
+    tokens, _ = get_batch(trainer.train_data, 0, 400)
+    from_b = (tokens[:, 1:-1] >= 128) & (tokens[:, 1:-1] < 256)  # inner tokens tell the source
+    share_b = from_b.float().mean(dim=1).round().mean().item()
+    assert share_b == pytest.approx(0.25, abs=0.01)
+    train(cfg_for(tmp_path, f"0.75 {a} 0.25 {b}", "train.steps=2"))
+    assert (tmp_path / "cache" / "index-cache").is_dir()
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().split("\n")
+               if x]
+    assert len(records) == 2 and "eval_loss" in records[-1]
+
+
+def test_training_on_mock_data_with_eod_mask_loss(tmp_path):
+    cfg = cfg_for(tmp_path, "", "data.mock=true", "model.vocab_size=300",
+                  "data.eod_mask_loss=true", "train.steps=2")
+    trainer = build_trainer(cfg)
+    assert type(trainer.train_data).__name__ == "MockGPTDataset"
+    _, labels = get_batch(trainer.train_data, 0, 64)
+    assert (labels == -100).any()  # the tokenizer's eod (256 for bytes) is masked
+    train(cfg)
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()
+
+
+def test_reset_options_need_model_support(two_datasets, tmp_path):
+    for option in ("data.reset_position_ids=true", "data.reset_attention_mask=true"):
+        with pytest.raises(ConfigError, match="model does not take"):
+            build_trainer(cfg_for(tmp_path, two_datasets[0], option))
+
+
+def test_eod_mask_loss_changes_the_loss(two_datasets, tmp_path):
+    base = build_trainer(cfg_for(tmp_path, two_datasets[0]))
+    masked = build_trainer(cfg_for(tmp_path, two_datasets[0], "data.eod_mask_loss=true"))
+    masked.model.load_state_dict(base.model.state_dict())
+    tokens, labels = get_batch(base.train_data, 0, 8)
+    tokens_m, labels_m = get_batch(masked.train_data, 0, 8)
+    assert torch.equal(tokens, tokens_m) and (labels_m == -100).any()
+    with torch.no_grad():
+        assert base.model(tokens, labels).item() != masked.model(tokens_m, labels_m).item()

@@ -1,0 +1,167 @@
+"""Data commands: `trireme preprocess`, `trireme data merge|inspect`, `trireme tokenizer train`.
+
+Each `*_main(argv)` returns an exit status; a TriremeError becomes a one-line error and exit 2
+(see trireme/cli.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import Counter
+from collections.abc import Iterator
+
+import numpy as np
+
+from trireme.errors import ConfigError, DataError
+
+
+def preprocess_main(argv: list[str]) -> int:
+    from trireme.data.preprocess import PreprocessOptions, preprocess
+
+    parser = argparse.ArgumentParser(
+        prog="trireme preprocess",
+        description="Tokenize JSONL (plain, .gz, .zst) into Megatron .bin/.idx datasets, "
+        "one per JSON key: {prefix}_{key}_document (or _sentence).",
+    )
+    parser.add_argument("--input", nargs="+", required=True, metavar="PATH", help="JSONL files")
+    parser.add_argument("--output-prefix", required=True, metavar="P")
+    parser.add_argument("--tokenizer", required=True, metavar="TOK",
+                        help="a tokenizer path (kind inferred), kind:path, bytes or null:N")
+    parser.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY")
+    parser.add_argument("--append-eod", action="store_true",
+                        help="end every non-empty document with the end-of-document id")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="tokenizing processes (default: all cores)")
+    parser.add_argument("--split-sentences", action="store_true",
+                        help="one sequence per sentence (output named _sentence)")
+    parser.add_argument("--partitions", type=int, default=1, metavar="K",
+                        help="write K parts that a rerun reuses, then merge them")
+    parser.add_argument("--skip-bad-lines", action="store_true",
+                        help="skip malformed lines (counted per reason) instead of stopping")
+    parser.add_argument("--engine", choices=["auto", "hf"], default="auto",
+                        help="auto: encode byte-level BPE tokenizer.json files with tiktoken "
+                        "when installed (same ids, faster); hf: always the tokenizers library")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    options = PreprocessOptions(
+        inputs=args.input, output_prefix=args.output_prefix, tokenizer=args.tokenizer,
+        json_keys=args.json_keys, append_eod=args.append_eod, workers=args.workers,
+        split_sentences=args.split_sentences, partitions=args.partitions,
+        skip_bad_lines=args.skip_bad_lines, engine=args.engine, progress=not args.no_progress,
+    )
+    report = preprocess(options)
+    print(report.summary())
+    return 0
+
+
+def data_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="trireme data", description="Dataset tools.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    merge = sub.add_parser("merge", help="join datasets (documents in the order given)")
+    merge.add_argument("--input", nargs="+", required=True, metavar="PREFIX")
+    merge.add_argument("--output-prefix", required=True, metavar="P")
+    inspect = sub.add_parser("inspect", help="counts, dtype, token statistics, a decoded sample")
+    inspect.add_argument("prefix")
+    inspect.add_argument("--tokenizer", default="", help="decode the sample with this tokenizer")
+    inspect.add_argument("--document", type=int, default=0, help="which document to show")
+    inspect.add_argument("--chars", type=int, default=500, help="characters of the sample")
+    args = parser.parse_args(argv)
+    if args.command == "merge":
+        from trireme.data.preprocess import merge_datasets
+
+        merged = merge_datasets(args.input, args.output_prefix)
+        print(f"trireme: wrote {merged.prefix}.bin / .idx: {merged.num_documents:,} documents, "
+              f"{len(merged):,} sequences, {merged.num_tokens:,} {merged.dtype} tokens")
+        return 0
+    print(inspect_dataset(args.prefix, args.tokenizer, args.document, args.chars))
+    return 0
+
+
+def inspect_dataset(prefix: str, tokenizer: str = "", document: int = 0, chars: int = 500) -> str:
+    """A human-readable summary of a dataset (what `trireme data inspect` prints)."""
+    from trireme.data.indexed import IndexedDataset
+
+    ds = IndexedDataset(prefix)
+    starts = ds.document_indices
+    tokens_before = np.concatenate([[0], np.cumsum(ds.sequence_lengths, dtype=np.int64)])
+    doc_tokens = tokens_before[starts[1:]] - tokens_before[starts[:-1]]
+    lines = [
+        f"dataset    {ds.prefix}",
+        f"dtype      {ds.dtype} ({ds.dtype.itemsize} bytes per token)",
+        f"documents  {ds.num_documents:,} ({int(np.count_nonzero(doc_tokens == 0)):,} empty)",
+        f"sequences  {len(ds):,}",
+        f"tokens     {ds.num_tokens:,} ({os.path.getsize(ds.prefix + '.bin') / 1e6:,.1f} MB)",
+    ]
+    if ds.num_documents:
+        q = np.percentile(doc_tokens, [50, 90, 99])
+        lines.append(
+            f"per doc    min {doc_tokens.min():,}  mean {doc_tokens.mean():,.1f}  median "
+            f"{q[0]:,.0f}  p90 {q[1]:,.0f}  p99 {q[2]:,.0f}  max {doc_tokens.max():,}"
+        )
+    if ds.num_tokens:
+        limit = 1 << 27  # beyond this, a strided sample keeps inspect to a few seconds
+        sample = ds.tokens if ds.num_tokens <= limit else ds.tokens[:: -(-ds.num_tokens // limit)]
+        if np.issubdtype(ds.dtype, np.integer) and int(sample.min()) >= 0:
+            counts = np.bincount(sample)
+            ids = np.nonzero(counts)[0]
+            counts = counts[ids]
+        else:
+            ids, counts = np.unique(sample, return_counts=True)
+        scope = "" if sample.size == ds.num_tokens else f" (in a sample of {sample.size:,})"
+        top = ", ".join(f"{int(i)} x{int(c):,}" for i, c in
+                        sorted(zip(ids, counts), key=lambda x: -x[1])[:5])
+        lines.append(f"token ids  min {int(ids[0])}  max {int(ids[-1])}  distinct "
+                     f"{ids.size:,}{scope}; most frequent: {top}")
+    if 0 <= document < ds.num_documents and doc_tokens[document]:
+        first, last = int(starts[document]), int(starts[document + 1])
+        ids = np.concatenate([ds[i] for i in range(first, last)])
+        if tokenizer:
+            from trireme.data.tokenizer import load_tokenizer
+
+            text = load_tokenizer(tokenizer).decode(ids.tolist())
+            lines.append(f"document {document} ({ids.size:,} tokens), decoded:")
+            lines.append(text[:chars] + (" ..." if len(text) > chars else ""))
+        else:
+            shown = " ".join(map(str, ids[:64].tolist()))
+            lines.append(f"document {document} ({ids.size:,} tokens; --tokenizer to decode): "
+                         f"{shown}{' ...' if ids.size > 64 else ''}")
+    return "\n".join(lines)
+
+
+def _training_texts(paths: list[str], key: str) -> Iterator[str]:
+    """Texts from JSONL files (the `key` of each line, bad lines skipped) or plain text lines."""
+    from trireme.data.jsonl import Piece, parse_lines, read_blocks
+
+    for path in paths:
+        if not os.path.isfile(path):
+            raise DataError(f"input file {path!r} not found")
+        stem = path.removesuffix(".gz").removesuffix(".zst").removesuffix(".zstd")
+        is_json = stem.endswith((".jsonl", ".json", ".ndjson"))
+        for block in read_blocks(Piece(path)):
+            if is_json:
+                yield from parse_lines(block, [key], True, Counter())[0]
+            else:
+                yield from block.data.decode("utf-8", errors="replace").splitlines()
+
+
+def tokenizer_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="trireme tokenizer", description="Tokenizer tools.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a byte-level BPE (GPT-2 style) with tokenizers")
+    train.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                       help="JSONL (.jsonl, .gz, .zst) or plain text files")
+    train.add_argument("--json-key", default="text", help="the key holding text in JSONL")
+    train.add_argument("--vocab-size", type=int, required=True, metavar="N")
+    train.add_argument("--output", required=True, metavar="DIR", help="writes DIR/tokenizer.json")
+    args = parser.parse_args(argv)
+    from trireme.data.tokenizer import train_bpe
+
+    if args.vocab_size < 1:
+        raise ConfigError(f"--vocab-size {args.vocab_size} must be positive")
+    path = os.path.join(args.output, "tokenizer.json")
+    tok = train_bpe(_training_texts(args.input, args.json_key), args.vocab_size, path)
+    print(f"trireme: wrote {path} ({tok.vocab_size:,} tokens, end-of-document id {tok.eod})",
+          file=sys.stdout)
+    return 0

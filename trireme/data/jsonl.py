@@ -1,0 +1,212 @@
+"""Reading JSONL input for preprocessing: plain, .gz or .zst, in blocks of whole lines.
+
+The reader never holds more than one block (about a megabyte) of a file; each block carries the
+number of its first line so that an error can name the file and line. `parse_lines` turns a block
+into the texts of the chosen JSON keys, and names what is wrong with a bad line.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from trireme.errors import DataError
+
+# Reasons a line is skipped with --skip-bad-lines (the keys of the counts printed at the end).
+MALFORMED = "malformed JSON"
+NOT_OBJECT = "not a JSON object"
+MISSING_KEY = "missing key"
+NOT_STRING = "non-string value"
+BAD_UTF8 = "invalid UTF-8"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Part of an input file: bytes [start, end) of a plain file (end None: to the end), or a
+    whole compressed file. A line belongs to the piece where it starts."""
+
+    path: str
+    start: int = 0
+    end: int | None = None
+
+
+@dataclass
+class Block:
+    path: str
+    first_line: int  # 1-based number of the block's first line in its file
+    data: bytes  # whole lines, each ending in a newline (the last one may not)
+    disk_bytes: int  # bytes of the file on disk this block accounts for (for progress)
+
+
+def is_compressed(path: str) -> bool:
+    return path.endswith((".gz", ".zst", ".zstd"))
+
+
+class _Source:
+    """An input file opened for reading uncompressed bytes; `disk_position()` is where the
+    reader is in the file on disk (compressed bytes for .gz / .zst)."""
+
+    def __init__(self, path: str) -> None:
+        self.raw = open(path, "rb")
+        self.stream: BinaryIO
+        if path.endswith(".gz"):
+            self.stream = gzip.GzipFile(fileobj=self.raw)
+        elif path.endswith((".zst", ".zstd")):
+            try:
+                import zstandard
+            except ImportError:
+                self.raw.close()
+                raise DataError(
+                    f"{path}: reading .zst needs the 'zstandard' package: pip install zstandard"
+                ) from None
+            self.stream = zstandard.ZstdDecompressor().stream_reader(self.raw)
+        else:
+            self.stream = self.raw
+
+    def disk_position(self) -> int:
+        return self.raw.tell()
+
+    def close(self) -> None:
+        if self.stream is not self.raw:
+            self.stream.close()
+        self.raw.close()
+
+
+def _count_lines_before(path: str, offset: int) -> int:
+    count = 0
+    with open(path, "rb") as f:
+        while offset > 0:
+            chunk = f.read(min(offset, 1 << 24))
+            if not chunk:
+                break
+            count += chunk.count(b"\n")
+            offset -= len(chunk)
+    return count
+
+
+def read_blocks(piece: Piece, block_bytes: int = 1 << 20) -> Iterator[Block]:
+    """Blocks of whole lines of one piece, in order, about `block_bytes` each."""
+    source = _Source(piece.path)
+    try:
+        line = 1
+        if piece.start:
+            line += _count_lines_before(piece.path, piece.start)
+            source.raw.seek(piece.start - 1)
+            if source.raw.read(1) != b"\n":  # inside a line: it belongs to the previous piece
+                line += source.raw.readline().count(b"\n")
+        limit = None if piece.end is None else piece.end
+        carry = b""
+        position = source.disk_position()
+        while True:
+            if limit is not None and source.raw.tell() >= limit:
+                # finish the line that began before the limit, then stop
+                data = carry + (source.raw.readline() if carry and not carry.endswith(b"\n")
+                                else b"")
+                if data:
+                    yield Block(piece.path, line, data, limit - position)
+                return
+            size = block_bytes if limit is None else min(block_bytes, limit - source.raw.tell())
+            chunk = source.stream.read(size)
+            if not chunk:
+                if carry:
+                    yield Block(piece.path, line, carry, source.disk_position() - position)
+                return
+            data = carry + chunk
+            cut = data.rfind(b"\n") + 1
+            if cut == 0:
+                carry = data
+                continue
+            block, carry = data[:cut], data[cut:]
+            now = source.disk_position()
+            yield Block(piece.path, line, block, now - position)
+            position = now
+            line += block.count(b"\n")
+    finally:
+        source.close()
+
+
+def split_pieces(paths: list[str], partitions: int) -> list[list[Piece]]:
+    """Divide the inputs, in order, into up to `partitions` groups of about equal size on disk.
+    When there are fewer files than partitions, plain files are cut into byte ranges."""
+    sizes = {p: os.path.getsize(p) for p in paths}
+    pieces = [Piece(p) for p in paths]
+    if 0 < len(paths) < partitions:
+        per_file = -(-partitions // len(paths))
+        pieces = []
+        for p in paths:
+            if is_compressed(p) or sizes[p] == 0:
+                pieces.append(Piece(p))
+                continue
+            bounds = [sizes[p] * i // per_file for i in range(per_file + 1)]
+            pieces += [Piece(p, a, b if b < sizes[p] else None)
+                       for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    total = max(sum(sizes.values()), 1)
+    groups: list[list[Piece]] = [[] for _ in range(partitions)]
+    done = 0
+    for piece in pieces:  # each piece goes to the group its middle byte falls in
+        size = (sizes[piece.path] if piece.end is None else piece.end) - piece.start
+        groups[min(partitions - 1, int((done + size / 2) * partitions / total))].append(piece)
+        done += size
+    return [g for g in groups if g]
+
+
+def _utf8_clean(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def parse_lines(
+    block: Block, keys: list[str], skip_bad: bool, skipped: Counter
+) -> list[list[str]]:
+    """The texts of `keys` for each good line of the block: [key][document].
+
+    A bad line raises DataError naming file and line, or with `skip_bad` is counted in `skipped`
+    by reason and left out. Blank lines are ignored.
+    """
+    texts: list[list[str]] = [[] for _ in keys]
+    for number, raw in enumerate(io.BytesIO(block.data), block.first_line):
+        if not raw.strip():
+            continue
+        reason, detail = None, ""
+        try:
+            line = raw.decode("utf-8")
+            record = json.loads(line)
+        except UnicodeDecodeError as e:
+            reason, detail = BAD_UTF8, f"byte {e.start}"
+        except json.JSONDecodeError as e:
+            reason, detail = MALFORMED, f"{e.msg}, column {e.colno}"
+        if reason is None and not isinstance(record, dict):
+            reason, detail = NOT_OBJECT, type(record).__name__
+        values = []
+        if reason is None:
+            for key in keys:
+                value = record.get(key)
+                if key not in record:
+                    reason, detail = MISSING_KEY, repr(key)
+                elif not isinstance(value, str):
+                    reason, detail = NOT_STRING, f"{type(value).__name__} for {key!r}"
+                elif "\\ud" in line.lower() and not _utf8_clean(value):
+                    reason, detail = BAD_UTF8, f"lone surrogate escape in {key!r}"
+                if reason:
+                    break
+                values.append(value)
+        if reason is not None:
+            if not skip_bad:
+                raise DataError(
+                    f"{block.path}:{number}: {reason} ({detail}); fix the line or pass "
+                    "--skip-bad-lines"
+                )
+            skipped[reason] += 1
+            continue
+        for column, value in zip(texts, values):
+            column.append(value)
+    return texts

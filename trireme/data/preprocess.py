@@ -1,0 +1,307 @@
+"""`trireme preprocess`: JSONL in, Megatron `.bin/.idx` datasets out, in parallel, constant memory.
+
+The main process reads each input in blocks of whole lines (about a megabyte) and hands them to a
+pool of worker processes, at most two blocks per worker in flight, so memory stays flat whatever the
+input size. A worker parses its block, tokenizes all of its documents in one call and returns numpy
+arrays (tokens, sequence lengths, sequences per document) for each JSON key; the main process writes
+them in input order. Per key the output is `{prefix}_{key}_document` (or `_sentence` with sentence
+splitting), laid out as Megatron's preprocessing lays it out: an empty document is a document of
+zero sequences, and `--append-eod` adds the end-of-document id to non-empty documents only.
+
+With `partitions > 1` the inputs are cut into that many parts (by file, or by byte range of a plain
+file); each part is written to its own finished dataset under `{prefix}.parts/`, which a rerun after
+an interruption reuses, and the parts are merged into the output at the end.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from collections import Counter, deque
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+
+import numpy as np
+
+from trireme.data.indexed import CODE_OF_DTYPE, IndexedDataset, IndexedDatasetWriter, best_dtype
+from trireme.data.jsonl import Block, Piece, parse_lines, read_blocks, split_pieces
+from trireme.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
+from trireme.errors import ConfigError, DataError
+
+FAST_CHECK_DOCUMENTS = 64  # documents of each worker's first block checked against `tokenizers`
+# A sentence ends at . ! ? (and any closing quotes or brackets) followed by whitespace, or at a
+# blank line. Deliberately simple: no abbreviation list, no language model.
+_SENTENCE_BREAK = re.compile(r"(?<=[.!?])[\"'\u201d\u2019)\]]*\s+|\n\s*\n")
+
+
+@dataclass
+class PreprocessOptions:
+    inputs: list[str]
+    output_prefix: str
+    tokenizer: str
+    json_keys: list[str] = field(default_factory=lambda: ["text"])
+    append_eod: bool = False
+    workers: int = 1
+    split_sentences: bool = False
+    partitions: int = 1
+    skip_bad_lines: bool = False
+    engine: str = "auto"  # auto: tiktoken for a qualifying byte-level BPE; hf: tokenizers only
+    block_bytes: int = 1 << 20
+    progress: bool = True
+
+
+@dataclass
+class PreprocessReport:
+    outputs: list[str]
+    documents: int = 0
+    sequences: int = 0
+    tokens: int = 0
+    json_bytes: int = 0
+    seconds: float = 0.0
+    started: float = 0.0
+    skipped: Counter = field(default_factory=Counter)
+    engine: str = ""
+
+    def summary(self) -> str:
+        rate = self.json_bytes / max(self.seconds, 1e-9)
+        lines = [
+            f"trireme: {self.documents:,} documents, {self.sequences:,} sequences, "
+            f"{self.tokens:,} tokens from {self.json_bytes / 1e6:,.1f} MB of JSON in "
+            f"{self.seconds:.1f} s ({self.documents / max(self.seconds, 1e-9):,.0f} documents/s, "
+            f"{rate / 1e6:.2f} MB/s; {self.engine})",
+            *(f"trireme: wrote {p}.bin / .idx" for p in self.outputs),
+        ]
+        if self.skipped:
+            counts = ", ".join(f"{n:,} {reason}" for reason, n in sorted(self.skipped.items()))
+            lines.append(f"trireme: skipped {sum(self.skipped.values()):,} bad lines: {counts}")
+        return "\n".join(lines)
+
+
+def split_sentences(text: str) -> list[str]:
+    """Sentences of `text`, stripped; empty ones dropped."""
+    return [s.strip() for s in _SENTENCE_BREAK.split(text) if s.strip()]
+
+
+# ---- worker side ------------------------------------------------------------------------------
+
+_worker: dict = {}
+
+
+def _init_worker(options: PreprocessOptions, dtype: str) -> None:
+    fast = options.engine == "auto"
+    _worker.update(
+        tokenizer=load_tokenizer(options.tokenizer, fast=fast), options=options,
+        dtype=np.dtype(dtype), checked=not fast,
+    )
+
+
+def _check_fast_engine(tokenizer: Tokenizer, texts: list[str]) -> str | None:
+    """Compare the fast engine with `tokenizers` on some documents; turn it off on a difference."""
+    if not isinstance(tokenizer, HFTokenizer) or not tokenizer.fast:
+        return None
+    sample = texts[:FAST_CHECK_DOCUMENTS]
+    if tokenizer.encode_batch(sample) == tokenizer.encode_reference(sample):
+        return None
+    tokenizer.disable_fast()
+    return "the tiktoken engine disagreed with tokenizers on a document; using tokenizers"
+
+
+def _encode(tokenizer: Tokenizer, texts: list[str], block: Block) -> list[list[int]]:
+    try:
+        return tokenizer.encode_batch(texts)
+    except ValueError as e:  # e.g. the null tokenizer on a non-integer
+        raise DataError(f"{block.path} (lines from {block.first_line}): {e}") from None
+
+
+def _tokenize_column(texts: list[str], block: Block, options: PreprocessOptions, dtype: np.dtype):
+    """(tokens, sequence lengths, sequences per document) of one key's texts, as arrays."""
+    tokenizer: Tokenizer = _worker["tokenizer"]
+    if options.split_sentences:
+        sentences = [split_sentences(t) for t in texts]
+        per_doc = [len(s) for s in sentences]
+        ids = _encode(tokenizer, list(itertools.chain.from_iterable(sentences)), block)
+        docs = []
+        start = 0
+        for n in per_doc:
+            docs.append([s for s in ids[start : start + n] if s])  # empty sentences dropped
+            start += n
+    else:
+        docs = [[ids] if ids else [] for ids in _encode(tokenizer, texts, block)]
+    if options.append_eod:
+        for doc in docs:
+            if doc:
+                doc[-1].append(tokenizer.eod)
+    sequences = list(itertools.chain.from_iterable(docs))
+    lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
+    total = int(lengths.sum())
+    tokens = np.fromiter(itertools.chain.from_iterable(sequences), dtype=dtype, count=total)
+    counts = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
+    return tokens, lengths, counts
+
+
+def _process_block(block: Block) -> dict:
+    """Worker: one block of lines -> arrays per key, counts, and any error as a message."""
+    options: PreprocessOptions = _worker["options"]
+    skipped: Counter = Counter()
+    result: dict = {"disk_bytes": block.disk_bytes, "json_bytes": len(block.data)}
+    try:
+        texts = parse_lines(block, options.json_keys, options.skip_bad_lines, skipped)
+        if not _worker["checked"] and texts[0]:
+            _worker["checked"] = True
+            result["warning"] = _check_fast_engine(_worker["tokenizer"], texts[0])
+        result["columns"] = [_tokenize_column(t, block, options, _worker["dtype"]) for t in texts]
+    except DataError as e:
+        result["error"] = str(e)
+    result["skipped"] = skipped
+    return result
+
+
+# ---- main process -----------------------------------------------------------------------------
+
+
+def _ordered_results(blocks, options: PreprocessOptions, dtype: np.dtype):
+    """Results of `_process_block` in input order, with at most 2 blocks per worker in flight."""
+    if options.workers <= 1:
+        _init_worker(options, dtype.str)
+        for block in blocks:
+            yield _process_block(block)
+        return
+    with ProcessPoolExecutor(
+        options.workers, mp_context=get_context("fork"), initializer=_init_worker,
+        initargs=(options, dtype.str),
+    ) as pool:
+        pending: deque = deque()
+        for block in blocks:
+            pending.append(pool.submit(_process_block, block))
+            if len(pending) >= 2 * options.workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
+def _progress(options: PreprocessOptions, total: int):
+    if not options.progress:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="B", unit_scale=True, desc="preprocess", file=sys.stderr,
+                dynamic_ncols=True, smoothing=0.1)
+
+
+def output_prefixes(options: PreprocessOptions) -> list[str]:
+    level = "sentence" if options.split_sentences else "document"
+    return [f"{options.output_prefix}_{key}_{level}" for key in options.json_keys]
+
+
+def _write_part(pieces: list[Piece], prefixes: list[str], options: PreprocessOptions,
+                dtype: np.dtype, report: PreprocessReport, bar) -> None:
+    """Tokenize the pieces into one dataset per key, finished atomically (or not at all)."""
+    writers = [IndexedDatasetWriter(p, dtype) for p in prefixes]
+    try:
+        blocks = (b for piece in pieces for b in read_blocks(piece, options.block_bytes))
+        for result in _ordered_results(blocks, options, dtype):
+            if "error" in result:
+                raise DataError(result["error"])
+            if result.get("warning") and not report.engine.endswith("(fell back)"):
+                print(f"trireme: warning: {result['warning']}", file=sys.stderr)
+                report.engine += " (fell back)"
+            for writer, (tokens, lengths, counts) in zip(writers, result["columns"]):
+                writer.add_documents(tokens, lengths, counts)
+            tokens, lengths, counts = result["columns"][0]
+            report.documents += counts.size
+            report.sequences += sum(c[1].size for c in result["columns"])
+            report.tokens += sum(c[0].size for c in result["columns"])
+            report.json_bytes += result["json_bytes"]
+            report.skipped += result["skipped"]
+            if bar is not None:
+                bar.update(result["disk_bytes"])
+                seconds = max(time.perf_counter() - report.started, 1e-9)
+                bar.set_postfix_str(f"{report.documents / seconds:,.0f} docs/s, "
+                                    f"{report.json_bytes / seconds / 1e6:.2f} MB/s")
+    except BaseException:
+        for writer in writers:
+            writer.abort()
+        raise
+    for writer in writers:
+        writer.finalize()
+
+
+def preprocess(options: PreprocessOptions) -> PreprocessReport:
+    """Run the whole preprocessing; returns counts and timings (printing is the caller's)."""
+    if not options.inputs:
+        raise ConfigError("preprocess: no --input files")
+    for path in options.inputs:
+        if not os.path.isfile(path):
+            raise DataError(f"input file {path!r} not found")
+    if options.partitions < 1 or options.workers < 0:
+        raise ConfigError("preprocess: --partitions must be >= 1 and --workers >= 0")
+    tokenizer = load_tokenizer(options.tokenizer, fast=options.engine == "auto")
+    dtype = best_dtype(tokenizer.vocab_size)
+    fast = isinstance(tokenizer, HFTokenizer) and tokenizer.fast
+    engine = "tiktoken engine" if fast else f"{type(tokenizer).__name__}"
+    if isinstance(tokenizer, HFTokenizer) and not fast and options.engine == "auto":
+        engine += f" (fast engine off: {tokenizer.fast_reason})"
+    prefixes = output_prefixes(options)
+    report = PreprocessReport(prefixes, engine=f"{engine}, {max(options.workers, 1)} workers")
+    bar = _progress(options, sum(os.path.getsize(p) for p in options.inputs))
+    report.started = start = time.perf_counter()
+    try:
+        groups = split_pieces(options.inputs, options.partitions)
+        if len(groups) == 1:
+            _write_part(groups[0], prefixes, options, dtype, report, bar)
+        else:
+            _write_partitioned(groups, prefixes, options, dtype, report, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _write_partitioned(groups, prefixes, options, dtype, report, bar) -> None:
+    parts_dir = options.output_prefix + ".parts"
+    os.makedirs(parts_dir, exist_ok=True)
+    part_prefixes = []
+    for i, pieces in enumerate(groups):
+        description = json.dumps([[p.path, p.start, p.end] for p in pieces]
+                                 + [options.json_keys, options.tokenizer, options.append_eod,
+                                    options.split_sentences, dtype.str])
+        marker = os.path.join(parts_dir, f"part{i}.done")
+        names = [os.path.join(parts_dir, f"part{i}_{os.path.basename(p)}") for p in prefixes]
+        part_prefixes.append(names)
+        if os.path.isfile(marker) and Path(marker).read_text() == description:
+            if bar is not None:
+                bar.update(sum(os.path.getsize(p.path) if p.end is None else p.end - p.start
+                               for p in pieces))
+            continue  # finished by an earlier, interrupted run
+        _write_part(pieces, names, options, dtype, report, bar)
+        with open(marker + ".tmp", "w") as f:
+            f.write(description)
+        os.replace(marker + ".tmp", marker)
+    for k, prefix in enumerate(prefixes):
+        merge_datasets([names[k] for names in part_prefixes], prefix)
+    shutil.rmtree(parts_dir)
+
+
+def merge_datasets(inputs: list[str], output: str) -> IndexedDataset:
+    """Join datasets, documents in the order given, into `output` (written atomically)."""
+    if not inputs:
+        raise ConfigError("merge: no input datasets")
+    opened = [IndexedDataset(p) for p in inputs]
+    dtype = np.result_type(*(d.dtype for d in opened))  # e.g. uint16 and int32 give int32
+    if dtype not in CODE_OF_DTYPE:
+        raise DataError(f"merge: token dtypes {sorted({str(d.dtype) for d in opened})} have no "
+                        "common Megatron dtype")
+    with IndexedDatasetWriter(output, dtype) as writer:
+        for dataset in opened:
+            writer.append(dataset)
+    return IndexedDataset(output)
