@@ -1,4 +1,8 @@
-"""The outer loop: steps, logging, evaluation, checkpoints, resume, and the final sample."""
+"""The outer loop: steps, logging, evaluation, checkpoints, resume, and the final sample.
+
+Under torchrun every rank runs this loop in step; only global rank 0 writes files (metrics.jsonl,
+config.toml, checkpoints) and prints.
+"""
 
 from __future__ import annotations
 
@@ -18,24 +22,39 @@ from trireme.checkpoint.store import (
 )
 from trireme.metrics import MetricsLogger
 from trireme.optim.schedules import lr_at
+from trireme.parallel import checkpointing as tp_ckpt
 from trireme.train import Trainer, log_line, now, step_metrics, write_run_config
 
 
-def save(trainer: Trainer) -> Path:
-    cfg = trainer.cfg
-    return save_checkpoint(
-        cfg.checkpoint.dir,
-        trainer.state.step,
-        model=trainer.model.state_dict(),
-        optimizer=trainer.optimizer.state_dict(),
-        trainer={
-            "step": trainer.state.step,
-            "consumed_samples": trainer.state.consumed_samples,
-            "rng": capture_rng_state(),
-        },
-        config_toml=cfg.to_toml(),
-        keep_last=cfg.checkpoint.keep_last,
-    )
+def save(trainer: Trainer) -> Path | None:
+    """Write a checkpoint in the single-process form (gathered from the tensor-parallel ranks,
+    written by rank 0); returns its path on rank 0."""
+    cfg, model = trainer.cfg, trainer.model
+    rows = cfg.model.padded_vocab_size  # the single-process padding: independent of the layout
+    model_state = tp_ckpt.full_tensors(model.state_dict(), model, rows)
+    optimizer_state = tp_ckpt.full_optimizer_state(trainer.optimizer.state_dict(), model, rows)
+    trainer_state = {
+        "step": trainer.state.step,
+        "consumed_samples": trainer.state.consumed_samples,
+        "rng": capture_rng_state(),
+    }
+    tp_rng = tp_ckpt.gather_rng_states(model)
+    if tp_rng:
+        trainer_state["tensor_parallel_rng"] = tp_rng
+    path = None
+    if trainer.is_main:
+        path = save_checkpoint(
+            cfg.checkpoint.dir,
+            trainer.state.step,
+            model=model_state,
+            optimizer=optimizer_state,
+            trainer=trainer_state,
+            config_toml=cfg.to_toml(),
+            keep_last=cfg.checkpoint.keep_last,
+        )
+    if trainer.env.world_size > 1:
+        torch.distributed.barrier()  # the checkpoint is complete before any rank goes on
+    return path
 
 
 def maybe_resume(trainer: Trainer) -> None:
@@ -46,16 +65,19 @@ def maybe_resume(trainer: Trainer) -> None:
     if path is None:
         return
     ckpt = load_checkpoint(path)
-    load_model_state(trainer.model, ckpt.model)
-    trainer.optimizer.load_state_dict(ckpt.optimizer)
+    model = trainer.model
+    load_model_state(model, tp_ckpt.local_tensors(ckpt.model, model))
+    trainer.optimizer.load_state_dict(tp_ckpt.local_optimizer_state(ckpt.optimizer, model))
     trainer.state.step = int(ckpt.trainer["step"])
     trainer.state.consumed_samples = int(ckpt.trainer["consumed_samples"])
     restore_rng_state(ckpt.trainer["rng"])
-    print(f"trireme: resumed from {path} at step {trainer.state.step}", file=sys.stderr)
+    tp_ckpt.restore_rng_states(model, ckpt.trainer.get("tensor_parallel_rng", {}))
+    if trainer.is_main:
+        print(f"trireme: resumed from {path} at step {trainer.state.step}", file=sys.stderr)
 
 
 def make_progress(trainer: Trainer, total: int, initial: int):
-    if not trainer.cfg.logging.progress:
+    if not trainer.cfg.logging.progress or not trainer.is_main:
         return None
     try:
         from tqdm import tqdm
@@ -65,7 +87,9 @@ def make_progress(trainer: Trainer, total: int, initial: int):
                 file=sys.stderr, leave=False)
 
 
-def print_line(progress, text: str) -> None:
+def print_line(progress, text: str, main: bool = True) -> None:
+    if not main:
+        return
     if progress is not None:
         progress.write(text)
     else:
@@ -76,11 +100,13 @@ def run_loop(trainer: Trainer) -> None:
     """Train until train.steps (or train.max_minutes), logging, evaluating and checkpointing."""
     cfg = trainer.cfg
     maybe_resume(trainer)
-    run_dir = write_run_config(cfg)
-    logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard)
+    main = trainer.is_main
+    run_dir = write_run_config(cfg) if main else cfg.run_dir
+    logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard) if main else None
     progress = make_progress(trainer, cfg.train.steps, trainer.state.step)
-    print_line(progress, f"trireme: {trainer.model.num_parameters() / 1e6:.2f}M parameters, "
-               f"{cfg.train.steps} steps on {trainer.device}, run dir {run_dir}")
+    print_line(progress, f"trireme: {trainer.model.num_parameters() / 1e6:.2f}M parameters"
+               f"{layout_note(trainer)}, {cfg.train.steps} steps on {trainer.device}, "
+               f"run dir {run_dir}", main)
     started = time.monotonic()
     pending: list[dict] = []
     last_log = now()
@@ -91,8 +117,8 @@ def run_loop(trainer: Trainer) -> None:
             trainer.state.step += 1
             trainer.state.consumed_samples += cfg.train.global_batch_size
             step = trainer.state.step
-            out_of_time = cfg.train.max_minutes and (
-                time.monotonic() - started > 60 * cfg.train.max_minutes
+            out_of_time = cfg.train.max_minutes and agree(
+                trainer, time.monotonic() - started > 60 * cfg.train.max_minutes
             )
             last = step == cfg.train.steps or out_of_time
             do_eval = trainer.valid_data is not None and cfg.train.eval_interval and (
@@ -105,8 +131,9 @@ def run_loop(trainer: Trainer) -> None:
                 pending = []
                 if do_eval:
                     record["eval_loss"] = trainer.evaluate()
-                logger.log(record)
-                print_line(progress, log_line(record))
+                if logger is not None:
+                    logger.log(record)
+                print_line(progress, log_line(record), main)
                 if progress is not None:
                     progress.set_postfix(loss=f"{record['loss']:.3f}",
                                          tok_s=f"{record['tokens_per_s']:,.0f}",
@@ -119,13 +146,32 @@ def run_loop(trainer: Trainer) -> None:
             ):
                 save(trainer)
             if out_of_time:
-                print_line(progress, f"trireme: train.max_minutes reached at step {step}")
+                print_line(progress, f"trireme: train.max_minutes reached at step {step}", main)
                 break
     finally:
         if progress is not None:
             progress.close()
-        logger.close()
+        if logger is not None:
+            logger.close()
     print_sample(trainer)
+
+
+def layout_note(trainer: Trainer) -> str:
+    """' per rank (tensor parallel 2, sequence parallel)' under TP, else ''."""
+    tp = trainer.model.tp
+    if tp is None:
+        return ""
+    sp = ", sequence parallel" if tp.sequence_parallel else ""
+    return f" per rank (tensor parallel {tp.size}{sp})"
+
+
+def agree(trainer: Trainer, flag: bool) -> bool:
+    """True on every rank if `flag` is True on any (so all ranks stop at the same step)."""
+    if trainer.env.world_size == 1:
+        return flag
+    t = torch.tensor(float(flag), device=trainer.device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def print_sample(trainer: Trainer) -> None:
@@ -136,8 +182,22 @@ def print_sample(trainer: Trainer) -> None:
 
     tok = trainer.tokenizer
     prompt_ids = tok.encode(cfg.train.sample_prompt) or [tok.eod]
-    out = generate(trainer.model, prompt_ids, cfg.train.sample_tokens, temperature=0.8, top_k=40,
-                   seed=cfg.train.seed)
+    tp = trainer.model.tp
+    if tp is None:
+        out = generate(trainer.model, prompt_ids, cfg.train.sample_tokens, temperature=0.8,
+                       top_k=40, seed=cfg.train.seed)
+    else:
+        # Every rank runs the generation (the layers communicate) and samples the same tokens
+        # from the same gathered logits. No KV cache under TP yet, and no sequence parallelism:
+        # the growing sequence need not split evenly.
+        sequence_parallel, tp.sequence_parallel = tp.sequence_parallel, False
+        try:
+            out = generate(trainer.model, prompt_ids, cfg.train.sample_tokens, temperature=0.8,
+                           top_k=40, seed=cfg.train.seed, use_cache=False)
+        finally:
+            tp.sequence_parallel = sequence_parallel
+    if not trainer.is_main:
+        return
     ids = out[0].tolist() if out.dim() == 2 else out.tolist()
     print("----- sample -----")
     print(tok.decode(ids))

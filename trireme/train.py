@@ -7,24 +7,37 @@ numbers back only at log intervals.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from trireme.config import Config, validate
-from trireme.data.gpt_dataset import GPTDataset, get_batch, split_documents
-from trireme.data.indexed import IndexedDataset
+from trireme.data.batch import BatchOptions
+from trireme.data.cache import index_cache_dir
+from trireme.data.gpt_dataset import GPTDataset, get_batch
+from trireme.data.sources import DataSources, build_split_datasets, open_sources
 from trireme.data.tokenizer import Tokenizer, load_tokenizer
 from trireme.errors import ConfigError, DataError
 from trireme.metrics import flops_per_token, memory_gib, peak_flops
 from trireme.models.gpt import GPT
 from trireme.models.init import init_parameters
 from trireme.optim.optimizer import MixedPrecisionOptimizer, build_optimizer
+from trireme.parallel.grads import PartialGradSync, tensor_parallel_grad_norm
+from trireme.parallel.mesh import (
+    DistributedEnv,
+    ParallelDims,
+    ParallelMesh,
+    init_distributed,
+    launched_world_size,
+)
+from trireme.parallel.tensor import TensorParallel, build_tensor_parallel, check_tensor_parallel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -49,6 +62,14 @@ class Trainer:
     train_data: GPTDataset | None
     valid_data: GPTDataset | None
     state: TrainState = field(default_factory=TrainState)
+    mesh: ParallelMesh = field(default_factory=lambda: ParallelMesh(ParallelDims()))
+    env: DistributedEnv = field(default_factory=DistributedEnv)
+    grad_sync: PartialGradSync | None = None  # sums the gradients TP leaves partial
+
+    @property
+    def is_main(self) -> bool:
+        """Global rank 0: the only process that writes files and prints."""
+        return self.mesh.is_main
 
     @property
     def num_micro_batches(self) -> int:
@@ -63,6 +84,8 @@ class Trainer:
             loss = self.model(tokens, labels)
             self.optimizer.scale_loss(loss / len(micro_batches)).backward()
             loss_sum += loss.detach()
+        if self.grad_sync is not None:
+            self.grad_sync()
         result = self.optimizer.step(lr)
         result["loss"] = loss_sum / len(micro_batches)
         return result
@@ -94,8 +117,9 @@ class Trainer:
 
 def check_token_ids(labels: torch.Tensor, vocab_size: int, path: str) -> None:
     """Token ids at or above the vocabulary would index past the embedding: say so plainly."""
-    top = int(labels.max())
-    if top >= vocab_size or int(labels.min()) < 0:
+    labels = labels[labels != -100]  # -100: a label masked out of the loss (data.eod_mask_loss)
+    top = int(labels.max()) if labels.numel() else 0
+    if top >= vocab_size or (labels.numel() and int(labels.min()) < 0):
         raise DataError(
             f"data.path {path!r} holds token id {top}, outside model.vocab_size = {vocab_size}; "
             "use the tokenizer the data was made with or raise model.vocab_size"
@@ -110,24 +134,28 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def check_parallel(cfg: Config) -> None:
-    """Parallel degrees above 1 arrive with their own issues; say so plainly until then."""
+def check_parallel(cfg: Config, world_size: int | None = None) -> ParallelDims:
+    """The parallel degrees for this launch, checked before any process group exists (so a bad
+    layout stops every rank with the same one-line error). Tensor (+ sequence) parallelism is
+    implemented; the other kinds arrive with their own issues, and say so plainly until then."""
     p = cfg.parallel
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    degrees = {"tensor": p.tensor, "pipeline": p.pipeline, "context": p.context,
-               "expert": p.expert, "virtual_pipeline": p.virtual_pipeline}
+    world = launched_world_size() if world_size is None else world_size
+    degrees = {"pipeline": p.pipeline, "context": p.context, "expert": p.expert,
+               "virtual_pipeline": p.virtual_pipeline}
     for name, degree in degrees.items():
         if degree > 1:
             raise ConfigError(f"parallel.{name} = {degree}: not implemented yet; use 1")
-    if p.sequence_parallel or p.distributed_optimizer:
+    if p.distributed_optimizer:
+        raise ConfigError("parallel.distributed_optimizer: not implemented yet")
+    check_tensor_parallel(cfg.model, p.tensor, p.sequence_parallel)
+    dims = ParallelDims.from_config(p, world)
+    if dims.data > 1:
         raise ConfigError(
-            "parallel.sequence_parallel / parallel.distributed_optimizer: not implemented yet"
+            f"launched with {world} processes and parallel.tensor = {p.tensor}, which leaves "
+            f"data parallelism of {dims.data}: not implemented yet; launch {world // dims.data} "
+            "processes"
         )
-    if world > 1:
-        raise ConfigError(
-            f"launched with {world} processes, but data parallelism is not implemented yet; "
-            "run one process"
-        )
+    return dims
 
 
 def setup_determinism(cfg: Config) -> None:
@@ -138,16 +166,19 @@ def setup_determinism(cfg: Config) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def resolve_data(cfg: Config) -> tuple[IndexedDataset, Tokenizer | None]:
-    """Open the dataset and tokenizer; build the embedded corpus when no path is given."""
-    if not cfg.data.path:
+def resolve_data(cfg: Config) -> tuple[DataSources, Tokenizer | None]:
+    """Open the datasets (one prefix or a weighted blend) and the tokenizer; build the embedded
+    corpus when no path is given; open nothing for data.mock."""
+    if not cfg.data.path and not cfg.data.mock:
         from trireme.data.corpus import default_corpus
 
         prefix, tok_path = default_corpus(cfg.data.cache_dir or None, cfg.data.embedded_vocab_size)
         cfg.data.path = str(prefix)
         cfg.data.tokenizer = cfg.data.tokenizer or str(tok_path)
-    indexed = IndexedDataset(cfg.data.path)  # checks the files before anything else
+    # checks the files before anything else
+    sources = DataSources() if cfg.data.mock else open_sources(cfg.data.path)
     tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
+    sources.eod = tokenizer.eod if tokenizer is not None else -1
     if cfg.model.vocab_size == 0:
         if tokenizer is None:
             raise ConfigError("model.vocab_size = 0 needs data.tokenizer to take the size from")
@@ -157,46 +188,78 @@ def resolve_data(cfg: Config) -> tuple[IndexedDataset, Tokenizer | None]:
             f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size = "
             f"{cfg.model.vocab_size}; raise model.vocab_size or set it to 0"
         )
-    return indexed, tokenizer
+    return sources, tokenizer
 
 
-def build_datasets(cfg: Config, indexed: IndexedDataset) -> tuple[GPTDataset, GPTDataset | None]:
-    num_docs = len(indexed.document_indices) - 1
-    train_ids, valid_ids, _ = split_documents(num_docs, cfg.data.split)
-    seq = cfg.model.seq_length
-    train_data = GPTDataset(indexed, seq, cfg.train.seed, train_ids)
-    valid_data = None
-    if len(valid_ids) and cfg.train.eval_interval:
-        valid_data = GPTDataset(indexed, seq, cfg.train.seed, valid_ids)
-    return train_data, valid_data
+def build_datasets(cfg: Config, sources: DataSources) -> tuple[GPTDataset, GPTDataset | None]:
+    """Train and validation datasets (GPTDataset, a BlendedDataset, or mock data)."""
+    d = cfg.data
+    if d.reset_position_ids or d.reset_attention_mask:
+        raise ConfigError(
+            "data.reset_position_ids / data.reset_attention_mask: the data side is ready "
+            "(trireme.data.batch), but the model does not take position ids or document masks yet"
+        )
+    options = BatchOptions(sources.eod, d.eod_mask_loss, d.reset_position_ids,
+                           d.reset_attention_mask)
+    return build_split_datasets(
+        sources, seq_length=cfg.model.seq_length, seed=cfg.train.seed, split=d.split,
+        options=options, cache_dir=index_cache_dir(d.cache_dir or None),
+        mock_vocab_size=cfg.model.vocab_size, want_valid=bool(cfg.train.eval_interval),
+        log_samples=cfg.train.steps * cfg.train.global_batch_size,
+    )
 
 
-def build_model(cfg: Config, device: torch.device) -> GPT:
-    """Build the model directly on its device (no CPU copy), then initialize it by name."""
+def build_model(cfg: Config, device: torch.device, tp: TensorParallel | None = None) -> GPT:
+    """Build the model (this rank's tensor-parallel shard with `tp`) directly on its device (no
+    CPU copy), then initialize it by name."""
     with torch.device("meta"):
-        model = GPT(cfg.model, seed=None)
+        model = GPT(cfg.model, seed=None, tp=tp)
     model = model.to_empty(device=device).to(DTYPES[cfg.model.precision])
     init_parameters(model, cfg.train.seed)
     return model
 
 
 def build_trainer(cfg: Config, with_data: bool = True) -> Trainer:
-    """Build model, optimizer and data from the config (data optional, e.g. for benchmarks)."""
-    check_parallel(cfg)
+    """Build model, optimizer and data from the config (data optional, e.g. for benchmarks).
+
+    Under torchrun this starts torch.distributed (unless a process group exists already) and
+    builds this rank's part of the parallel grid; the data is read the same on every rank.
+    """
+    dims = check_parallel(cfg)
     device = pick_device(cfg.train.device)
+    env = init_distributed(device.type)
+    if device.type == "cuda" and env.world_size > 1:
+        device = torch.device("cuda", env.local_rank)
+    mesh = ParallelMesh.build(dims, device.type)
     if cfg.model.precision == "bf16" and device.type == "cpu":
         pass  # bf16 runs on CPU too, slowly; allowed for tests
     setup_determinism(cfg)
     tokenizer, train_data, valid_data = None, None, None
     if with_data:
-        indexed, tokenizer = resolve_data(cfg)
-        validate(cfg)
-        train_data, valid_data = build_datasets(cfg, indexed)
+        with main_rank_first(env):  # rank 0 builds any cached files; the others then read them
+            indexed, tokenizer = resolve_data(cfg)
+            validate(cfg)
+            train_data, valid_data = build_datasets(cfg, indexed)
     else:
         validate(cfg)
-    model = build_model(cfg, device)
-    optimizer = build_optimizer(model, cfg.optimizer, cfg.model.precision, device)
-    return Trainer(cfg, device, model, optimizer, tokenizer, train_data, valid_data)
+    tp = build_tensor_parallel(mesh, cfg.model, cfg.parallel.sequence_parallel, cfg.train.seed,
+                               device)
+    model = build_model(cfg, device, tp)
+    grad_norm = tensor_parallel_grad_norm(model, tp) if tp is not None else None
+    optimizer = build_optimizer(model, cfg.optimizer, cfg.model.precision, device, grad_norm)
+    grad_sync = PartialGradSync(model, tp) if tp is not None else None
+    return Trainer(cfg, device, model, optimizer, tokenizer, train_data, valid_data,
+                   mesh=mesh, env=env, grad_sync=grad_sync or None)
+
+
+@contextlib.contextmanager
+def main_rank_first(env: DistributedEnv) -> Iterator[None]:
+    """Run the block on global rank 0 first, then on the other ranks (one barrier each way)."""
+    if env.world_size > 1 and not env.is_main:
+        torch.distributed.barrier()
+    yield
+    if env.world_size > 1 and env.is_main:
+        torch.distributed.barrier()
 
 
 def train(cfg: Config) -> Trainer:
@@ -204,7 +267,10 @@ def train(cfg: Config) -> Trainer:
     from trireme.loop import run_loop
 
     trainer = build_trainer(cfg)
-    run_loop(trainer)
+    try:
+        run_loop(trainer)
+    finally:
+        trainer.env.close()  # destroys the process group if build_trainer started it
     return trainer
 
 
@@ -228,7 +294,7 @@ def step_metrics(trainer: Trainer, results: list[dict], lr: float, seconds: floa
     last = results[-1]
     tokens = tokens_per_step(cfg) * len(results)
     tps = tokens / max(seconds, 1e-9)
-    tflops = tps * flops_per_token(cfg.model) / 1e12
+    tflops = tps * flops_per_token(cfg.model) / 1e12 / trainer.mesh.dims.world_size  # per GPU
     skipped = int(torch.stack([r["skipped"] for r in results]).sum().item())
     record = {
         "step": trainer.state.step,
@@ -244,7 +310,7 @@ def step_metrics(trainer: Trainer, results: list[dict], lr: float, seconds: floa
     }
     if cfg.model.precision == "fp16":
         record["loss_scale"] = float(last["loss_scale"])
-    if not math.isfinite(record["loss"]):
+    if not math.isfinite(record["loss"]) and trainer.is_main:
         print(f"trireme: warning: loss is {record['loss']} at step {record['step']}",
               file=sys.stderr)
     return record

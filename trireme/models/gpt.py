@@ -15,6 +15,12 @@ Fused weights, and their row layout (what a converter or a tensor-parallel split
 - SwiGLU's `mlp.fc1.weight` is [2 * ffn, h]: rows [gate; up]; GeLU's is [ffn, h].
 The embedding (and an untied output layer) has cfg.padded_vocab_size rows; the rows past
 cfg.vocab_size are padding, never seen in logits, the loss or sampling.
+
+Tensor parallelism (`tp`, trireme.parallel.tensor): the same code, built from parallel layers
+(column-parallel qkv and fc1, row-parallel out and fc2, vocabulary-parallel embedding and output)
+that hold this rank's heads, features and vocabulary rows; with sequence parallelism the residual
+stream between them is this rank's [b, s / T, h] chunk of the sequence. At tp=None (one rank) they
+are the plain torch layers.
 """
 
 from __future__ import annotations
@@ -28,8 +34,12 @@ from torch import nn
 from trireme.config import ModelConfig
 from trireme.errors import TriremeError
 from trireme.ops.attention import attention
+from trireme.ops.cross_entropy import cross_entropy
 from trireme.ops.norms import RMSNorm, build_norm
 from trireme.ops.rope import RotaryEmbedding, apply_rotary, rope_frequencies
+from trireme.parallel.random import dropout, fork_rng
+from trireme.parallel.tensor import TensorParallel, column_linear, row_linear
+from trireme.parallel.vocab import padded_vocab_size, parallel_output, vocab_embedding
 
 if TYPE_CHECKING:
     from trireme.inference.generate import KVCache
@@ -37,26 +47,36 @@ if TYPE_CHECKING:
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [s, d] (or [b, s, d])
 LayerCache = tuple[torch.Tensor, torch.Tensor]  # k, v buffers: [b, n_kv, max_len, d]
 
+__all__ = ["GPT", "Attention", "MLP", "Block", "cross_entropy"]
+
 
 class Attention(nn.Module):
-    """Causal self-attention with a fused QKV projection, optional QK-norm, RoPE and KV cache."""
+    """Causal self-attention with a fused QKV projection, optional QK-norm, RoPE and KV cache.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    Under tensor parallelism this rank holds num_heads / T query heads and their key/value heads
+    (num_kv / T of them, or the one they share when T > num_kv).
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        d, n_heads, n_kv = cfg.head_size, cfg.num_attention_heads, cfg.kv_heads
+        tp_size = tp.size if tp is not None else 1
         self.num_heads, self.num_kv_heads, self.head_size = (
-            cfg.num_attention_heads, cfg.kv_heads, cfg.head_size,
+            n_heads // tp_size, max(n_kv // tp_size, 1), d,
         )
         self.backend = cfg.attention_backend
         self.dropout_p = cfg.dropout
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.bias)
-        self.out = nn.Linear(q_size, cfg.hidden_size, bias=cfg.bias)
+        qkv_parts = [(n_heads, d), (n_kv, d), (n_kv, d)]  # q, k, v heads of d rows
+        self.qkv = column_linear(cfg.hidden_size, qkv_parts, cfg.bias, tp)
+        self.out = row_linear(n_heads * d, cfg.hidden_size, cfg.bias, tp)
         if cfg.qk_norm:  # RMSNorm over each head's d features, shared by all heads
             self.q_norm = RMSNorm(self.head_size, cfg.norm_eps)
             self.k_norm = RMSNorm(self.head_size, cfg.norm_eps)
         self.qk_norm = cfg.qk_norm
-        self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.head_rng = tp.rng if tp is not None else None  # heads are split: masks per rank
+        self.resid_dropout = dropout(cfg.dropout, tp.residual_rng if tp is not None else None)
 
     def forward(
         self,
@@ -65,9 +85,9 @@ class Attention(nn.Module):
         cache: LayerCache | None = None,
         start_pos: int = 0,
     ) -> torch.Tensor:
-        b, s, _ = x.shape
         d = self.head_size
         q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)  # [b, s, heads * d] each
+        b, s, _ = q.shape  # the whole sequence (under SP, x was this rank's chunk of it)
         q = q.view(b, s, self.num_heads, d).transpose(1, 2)  # [b, n_heads, s, d]
         k = k.view(b, s, self.num_kv_heads, d).transpose(1, 2)  # [b, n_kv, s, d]
         v = v.view(b, s, self.num_kv_heads, d).transpose(1, 2)  # [b, n_kv, s, d]
@@ -81,13 +101,11 @@ class Attention(nn.Module):
             k_cache[:b, :, start_pos:end] = k
             v_cache[:b, :, start_pos:end] = v
             k, v = k_cache[:b, :, :end], v_cache[:b, :, :end]  # [b, n_kv, end, d]
-        y = attention(
-            q, k, v,
-            causal=True,
-            backend=self.backend,
-            dropout_p=self.dropout_p if self.training else 0.0,
-            q_offset=start_pos,
-        )  # [b, n_heads, s, d]
+        dropout_p = self.dropout_p if self.training else 0.0
+        with fork_rng(self.head_rng, dropout_p > 0.0):
+            y = attention(
+                q, k, v, causal=True, backend=self.backend, dropout_p=dropout_p, q_offset=start_pos
+            )  # [b, n_heads, s, d]
         y = y.transpose(1, 2).reshape(b, s, self.num_heads * d)  # [b, s, n_heads * d]
         return self.resid_dropout(self.out(y))
 
@@ -95,13 +113,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: fc2(silu(gate) * up) with fc1 = [gate; up]; or GeLU: fc2(gelu_tanh(fc1(x)))."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.swiglu = cfg.activation == "swiglu"
-        fc1_out = 2 * cfg.ffn_size if self.swiglu else cfg.ffn_size
-        self.fc1 = nn.Linear(cfg.hidden_size, fc1_out, bias=cfg.bias)
-        self.fc2 = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=cfg.bias)
-        self.resid_dropout = nn.Dropout(cfg.dropout)
+        fc1_parts = [(cfg.ffn_size, 1)] * (2 if self.swiglu else 1)  # gate and up split alike
+        self.fc1 = column_linear(cfg.hidden_size, fc1_parts, cfg.bias, tp)
+        self.fc2 = row_linear(cfg.ffn_size, cfg.hidden_size, cfg.bias, tp)
+        self.resid_dropout = dropout(cfg.dropout, tp.residual_rng if tp is not None else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)  # [b, s, 2 * ffn] (SwiGLU) or [b, s, ffn]
@@ -116,12 +134,12 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """One pre-norm transformer layer."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.attention_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_eps, cfg.bias)
-        self.attention = Attention(cfg)
+        self.attention = Attention(cfg, tp)
         self.mlp_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_eps, cfg.bias)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(
         self,
@@ -140,15 +158,22 @@ class GPT(nn.Module):
 
     `GPT(cfg)` initializes with `init_parameters(model, seed)` (a function of seed and parameter
     name only); pass `seed=None` to skip that, e.g. on the meta device or before loading weights.
+    `tp` (from trireme.parallel.tensor.build_tensor_parallel) builds this rank's tensor-parallel
+    shard of the model; the vocabulary is then padded to a multiple of
+    make_vocab_size_divisible_by * T rows.
     """
 
-    def __init__(self, cfg: ModelConfig, *, seed: int | None = 0) -> None:
+    def __init__(
+        self, cfg: ModelConfig, *, seed: int | None = 0, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
         if cfg.vocab_size < 1:
             raise TriremeError("model.vocab_size must be set before building the model")
         self.cfg = cfg
+        self.tp = tp
         h = cfg.hidden_size
-        self.embedding = nn.Embedding(cfg.padded_vocab_size, h)
+        self.padded_vocab_size = padded_vocab_size(cfg, tp.size if tp is not None else 1)
+        self.embedding = vocab_embedding(self.padded_vocab_size, h, tp)
         if cfg.position_embedding == "learned":
             self.position_embedding = nn.Embedding(cfg.seq_length, h)
             self.rope = None
@@ -159,11 +184,12 @@ class GPT(nn.Module):
                 cfg.rope_original_max_position,
             )
             self.rope = RotaryEmbedding(cfg.head_size, cfg.seq_length, inv_freq)
-        self.dropout = nn.Dropout(cfg.dropout)  # on the embeddings, the start of the residual
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.num_layers)})
+        # on the embeddings, the start of the residual stream
+        self.dropout = dropout(cfg.dropout, tp.residual_rng if tp is not None else None)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, tp) for i in range(cfg.num_layers)})
         self.final_norm = build_norm(cfg.normalization, h, cfg.norm_eps, cfg.bias)
-        if not cfg.tie_embeddings:
-            self.output = nn.Linear(h, cfg.padded_vocab_size, bias=False)
+        if not cfg.tie_embeddings:  # under TP: this rank's rows of the vocabulary
+            self.output = column_linear(h, [(self.padded_vocab_size, 1)], False, tp)
         self._compile_pending = cfg.compile
         if seed is not None:
             from trireme.models.init import init_parameters
@@ -204,10 +230,17 @@ class GPT(nn.Module):
                 f"positions up to {end} exceed model.seq_length = {self.cfg.seq_length} "
                 "(learned position embeddings have no rows past it)"
             )
+        if kv_cache is not None and self.tp is not None:
+            raise TriremeError(
+                "generation with a KV cache under tensor parallelism is not implemented yet; "
+                "pass use_cache=False"
+            )
         self._maybe_compile(input_ids.device)
-        x = self.embedding(input_ids)  # [b, s, h]
+        x = self.embedding(input_ids)  # [b, s, h] (under SP this rank's [b, s / T, h])
         if self.rope is None:
             positions = torch.arange(start_pos, end, device=input_ids.device)  # [s]
+            if self.tp is not None:
+                positions = self.tp.sequence_shard(positions, dim=0)  # [s / T] under SP
             x = x + self.position_embedding(positions)  # [b, s, h] + [s, h]
             rope = None
         else:
@@ -219,6 +252,10 @@ class GPT(nn.Module):
             else:  # decoding: shapes change every step, so run the blocks eagerly
                 x = block.forward(x, rope, kv_cache[int(name)], start_pos)
         x = self.final_norm(x)
+        if self.tp is not None:  # vocabulary split over the ranks: no full logits for the loss
+            return parallel_output(
+                x, self.output_weight(), self.tp, self.cfg.vocab_size, labels, loss_mask
+            )
         logits = F.linear(x, self.output_weight())  # [b, s, padded_vocab]: a padded-size matmul
         logits = logits[..., : self.cfg.vocab_size]  # [b, s, vocab]: the padding never leaves
         if labels is None:
@@ -231,20 +268,3 @@ class GPT(nn.Module):
         skip = {"embedding.weight", "position_embedding.weight"} if exclude_embedding else set()
         return sum(p.numel() for n, p in self.named_parameters() if n not in skip)
 
-
-def cross_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Mean next-token cross-entropy in fp32 over tokens with labels != -100 and loss_mask != 0.
-
-    logits [b, s, vocab] (already free of padded entries), labels [b, s], loss_mask [b, s]
-    (0/1, or weights). Returns 0 (not NaN) when no token counts.
-    """
-    vocab = logits.shape[-1]
-    per_token = F.cross_entropy(
-        logits.float().reshape(-1, vocab), labels.reshape(-1), ignore_index=-100, reduction="none"
-    )  # [b * s], 0 where label == -100
-    weight = (labels.reshape(-1) != -100).float()
-    if loss_mask is not None:
-        weight = weight * loss_mask.reshape(-1).float()
-    return (per_token * weight).sum() / weight.sum().clamp(min=1e-12)

@@ -12,6 +12,9 @@ bit-identical to the single-process model.
 - embedding and untied output layer: exactly vocab_size rows drawn, padded rows 0.
 - fused weights draw their parts as separate tensors: `...qkv.weight/q`, `/k`, `/v`, and SwiGLU's
   `...fc1.weight/gate`, `/up`.
+
+A tensor-parallel parameter (one with a Sharding, trireme.parallel.sharding) is drawn whole and the
+rank keeps its slice: the same numbers as the single-process model's, whatever the degree.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from torch import nn
 
 from trireme.ops.norms import LayerNorm, RMSNorm
+from trireme.parallel.sharding import parameter_shardings
 
 if TYPE_CHECKING:
     from trireme.models.gpt import GPT
@@ -53,18 +57,18 @@ def draw_normal(
     return out.normal_(0.0, std, generator=generator)
 
 
-def _weight_value(model: GPT, seed: int, name: str, param: torch.Tensor) -> torch.Tensor:
-    """The fp32 initial value of a (non-norm, non-bias) weight called `name`."""
+def _weight_value(
+    model: GPT, seed: int, name: str, shape: tuple[int, ...], dev: torch.device
+) -> torch.Tensor:
+    """The fp32 initial value of the full (unsharded) `shape` weight called `name`, which is
+    neither a norm nor a bias."""
     cfg = model.cfg
     std = cfg.init_std
-    dev = param.device
     if name.endswith(("attention.out.weight", "mlp.fc2.weight")) and cfg.scaled_init:
         std = std / math.sqrt(2 * cfg.num_layers)
     if name in ("embedding.weight", "output.weight"):
-        value = torch.zeros(tuple(param.shape), device=dev)  # padded rows stay 0
-        value[: cfg.vocab_size] = draw_normal(
-            seed, name, (cfg.vocab_size, param.shape[1]), std, dev
-        )
+        value = torch.zeros(shape, device=dev)  # padded rows stay 0
+        value[: cfg.vocab_size] = draw_normal(seed, name, (cfg.vocab_size, shape[1]), std, dev)
         return value
     if name.endswith("attention.qkv.weight"):
         q_rows = cfg.num_attention_heads * cfg.head_size
@@ -73,23 +77,28 @@ def _weight_value(model: GPT, seed: int, name: str, param: torch.Tensor) -> torc
     elif name.endswith("mlp.fc1.weight") and cfg.activation == "swiglu":
         parts = [("gate", cfg.ffn_size), ("up", cfg.ffn_size)]
     else:
-        return draw_normal(seed, name, param.shape, std, dev)
+        return draw_normal(seed, name, shape, std, dev)
     return torch.cat(
-        [draw_normal(seed, f"{name}/{part}", (rows, param.shape[1]), std, dev)
-         for part, rows in parts]
+        [draw_normal(seed, f"{name}/{part}", (rows, shape[1]), std, dev) for part, rows in parts]
     )
 
 
 @torch.no_grad()
 def init_parameters(model: GPT, seed: int) -> None:
     """Initialize every parameter of `model` from (seed, its name); see the module docstring."""
+    shardings = parameter_shardings(model)
     for module_name, module in model.named_modules():
         is_norm = isinstance(module, (RMSNorm, LayerNorm, nn.LayerNorm, nn.RMSNorm))
         for short_name, param in module.named_parameters(recurse=False):
             name = f"{module_name}.{short_name}" if module_name else short_name
+            dev = param.device
             if short_name == "bias":
                 param.zero_()
             elif is_norm:
                 param.fill_(1.0)
+            elif name in shardings:  # tensor parallel: draw the full tensor, keep this rank's slice
+                sharding = shardings[name]
+                full = _weight_value(model, seed, name, sharding.full_shape(param.shape), dev)
+                param.copy_(sharding.shard(full))
             else:
-                param.copy_(_weight_value(model, seed, name, param))
+                param.copy_(_weight_value(model, seed, name, tuple(param.shape), dev))

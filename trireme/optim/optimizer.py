@@ -27,7 +27,7 @@ scale, and `loss_scale_window` good steps in a row double it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -37,6 +37,8 @@ from trireme.config import OptimizerConfig
 from trireme.errors import CheckpointError
 
 Precision = Literal["fp32", "bf16", "fp16"]
+# (name, gradient) of every optimized parameter -> the global L2 norm (a device scalar)
+GradNormFn = Callable[[list[tuple[str, torch.Tensor]]], torch.Tensor]
 
 # Each parameter's slice of the flat buffers starts at a multiple of this many elements (256 bytes
 # of fp32), so the multi-tensor kernels of AdamW and the gradient reduction get aligned pointers.
@@ -92,6 +94,9 @@ class MixedPrecisionOptimizer:
             bf16 / fp16, the model's parameter itself for fp32).
         group_names: parameter names of each param group of `inner`, in group order.
         inner: the torch.optim.AdamW doing the update.
+
+    `grad_norm`, when given, computes the global gradient norm from (name, gradient) pairs; tensor
+    parallelism passes one that counts each element of the full model once across the ranks.
     """
 
     def __init__(
@@ -100,6 +105,7 @@ class MixedPrecisionOptimizer:
         opt: OptimizerConfig,
         precision: Precision,
         device: torch.device | str,
+        grad_norm: GradNormFn | None = None,
     ) -> None:
         if precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
@@ -111,6 +117,7 @@ class MixedPrecisionOptimizer:
         self.low_precision = precision != "fp32"
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
+        self._grad_norm_fn = grad_norm
         self._hooks: list[Any] = []
 
         if self.low_precision:
@@ -194,6 +201,13 @@ class MixedPrecisionOptimizer:
             return [self._grad_flat]  # padding is zero, so norms over the flat buffer are exact
         return [p.grad for p in self.params if p.grad is not None]
 
+    def _named_grads(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, gradient) per parameter: the main-gradient views, or the .grad (0 if none)."""
+        if self.low_precision:
+            return [(n, p.main_grad) for n, p in zip(self.names, self.params)]
+        return [(n, p.grad if p.grad is not None else torch.zeros_like(p))
+                for n, p in zip(self.names, self.params)]
+
     @torch.no_grad()
     def step(self, lr: float) -> dict[str, torch.Tensor]:
         """Unscale, measure and clip the gradients, update (unless non-finite), copy back.
@@ -206,7 +220,9 @@ class MixedPrecisionOptimizer:
         grads = self._grads()
         if self.precision == "fp16":
             torch._foreach_mul_(grads, self._scale.reciprocal())
-        if grads:
+        if self._grad_norm_fn is not None:
+            grad_norm = self._grad_norm_fn(self._named_grads())
+        elif grads:
             grad_norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         else:
             grad_norm = torch.zeros((), device=self._scale.device)
@@ -347,6 +363,7 @@ def build_optimizer(
     opt: OptimizerConfig,
     precision: Precision,
     device: torch.device | str,
+    grad_norm: GradNormFn | None = None,
 ) -> MixedPrecisionOptimizer:
     """AdamW for `model` (or a list of model chunks) whose parameters are already in `precision`.
 
@@ -354,4 +371,6 @@ def build_optimizer(
     containing "norm"), "bias" (names ending in ".bias"), "embedding" (names containing
     "embedding"). Load the model's weights before building it (or call `sync_master_from_params`).
     """
-    return MixedPrecisionOptimizer(named_trainable_parameters(model), opt, precision, device)
+    return MixedPrecisionOptimizer(
+        named_trainable_parameters(model), opt, precision, device, grad_norm
+    )

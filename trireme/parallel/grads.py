@@ -1,0 +1,105 @@
+"""Gradients under tensor parallelism: finishing the partial ones, and the global norm.
+
+Some parameters are replicated on every tensor-parallel rank, but each rank's backward sees only
+part of their use, so its gradient is a partial sum that must be summed over the ranks:
+
+- under sequence parallelism, every replicated parameter (norm weights and biases, the biases
+  added after a row-parallel layer, learned position embeddings): it sees only this rank's tokens;
+- always, QK-norm weights: shared by all heads, they see only this rank's heads;
+- the key/value rows of a fused QKV weight when T exceeds the query groups: a replicated K/V head
+  sees only the query heads of this rank, so its rows are summed over the T / groups ranks that
+  hold it.
+
+`PartialGradSync` does this after the last micro batch's backward, one all-reduce per group.
+
+The global gradient norm must count every element of the full model once. Rank r adds
+sum(g^2) / replicas for each piece of its gradients (replicas = how many TP ranks hold the same
+numbers: 1 for split parts, T for replicated parameters, T / groups for replicated K/V heads), and
+the sums are all-reduced over the group.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from trireme.parallel.sharding import Sharding, parameter_shardings
+from trireme.parallel.tensor import TensorParallel
+
+# Replicated parameters used inside the head-split part of attention (partial even without SP).
+HEAD_SPLIT_REPLICATED = (".q_norm.", ".k_norm.")
+
+
+def _grad(param: nn.Parameter) -> Tensor:
+    """The gradient the optimizer will read: the fp32 main gradient if there is one."""
+    main = getattr(param, "main_grad", None)
+    if main is not None:
+        return main
+    if param.grad is None:  # unused this step: a zero gradient still joins the collective
+        param.grad = torch.zeros_like(param)
+    return param.grad
+
+
+class PartialGradSync:
+    """Sums the partial gradients of `model` over the TP ranks that share them (module doc)."""
+
+    def __init__(self, model: nn.Module, tp: TensorParallel) -> None:
+        shardings = parameter_shardings(model)
+        # group -> [(param, rows of dim 0 to reduce, or None for all)]
+        self.entries: dict[dist.ProcessGroup, list[tuple[nn.Parameter, slice | None]]] = (
+            defaultdict(list)
+        )
+        for name, param in model.named_parameters():
+            sharding = shardings.get(name)
+            if sharding is None:
+                wrapped = f".{name}."
+                if tp.sequence_parallel or any(k in wrapped for k in HEAD_SPLIT_REPLICATED):
+                    self.entries[tp.group].append((param, None))
+                continue
+            for part in sharding.slices():
+                if part.replicas > 1:
+                    rows = slice(part.local_start, part.local_start + part.rows)
+                    self.entries[tp.replica_groups[part.replicas]].append((param, rows))
+
+    def __call__(self) -> None:
+        for group, items in self.entries.items():
+            grads = [_grad(p) if rows is None else _grad(p)[rows] for p, rows in items]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+
+def tensor_parallel_grad_norm(
+    model: nn.Module, tp: TensorParallel
+) -> Callable[[list[tuple[str, Tensor]]], Tensor]:
+    """A function (name, gradient) pairs -> the global L2 norm of the full model's gradient."""
+    shardings: dict[str, Sharding] = parameter_shardings(model)
+
+    def grad_norm(named_grads: list[tuple[str, Tensor]]) -> Tensor:
+        by_replicas: dict[int, list[Tensor]] = defaultdict(list)
+        for name, g in named_grads:
+            sharding = shardings.get(name)
+            if sharding is None:
+                by_replicas[tp.size].append(g)
+            else:
+                for view, replicas in sharding.views(g):
+                    by_replicas[replicas].append(view)
+        device = named_grads[0][1].device
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for replicas, tensors in by_replicas.items():
+            norms = torch._foreach_norm(tensors, 2.0)
+            total = total + torch.stack(norms).float().square().sum() / replicas
+        dist.all_reduce(total, group=tp.group)
+        return total.sqrt()
+
+    return grad_norm
