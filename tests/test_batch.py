@@ -117,10 +117,49 @@ def test_training_on_mock_data_with_eod_mask_loss(tmp_path):
     assert (tmp_path / "run" / "metrics.jsonl").is_file()
 
 
-def test_reset_options_need_model_support(two_datasets, tmp_path):
-    for option in ("data.reset_position_ids=true", "data.reset_attention_mask=true"):
-        with pytest.raises(ConfigError, match="model does not take"):
-            build_trainer(cfg_for(tmp_path, two_datasets[0], option))
+@pytest.mark.parametrize("position_embedding", ["rope", "learned"])
+def test_packed_documents_see_only_themselves(position_embedding):
+    """With reset position ids and document ids, a document packed after another gets the same
+    logits as when it stands alone at the start of a row."""
+    from trireme.config import ModelConfig
+    from trireme.models.gpt import GPT
+    from trireme.ops.attention import attention
+
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                      vocab_size=50, seq_length=16, position_embedding=position_embedding)
+    model = GPT(cfg, seed=3).eval()
+    gen = torch.Generator().manual_seed(0)
+    first, second = torch.randint(0, 50, (1, 6), generator=gen), torch.randint(0, 50, (1, 10),
+                                                                              generator=gen)
+    packed = torch.cat([first, second], dim=1)  # [1, 16]: two documents in one row
+    position_ids = torch.cat([torch.arange(6), torch.arange(10)]).unsqueeze(0)
+    document_ids = torch.cat([torch.zeros(6), torch.ones(10)]).long().unsqueeze(0)
+    with torch.no_grad():
+        alone = model(second)  # [1, 10, vocab]
+        together = model(packed, position_ids=position_ids, document_ids=document_ids)
+        plain = model(packed)
+    torch.testing.assert_close(together[:, 6:], alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(together[:, :6], plain[:, :6], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(plain[:, 6:], alone, atol=1e-3)  # without them, it differs
+    # the SDPA path and the plain reference agree under the document mask
+    q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
+    docs = torch.tensor([[0] * 5 + [1] * 11, [0] * 9 + [1] * 7])
+    torch.testing.assert_close(attention(q, k, v, document_ids=docs),
+                               attention(q, k, v, document_ids=docs, backend="reference"),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_training_with_reset_options(two_datasets, tmp_path):
+    cfg = cfg_for(tmp_path, two_datasets[0], "data.reset_position_ids=true",
+                  "data.reset_attention_mask=true", "train.steps=2")
+    trainer = build_trainer(cfg)
+    batch = trainer.next_micro_batches()[0]
+    assert set(batch[2]) == {"position_ids", "document_ids"}
+    assert (batch[2]["position_ids"][:, 1:] == 0).any()  # positions restart after an eod
+    train(cfg)
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().split("\n")
+               if x]
+    assert len(records) == 2 and all(r["loss"] == r["loss"] for r in records)
 
 
 def test_eod_mask_loss_changes_the_loss(two_datasets, tmp_path):

@@ -147,10 +147,10 @@ class DataConfig:
         "document's first token)."
     )
     reset_position_ids: bool = doc(
-        False, "Positions restart at 0 after each end-of-document token (needs model support)."
+        False, "Positions restart at 0 after each end-of-document token."
     )
     reset_attention_mask: bool = doc(
-        False, "Tokens attend only within their own document (needs model support)."
+        False, "Tokens attend only within their own document (a dense mask: slower)."
     )
 
 

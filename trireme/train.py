@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from trireme.config import Config, validate
-from trireme.data.batch import BatchOptions
+from trireme.data.batch import BatchOptions, get_micro_batch
 from trireme.data.cache import index_cache_dir
 from trireme.data.gpt_dataset import GPTDataset, get_batch
 from trireme.data.sources import DataSources, build_split_datasets, open_sources
@@ -80,8 +80,8 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad()
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
-        for tokens, labels in micro_batches:
-            loss = self.model(tokens, labels)
+        for tokens, labels, *extra in micro_batches:
+            loss = self.model(tokens, labels, **(extra[0] if extra else {}))
             self.optimizer.scale_loss(loss / len(micro_batches)).backward()
             loss_sum += loss.detach()
         if self.grad_sync is not None:
@@ -90,17 +90,30 @@ class Trainer:
         result["loss"] = loss_sum / len(micro_batches)
         return result
 
-    def next_micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def next_micro_batches(self) -> list[tuple]:
+        """This step's micro batches: (tokens, labels) or (tokens, labels, model kwargs) with
+        packed-document position / document ids, on the device."""
         mbs = self.cfg.train.micro_batch_size
         start = self.state.consumed_samples
         batches = []
         for i in range(self.num_micro_batches):
-            tokens, labels = get_batch(self.train_data, start + i * mbs, mbs)
+            tokens, labels, extra = self._micro_batch(self.train_data, start + i * mbs, mbs)
             for ids in (tokens, labels):
                 check_token_ids(ids, self.cfg.model.vocab_size, self.cfg.data.path)
-            batches.append((tokens.to(self.device, non_blocking=True),
-                            labels.to(self.device, non_blocking=True)))
+            batches.append((tokens, labels, extra) if extra else (tokens, labels))
         return batches
+
+    def _micro_batch(self, data, consumed: int, size: int) -> tuple:
+        tokens, labels = get_batch(data, consumed, size)
+        extra = {}
+        if self.cfg.data.reset_position_ids or self.cfg.data.reset_attention_mask:
+            batch = get_micro_batch(data, consumed, size)
+            for name in ("position_ids", "document_ids"):
+                value = getattr(batch, name)
+                if value is not None:
+                    extra[name] = value.to(self.device, non_blocking=True)
+        dev = self.device
+        return tokens.to(dev, non_blocking=True), labels.to(dev, non_blocking=True), extra
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -109,8 +122,8 @@ class Trainer:
         mbs = self.cfg.train.micro_batch_size
         total = torch.zeros((), device=self.device)
         for i in range(self.cfg.train.eval_steps):
-            tokens, labels = get_batch(self.valid_data, i * mbs, mbs)
-            total += self.model(tokens.to(self.device), labels.to(self.device)).float()
+            tokens, labels, extra = self._micro_batch(self.valid_data, i * mbs, mbs)
+            total += self.model(tokens, labels, **extra).float()
         self.model.train()
         return (total / self.cfg.train.eval_steps).item()
 
@@ -194,11 +207,6 @@ def resolve_data(cfg: Config) -> tuple[DataSources, Tokenizer | None]:
 def build_datasets(cfg: Config, sources: DataSources) -> tuple[GPTDataset, GPTDataset | None]:
     """Train and validation datasets (GPTDataset, a BlendedDataset, or mock data)."""
     d = cfg.data
-    if d.reset_position_ids or d.reset_attention_mask:
-        raise ConfigError(
-            "data.reset_position_ids / data.reset_attention_mask: the data side is ready "
-            "(trireme.data.batch), but the model does not take position ids or document masks yet"
-        )
     options = BatchOptions(sources.eod, d.eod_mask_loss, d.reset_position_ids,
                            d.reset_attention_mask)
     return build_split_datasets(

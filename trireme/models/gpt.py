@@ -84,6 +84,7 @@ class Attention(nn.Module):
         rope: Rope | None = None,
         cache: LayerCache | None = None,
         start_pos: int = 0,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         d = self.head_size
         q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)  # [b, s, heads * d] each
@@ -104,7 +105,8 @@ class Attention(nn.Module):
         dropout_p = self.dropout_p if self.training else 0.0
         with fork_rng(self.head_rng, dropout_p > 0.0):
             y = attention(
-                q, k, v, causal=True, backend=self.backend, dropout_p=dropout_p, q_offset=start_pos
+                q, k, v, causal=True, backend=self.backend, dropout_p=dropout_p,
+                q_offset=start_pos, document_ids=document_ids,
             )  # [b, n_heads, s, d]
         y = y.transpose(1, 2).reshape(b, s, self.num_heads * d)  # [b, s, n_heads * d]
         return self.resid_dropout(self.out(y))
@@ -147,8 +149,9 @@ class Block(nn.Module):
         rope: Rope | None = None,
         cache: LayerCache | None = None,
         start_pos: int = 0,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope, cache, start_pos)
+        x = x + self.attention(self.attention_norm(x), rope, cache, start_pos, document_ids)
         x = x + self.mlp(self.mlp_norm(x))
         return x
 
@@ -216,9 +219,14 @@ class GPT(nn.Module):
         loss_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         start_pos: int = 0,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [b, s, vocab_size] (fp32 not guaranteed), or with `labels` [b, s] the mean
         cross-entropy (fp32 scalar) over tokens with labels != -100 and loss_mask (if given) != 0.
+
+        Packed documents (training only): `position_ids` [b, s] restart positions per document;
+        `document_ids` [b, s] keep attention within each document.
 
         `kv_cache[i]` is layer i's (k, v) buffer pair, [b, n_kv, max_len, d]; input_ids are then
         the tokens at positions start_pos..start_pos+s-1 (see trireme.inference.generate).
@@ -237,18 +245,26 @@ class GPT(nn.Module):
             )
         self._maybe_compile(input_ids.device)
         x = self.embedding(input_ids)  # [b, s, h] (under SP this rank's [b, s / T, h])
+        if (position_ids is not None or document_ids is not None) and kv_cache is not None:
+            raise TriremeError("position_ids / document_ids are for training, not a KV cache")
         if self.rope is None:
-            positions = torch.arange(start_pos, end, device=input_ids.device)  # [s]
+            if position_ids is None:
+                positions = torch.arange(start_pos, end, device=input_ids.device)  # [s]
+                seq_dim = 0
+            else:
+                positions, seq_dim = position_ids, 1  # [b, s]
             if self.tp is not None:
-                positions = self.tp.sequence_shard(positions, dim=0)  # [s / T] under SP
-            x = x + self.position_embedding(positions)  # [b, s, h] + [s, h]
+                positions = self.tp.sequence_shard(positions, dim=seq_dim)  # [s / T] under SP
+            x = x + self.position_embedding(positions)  # [b, s, h] + [s, h] (or [b, s, h])
             rope = None
+        elif position_ids is not None:
+            rope = self.rope(input_ids.device, position_ids=position_ids)  # 2 x [b, s, d]
         else:
             rope = self.rope(input_ids.device, offset=start_pos, length=s)  # 2 x [s, d]
         x = self.dropout(x)
         for name, block in self.layers.items():
             if kv_cache is None:
-                x = block(x, rope)
+                x = block(x, rope, document_ids=document_ids)
             else:  # decoding: shapes change every step, so run the blocks eagerly
                 x = block.forward(x, rope, kv_cache[int(name)], start_pos)
         x = self.final_norm(x)

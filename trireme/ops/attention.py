@@ -101,6 +101,16 @@ def _mask_args(
     return causal_mask(s_q, s_k, q_offset, device), False
 
 
+def document_mask(document_ids: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    """Bool mask [b, 1, s, s]: query i may see key j when both lie in the same document (and
+    j <= i when causal). document_ids [b, s] numbers the documents of each row."""
+    same = document_ids.unsqueeze(2) == document_ids.unsqueeze(1)  # [b, s, s]
+    if causal:
+        s = document_ids.shape[1]
+        same = same & causal_mask(s, s, 0, document_ids.device)
+    return same.unsqueeze(1)  # [b, 1, s, s]: shared by the heads
+
+
 def reference_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -109,13 +119,16 @@ def reference_attention(
     causal: bool = True,
     dropout_p: float = 0.0,
     q_offset: int = 0,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(Q K^T / sqrt(d) + mask) V in plain PyTorch, accumulated in fp32."""
     groups = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(groups, dim=1)  # [b, n_heads, s_k, d]
     v = v.float().repeat_interleave(groups, dim=1)
     scores = q.float() @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # [b, n_heads, s_q, s_k]
-    if causal:
+    if document_ids is not None:
+        scores = scores.masked_fill(~document_mask(document_ids, causal), float("-inf"))
+    elif causal:
         allowed = causal_mask(q.shape[2], k.shape[2], q_offset, q.device)
         scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
@@ -133,21 +146,30 @@ def attention(
     backend: str = "auto",
     dropout_p: float = 0.0,
     q_offset: int = 0,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [b, n_heads, s_q, d] over k, v [b, n_kv, s_k, d] -> [b, n_heads, s_q, d].
 
     `q_offset` is the absolute position of the first query (keys start at position 0), as when
     decoding with a KV cache. `dropout_p` applies to the attention probabilities; pass 0 in eval.
+    `document_ids` [b, s] (training on packed documents, no cache): tokens see only their own
+    document, through a dense mask (slower than the plain causal kernels).
     """
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
     if backend == "reference":
-        return reference_attention(q, k, v, causal=causal, dropout_p=dropout_p, q_offset=q_offset)
+        return reference_attention(q, k, v, causal=causal, dropout_p=dropout_p, q_offset=q_offset,
+                                   document_ids=document_ids)
     if backend not in BACKENDS:
         raise ConfigError(
             f"attention backend {backend!r} is not one of: {', '.join(BACKENDS)}"
         )
-    attn_mask, is_causal = _mask_args(q.shape[2], k.shape[2], q_offset, causal, q.device)
+    if document_ids is not None:
+        if q_offset or q.shape[2] != k.shape[2]:
+            raise ValueError("document_ids work only without a KV cache")
+        attn_mask, is_causal = document_mask(document_ids, causal), False
+    else:
+        attn_mask, is_causal = _mask_args(q.shape[2], k.shape[2], q_offset, causal, q.device)
     with _kernel_choice(backend, q.device, decoding=q_offset > 0):
         return F.scaled_dot_product_attention(
             q,
