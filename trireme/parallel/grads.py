@@ -83,14 +83,31 @@ def tensor_parallel_grad_norm(
     model: nn.Module, tp: TensorParallel
 ) -> Callable[[list[tuple[str, Tensor]]], Tensor]:
     """A function (name, gradient) pairs -> the global L2 norm of the full model's gradient."""
-    shardings: dict[str, Sharding] = parameter_shardings(model)
+    return parallel_grad_norm([model], tp)
+
+
+def parallel_grad_norm(
+    chunks: list[nn.Module],
+    tp: TensorParallel | None,
+    pipeline_group: dist.ProcessGroup | None = None,
+    skip: frozenset[str] = frozenset(),
+) -> Callable[[list[tuple[str, Tensor]]], Tensor]:
+    """Like `tensor_parallel_grad_norm` for this rank's model chunks, the squares also summed over
+    the pipeline stages (`pipeline_group`). Names in `skip` are not counted here: the last stage's
+    copy of a tied embedding, which the first stage counts."""
+    shardings: dict[str, Sharding] = {}
+    for chunk in chunks:
+        shardings.update(parameter_shardings(chunk))
+    tp_size = tp.size if tp is not None else 1
 
     def grad_norm(named_grads: list[tuple[str, Tensor]]) -> Tensor:
         by_replicas: dict[int, list[Tensor]] = defaultdict(list)
         for name, g in named_grads:
             sharding = shardings.get(name)
+            if name in skip:
+                continue
             if sharding is None:
-                by_replicas[tp.size].append(g)
+                by_replicas[tp_size].append(g)
             else:
                 for view, replicas in sharding.views(g):
                     by_replicas[replicas].append(view)
@@ -99,7 +116,10 @@ def tensor_parallel_grad_norm(
         for replicas, tensors in by_replicas.items():
             norms = torch._foreach_norm(tensors, 2.0)
             total = total + torch.stack(norms).float().square().sum() / replicas
-        dist.all_reduce(total, group=tp.group)
+        if tp is not None:
+            dist.all_reduce(total, group=tp.group)
+        if pipeline_group is not None:
+            dist.all_reduce(total, group=pipeline_group)
         return total.sqrt()
 
     return grad_norm
