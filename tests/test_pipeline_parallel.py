@@ -12,6 +12,7 @@ a JSON file the test prints (pytest -s).
 from __future__ import annotations
 
 import json
+import weakref
 
 import pytest
 import torch
@@ -165,9 +166,37 @@ def worker(rank: int, world: int, out: str) -> None:
         assert diffs["grads"] < GRAD_RTOL, f"{name}: gradients differ by {diffs['grads']:.2e}"
         assert diffs["grad_norm"] < GRAD_RTOL, f"{name}: norm differs by {diffs['grad_norm']:.2e}"
         results[name] = diffs
+    if world == 4:
+        results["live_activations"] = live_activations_check()
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def live_activations_check() -> dict[str, float]:
+    """Counts the stage outputs still alive (weak references) whenever a stage starts a forward:
+    with P = 4 and M = 8, 1F1B holds at most P - p micro batches on rank p (4 on the first
+    stage, not all 8), because each backward frees its micro batch's activations."""
+    cfg, pcfg, count = llama(), ParallelConfig(pipeline=4), 8
+    mesh = ParallelMesh.build(ParallelDims(pipeline=4), "cpu")
+    rank = mesh.coordinate("pipeline")
+    (chunk,) = build_stage_chunks(cfg, pcfg, rank, None, SEED)
+    runner = PipelineRunner([chunk], mesh, (MBS, cfg.seq_length, cfg.hidden_size),
+                            torch.float32, torch.device("cpu"))
+    outputs: list[weakref.ref] = []
+    most = [0]
+
+    def count_live(module, args, kwargs):
+        live = sum(ref() is not None for ref in outputs)
+        most[0] = max(most[0], live + 1)  # with the one starting now
+
+    chunk.register_forward_pre_hook(count_live, with_kwargs=True)
+    chunk.register_forward_hook(lambda m, a, out: outputs.append(weakref.ref(out)))
+    runner.train_step(micro_batches(cfg, 0, count))
+    assert most[0] == 4 - rank, (rank, most[0])
+    assert all(ref() is None for ref in outputs)  # everything freed after the step
+    return {"first_stage_max_live": float(most[0]) if rank == 0 else 0.0,
+            "micro_batches": float(count)}
 
 
 @pytest.mark.parametrize("world", [2, 4])
