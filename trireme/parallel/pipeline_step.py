@@ -57,6 +57,9 @@ class PipelineRunner:
         self.virtual = len(chunks)
         self.activation_shape, self.dtype, self.device = activation_shape, dtype, device
         self.max_in_flight = 0  # of the last training step, over this rank's chunks
+        # NCCL wants every rank of a group in its first point-to-point call; the first tick
+        # involves only stages 0 and 1, so one collective sets the group up for all.
+        dist.barrier(group=self.group)
 
     def _stage(self, chunk: int) -> int:
         return chunk * self.size + self.rank
