@@ -2,7 +2,8 @@
 
 `torchrun --nproc_per_node 4 -m trireme train --parallel.pipeline=2 --parallel.tensor=2` (gloo,
 CPU) against `train(cfg)` in this process with the same seed; the checkpoint it writes is in the
-single-process form, so one process resumes it and continues the same curve.
+single-process form, so another pipeline layout, or one process, resumes it and continues the same
+curve.
 """
 
 import json
@@ -32,8 +33,15 @@ def test_pipeline_tensor_training_matches_one_process(toy_data, tmp_path):  # no
     assert_same(losses(run, "eval_loss"), losses(ref, "eval_loss")[:2], "PP=2 x TP=2 eval loss")
     record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["pipeline_bubble"] == pytest.approx(1 / 2)  # (P - 1) / M = 1 / 2
+    # the checkpoint resumes under another layout: interleaved, 2 x 2 virtual stages
+    r = torchrun(2, f"--data.path={toy_data}", f"--run.dir={run}", *[f"--{a}" for a in ARGS],
+                 *[f"--{a}" for a in PIPELINE_ARGS], "--train.steps=11", "--parallel.pipeline=2",
+                 "--parallel.virtual_pipeline=2", "--parallel.pipeline_layers=[1,1,0,1]",
+                 f"--checkpoint.dir={ckpt}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_same(losses(run), losses(ref)[:11], "PP=2 x TP=2, resumed at PP=2 x VP=2, loss")
     single_process(toy_data, run, *PIPELINE_ARGS, "train.steps=12", f"checkpoint.dir={ckpt}")
-    assert_same(losses(run), losses(ref), "PP=2 x TP=2, then resumed in one process, loss")
+    assert_same(losses(run), losses(ref), "then resumed in one process, loss")
 
 
 @pytest.mark.parametrize("overrides,world,needle", [

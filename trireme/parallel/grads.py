@@ -15,7 +15,8 @@ part of their use, so its gradient is a partial sum that must be summed over the
 The global gradient norm must count every element of the full model once. Rank r adds
 sum(g^2) / replicas for each piece of its gradients (replicas = how many TP ranks hold the same
 numbers: 1 for split parts, T for replicated parameters, T / groups for replicated K/V heads), and
-the sums are all-reduced over the group.
+the sums are all-reduced over the group; under pipeline parallelism also over the stages, with
+the last stage's copy of a tied embedding left out (`parallel_grad_norm`).
 """
 
 from __future__ import annotations
