@@ -29,6 +29,8 @@ def test_stage_layer_counts():
     assert stage_layer_counts(6, 4, embedding_as_layer=True) == [1, 2, 2, 1]
     with pytest.raises(ConfigError, match=r"e\.g\. \[5, 6, 6, 5\]"):
         stage_layer_counts(22, 4)
+    with pytest.raises(ConfigError, match=r"e\.g\. \[0, 1, 1, 0\]"):
+        stage_layer_counts(2, 4)
     with pytest.raises(ConfigError, match="summing to model.num_layers = 8"):
         stage_layer_counts(8, 2, [3, 3])
 

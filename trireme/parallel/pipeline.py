@@ -72,9 +72,13 @@ def stage_layer_counts(
 
 
 def _uneven(num_layers: int, stages: int) -> list[int]:
+    """A near-even split for the error message: the extra layers go to the middle stages first
+    (the first and last also hold the embedding and the head)."""
     base, extra = divmod(num_layers, stages)
-    return [base + (1 if 0 < i <= extra else 0) for i in range(stages)] if stages <= num_layers \
-        else [1] * stages
+    counts = [base] * stages
+    for i in ([*range(1, stages - 1), stages - 1, 0])[:extra]:
+        counts[i] += 1
+    return counts
 
 
 def stage_specs(num_layers: int, pcfg: ParallelConfig) -> list[StageSpec]:
