@@ -20,15 +20,24 @@ PIPELINE_ARGS = ["model.num_layers=3", "model.tie_embeddings=true",
                  "model.make_vocab_size_divisible_by=1", "schedule.decay_style=constant"]
 
 
-def test_pipeline_tensor_training_matches_one_process(toy_data, tmp_path):  # noqa: F811
+def sample_text(stdout: str) -> str:
+    return stdout.split("----- sample -----\n")[1].split("------------------")[0]
+
+
+def test_pipeline_tensor_training_matches_one_process(toy_data, tmp_path, capsys):  # noqa: F811
     ref = single_process(toy_data, tmp_path / "ref", *PIPELINE_ARGS, "train.steps=12")
+    single_process(toy_data, tmp_path / "ref10", *PIPELINE_ARGS, "train.steps=10",
+                   "train.sample_tokens=6")
+    ref_sample = sample_text(capsys.readouterr().out)
     ckpt, run = tmp_path / "ckpt", tmp_path / "run"
     r = torchrun(4, f"--data.path={toy_data}", f"--run.dir={run}", *[f"--{a}" for a in ARGS],
                  *[f"--{a}" for a in PIPELINE_ARGS], "--parallel.pipeline=2",
                  "--parallel.tensor=2", "--parallel.pipeline_layers=[1,2]",
-                 f"--checkpoint.dir={ckpt}")
+                 f"--checkpoint.dir={ckpt}", "--train.sample_tokens=6")
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("step ") == 10  # only rank 0 prints
+    assert r.stdout.count("----- sample -----") == 1
+    assert sample_text(r.stdout) == ref_sample  # sampled through the stages, same tokens
     assert_same(losses(run), losses(ref)[:10], "PP=2 x TP=2 loss")
     assert_same(losses(run, "eval_loss"), losses(ref, "eval_loss")[:2], "PP=2 x TP=2 eval loss")
     record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])

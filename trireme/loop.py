@@ -187,19 +187,43 @@ def agree(trainer: Trainer, flag: bool) -> bool:
     return bool(t.item())
 
 
+def sample_through_stages(trainer: Trainer, prompt_ids: list[int]) -> list[int]:
+    """The end-of-training sample under pipeline parallelism: every rank runs its stages for each
+    token, the last stage samples (same settings as the one-process sample, no KV cache)."""
+    from trireme.inference.generate import sample_next
+    from trireme.train import build_runner
+
+    cfg = trainer.cfg
+    prompt_ids = prompt_ids[: cfg.model.seq_length - 1]
+    generator = torch.Generator(device=trainer.device).manual_seed(cfg.train.seed)
+    runner = build_runner(cfg, trainer.chunks, trainer.mesh, trainer.device, micro_batch_size=1)
+    for chunk in trainer.chunks:
+        chunk.eval()
+    try:
+        return runner.generate(
+            prompt_ids, len(prompt_ids) + cfg.train.sample_tokens,
+            lambda logits: sample_next(logits, temperature=0.8, top_k=40, generator=generator),
+        )
+    finally:
+        for chunk in trainer.chunks:
+            chunk.train()
+
+
 def print_sample(trainer: Trainer) -> None:
     cfg = trainer.cfg
     if not cfg.train.sample_tokens or trainer.tokenizer is None:
         return
     from trireme.inference.generate import generate
 
-    if trainer.pipeline is not None:
-        if trainer.is_main:
-            print("trireme: no sample under pipeline parallelism yet (train.sample_tokens "
-                  "ignored)", file=sys.stderr)
-        return
     tok = trainer.tokenizer
     prompt_ids = tok.encode(cfg.train.sample_prompt) or [tok.eod]
+    if trainer.pipeline is not None:
+        ids = sample_through_stages(trainer, prompt_ids)
+        if trainer.is_main:
+            print("----- sample -----")
+            print(tok.decode(ids))
+            print("------------------")
+        return
     tp = trainer.model.tp
     if tp is None:
         out = generate(trainer.model, prompt_ids, cfg.train.sample_tokens, temperature=0.8,

@@ -299,14 +299,14 @@ def build_trainer(cfg: Config, with_data: bool = True) -> Trainer:
                    chunks=chunks, pipeline=pipeline)
 
 
-def build_runner(cfg: Config, chunks: list[GPT], mesh: ParallelMesh,
-                 device: torch.device) -> PipelineRunner:
+def build_runner(cfg: Config, chunks: list[GPT], mesh: ParallelMesh, device: torch.device,
+                 micro_batch_size: int = 0) -> PipelineRunner:
     """The pipeline runner; activations between stages are [micro batch, seq, hidden] (the
     sequence split over the TP ranks under sequence parallelism)."""
     seq = cfg.model.seq_length
     if cfg.parallel.sequence_parallel and cfg.parallel.tensor > 1:
         seq //= cfg.parallel.tensor
-    shape = (cfg.train.micro_batch_size, seq, cfg.model.hidden_size)
+    shape = (micro_batch_size or cfg.train.micro_batch_size, seq, cfg.model.hidden_size)
     return PipelineRunner(chunks, mesh, shape, DTYPES[cfg.model.precision], device)
 
 

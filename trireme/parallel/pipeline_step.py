@@ -13,6 +13,8 @@ embedding (first and last stage), so they stay identical.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -39,7 +41,7 @@ class _StepState:
         self.training = training
         self.inbox: dict[tuple[str, int, int], Tensor] = {}  # (kind, stage, micro batch)
         self.stored: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}  # (chunk, mb)
-        self.losses: list[Tensor] = []
+        self.outputs: list[Tensor] = []  # the last stage's losses (or logits without labels)
         self.max_in_flight = 0
 
 
@@ -79,6 +81,36 @@ class PipelineRunner:
         self._run(evaluation_timetable(self.size, self.virtual, len(micro_batches)), state)
         return self._mean_loss(state)
 
+    @torch.no_grad()
+    def generate(
+        self, prompt_ids: list[int], total: int, sample: Callable[[Tensor], Tensor]
+    ) -> list[int]:
+        """Extend `prompt_ids` to `total` tokens, one forward through the stages per token.
+
+        The input is padded to the activation shape's sequence length (causal attention: the
+        padding does not change the logits before it), so the shapes stay those of the config.
+        The last stage picks each token with `sample` (logits [1, vocab] -> [1]) and broadcasts
+        it to every pipeline rank.
+        """
+        seq = self.activation_shape[1] * (self.chunks[0].tp.size if self._split_sequence else 1)
+        ids = torch.zeros((1, seq), dtype=torch.long, device=self.device)
+        ids[0, : len(prompt_ids)] = torch.tensor(prompt_ids, device=self.device)
+        last = dist.get_global_rank(self.group, self.size - 1)
+        for pos in range(len(prompt_ids), min(total, seq)):
+            state = _StepState([(ids, None)], training=False)
+            self._run(evaluation_timetable(self.size, self.virtual, 1), state)
+            token = torch.zeros(1, dtype=torch.long, device=self.device)
+            if state.outputs:
+                token = sample(state.outputs[0][:, pos - 1].float())
+            dist.broadcast(token, src=last, group=self.group)
+            ids[0, pos] = token[0]
+        return ids[0, : min(total, seq)].tolist()
+
+    @property
+    def _split_sequence(self) -> bool:
+        tp = self.chunks[0].tp
+        return tp is not None and tp.sequence_parallel
+
     def _run(self, table: list[Tick], state: _StepState, scale_loss=None) -> None:
         for tick in table:
             p = tick.passes[self.rank]
@@ -108,7 +140,7 @@ class PipelineRunner:
             x.requires_grad_(state.training)
         out = chunk(tokens, labels if chunk.stage.last else None, hidden=x)
         if chunk.stage.last:
-            state.losses.append(out.detach())
+            state.outputs.append(out.detach())
         if state.training:
             state.stored[(p.chunk, p.micro_batch)] = (x, out)
             state.max_in_flight = max(state.max_in_flight, len(state.stored))
@@ -126,8 +158,8 @@ class PipelineRunner:
 
     def _mean_loss(self, state: _StepState) -> Tensor:
         """The last stage's mean loss, broadcast to every pipeline rank."""
-        if state.losses:
-            loss = torch.stack(state.losses).float().mean()
+        if state.outputs:
+            loss = torch.stack(state.outputs).float().mean()
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
         last = dist.get_global_rank(self.group, self.size - 1)
