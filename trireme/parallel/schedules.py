@@ -23,6 +23,7 @@ same on NCCL, which matches messages by order). This module is pure arithmetic: 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 FORWARD, BACKWARD = "forward", "backward"
@@ -138,11 +139,13 @@ def timetable(orders: list[list[Pass]], pipeline: int, virtual: int) -> list[Tic
     return ticks
 
 
+@functools.cache  # the same every step: computed once per (P, V, M)
 def training_timetable(pipeline: int, virtual: int, num_micro_batches: int) -> list[Tick]:
     orders = [one_f_one_b(r, pipeline, virtual, num_micro_batches) for r in range(pipeline)]
     return timetable(orders, pipeline, virtual)
 
 
+@functools.cache
 def evaluation_timetable(pipeline: int, virtual: int, num_micro_batches: int) -> list[Tick]:
     orders = [forward_only(virtual, num_micro_batches)] * pipeline
     return timetable(orders, pipeline, virtual)
