@@ -108,6 +108,14 @@ class ParallelConfig:
     tensor: int = doc(1, "Tensor-parallel degree (splits each layer's matrices).")
     pipeline: int = doc(1, "Pipeline-parallel degree (splits the layers into stages).")
     virtual_pipeline: int = doc(1, "Virtual stages per pipeline rank (interleaved 1F1B).")
+    pipeline_layers: list[int] = doc(
+        [], "Transformer layers per pipeline stage in model order, e.g. [5, 6, 6, 5] (pipeline x "
+        "virtual_pipeline entries summing to model.num_layers). Empty: divided evenly."
+    )
+    pipeline_embedding_as_layer: bool = doc(
+        False, "When dividing evenly, count the embedding (first stage) and the output layer "
+        "(last stage) as one layer each, so those stages hold one transformer layer fewer."
+    )
     context: int = doc(1, "Context-parallel degree (splits the sequence).")
     expert: int = doc(1, "Expert-parallel degree (MoE).")
     sequence_parallel: bool = doc(False, "Shard norms and dropout along the sequence under TP.")

@@ -29,10 +29,13 @@ from trireme.train import Trainer, log_line, now, step_metrics, write_run_config
 def save(trainer: Trainer) -> Path | None:
     """Write a checkpoint in the single-process form (gathered from the tensor-parallel ranks,
     written by rank 0); returns its path on rank 0."""
-    cfg, model = trainer.cfg, trainer.model
+    cfg, model, chunks = trainer.cfg, trainer.model, trainer.chunks
     rows = cfg.model.padded_vocab_size  # the single-process padding: independent of the layout
-    model_state = tp_ckpt.full_tensors(model.state_dict(), model, rows)
-    optimizer_state = tp_ckpt.full_optimizer_state(trainer.optimizer.state_dict(), model, rows)
+    pipeline = trainer.mesh.group("pipeline") if trainer.pipeline is not None else None
+    state = {n: t for chunk in chunks for n, t in chunk.state_dict().items()}
+    model_state = tp_ckpt.gather_stages(tp_ckpt.full_tensors(state, chunks, rows), pipeline)
+    optimizer_state = tp_ckpt.full_optimizer_state(trainer.optimizer.state_dict(), chunks, rows,
+                                                   pipeline)
     trainer_state = {
         "step": trainer.state.step,
         "consumed_samples": trainer.state.consumed_samples,
@@ -65,9 +68,13 @@ def maybe_resume(trainer: Trainer) -> None:
     if path is None:
         return
     ckpt = load_checkpoint(path)
-    model = trainer.model
-    load_model_state(model, tp_ckpt.local_tensors(ckpt.model, model))
-    trainer.optimizer.load_state_dict(tp_ckpt.local_optimizer_state(ckpt.optimizer, model))
+    model, chunks = trainer.model, trainer.chunks
+    for chunk in chunks:  # each pipeline stage takes the global names it holds
+        names = chunk.state_dict().keys()
+        state = ckpt.model if len(chunks) == 1 and trainer.pipeline is None else {
+            n: t for n, t in ckpt.model.items() if n in names}
+        load_model_state(chunk, tp_ckpt.local_tensors(state, chunk))
+    trainer.optimizer.load_state_dict(tp_ckpt.local_optimizer_state(ckpt.optimizer, chunks))
     trainer.state.step = int(ckpt.trainer["step"])
     trainer.state.consumed_samples = int(ckpt.trainer["consumed_samples"])
     restore_rng_state(ckpt.trainer["rng"])
@@ -104,7 +111,8 @@ def run_loop(trainer: Trainer) -> None:
     run_dir = write_run_config(cfg) if main else cfg.run_dir
     logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard) if main else None
     progress = make_progress(trainer, cfg.train.steps, trainer.state.step)
-    print_line(progress, f"trireme: {trainer.model.num_parameters() / 1e6:.2f}M parameters"
+    num_parameters = sum(chunk.num_parameters() for chunk in trainer.chunks)
+    print_line(progress, f"trireme: {num_parameters / 1e6:.2f}M parameters"
                f"{layout_note(trainer)}, {cfg.train.steps} steps on {trainer.device}, "
                f"run dir {run_dir}", main)
     started = time.monotonic()
@@ -157,12 +165,17 @@ def run_loop(trainer: Trainer) -> None:
 
 
 def layout_note(trainer: Trainer) -> str:
-    """' per rank (tensor parallel 2, sequence parallel)' under TP, else ''."""
-    tp = trainer.model.tp
-    if tp is None:
-        return ""
-    sp = ", sequence parallel" if tp.sequence_parallel else ""
-    return f" per rank (tensor parallel {tp.size}{sp})"
+    """' per rank (pipeline 2, tensor parallel 2, sequence parallel)' under PP / TP, else ''."""
+    tp, p = trainer.model.tp, trainer.cfg.parallel
+    parts = []
+    if trainer.pipeline is not None:
+        virtual = f" x {p.virtual_pipeline} virtual" if p.virtual_pipeline > 1 else ""
+        parts.append(f"pipeline {p.pipeline}{virtual}")
+    if tp is not None:
+        parts.append(f"tensor parallel {tp.size}")
+        if tp.sequence_parallel:
+            parts.append("sequence parallel")
+    return f" per rank ({', '.join(parts)})" if parts else ""
 
 
 def agree(trainer: Trainer, flag: bool) -> bool:
@@ -174,6 +187,28 @@ def agree(trainer: Trainer, flag: bool) -> bool:
     return bool(t.item())
 
 
+def sample_through_stages(trainer: Trainer, prompt_ids: list[int]) -> list[int]:
+    """The end-of-training sample under pipeline parallelism: every rank runs its stages for each
+    token, the last stage samples (same settings as the one-process sample, no KV cache)."""
+    from trireme.inference.generate import sample_next
+    from trireme.train import build_runner
+
+    cfg = trainer.cfg
+    prompt_ids = prompt_ids[: cfg.model.seq_length - 1]
+    generator = torch.Generator(device=trainer.device).manual_seed(cfg.train.seed)
+    runner = build_runner(cfg, trainer.chunks, trainer.mesh, trainer.device, micro_batch_size=1)
+    for chunk in trainer.chunks:
+        chunk.eval()
+    try:
+        return runner.generate(
+            prompt_ids, len(prompt_ids) + cfg.train.sample_tokens,
+            lambda logits: sample_next(logits, temperature=0.8, top_k=40, generator=generator),
+        )
+    finally:
+        for chunk in trainer.chunks:
+            chunk.train()
+
+
 def print_sample(trainer: Trainer) -> None:
     cfg = trainer.cfg
     if not cfg.train.sample_tokens or trainer.tokenizer is None:
@@ -182,6 +217,13 @@ def print_sample(trainer: Trainer) -> None:
 
     tok = trainer.tokenizer
     prompt_ids = tok.encode(cfg.train.sample_prompt) or [tok.eod]
+    if trainer.pipeline is not None:
+        ids = sample_through_stages(trainer, prompt_ids)
+        if trainer.is_main:
+            print("----- sample -----")
+            print(tok.decode(ids))
+            print("------------------")
+        return
     tp = trainer.model.tp
     if tp is None:
         out = generate(trainer.model, prompt_ids, cfg.train.sample_tokens, temperature=0.8,

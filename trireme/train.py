@@ -12,7 +12,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +29,7 @@ from trireme.metrics import flops_per_token, memory_gib, peak_flops
 from trireme.models.gpt import GPT
 from trireme.models.init import init_parameters
 from trireme.optim.optimizer import MixedPrecisionOptimizer, build_optimizer
-from trireme.parallel.grads import PartialGradSync, tensor_parallel_grad_norm
+from trireme.parallel.grads import PartialGradSync, parallel_grad_norm
 from trireme.parallel.mesh import (
     DistributedEnv,
     ParallelDims,
@@ -37,6 +37,8 @@ from trireme.parallel.mesh import (
     init_distributed,
     launched_world_size,
 )
+from trireme.parallel.pipeline import StageSpec, bubble_fraction, check_pipeline, rank_stages
+from trireme.parallel.pipeline_step import PipelineRunner, TiedEmbeddingSync
 from trireme.parallel.tensor import TensorParallel, build_tensor_parallel, check_tensor_parallel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -64,7 +66,13 @@ class Trainer:
     state: TrainState = field(default_factory=TrainState)
     mesh: ParallelMesh = field(default_factory=lambda: ParallelMesh(ParallelDims()))
     env: DistributedEnv = field(default_factory=DistributedEnv)
-    grad_sync: PartialGradSync | None = None  # sums the gradients TP leaves partial
+    grad_sync: Callable[[], None] | None = None  # sums partial (TP) and tied (PP) gradients
+    chunks: list[GPT] = field(default_factory=list)  # this rank's pipeline stages ([model])
+    pipeline: PipelineRunner | None = None  # runs the micro batches through the stages (PP > 1)
+
+    def __post_init__(self) -> None:
+        if not self.chunks:
+            self.chunks = [self.model]
 
     @property
     def is_main(self) -> bool:
@@ -77,8 +85,16 @@ class Trainer:
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> dict:
         """One optimizer step over the given micro batches; returns tensors (no host sync)."""
-        self.model.train()
+        for chunk in self.chunks:
+            chunk.train()
         self.optimizer.zero_grad()
+        if self.pipeline is not None:
+            loss = self.pipeline.train_step(micro_batches, self.optimizer.scale_loss)
+            if self.grad_sync is not None:
+                self.grad_sync()
+            result = self.optimizer.step(lr)
+            result["loss"] = loss
+            return result
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         for tokens, labels, *extra in micro_batches:
             loss = self.model(tokens, labels, **(extra[0] if extra else {}))
@@ -120,6 +136,15 @@ class Trainer:
         """Mean loss over the first `train.eval_steps` micro batches of the validation split."""
         self.model.eval()
         mbs = self.cfg.train.micro_batch_size
+        if self.pipeline is not None:
+            for chunk in self.chunks:
+                chunk.eval()
+            batches = [tuple(t.to(self.device) for t in get_batch(self.valid_data, i * mbs, mbs))
+                       for i in range(self.cfg.train.eval_steps)]
+            loss = self.pipeline.evaluate(batches).item()
+            for chunk in self.chunks:
+                chunk.train()
+            return loss
         total = torch.zeros((), device=self.device)
         for i in range(self.cfg.train.eval_steps):
             tokens, labels, extra = self._micro_batch(self.valid_data, i * mbs, mbs)
@@ -149,22 +174,29 @@ def pick_device(name: str) -> torch.device:
 
 def check_parallel(cfg: Config, world_size: int | None = None) -> ParallelDims:
     """The parallel degrees for this launch, checked before any process group exists (so a bad
-    layout stops every rank with the same one-line error). Tensor (+ sequence) parallelism is
-    implemented; the other kinds arrive with their own issues, and say so plainly until then."""
+    layout stops every rank with the same one-line error). Tensor (+ sequence) parallelism
+    and pipeline parallelism are implemented; the other kinds arrive with their own issues, and say
+    so plainly until then."""
     p = cfg.parallel
     world = launched_world_size() if world_size is None else world_size
-    degrees = {"pipeline": p.pipeline, "context": p.context, "expert": p.expert,
-               "virtual_pipeline": p.virtual_pipeline}
+    degrees = {"context": p.context, "expert": p.expert}
     for name, degree in degrees.items():
         if degree > 1:
             raise ConfigError(f"parallel.{name} = {degree}: not implemented yet; use 1")
     if p.distributed_optimizer:
         raise ConfigError("parallel.distributed_optimizer: not implemented yet")
+    if p.pipeline > 1 and (cfg.data.reset_position_ids or cfg.data.reset_attention_mask):
+        raise ConfigError(
+            "data.reset_position_ids / data.reset_attention_mask with parallel.pipeline > 1: "
+            "not implemented yet"
+        )
     check_tensor_parallel(cfg.model, p.tensor, p.sequence_parallel)
+    check_pipeline(cfg.model, p, cfg.train.global_batch_size // cfg.train.micro_batch_size)
     dims = ParallelDims.from_config(p, world)
     if dims.data > 1:
         raise ConfigError(
-            f"launched with {world} processes and parallel.tensor = {p.tensor}, which leaves "
+            f"launched with {world} processes and parallel.pipeline x parallel.tensor = "
+            f"{p.pipeline} x {p.tensor}, which leaves "
             f"data parallelism of {dims.data}: not implemented yet; launch {world // dims.data} "
             "processes"
         )
@@ -217,11 +249,14 @@ def build_datasets(cfg: Config, sources: DataSources) -> tuple[GPTDataset, GPTDa
     )
 
 
-def build_model(cfg: Config, device: torch.device, tp: TensorParallel | None = None) -> GPT:
-    """Build the model (this rank's tensor-parallel shard with `tp`) directly on its device (no
-    CPU copy), then initialize it by name."""
+def build_model(
+    cfg: Config, device: torch.device, tp: TensorParallel | None = None,
+    stage: StageSpec | None = None,
+) -> GPT:
+    """Build the model (this rank's tensor-parallel shard with `tp`, one pipeline stage with
+    `stage`) directly on its device (no CPU copy), then initialize it by name."""
     with torch.device("meta"):
-        model = GPT(cfg.model, seed=None, tp=tp)
+        model = GPT(cfg.model, seed=None, tp=tp, stage=stage)
     model = model.to_empty(device=device).to(DTYPES[cfg.model.precision])
     init_parameters(model, cfg.train.seed)
     return model
@@ -252,12 +287,52 @@ def build_trainer(cfg: Config, with_data: bool = True) -> Trainer:
         validate(cfg)
     tp = build_tensor_parallel(mesh, cfg.model, cfg.parallel.sequence_parallel, cfg.train.seed,
                                device)
-    model = build_model(cfg, device, tp)
-    grad_norm = tensor_parallel_grad_norm(model, tp) if tp is not None else None
-    optimizer = build_optimizer(model, cfg.optimizer, cfg.model.precision, device, grad_norm)
-    grad_sync = PartialGradSync(model, tp) if tp is not None else None
-    return Trainer(cfg, device, model, optimizer, tokenizer, train_data, valid_data,
-                   mesh=mesh, env=env, grad_sync=grad_sync or None)
+    if dims.pipeline == 1:
+        chunks = [build_model(cfg, device, tp)]
+    else:
+        stages = rank_stages(cfg.model.num_layers, cfg.parallel, mesh.coordinate("pipeline"))
+        chunks = [build_model(cfg, device, tp, stage) for stage in stages]
+    syncs: list[Callable[[], None]] = [PartialGradSync(c, tp) for c in chunks if tp is not None]
+    pipeline, skip, pipeline_group = None, frozenset(), None
+    if dims.pipeline > 1:
+        pipeline = build_runner(cfg, chunks, mesh, device)
+        pipeline_group = mesh.group("pipeline")
+        if cfg.model.tie_embeddings:  # the last stage's copy: summed with the first's, counted once
+            syncs.append(TiedEmbeddingSync(chunks, mesh))
+            if not chunks[0].stage.first:
+                skip = frozenset({"embedding.weight"})
+    grad_norm = None
+    if tp is not None or pipeline is not None:
+        grad_norm = parallel_grad_norm(chunks, tp, pipeline_group, skip)
+    model_or_chunks = chunks if pipeline is not None else chunks[0]
+    optimizer = build_optimizer(model_or_chunks, cfg.optimizer, cfg.model.precision, device,
+                                grad_norm)
+    return Trainer(cfg, device, chunks[0], optimizer, tokenizer, train_data, valid_data,
+                   mesh=mesh, env=env, grad_sync=run_all([s for s in syncs if s]),
+                   chunks=chunks, pipeline=pipeline)
+
+
+def build_runner(cfg: Config, chunks: list[GPT], mesh: ParallelMesh, device: torch.device,
+                 micro_batch_size: int = 0) -> PipelineRunner:
+    """The pipeline runner; activations between stages are [micro batch, seq, hidden] (the
+    sequence split over the TP ranks under sequence parallelism)."""
+    seq = cfg.model.seq_length
+    if cfg.parallel.sequence_parallel and cfg.parallel.tensor > 1:
+        seq //= cfg.parallel.tensor
+    shape = (micro_batch_size or cfg.train.micro_batch_size, seq, cfg.model.hidden_size)
+    return PipelineRunner(chunks, mesh, shape, DTYPES[cfg.model.precision], device)
+
+
+def run_all(calls: list[Callable[[], None]]) -> Callable[[], None] | None:
+    """One callable running `calls` in order (None if there are none)."""
+    if not calls:
+        return None
+
+    def run() -> None:
+        for call in calls:
+            call()
+
+    return run
 
 
 @contextlib.contextmanager
@@ -316,6 +391,10 @@ def step_metrics(trainer: Trainer, results: list[dict], lr: float, seconds: floa
         "consumed_samples": trainer.state.consumed_samples,
         "skipped_steps": skipped,
     }
+    p = cfg.parallel
+    if p.pipeline > 1:
+        record["pipeline_bubble"] = bubble_fraction(p.pipeline, p.virtual_pipeline,
+                                                    trainer.num_micro_batches)
     if cfg.model.precision == "fp16":
         record["loss_scale"] = float(last["loss_scale"])
     if not math.isfinite(record["loss"]) and trainer.is_main:

@@ -21,6 +21,11 @@ Tensor parallelism (`tp`, trireme.parallel.tensor): the same code, built from pa
 that hold this rank's heads, features and vocabulary rows; with sequence parallelism the residual
 stream between them is this rank's [b, s / T, h] chunk of the sequence. At tp=None (one rank) they
 are the plain torch layers.
+
+Pipeline parallelism (`stage`, a trireme.parallel.pipeline.StageSpec): the model holds only the
+layers of one stage, under their global names; the first stage has the embedding, the last the final
+norm, the output layer and the loss. A stage other than the first takes the previous stage's
+activations as `hidden`; one other than the last returns its activations.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from trireme.ops.attention import attention
 from trireme.ops.cross_entropy import cross_entropy
 from trireme.ops.norms import RMSNorm, build_norm
 from trireme.ops.rope import RotaryEmbedding, apply_rotary, rope_frequencies
+from trireme.parallel.pipeline import StageSpec
 from trireme.parallel.random import dropout, fork_rng
 from trireme.parallel.tensor import TensorParallel, column_linear, row_linear
 from trireme.parallel.vocab import padded_vocab_size, parallel_output, vocab_embedding
@@ -167,17 +173,27 @@ class GPT(nn.Module):
     """
 
     def __init__(
-        self, cfg: ModelConfig, *, seed: int | None = 0, tp: TensorParallel | None = None
+        self,
+        cfg: ModelConfig,
+        *,
+        seed: int | None = 0,
+        tp: TensorParallel | None = None,
+        stage: StageSpec | None = None,
     ) -> None:
         super().__init__()
         if cfg.vocab_size < 1:
             raise TriremeError("model.vocab_size must be set before building the model")
         self.cfg = cfg
         self.tp = tp
+        self.stage = stage or StageSpec(0, cfg.num_layers, True, True)
+        first, last = self.stage.first, self.stage.last
         h = cfg.hidden_size
         self.padded_vocab_size = padded_vocab_size(cfg, tp.size if tp is not None else 1)
-        self.embedding = vocab_embedding(self.padded_vocab_size, h, tp)
-        if cfg.position_embedding == "learned":
+        if first or (last and cfg.tie_embeddings):  # the last stage's copy is the output layer
+            self.embedding = vocab_embedding(self.padded_vocab_size, h, tp)
+        if cfg.position_embedding == "learned" and not first:
+            self.rope = None
+        elif cfg.position_embedding == "learned":
             self.position_embedding = nn.Embedding(cfg.seq_length, h)
             self.rope = None
         else:
@@ -189,9 +205,10 @@ class GPT(nn.Module):
             self.rope = RotaryEmbedding(cfg.head_size, cfg.seq_length, inv_freq)
         # on the embeddings, the start of the residual stream
         self.dropout = dropout(cfg.dropout, tp.residual_rng if tp is not None else None)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, tp) for i in range(cfg.num_layers)})
-        self.final_norm = build_norm(cfg.normalization, h, cfg.norm_eps, cfg.bias)
-        if not cfg.tie_embeddings:  # under TP: this rank's rows of the vocabulary
+        self.layers = nn.ModuleDict({str(i): Block(cfg, tp) for i in self.stage.layers})
+        if last:
+            self.final_norm = build_norm(cfg.normalization, h, cfg.norm_eps, cfg.bias)
+        if last and not cfg.tie_embeddings:  # under TP: this rank's rows of the vocabulary
             self.output = column_linear(h, [(self.padded_vocab_size, 1)], False, tp)
         self._compile_pending = cfg.compile
         if seed is not None:
@@ -221,6 +238,7 @@ class GPT(nn.Module):
         start_pos: int = 0,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [b, s, vocab_size] (fp32 not guaranteed), or with `labels` [b, s] the mean
         cross-entropy (fp32 scalar) over tokens with labels != -100 and loss_mask (if given) != 0.
@@ -230,6 +248,8 @@ class GPT(nn.Module):
 
         `kv_cache[i]` is layer i's (k, v) buffer pair, [b, n_kv, max_len, d]; input_ids are then
         the tokens at positions start_pos..start_pos+s-1 (see trireme.inference.generate).
+        A pipeline stage other than the first takes its input activations as `hidden` (input_ids
+        still give the shape); one other than the last returns its output activations [b, s, h].
         """
         b, s = input_ids.shape
         end = start_pos + s
@@ -244,9 +264,18 @@ class GPT(nn.Module):
                 "pass use_cache=False"
             )
         self._maybe_compile(input_ids.device)
-        x = self.embedding(input_ids)  # [b, s, h] (under SP this rank's [b, s / T, h])
         if (position_ids is not None or document_ids is not None) and kv_cache is not None:
             raise TriremeError("position_ids / document_ids are for training, not a KV cache")
+        if not self.stage.first:  # the previous stage's activations (under SP [b, s / T, h])
+            x, rope = hidden, None
+            if self.rope is not None and position_ids is not None:
+                rope = self.rope(input_ids.device, position_ids=position_ids)  # 2 x [b, s, d]
+            elif self.rope is not None:
+                rope = self.rope(input_ids.device, offset=start_pos, length=s)
+            return self._blocks_and_head(
+                x, rope, labels, loss_mask, kv_cache, start_pos, document_ids
+            )
+        x = self.embedding(input_ids)  # [b, s, h] (under SP this rank's [b, s / T, h])
         if self.rope is None:
             if position_ids is None:
                 positions = torch.arange(start_pos, end, device=input_ids.device)  # [s]
@@ -262,11 +291,25 @@ class GPT(nn.Module):
         else:
             rope = self.rope(input_ids.device, offset=start_pos, length=s)  # 2 x [s, d]
         x = self.dropout(x)
+        return self._blocks_and_head(x, rope, labels, loss_mask, kv_cache, start_pos, document_ids)
+
+    def _blocks_and_head(
+        self,
+        x: torch.Tensor,
+        rope: Rope | None,
+        labels: torch.Tensor | None,
+        loss_mask: torch.Tensor | None,
+        kv_cache: KVCache | None,
+        start_pos: int,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         for name, block in self.layers.items():
             if kv_cache is None:
                 x = block(x, rope, document_ids=document_ids)
             else:  # decoding: shapes change every step, so run the blocks eagerly
                 x = block.forward(x, rope, kv_cache[int(name)], start_pos)
+        if not self.stage.last:
+            return x  # [b, s, h]: the next stage's input
         x = self.final_norm(x)
         if self.tp is not None:  # vocabulary split over the ranks: no full logits for the loss
             return parallel_output(

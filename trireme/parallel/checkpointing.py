@@ -1,4 +1,4 @@
-"""Checkpoints of a tensor-parallel model in the single-process form.
+"""Checkpoints of a tensor- and pipeline-parallel model in the single-process form.
 
 Saving gathers every sharded tensor (model weights and the optimizer's per-parameter state) into
 the full tensor under its global name, and global rank 0 writes the usual checkpoint. The
@@ -7,11 +7,17 @@ the checkpoint does not depend on the tensor-parallel degree: loading resizes th
 model's padding (the padded rows are zero) and keeps this rank's slice. A checkpoint written at
 any degree therefore resumes at any degree, and `trireme generate` reads it in one process.
 
+Under pipeline parallelism `model` is the list of this rank's model chunks (stages); their names
+are already the global ones, and `gather_stages` collects every stage's tensors on the first stage
+(a tied embedding's last-stage copy is the same tensor as the first stage's, kept once). Loading
+gives each chunk the names it holds, so a checkpoint loads under any pipeline layout too.
+
 This gathers the whole model through every rank, fine for now; sharded checkpoints come later.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -40,32 +46,65 @@ def fit_vocab_rows(tensors: dict[str, Tensor], rows: int) -> dict[str, Tensor]:
     return out
 
 
-def _tp(model: nn.Module) -> TensorParallel | None:
-    return getattr(model, "tp", None)
+Model = nn.Module | Sequence[nn.Module]  # a model, or a pipeline rank's model chunks
 
 
-def full_tensors(tensors: dict[str, Tensor], model: nn.Module, rows: int) -> dict[str, Tensor]:
+def _modules(model: Model) -> list[nn.Module]:
+    return [model] if isinstance(model, nn.Module) else list(model)
+
+
+def _tp(model: Model) -> TensorParallel | None:
+    return getattr(_modules(model)[0], "tp", None)
+
+
+def _shardings(model: Model) -> dict:
+    out = {}
+    for module in _modules(model):
+        out.update(parameter_shardings(module))
+    return out
+
+
+def gather_stages(tensors: dict[str, Any], group: dist.ProcessGroup | None) -> dict[str, Any]:
+    """Every pipeline stage's `tensors` merged on pipeline rank 0 of `group` (on CPU); {} on the
+    other ranks. Collective over the pipeline group."""
+    if group is None:
+        return tensors
+    first = dist.get_global_rank(group, 0)
+    mine = {n: t.detach().cpu() if isinstance(t, Tensor) else t for n, t in tensors.items()}
+    stages = [None] * dist.get_world_size(group) if dist.get_rank() == first else None
+    dist.gather_object(mine, stages, dst=first, group=group)
+    merged: dict[str, Any] = {}
+    for stage in stages or []:
+        for name, value in stage.items():
+            merged.setdefault(name, value)  # the tied embedding: the first stage's copy
+    return merged
+
+
+def full_tensors(tensors: dict[str, Tensor], model: Model, rows: int) -> dict[str, Tensor]:
     """Gathered full tensors (collective under TP), vocabulary tables at `rows` rows."""
     tp = _tp(model)
     if tp is not None:
-        tensors = gather_full(tensors, parameter_shardings(model), tp.group)
+        tensors = gather_full(tensors, _shardings(model), tp.group)
     return fit_vocab_rows(tensors, rows)
 
 
-def local_tensors(tensors: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
+def local_tensors(tensors: dict[str, Tensor], model: Model) -> dict[str, Tensor]:
     """This rank's slices of full tensors, vocabulary tables resized to the model's padding."""
-    tensors = fit_vocab_rows(tensors, model.padded_vocab_size)
+    tensors = fit_vocab_rows(tensors, _modules(model)[0].padded_vocab_size)
     if _tp(model) is None:
         return tensors
-    return shard_full(tensors, parameter_shardings(model))
+    return shard_full(tensors, _shardings(model))
 
 
-def full_optimizer_state(state: dict[str, Any], model: nn.Module, rows: int) -> dict[str, Any]:
-    return {k: full_tensors(v, model, rows) if k in OPTIMIZER_TENSORS else v
-            for k, v in state.items()}
+def full_optimizer_state(
+    state: dict[str, Any], model: Model, rows: int, pipeline: dist.ProcessGroup | None = None
+) -> dict[str, Any]:
+    """The optimizer state gathered over TP (and, given `pipeline`, the stages)."""
+    return {k: gather_stages(full_tensors(v, model, rows), pipeline)
+            if k in OPTIMIZER_TENSORS else v for k, v in state.items()}
 
 
-def local_optimizer_state(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+def local_optimizer_state(state: dict[str, Any], model: Model) -> dict[str, Any]:
     return {k: local_tensors(v, model) if k in OPTIMIZER_TENSORS and v else v
             for k, v in state.items()}
 

@@ -15,7 +15,8 @@ part of their use, so its gradient is a partial sum that must be summed over the
 The global gradient norm must count every element of the full model once. Rank r adds
 sum(g^2) / replicas for each piece of its gradients (replicas = how many TP ranks hold the same
 numbers: 1 for split parts, T for replicated parameters, T / groups for replicated K/V heads), and
-the sums are all-reduced over the group.
+the sums are all-reduced over the group; under pipeline parallelism also over the stages, with
+the last stage's copy of a tied embedding left out (`parallel_grad_norm`).
 """
 
 from __future__ import annotations
@@ -83,14 +84,31 @@ def tensor_parallel_grad_norm(
     model: nn.Module, tp: TensorParallel
 ) -> Callable[[list[tuple[str, Tensor]]], Tensor]:
     """A function (name, gradient) pairs -> the global L2 norm of the full model's gradient."""
-    shardings: dict[str, Sharding] = parameter_shardings(model)
+    return parallel_grad_norm([model], tp)
+
+
+def parallel_grad_norm(
+    chunks: list[nn.Module],
+    tp: TensorParallel | None,
+    pipeline_group: dist.ProcessGroup | None = None,
+    skip: frozenset[str] = frozenset(),
+) -> Callable[[list[tuple[str, Tensor]]], Tensor]:
+    """Like `tensor_parallel_grad_norm` for this rank's model chunks, the squares also summed over
+    the pipeline stages (`pipeline_group`). Names in `skip` are not counted here: the last stage's
+    copy of a tied embedding, which the first stage counts."""
+    shardings: dict[str, Sharding] = {}
+    for chunk in chunks:
+        shardings.update(parameter_shardings(chunk))
+    tp_size = tp.size if tp is not None else 1
 
     def grad_norm(named_grads: list[tuple[str, Tensor]]) -> Tensor:
         by_replicas: dict[int, list[Tensor]] = defaultdict(list)
         for name, g in named_grads:
             sharding = shardings.get(name)
+            if name in skip:
+                continue
             if sharding is None:
-                by_replicas[tp.size].append(g)
+                by_replicas[tp_size].append(g)
             else:
                 for view, replicas in sharding.views(g):
                     by_replicas[replicas].append(view)
@@ -99,7 +117,10 @@ def tensor_parallel_grad_norm(
         for replicas, tensors in by_replicas.items():
             norms = torch._foreach_norm(tensors, 2.0)
             total = total + torch.stack(norms).float().square().sum() / replicas
-        dist.all_reduce(total, group=tp.group)
+        if tp is not None:
+            dist.all_reduce(total, group=tp.group)
+        if pipeline_group is not None:
+            dist.all_reduce(total, group=pipeline_group)
         return total.sqrt()
 
     return grad_norm

@@ -1,0 +1,28 @@
+"""Point-to-point exchange between neighbouring pipeline stages.
+
+Every message's shape is known in advance (activations and their gradients are [b, s, h], or
+[b, s / T, h] under sequence parallelism), so receivers allocate their buffers from the config and
+no shape handshake is needed. The sends and receives of one schedule tick are posted together with
+`batch_isend_irecv`, in the order of the tick's message list, which both ends share (NCCL matches
+point-to-point messages between two ranks by their order).
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import Tensor
+
+
+def exchange(transfers: list[tuple[str, Tensor, int]], group: dist.ProcessGroup) -> None:
+    """Run ("send" | "recv", tensor, peer) transfers together and wait for them; peers are ranks
+    of `group`, receive buffers are filled in place. Both ends list their shared messages in the
+    same order."""
+    ops = [
+        dist.P2POp(dist.isend if what == "send" else dist.irecv, tensor, group=group,
+                   group_peer=peer)
+        for what, tensor, peer in transfers
+    ]
+    if not ops:
+        return
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()

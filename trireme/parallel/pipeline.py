@@ -1,0 +1,135 @@
+"""Pipeline parallelism, part 1: which layers each stage holds.
+
+The model's transformer layers are cut into `pipeline * virtual_pipeline` contiguous stages, in
+model order. Pipeline rank p holds the stages p, p + P, p + 2P, ... (its "model chunks", one per
+virtual stage, Megatron's interleaved assignment), so with P = 2 and 2 virtual stages:
+
+    stage:   0        1        2        3
+    rank:    0        1        0        1          (stage s lives on rank s % P, chunk s // P)
+
+The first stage also holds the embedding (and learned positions), the last the final norm, the
+output layer and the loss. Each chunk is a `GPT` built with a `StageSpec`: the same module names
+as the whole model (`layers.17.mlp.fc1.weight`, never a stage-local index), so initialization by
+(seed, name), checkpoints and gathered gradients all speak the single-process names.
+
+With tied embeddings the last stage keeps its own copy of `embedding.weight` for the output layer;
+both copies start identical (same seed and name), their gradients are summed after the backward
+(`TiedEmbeddingSync` in pipeline_step.py) and so they stay identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trireme.config import ModelConfig, ParallelConfig
+from trireme.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One pipeline stage of the model: its global layer range and whether it is first / last."""
+
+    start: int  # first transformer layer (global index)
+    stop: int  # one past the last
+    first: bool
+    last: bool
+
+    @property
+    def layers(self) -> range:
+        return range(self.start, self.stop)
+
+
+def stage_layer_counts(
+    num_layers: int, stages: int, explicit: list[int] | tuple[int, ...] = (),
+    embedding_as_layer: bool = False,
+) -> list[int]:
+    """Transformer layers per stage (model order): `explicit` checked, or an even division.
+
+    With `embedding_as_layer` the embedding and the output layer take one slot each, so
+    num_layers + 2 slots are divided evenly and the first and last stages get one layer fewer.
+    """
+    if explicit:
+        if len(explicit) != stages or sum(explicit) != num_layers or min(explicit) < 0:
+            raise ConfigError(
+                f"parallel.pipeline_layers = {list(explicit)} must have pipeline x "
+                f"virtual_pipeline = {stages} entries >= 0 summing to model.num_layers = "
+                f"{num_layers}"
+            )
+        return list(explicit)
+    slots = num_layers + 2 if embedding_as_layer and stages > 1 else num_layers
+    if slots % stages:
+        extra = " + 2 (embedding and output)" if slots != num_layers else ""
+        raise ConfigError(
+            f"model.num_layers = {num_layers}{extra} does not divide into pipeline x "
+            f"virtual_pipeline = {stages} equal stages; set parallel.pipeline_layers to the layers "
+            "of each stage, e.g. [" + ", ".join(map(str, _uneven(num_layers, stages))) + "]"
+        )
+    counts = [slots // stages] * stages
+    if slots != num_layers:
+        counts[0] -= 1
+        counts[-1] -= 1
+    return counts
+
+
+def _uneven(num_layers: int, stages: int) -> list[int]:
+    """A near-even split for the error message: the extra layers go to the middle stages first
+    (the first and last also hold the embedding and the head)."""
+    base, extra = divmod(num_layers, stages)
+    counts = [base] * stages
+    for i in ([*range(1, stages - 1), stages - 1, 0])[:extra]:
+        counts[i] += 1
+    return counts
+
+
+def stage_specs(num_layers: int, pcfg: ParallelConfig) -> list[StageSpec]:
+    """Every stage of the model, in model order (stage s on pipeline rank s % pipeline)."""
+    stages = pcfg.pipeline * pcfg.virtual_pipeline
+    counts = stage_layer_counts(num_layers, stages, pcfg.pipeline_layers,
+                                pcfg.pipeline_embedding_as_layer)
+    specs, start = [], 0
+    for s, count in enumerate(counts):
+        specs.append(StageSpec(start, start + count, s == 0, s == stages - 1))
+        start += count
+    return specs
+
+
+def rank_stages(num_layers: int, pcfg: ParallelConfig, pipeline_rank: int) -> list[StageSpec]:
+    """The stages (model chunks) pipeline rank `pipeline_rank` holds, chunk 0 first."""
+    specs = stage_specs(num_layers, pcfg)
+    return specs[pipeline_rank :: pcfg.pipeline]
+
+
+def check_pipeline(cfg: ModelConfig, pcfg: ParallelConfig, num_micro_batches: int) -> None:
+    """One-line errors for a pipeline layout that cannot run."""
+    if pcfg.virtual_pipeline > 1 and pcfg.pipeline == 1:
+        raise ConfigError(
+            f"parallel.virtual_pipeline = {pcfg.virtual_pipeline} needs parallel.pipeline > 1"
+        )
+    if pcfg.pipeline_layers and pcfg.pipeline == 1:
+        raise ConfigError("parallel.pipeline_layers is set but parallel.pipeline = 1")
+    if pcfg.pipeline > 1:
+        stage_specs(cfg.num_layers, pcfg)  # raises on a split that does not fit
+    if pcfg.virtual_pipeline > 1 and num_micro_batches % pcfg.pipeline:
+        raise ConfigError(
+            f"interleaved pipelining (parallel.virtual_pipeline = {pcfg.virtual_pipeline}) needs "
+            f"the micro batches per step (train.global_batch_size / train.micro_batch_size = "
+            f"{num_micro_batches}) to be a multiple of parallel.pipeline = {pcfg.pipeline}"
+        )
+
+
+def bubble_fraction(pipeline: int, virtual_pipeline: int, num_micro_batches: int) -> float:
+    """The estimated idle share of a 1F1B step: (P - 1) / (V * M) of the useful time (Megatron's
+    estimate; 0 without pipelining)."""
+    if pipeline == 1:
+        return 0.0
+    return (pipeline - 1) / (virtual_pipeline * num_micro_batches)
+
+
+def build_stage_chunks(
+    cfg: ModelConfig, pcfg: ParallelConfig, pipeline_rank: int, tp=None, seed: int | None = 0,
+) -> list:
+    """This pipeline rank's model chunks (GPTs holding one stage each), initialized by name."""
+    from trireme.models.gpt import GPT
+
+    return [GPT(cfg, seed=seed, tp=tp, stage=spec)
+            for spec in rank_stages(cfg.num_layers, pcfg, pipeline_rank)]
