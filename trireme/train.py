@@ -28,7 +28,12 @@ from trireme.errors import ConfigError, DataError
 from trireme.metrics import flops_per_token, memory_gib, peak_flops
 from trireme.models.gpt import GPT
 from trireme.models.init import init_parameters
-from trireme.optim.optimizer import MixedPrecisionOptimizer, build_optimizer
+from trireme.optim.optimizer import (
+    MixedPrecisionOptimizer,
+    build_optimizer,
+    named_trainable_parameters,
+)
+from trireme.parallel.data import BucketReducer, data_parallel_loss, grad_layout
 from trireme.parallel.grads import PartialGradSync, tensor_parallel_grad_norm
 from trireme.parallel.mesh import (
     DistributedEnv,
@@ -65,6 +70,11 @@ class Trainer:
     mesh: ParallelMesh = field(default_factory=lambda: ParallelMesh(ParallelDims()))
     env: DistributedEnv = field(default_factory=DistributedEnv)
     grad_sync: PartialGradSync | None = None  # sums the gradients TP leaves partial
+    grad_reducer: BucketReducer | None = None  # averages the gradients over DP replicas
+
+    @property
+    def data_parallel(self) -> int:
+        return self.mesh.size("data")
 
     @property
     def is_main(self) -> bool:
@@ -73,26 +83,38 @@ class Trainer:
 
     @property
     def num_micro_batches(self) -> int:
-        return self.cfg.train.global_batch_size // self.cfg.train.micro_batch_size
+        """Micro batches per step on each DP replica: global / (micro x DP)."""
+        train = self.cfg.train
+        return train.global_batch_size // (train.micro_batch_size * self.data_parallel)
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> dict:
         """One optimizer step over the given micro batches; returns tensors (no host sync)."""
         self.model.train()
         self.optimizer.zero_grad()
+        reducer = self.grad_reducer
+        if reducer is not None:
+            reducer.start_step()
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
-        for tokens, labels in micro_batches:
+        for i, (tokens, labels) in enumerate(micro_batches):
+            if reducer is not None:  # the DP buckets reduce during the last backward only
+                reducer.last_micro_batch = i == len(micro_batches) - 1
             loss = self.model(tokens, labels)
             self.optimizer.scale_loss(loss / len(micro_batches)).backward()
             loss_sum += loss.detach()
-        if self.grad_sync is not None:
+        if reducer is not None:
+            reducer.finish()
+        if self.grad_sync is not None:  # after the DP mean: both are sums, so they commute
             self.grad_sync()
         result = self.optimizer.step(lr)
-        result["loss"] = loss_sum / len(micro_batches)
+        loss = loss_sum / len(micro_batches)
+        result["loss"] = data_parallel_loss(loss, self.mesh.group("data"), self.data_parallel)
         return result
 
     def next_micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         mbs = self.cfg.train.micro_batch_size
-        start = self.state.consumed_samples
+        # DP replica d reads its own consecutive run of micro batches of the global batch
+        replica = self.mesh.coordinate("data") if self.data_parallel > 1 else 0
+        start = self.state.consumed_samples + replica * self.num_micro_batches * mbs
         batches = []
         for i in range(self.num_micro_batches):
             tokens, labels = get_batch(self.train_data, start + i * mbs, mbs)
@@ -149,11 +171,13 @@ def check_parallel(cfg: Config, world_size: int | None = None) -> ParallelDims:
         raise ConfigError("parallel.distributed_optimizer: not implemented yet")
     check_tensor_parallel(cfg.model, p.tensor, p.sequence_parallel)
     dims = ParallelDims.from_config(p, world)
-    if dims.data > 1:
+    t = cfg.train
+    if t.global_batch_size % (t.micro_batch_size * dims.data):
         raise ConfigError(
-            f"launched with {world} processes and parallel.tensor = {p.tensor}, which leaves "
-            f"data parallelism of {dims.data}: not implemented yet; launch {world // dims.data} "
-            "processes"
+            f"train.global_batch_size = {t.global_batch_size} is not divisible by "
+            f"train.micro_batch_size x data-parallel degree = {t.micro_batch_size} x {dims.data} "
+            f"(data parallelism = {world} processes / (pipeline x context x tensor)); change the "
+            "batch sizes or the number of processes"
         )
     return dims
 
@@ -246,10 +270,25 @@ def build_trainer(cfg: Config, with_data: bool = True) -> Trainer:
                                device)
     model = build_model(cfg, device, tp)
     grad_norm = tensor_parallel_grad_norm(model, tp) if tp is not None else None
-    optimizer = build_optimizer(model, cfg.optimizer, cfg.model.precision, device, grad_norm)
+    optimizer, reducer = build_data_parallel_optimizer(cfg, model, mesh, device, grad_norm)
     grad_sync = PartialGradSync(model, tp) if tp is not None else None
     return Trainer(cfg, device, model, optimizer, tokenizer, train_data, valid_data,
-                   mesh=mesh, env=env, grad_sync=grad_sync or None)
+                   mesh=mesh, env=env, grad_sync=grad_sync or None, grad_reducer=reducer)
+
+
+def build_data_parallel_optimizer(
+    cfg: Config, model: GPT, mesh: ParallelMesh, device: torch.device, grad_norm
+) -> tuple[MixedPrecisionOptimizer, BucketReducer | None]:
+    """The optimizer and, under data parallelism, the bucketed gradient reduction over its flat
+    gradient buffer. At DP = 1 this is the plain optimizer and no reducer (no cost at all)."""
+    precision = cfg.model.precision
+    if mesh.size("data") == 1:
+        return build_optimizer(model, cfg.optimizer, precision, device, grad_norm), None
+    params = [p for _, p in named_trainable_parameters(model)]
+    layout = grad_layout([p.numel() for p in params], cfg.parallel.bucket_size, mesh.size("data"))
+    optimizer = build_optimizer(model, cfg.optimizer, precision, device, grad_norm, layout)
+    reducer = BucketReducer(optimizer.params, layout, optimizer._grad_flat, mesh.group("data"))
+    return optimizer, reducer
 
 
 @contextlib.contextmanager
