@@ -47,6 +47,10 @@ CASES = {
     "dp2": (2, ()),
     "dp4": (4, ()),
     "tp2-dp2": (4, ("parallel.tensor=2",)),
+    "dp2-distopt": (2, ("parallel.distributed_optimizer=true",)),
+    "dp4-distopt": (4, ("parallel.distributed_optimizer=true",)),
+    "tp2-sp-dp2-distopt": (4, ("parallel.tensor=2", "parallel.sequence_parallel=true",
+                               "parallel.distributed_optimizer=true")),
 }
 
 

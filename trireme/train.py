@@ -28,13 +28,14 @@ from trireme.errors import ConfigError, DataError
 from trireme.metrics import flops_per_token, memory_gib, peak_flops
 from trireme.models.gpt import GPT
 from trireme.models.init import init_parameters
+from trireme.optim.distributed import DistributedOptimizer
 from trireme.optim.optimizer import (
     MixedPrecisionOptimizer,
     build_optimizer,
     named_trainable_parameters,
 )
 from trireme.parallel.data import BucketReducer, data_parallel_loss, grad_layout
-from trireme.parallel.grads import PartialGradSync, tensor_parallel_grad_norm
+from trireme.parallel.grads import PartialGradSync, inverse_replicas, tensor_parallel_grad_norm
 from trireme.parallel.mesh import (
     DistributedEnv,
     ParallelDims,
@@ -167,8 +168,6 @@ def check_parallel(cfg: Config, world_size: int | None = None) -> ParallelDims:
     for name, degree in degrees.items():
         if degree > 1:
             raise ConfigError(f"parallel.{name} = {degree}: not implemented yet; use 1")
-    if p.distributed_optimizer:
-        raise ConfigError("parallel.distributed_optimizer: not implemented yet")
     check_tensor_parallel(cfg.model, p.tensor, p.sequence_parallel)
     dims = ParallelDims.from_config(p, world)
     t = cfg.train
@@ -284,10 +283,19 @@ def build_data_parallel_optimizer(
     precision = cfg.model.precision
     if mesh.size("data") == 1:
         return build_optimizer(model, cfg.optimizer, precision, device, grad_norm), None
-    params = [p for _, p in named_trainable_parameters(model)]
-    layout = grad_layout([p.numel() for p in params], cfg.parallel.bucket_size, mesh.size("data"))
-    optimizer = build_optimizer(model, cfg.optimizer, precision, device, grad_norm, layout)
-    reducer = BucketReducer(optimizer.params, layout, optimizer._grad_flat, mesh.group("data"))
+    named = named_trainable_parameters(model)
+    layout = grad_layout([p.numel() for _, p in named], cfg.parallel.bucket_size, mesh.size("data"))
+    sharded = cfg.parallel.distributed_optimizer
+    if sharded:
+        tp = model.tp
+        weights = None if tp is None else inverse_replicas(model, tp, named, layout.offsets,
+                                                           layout.total)
+        optimizer = DistributedOptimizer(named, cfg.optimizer, precision, device, layout,
+                                         mesh.group("data"), tp.group if tp else None, weights)
+    else:
+        optimizer = build_optimizer(model, cfg.optimizer, precision, device, grad_norm, layout)
+    reducer = BucketReducer(optimizer.params, layout, optimizer._grad_flat, mesh.group("data"),
+                            scatter=sharded)
     return optimizer, reducer
 
 

@@ -235,7 +235,7 @@ class MixedPrecisionOptimizer:
 
         for group in self.inner.param_groups:
             group["lr"] = lr
-        if self.flat_grads and not self.low_precision:
+        if self.flat_grads and self._master_list is self.params:
             for p in self.params:  # fp32 with a flat buffer: AdamW reads the main gradients
                 p.grad = p.main_grad
         if self.fused:
@@ -314,6 +314,20 @@ class MixedPrecisionOptimizer:
         when present, overwrite the model's parameters; without them (e.g. an fp32 checkpoint) the
         master weights are taken from the model's current parameters.
         """
+        exp_avg, exp_avg_sq, step = self._check_state(state)
+        self._load_moments(exp_avg, exp_avg_sq, step)
+        masters = state.get("master") or {}
+        for name, t in self.masters.items():
+            if name in masters:
+                t.copy_(masters[name])
+        if self.low_precision:
+            if len(masters) == 0:
+                self.sync_master_from_params()
+            torch._foreach_copy_(self.params, self._master_list)
+        self._load_loss_scale(state)
+
+    def _check_state(self, state: dict[str, Any]) -> tuple[dict, dict, int]:
+        """(exp_avg, exp_avg_sq, step) of a state_dict, checked against this model."""
         try:
             exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
             step = int(state["step"])
@@ -332,7 +346,10 @@ class MixedPrecisionOptimizer:
                         f"optimizer state for {name!r} has shape {tuple(src[name].shape)}, the "
                         f"model's parameter {tuple(p.shape)}; the checkpoint is from another model"
                     )
+        return exp_avg, exp_avg_sq, step
 
+    def _load_moments(self, exp_avg: dict, exp_avg_sq: dict, step: int) -> None:
+        """Set AdamW's state of each master tensor from name -> tensor of its shape."""
         torch_state = self.inner.state_dict()
         index = {}  # id(tensor) -> torch's integer key of the parameter
         for group_sd, group in zip(torch_state["param_groups"], self.inner.param_groups):
@@ -349,14 +366,7 @@ class MixedPrecisionOptimizer:
         torch_state["state"] = new_state
         self.inner.load_state_dict(torch_state)
 
-        masters = state.get("master") or {}
-        for name, t in self.masters.items():
-            if name in masters:
-                t.copy_(masters[name])
-        if self.low_precision:
-            if len(masters) == 0:
-                self.sync_master_from_params()
-            torch._foreach_copy_(self.params, self._master_list)
+    def _load_loss_scale(self, state: dict[str, Any]) -> None:
         if self.precision == "fp16" and state.get("precision") == "fp16":
             self._scale.fill_(float(state["loss_scale"]))
             self._good_steps.fill_(int(state["good_steps"]))
@@ -366,6 +376,14 @@ class MixedPrecisionOptimizer:
         """Copy the model's parameters into the master weights (after loading model weights)."""
         if self.low_precision:
             torch._foreach_copy_(self._master_list, [p.detach() for p in self.params])
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held by this process: fp32 masters kept apart from the
+        model's parameters, and AdamW's moments."""
+        masters = self._master_flat.numel() * 4 if self.low_precision else 0
+        moments = sum(t.numel() * t.element_size() for st in self.inner.state.values()
+                      for k, t in st.items() if k != "step")
+        return masters + moments
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks from the model's parameters (ends the optimizer's use)."""
