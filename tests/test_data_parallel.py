@@ -62,3 +62,46 @@ def test_data_parallel_matches_one_process(case, toy_data, reference, tmp_path):
     assert_same(losses(run_dir), losses(reference), f"{case} loss")
     assert_same(losses(run_dir, "grad_norm"), losses(reference, "grad_norm"), f"{case} grad norm")
     assert_same(losses(run_dir, "eval_loss"), losses(reference, "eval_loss"), f"{case} eval")
+
+
+def test_distributed_optimizer_checkpoint_resumes_in_one_process(toy_data, tmp_path):  # noqa: F811
+    """DP = 2 with the distributed optimizer saves a checkpoint in the single-process form (the
+    shards gathered): one process resumes it and continues the reference curve."""
+    extra = ("schedule.decay_style=constant", "parallel.distributed_optimizer=true")
+    ref = tmp_path / "ref"
+    train(config(toy_data, ref, *extra, "train.steps=12"))
+    ckpt, run = tmp_path / "ckpt", tmp_path / "run"
+    run_ranks(train_worker, 2, tmp_path, toy_data, str(run), (*extra, f"checkpoint.dir={ckpt}"))
+    assert_same(losses(run), losses(ref)[:10], "DP=2 distopt loss")
+    train(config(toy_data, run, *extra, "train.steps=12", f"checkpoint.dir={ckpt}"))
+    assert_same(losses(run), losses(ref), "DP=2 distopt, then resumed in one process, loss")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_one_machine(toy_data, reference, tmp_path):  # noqa: F811
+    """Two torchrun launches, "nodes" 0 and 1 of one rendezvous at 127.0.0.1, train as DP = 2."""
+    import os
+    import subprocess
+    import sys
+
+    port, run_dir = free_port(), tmp_path / "nodes"
+    launches = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+               "--nproc_per_node=1", f"--rdzv-endpoint=127.0.0.1:{port}", "-m", "trireme",
+               "train", f"--data.path={toy_data}", f"--run.dir={run_dir}",
+               *[f"--{a}" for a in ARGS]]
+        launches.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    outputs = [p.communicate(timeout=240) for p in launches]
+    for p, (_, err) in zip(launches, outputs):
+        assert p.returncode == 0, err[-3000:]
+    assert outputs[0][0].count("step ") == 10 and "step " not in outputs[1][0]
+    assert_same(losses(run_dir), losses(reference), "two nodes loss")
