@@ -105,3 +105,33 @@ def test_two_nodes_on_one_machine(toy_data, reference, tmp_path):  # noqa: F811
         assert p.returncode == 0, err[-3000:]
     assert outputs[0][0].count("step ") == 10 and "step " not in outputs[1][0]
     assert_same(losses(run_dir), losses(reference), "two nodes loss")
+
+
+def test_launch_problems_one_line_exit_2(tmp_path):
+    """A batch that does not split over the replicas, a missing rendezvous, an unknown mode."""
+    import os
+    import subprocess
+    import sys
+
+    cases = [
+        ({"WORLD_SIZE": "2"}, ["--train.global_batch_size=32"], "MASTER_ADDR"),
+        ({"WORLD_SIZE": "2"}, [], "micro_batch_size x data-parallel degree = 16 x 2"),
+        ({}, ["--parallel.data_parallel_mode=zero"], "use 'ddp' or 'fsdp'"),
+    ]
+    for env, args, needle in cases:
+        r = subprocess.run([sys.executable, "-m", "trireme", "train", f"--run.dir={tmp_path}/r",
+                            "--train.device=cpu", *args], capture_output=True, text=True,
+                           timeout=120, env={**os.environ, **env})
+        assert r.returncode == 2, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and needle in lines[0], r.stderr
+
+
+def test_batch_must_split_over_replicas():
+    from trireme.errors import ConfigError
+    from trireme.train import check_parallel
+
+    cfg = load_config("tiny", ["train.global_batch_size=8", "train.micro_batch_size=4"])
+    assert check_parallel(cfg, world_size=2).data == 2
+    with pytest.raises(ConfigError, match="micro_batch_size x data-parallel degree = 4 x 4"):
+        check_parallel(cfg, world_size=4)

@@ -157,12 +157,17 @@ def run_loop(trainer: Trainer) -> None:
 
 
 def layout_note(trainer: Trainer) -> str:
-    """' per rank (tensor parallel 2, sequence parallel)' under TP, else ''."""
-    tp = trainer.model.tp
-    if tp is None:
-        return ""
-    sp = ", sequence parallel" if tp.sequence_parallel else ""
-    return f" per rank (tensor parallel {tp.size}{sp})"
+    """' per rank (tensor parallel 2, sequence parallel, data parallel 2)' or ''."""
+    tp, parts = trainer.model.tp, []
+    if tp is not None:
+        parts.append(f"tensor parallel {tp.size}")
+        if tp.sequence_parallel:
+            parts.append("sequence parallel")
+    if trainer.data_parallel > 1:
+        sharded = trainer.cfg.parallel.distributed_optimizer
+        parts.append(f"data parallel {trainer.data_parallel}"
+                     + (", distributed optimizer" if sharded else ""))
+    return f" per rank ({', '.join(parts)})" if parts else ""
 
 
 def agree(trainer: Trainer, flag: bool) -> bool:

@@ -159,8 +159,9 @@ def pick_device(name: str) -> torch.device:
 
 def check_parallel(cfg: Config, world_size: int | None = None) -> ParallelDims:
     """The parallel degrees for this launch, checked before any process group exists (so a bad
-    layout stops every rank with the same one-line error). Tensor (+ sequence) parallelism is
-    implemented; the other kinds arrive with their own issues, and say so plainly until then."""
+    layout stops every rank with the same one-line error). Tensor (+ sequence) and data
+    parallelism are implemented; the other kinds arrive with their own issues, and say so
+    plainly until then."""
     p = cfg.parallel
     world = launched_world_size() if world_size is None else world_size
     degrees = {"pipeline": p.pipeline, "context": p.context, "expert": p.expert,
@@ -168,6 +169,13 @@ def check_parallel(cfg: Config, world_size: int | None = None) -> ParallelDims:
     for name, degree in degrees.items():
         if degree > 1:
             raise ConfigError(f"parallel.{name} = {degree}: not implemented yet; use 1")
+    if p.data_parallel_mode not in ("ddp", "fsdp"):
+        raise ConfigError(
+            f"parallel.data_parallel_mode = {p.data_parallel_mode!r}: use 'ddp' or 'fsdp'"
+        )
+    if p.data_parallel_mode == "fsdp":
+        raise ConfigError("parallel.data_parallel_mode = 'fsdp': not implemented yet; use 'ddp' "
+                          "(with parallel.distributed_optimizer=true to shard the optimizer)")
     check_tensor_parallel(cfg.model, p.tensor, p.sequence_parallel)
     dims = ParallelDims.from_config(p, world)
     t = cfg.train
