@@ -47,6 +47,8 @@ CASES = {
     "dp2": (2, ()),
     "dp4": (4, ()),
     "tp2-dp2": (4, ("parallel.tensor=2",)),
+    "dp2-fsdp": (2, ("parallel.data_parallel_mode=fsdp",)),
+    "dp4-fsdp": (4, ("parallel.data_parallel_mode=fsdp",)),
     "dp2-distopt": (2, ("parallel.distributed_optimizer=true",)),
     "dp4-distopt": (4, ("parallel.distributed_optimizer=true",)),
     "tp2-sp-dp2-distopt": (4, ("parallel.tensor=2", "parallel.sequence_parallel=true",
@@ -117,6 +119,7 @@ def test_launch_problems_one_line_exit_2(tmp_path):
         ({"WORLD_SIZE": "2"}, ["--train.global_batch_size=32"], "MASTER_ADDR"),
         ({"WORLD_SIZE": "2"}, [], "micro_batch_size x data-parallel degree = 16 x 2"),
         ({}, ["--parallel.data_parallel_mode=zero"], "use 'ddp' or 'fsdp'"),
+        ({}, ["--parallel.data_parallel_mode=fsdp", "--parallel.tensor=2"], "not implemented yet"),
     ]
     for env, args, needle in cases:
         r = subprocess.run([sys.executable, "-m", "trireme", "train", f"--run.dir={tmp_path}/r",

@@ -174,3 +174,35 @@ def test_distributed_optimizer_matches_one_process(world, tmp_path):
     out = tmp_path / "results.json"
     run_ranks(optimizer_worker, world, tmp_path, str(out))
     print(f"\nDP={world}: {json.loads(out.read_text())}")
+
+
+def fsdp_worker(rank: int, world: int, out: str) -> None:
+    """fully_shard keeps 1/DP of every parameter and of AdamW's moments on each rank."""
+    from trireme.config import Config
+    from trireme.parallel.fsdp import FSDPOptimizer, shard_model
+    from trireme.parallel.mesh import ParallelDims, ParallelMesh
+
+    mesh = ParallelMesh.build(ParallelDims(data=world), "cpu")
+    model = GPT(CFG, seed=SEED)
+    full_bytes = sum(p.numel() * 4 for p in model.parameters())
+    shard_model(model, mesh)
+    local_bytes = sum(p.to_local().numel() * 4 for p in model.parameters())
+    optimizer = FSDPOptimizer(model, Config(), "cpu", mesh.group("data"))
+    optimizer.zero_grad()
+    model(*batches(rank, 1)[0]).backward()
+    optimizer.step(1e-3)
+    moment_bytes = sum(t.to_local().numel() * 4 for st in optimizer.inner.state.values()
+                       for k, t in st.items() if k != "step")
+    ratios = {"params": local_bytes * world / full_bytes,
+              "moments": moment_bytes * world / (2 * full_bytes)}
+    for what, ratio in ratios.items():
+        assert 0.9 < ratio < 1.15, (what, ratio)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(ratios, f)
+
+
+def test_fsdp_shards_parameters_and_state(tmp_path):
+    out = tmp_path / "fsdp.json"
+    run_ranks(fsdp_worker, 2, tmp_path, str(out))
+    print(f"\nFSDP DP=2 bytes per rank x DP / full: {json.loads(out.read_text())}")

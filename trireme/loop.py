@@ -157,17 +157,19 @@ def run_loop(trainer: Trainer) -> None:
 
 
 def layout_note(trainer: Trainer) -> str:
-    """' per rank (tensor parallel 2, sequence parallel, data parallel 2)' or ''."""
+    """E.g. ' per rank (tensor parallel 2, sequence parallel, data parallel 2, ddp)', or ''."""
     tp, parts = trainer.model.tp, []
     if tp is not None:
         parts.append(f"tensor parallel {tp.size}")
         if tp.sequence_parallel:
             parts.append("sequence parallel")
+    per_rank = " per rank" if parts else ""  # the count is of this rank's TP shard
     if trainer.data_parallel > 1:
-        sharded = trainer.cfg.parallel.distributed_optimizer
-        parts.append(f"data parallel {trainer.data_parallel}"
-                     + (", distributed optimizer" if sharded else ""))
-    return f" per rank ({', '.join(parts)})" if parts else ""
+        p = trainer.cfg.parallel
+        mode = ("fsdp" if p.data_parallel_mode == "fsdp" else
+                "distributed optimizer" if p.distributed_optimizer else "ddp")
+        parts.append(f"data parallel {trainer.data_parallel}, {mode}")
+    return f"{per_rank} ({', '.join(parts)})" if parts else ""
 
 
 def agree(trainer: Trainer, flag: bool) -> bool:

@@ -35,6 +35,7 @@ from trireme.optim.optimizer import (
     named_trainable_parameters,
 )
 from trireme.parallel.data import BucketReducer, data_parallel_loss, grad_layout
+from trireme.parallel.fsdp import FSDPOptimizer, GradientSyncSwitch, check_fsdp, shard_model
 from trireme.parallel.grads import PartialGradSync, inverse_replicas, tensor_parallel_grad_norm
 from trireme.parallel.mesh import (
     DistributedEnv,
@@ -71,7 +72,8 @@ class Trainer:
     mesh: ParallelMesh = field(default_factory=lambda: ParallelMesh(ParallelDims()))
     env: DistributedEnv = field(default_factory=DistributedEnv)
     grad_sync: PartialGradSync | None = None  # sums the gradients TP leaves partial
-    grad_reducer: BucketReducer | None = None  # averages the gradients over DP replicas
+    # averages the gradients over the DP replicas (FSDP: switches its reduction on and off)
+    grad_reducer: BucketReducer | GradientSyncSwitch | None = None
 
     @property
     def data_parallel(self) -> int:
@@ -174,8 +176,7 @@ def check_parallel(cfg: Config, world_size: int | None = None) -> ParallelDims:
             f"parallel.data_parallel_mode = {p.data_parallel_mode!r}: use 'ddp' or 'fsdp'"
         )
     if p.data_parallel_mode == "fsdp":
-        raise ConfigError("parallel.data_parallel_mode = 'fsdp': not implemented yet; use 'ddp' "
-                          "(with parallel.distributed_optimizer=true to shard the optimizer)")
+        check_fsdp(cfg)
     check_tensor_parallel(cfg.model, p.tensor, p.sequence_parallel)
     dims = ParallelDims.from_config(p, world)
     t = cfg.train
@@ -285,12 +286,16 @@ def build_trainer(cfg: Config, with_data: bool = True) -> Trainer:
 
 def build_data_parallel_optimizer(
     cfg: Config, model: GPT, mesh: ParallelMesh, device: torch.device, grad_norm
-) -> tuple[MixedPrecisionOptimizer, BucketReducer | None]:
+) -> tuple[MixedPrecisionOptimizer, BucketReducer | GradientSyncSwitch | None]:
     """The optimizer and, under data parallelism, the bucketed gradient reduction over its flat
     gradient buffer. At DP = 1 this is the plain optimizer and no reducer (no cost at all)."""
     precision = cfg.model.precision
     if mesh.size("data") == 1:
         return build_optimizer(model, cfg.optimizer, precision, device, grad_norm), None
+    if cfg.parallel.data_parallel_mode == "fsdp":
+        shard_model(model, mesh)
+        optimizer = FSDPOptimizer(model, cfg, device, mesh.group("data"))
+        return optimizer, GradientSyncSwitch(model)
     named = named_trainable_parameters(model)
     layout = grad_layout([p.numel() for _, p in named], cfg.parallel.bucket_size, mesh.size("data"))
     sharded = cfg.parallel.distributed_optimizer
