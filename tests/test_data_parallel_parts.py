@@ -206,3 +206,36 @@ def test_fsdp_shards_parameters_and_state(tmp_path):
     out = tmp_path / "fsdp.json"
     run_ranks(fsdp_worker, 2, tmp_path, str(out))
     print(f"\nFSDP DP=2 bytes per rank x DP / full: {json.loads(out.read_text())}")
+
+
+def overflow_worker(rank: int, world: int) -> None:
+    """fp16 with the distributed optimizer: an inf in one replica's shard skips the step on every
+    replica (the norm is global) and halves the loss scale; a finite step updates the fp16
+    parameters identically everywhere (masters all-gathered and cast)."""
+    model = GPT(CFG, seed=SEED).to(torch.float16)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer, _ = data_parallel(model, "fp16", sharded=True)
+    scale = float(optimizer.loss_scale)
+    optimizer.zero_grad()
+    optimizer._grad_flat.fill_(0.01 * scale)  # as if reduced: this rank's chunks are its own
+    if rank == world - 1:
+        start, end = optimizer.shard_ranges[-1]
+        optimizer._grad_flat[start] = float("inf")
+    stats = optimizer.step(1e-2)
+    assert stats["skipped"].item() == 1.0 and float(stats["loss_scale"]) == scale / 2
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    optimizer.zero_grad()
+    optimizer._grad_flat.fill_(0.01 * scale / 2)
+    stats = optimizer.step(1e-2)
+    assert stats["skipped"].item() == 0.0
+    changed = 0
+    for a, p in zip(before, model.parameters()):
+        gathered = [torch.empty_like(p) for _ in range(world)]
+        dist.all_gather(gathered, p.detach())
+        assert all(torch.equal(g, gathered[0]) for g in gathered)
+        changed += not torch.equal(a, p)  # eps = 1: tiny steps, some below fp16's resolution
+    assert changed > len(before) // 2, (changed, len(before))
+
+
+def test_distributed_optimizer_fp16_overflow_is_global(tmp_path):
+    run_ranks(overflow_worker, 2, tmp_path)
