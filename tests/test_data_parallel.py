@@ -109,25 +109,35 @@ def test_two_nodes_on_one_machine(toy_data, reference, tmp_path):  # noqa: F811
     assert_same(losses(run_dir), losses(reference), "two nodes loss")
 
 
-def test_launch_problems_one_line_exit_2(tmp_path):
-    """A batch that does not split over the replicas, a missing rendezvous, an unknown mode."""
+def test_launch_problems_one_line_exit_2(tmp_path, monkeypatch):
+    """A missing rendezvous, an unknown mode, FSDP with TP: one line, exit 2 (one subprocess;
+    the others in this process)."""
     import os
     import subprocess
     import sys
 
-    cases = [
-        ({"WORLD_SIZE": "2"}, ["--train.global_batch_size=32"], "MASTER_ADDR"),
-        ({"WORLD_SIZE": "2"}, [], "micro_batch_size x data-parallel degree = 16 x 2"),
-        ({}, ["--parallel.data_parallel_mode=zero"], "use 'ddp' or 'fsdp'"),
-        ({}, ["--parallel.data_parallel_mode=fsdp", "--parallel.tensor=2"], "not implemented yet"),
-    ]
-    for env, args, needle in cases:
-        r = subprocess.run([sys.executable, "-m", "trireme", "train", f"--run.dir={tmp_path}/r",
-                            "--train.device=cpu", *args], capture_output=True, text=True,
-                           timeout=120, env={**os.environ, **env})
-        assert r.returncode == 2, r.stderr
-        lines = r.stderr.strip().splitlines()
-        assert len(lines) == 1 and needle in lines[0], r.stderr
+    from trireme.errors import ConfigError
+    from trireme.parallel.mesh import init_distributed
+    from trireme.train import check_parallel
+
+    r = subprocess.run([sys.executable, "-m", "trireme", "train", f"--run.dir={tmp_path}/r",
+                        "--train.device=cpu", "--train.global_batch_size=32"],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "WORLD_SIZE": "2"})
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "MASTER_ADDR" in lines[0], r.stderr
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(ConfigError, match="MASTER_PORT not set: launch with torchrun"):
+        init_distributed("cpu")
+    for args, needle in [
+        (["parallel.data_parallel_mode=zero"], "use 'ddp' or 'fsdp'"),
+        (["parallel.data_parallel_mode=fsdp", "parallel.tensor=2"], "not implemented yet"),
+        (["parallel.data_parallel_mode=fsdp", "checkpoint.dir=x"], "not implemented yet"),
+    ]:
+        with pytest.raises(ConfigError, match=needle):
+            check_parallel(load_config("tiny", args), world_size=2)
 
 
 def test_batch_must_split_over_replicas():
