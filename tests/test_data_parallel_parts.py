@@ -50,7 +50,7 @@ def data_parallel(model, precision: str, sharded: bool, bucket_size: int = 2000)
         optimizer = DistributedOptimizer(named, OPT, precision, "cpu", layout, dist.group.WORLD)
     else:
         optimizer = build_optimizer(model, OPT, precision, "cpu", layout=layout)
-    reducer = BucketReducer(optimizer.params, layout, optimizer._grad_flat, dist.group.WORLD,
+    reducer = BucketReducer(optimizer.params, layout, optimizer.grad_buffer, dist.group.WORLD,
                             scatter=sharded)
     return optimizer, reducer
 
@@ -217,15 +217,15 @@ def overflow_worker(rank: int, world: int) -> None:
     optimizer, _ = data_parallel(model, "fp16", sharded=True)
     scale = float(optimizer.loss_scale)
     optimizer.zero_grad()
-    optimizer._grad_flat.fill_(0.01 * scale)  # as if reduced: this rank's chunks are its own
+    optimizer.grad_buffer.fill_(0.01 * scale)  # as if reduced: this rank's chunks are its own
     if rank == world - 1:
         start, end = optimizer.shard_ranges[-1]
-        optimizer._grad_flat[start] = float("inf")
+        optimizer.grad_buffer[start] = float("inf")
     stats = optimizer.step(1e-2)
     assert stats["skipped"].item() == 1.0 and float(stats["loss_scale"]) == scale / 2
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     optimizer.zero_grad()
-    optimizer._grad_flat.fill_(0.01 * scale / 2)
+    optimizer.grad_buffer.fill_(0.01 * scale / 2)
     stats = optimizer.step(1e-2)
     assert stats["skipped"].item() == 0.0
     changed = 0

@@ -307,7 +307,7 @@ def build_data_parallel_optimizer(
                                          mesh.group("data"), tp.group if tp else None, weights)
     else:
         optimizer = build_optimizer(model, cfg.optimizer, precision, device, grad_norm, layout)
-    reducer = BucketReducer(optimizer.params, layout, optimizer._grad_flat, mesh.group("data"),
+    reducer = BucketReducer(optimizer.params, layout, optimizer.grad_buffer, mesh.group("data"),
                             scatter=sharded)
     return optimizer, reducer
 

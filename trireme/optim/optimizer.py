@@ -187,6 +187,11 @@ class MixedPrecisionOptimizer:
         return self._scale
 
     @property
+    def grad_buffer(self) -> torch.Tensor:
+        """The flat fp32 main-gradient buffer (bf16 / fp16, or any precision with a `layout`)."""
+        return self._grad_flat
+
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.inner.param_groups
 
