@@ -129,9 +129,27 @@ def optimizer_worker(rank: int, world: int, out: str) -> None:
     for what, value in results.items():
         assert value < 1e-5, (what, value)
     results["bytes"] = bytes_check(world)
+    results["bf16_distopt_vs_ddp"] = bf16_check(rank)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
+
+
+def bf16_check(rank: int) -> float:
+    """bf16 parameters: the distributed optimizer (bf16 all-gather of the updated masters) keeps
+    the fp32 masters of DDP's optimizer, to fp32 rounding."""
+    models = {kind: GPT(CFG, seed=SEED).to(torch.bfloat16) for kind in ("ddp", "distopt")}
+    parts = {kind: data_parallel(m, "bf16", kind == "distopt") for kind, m in models.items()}
+    for n in range(2):
+        for kind, model in models.items():
+            step(model, *parts[kind], batches(rank + 10 * n, 1))
+    ddp_state = parts["ddp"][0].state_dict()["master"]
+    distopt_state = parts["distopt"][0].state_dict()["master"]
+    worst = max(rel(distopt_state[n], t) for n, t in ddp_state.items())
+    assert worst < 1e-5, worst
+    for a, b in zip(models["ddp"].parameters(), models["distopt"].parameters()):
+        assert torch.equal(a, b) or rel(b, a) < 1e-2  # bf16 casts of nearly equal masters
+    return worst
 
 
 def bytes_check(world: int) -> dict[str, float]:

@@ -14,8 +14,9 @@ One step:
    parameters repeated over tensor-parallel ranks) over the DP and TP groups; clipping and the
    fp16 overflow skip follow from that one global number;
 3. AdamW updates this replica's fp32 master chunk (and its moments: 1/DP of the memory);
-4. an all-gather per bucket of the updated masters rebuilds the full parameters on every replica
-   (gathered into the gradient buffer, which is free until the next step, then cast into them).
+4. an all-gather per bucket of the updated masters, cast to the parameters' dtype (bf16: half the
+   bytes), rebuilds the full parameters on every replica (gathered into the gradient buffer,
+   which is free until the next step).
 
 AdamW sees one tensor per (parameter, chunk) intersection, a "segment", so weight decay still
 follows the parameter's name. Checkpoints gather the shards back into per-parameter tensors
@@ -119,9 +120,14 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             _all_gather_single(out[bucket.start : bucket.end], chunk, group=self.dp_group)
 
     def _copy_back(self) -> None:
-        # The gradient buffer is free until the next zero_grad: gather the masters there.
-        self._gather(self._master_shard, self._grad_flat)
-        full = [self._grad_flat[o : o + p.numel()].view(p.shape)
+        # The gradient buffer is free until the next zero_grad: the parameters are gathered into
+        # it, in the parameters' dtype (a bf16 view of its first half under bf16: half the
+        # traffic of gathering fp32 masters, and no extra memory).
+        dtypes = {p.dtype for p in self.params}
+        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        out = self._grad_flat.view(dtype)[: self.layout.total]
+        self._gather(self._master_shard.to(dtype), out)
+        full = [out[o : o + p.numel()].view(p.shape)
                 for p, o in zip(self.params, self.layout.offsets)]
         torch._foreach_copy_(self.params, full)
 
