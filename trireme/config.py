@@ -119,9 +119,18 @@ class ParallelConfig:
     context: int = doc(1, "Context-parallel degree (splits the sequence).")
     expert: int = doc(1, "Expert-parallel degree (MoE).")
     sequence_parallel: bool = doc(False, "Shard norms and dropout along the sequence under TP.")
-    distributed_optimizer: bool = doc(False, "Shard optimizer state across data-parallel ranks.")
+    distributed_optimizer: bool = doc(
+        False, "Shard the fp32 master weights and AdamW moments across the data-parallel ranks "
+        "(ZeRO-1: reduce-scatter of gradients, all-gather of parameters)."
+    )
     bucket_size: int = doc(
-        40_000_000, "Gradient bucket size for data-parallel reduction (elements)."
+        40_000_000, "Gradient bucket size for data-parallel reduction (elements); each bucket's "
+        "reduction starts as soon as its gradients are ready in the last micro batch's backward."
+    )
+    data_parallel_mode: str = doc(
+        "ddp", "How data-parallel replicas share work: 'ddp' (each holds the whole model; "
+        "gradients averaged in buckets, optionally with the distributed optimizer) or 'fsdp' "
+        "(torch's fully_shard: parameters sharded too)."
     )
 
 

@@ -165,7 +165,7 @@ def run_loop(trainer: Trainer) -> None:
 
 
 def layout_note(trainer: Trainer) -> str:
-    """' per rank (pipeline 2, tensor parallel 2, sequence parallel)' under PP / TP, else ''."""
+    """E.g. ' per rank (pipeline 2, tensor parallel 2, sequence parallel, data parallel 2, ddp)'."""
     tp, p = trainer.model.tp, trainer.cfg.parallel
     parts = []
     if trainer.pipeline is not None:
@@ -175,7 +175,12 @@ def layout_note(trainer: Trainer) -> str:
         parts.append(f"tensor parallel {tp.size}")
         if tp.sequence_parallel:
             parts.append("sequence parallel")
-    return f" per rank ({', '.join(parts)})" if parts else ""
+    per_rank = " per rank" if parts else ""  # the count is of this rank's PP stage / TP shard
+    if trainer.data_parallel > 1:
+        mode = ("fsdp" if p.data_parallel_mode == "fsdp" else
+                "distributed optimizer" if p.distributed_optimizer else "ddp")
+        parts.append(f"data parallel {trainer.data_parallel}, {mode}")
+    return f"{per_rank} ({', '.join(parts)})" if parts else ""
 
 
 def agree(trainer: Trainer, flag: bool) -> bool:

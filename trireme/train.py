@@ -28,8 +28,15 @@ from trireme.errors import ConfigError, DataError
 from trireme.metrics import flops_per_token, memory_gib, peak_flops
 from trireme.models.gpt import GPT
 from trireme.models.init import init_parameters
-from trireme.optim.optimizer import MixedPrecisionOptimizer, build_optimizer
-from trireme.parallel.grads import PartialGradSync, parallel_grad_norm
+from trireme.optim.distributed import DistributedOptimizer
+from trireme.optim.optimizer import (
+    MixedPrecisionOptimizer,
+    build_optimizer,
+    named_trainable_parameters,
+)
+from trireme.parallel.data import BucketReducer, data_parallel_loss, grad_layout
+from trireme.parallel.fsdp import FSDPOptimizer, GradientSyncSwitch, check_fsdp, shard_model
+from trireme.parallel.grads import PartialGradSync, inverse_replicas, parallel_grad_norm
 from trireme.parallel.mesh import (
     DistributedEnv,
     ParallelDims,
@@ -69,10 +76,16 @@ class Trainer:
     grad_sync: Callable[[], None] | None = None  # sums partial (TP) and tied (PP) gradients
     chunks: list[GPT] = field(default_factory=list)  # this rank's pipeline stages ([model])
     pipeline: PipelineRunner | None = None  # runs the micro batches through the stages (PP > 1)
+    # averages the gradients over the DP replicas (FSDP: switches its reduction on and off)
+    grad_reducer: BucketReducer | GradientSyncSwitch | None = None
 
     def __post_init__(self) -> None:
         if not self.chunks:
             self.chunks = [self.model]
+
+    @property
+    def data_parallel(self) -> int:
+        return self.mesh.size("data")
 
     @property
     def is_main(self) -> bool:
@@ -81,36 +94,48 @@ class Trainer:
 
     @property
     def num_micro_batches(self) -> int:
-        return self.cfg.train.global_batch_size // self.cfg.train.micro_batch_size
+        """Micro batches per step on each DP replica: global / (micro x DP)."""
+        train = self.cfg.train
+        return train.global_batch_size // (train.micro_batch_size * self.data_parallel)
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> dict:
         """One optimizer step over the given micro batches; returns tensors (no host sync)."""
         for chunk in self.chunks:
             chunk.train()
         self.optimizer.zero_grad()
-        if self.pipeline is not None:
+        if self.pipeline is not None:  # (data parallelism with PP is refused in check_parallel)
             loss = self.pipeline.train_step(micro_batches, self.optimizer.scale_loss)
             if self.grad_sync is not None:
                 self.grad_sync()
             result = self.optimizer.step(lr)
             result["loss"] = loss
             return result
+        reducer = self.grad_reducer
+        if reducer is not None:
+            reducer.start_step()
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
-        for tokens, labels, *extra in micro_batches:
+        for i, (tokens, labels, *extra) in enumerate(micro_batches):
+            if reducer is not None:  # the DP buckets reduce during the last backward only
+                reducer.last_micro_batch = i == len(micro_batches) - 1
             loss = self.model(tokens, labels, **(extra[0] if extra else {}))
             self.optimizer.scale_loss(loss / len(micro_batches)).backward()
             loss_sum += loss.detach()
-        if self.grad_sync is not None:
+        if reducer is not None:
+            reducer.finish()
+        if self.grad_sync is not None:  # after the DP mean: both are sums, so they commute
             self.grad_sync()
         result = self.optimizer.step(lr)
-        result["loss"] = loss_sum / len(micro_batches)
+        loss = loss_sum / len(micro_batches)
+        result["loss"] = data_parallel_loss(loss, self.mesh.group("data"), self.data_parallel)
         return result
 
     def next_micro_batches(self) -> list[tuple]:
         """This step's micro batches: (tokens, labels) or (tokens, labels, model kwargs) with
         packed-document position / document ids, on the device."""
         mbs = self.cfg.train.micro_batch_size
-        start = self.state.consumed_samples
+        # DP replica d reads its own consecutive run of micro batches of the global batch
+        replica = self.mesh.coordinate("data") if self.data_parallel > 1 else 0
+        start = self.state.consumed_samples + replica * self.num_micro_batches * mbs
         batches = []
         for i in range(self.num_micro_batches):
             tokens, labels, extra = self._micro_batch(self.train_data, start + i * mbs, mbs)
@@ -174,31 +199,42 @@ def pick_device(name: str) -> torch.device:
 
 def check_parallel(cfg: Config, world_size: int | None = None) -> ParallelDims:
     """The parallel degrees for this launch, checked before any process group exists (so a bad
-    layout stops every rank with the same one-line error). Tensor (+ sequence) parallelism
-    and pipeline parallelism are implemented; the other kinds arrive with their own issues, and say
-    so plainly until then."""
+    layout stops every rank with the same one-line error). Tensor (+ sequence), pipeline and
+    data parallelism are implemented; the other kinds arrive with their own issues, and say so
+    plainly until then."""
     p = cfg.parallel
     world = launched_world_size() if world_size is None else world_size
     degrees = {"context": p.context, "expert": p.expert}
     for name, degree in degrees.items():
         if degree > 1:
             raise ConfigError(f"parallel.{name} = {degree}: not implemented yet; use 1")
-    if p.distributed_optimizer:
-        raise ConfigError("parallel.distributed_optimizer: not implemented yet")
     if p.pipeline > 1 and (cfg.data.reset_position_ids or cfg.data.reset_attention_mask):
         raise ConfigError(
             "data.reset_position_ids / data.reset_attention_mask with parallel.pipeline > 1: "
             "not implemented yet"
         )
+    if p.data_parallel_mode not in ("ddp", "fsdp"):
+        raise ConfigError(
+            f"parallel.data_parallel_mode = {p.data_parallel_mode!r}: use 'ddp' or 'fsdp'"
+        )
+    if p.data_parallel_mode == "fsdp":
+        check_fsdp(cfg)
     check_tensor_parallel(cfg.model, p.tensor, p.sequence_parallel)
     check_pipeline(cfg.model, p, cfg.train.global_batch_size // cfg.train.micro_batch_size)
     dims = ParallelDims.from_config(p, world)
-    if dims.data > 1:
+    if dims.pipeline > 1 and dims.data > 1:
         raise ConfigError(
-            f"launched with {world} processes and parallel.pipeline x parallel.tensor = "
-            f"{p.pipeline} x {p.tensor}, which leaves "
-            f"data parallelism of {dims.data}: not implemented yet; launch {world // dims.data} "
-            "processes"
+            f"launched with {world} processes: parallel.pipeline = {p.pipeline} with data "
+            f"parallelism of {dims.data} is not implemented yet; launch "
+            f"{world // dims.data} processes"
+        )
+    t = cfg.train
+    if t.global_batch_size % (t.micro_batch_size * dims.data):
+        raise ConfigError(
+            f"train.global_batch_size = {t.global_batch_size} is not divisible by "
+            f"train.micro_batch_size x data-parallel degree = {t.micro_batch_size} x {dims.data} "
+            f"(data parallelism = {world} processes / (pipeline x context x tensor)); change the "
+            "batch sizes or the number of processes"
         )
     return dims
 
@@ -304,12 +340,15 @@ def build_trainer(cfg: Config, with_data: bool = True) -> Trainer:
     grad_norm = None
     if tp is not None or pipeline is not None:
         grad_norm = parallel_grad_norm(chunks, tp, pipeline_group, skip)
-    model_or_chunks = chunks if pipeline is not None else chunks[0]
-    optimizer = build_optimizer(model_or_chunks, cfg.optimizer, cfg.model.precision, device,
-                                grad_norm)
+    reducer = None
+    if pipeline is not None:
+        optimizer = build_optimizer(chunks, cfg.optimizer, cfg.model.precision, device, grad_norm)
+    else:
+        optimizer, reducer = build_data_parallel_optimizer(cfg, chunks[0], mesh, device,
+                                                           grad_norm)
     return Trainer(cfg, device, chunks[0], optimizer, tokenizer, train_data, valid_data,
                    mesh=mesh, env=env, grad_sync=run_all([s for s in syncs if s]),
-                   chunks=chunks, pipeline=pipeline)
+                   chunks=chunks, pipeline=pipeline, grad_reducer=reducer)
 
 
 def build_runner(cfg: Config, chunks: list[GPT], mesh: ParallelMesh, device: torch.device,
@@ -333,6 +372,34 @@ def run_all(calls: list[Callable[[], None]]) -> Callable[[], None] | None:
             call()
 
     return run
+
+
+def build_data_parallel_optimizer(
+    cfg: Config, model: GPT, mesh: ParallelMesh, device: torch.device, grad_norm
+) -> tuple[MixedPrecisionOptimizer, BucketReducer | GradientSyncSwitch | None]:
+    """The optimizer and, under data parallelism, the bucketed gradient reduction over its flat
+    gradient buffer. At DP = 1 this is the plain optimizer and no reducer (no cost at all)."""
+    precision = cfg.model.precision
+    if mesh.size("data") == 1:
+        return build_optimizer(model, cfg.optimizer, precision, device, grad_norm), None
+    if cfg.parallel.data_parallel_mode == "fsdp":
+        shard_model(model, mesh)
+        optimizer = FSDPOptimizer(model, cfg, device, mesh.group("data"))
+        return optimizer, GradientSyncSwitch(model)
+    named = named_trainable_parameters(model)
+    layout = grad_layout([p.numel() for _, p in named], cfg.parallel.bucket_size, mesh.size("data"))
+    sharded = cfg.parallel.distributed_optimizer
+    if sharded:
+        tp = model.tp
+        weights = None if tp is None else inverse_replicas(model, tp, named, layout.offsets,
+                                                           layout.total)
+        optimizer = DistributedOptimizer(named, cfg.optimizer, precision, device, layout,
+                                         mesh.group("data"), tp.group if tp else None, weights)
+    else:
+        optimizer = build_optimizer(model, cfg.optimizer, precision, device, grad_norm, layout)
+    reducer = BucketReducer(optimizer.params, layout, optimizer.grad_buffer, mesh.group("data"),
+                            scatter=sharded)
+    return optimizer, reducer
 
 
 @contextlib.contextmanager

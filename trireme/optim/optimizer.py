@@ -11,7 +11,8 @@ A hook that runs after autograd has accumulated a parameter's gradient adds it (
 `param.main_grad` and frees `param.grad`, so accumulation over micro batches happens in fp32 and a
 low-precision gradient lives only until its hook runs. torch's AdamW updates the master views, whose
 `.grad` are the main-grad views; the updated masters are then cast back into the model's parameters.
-The flat gradient buffer is what data parallelism will later reduce in buckets and shard.
+Data parallelism reduces the flat gradient buffer in buckets (`trireme.parallel.data`); the
+distributed optimizer (`trireme.optim.distributed`) shards the masters and AdamW's moments.
 
 One training step:
 
@@ -35,15 +36,11 @@ from torch import nn
 
 from trireme.config import OptimizerConfig
 from trireme.errors import CheckpointError
+from trireme.parallel.data import GradLayout, grad_layout
 
 Precision = Literal["fp32", "bf16", "fp16"]
 # (name, gradient) of every optimized parameter -> the global L2 norm (a device scalar)
 GradNormFn = Callable[[list[tuple[str, torch.Tensor]]], torch.Tensor]
-
-# Each parameter's slice of the flat buffers starts at a multiple of this many elements (256 bytes
-# of fp32), so the multi-tensor kernels of AdamW and the gradient reduction get aligned pointers.
-_ALIGN = 64
-
 
 def is_no_decay(name: str, kinds: Sequence[str]) -> bool:
     """Whether the parameter `name` is excluded from weight decay by the kinds in `kinds`."""
@@ -97,6 +94,10 @@ class MixedPrecisionOptimizer:
 
     `grad_norm`, when given, computes the global gradient norm from (name, gradient) pairs; tensor
     parallelism passes one that counts each element of the full model once across the ranks.
+
+    `layout` (data parallelism) places the main gradients in the flat buffer in reduction buckets;
+    with it an fp32 model also gets the flat main-gradient buffer (its masters stay the
+    parameters). Without it an fp32 model uses plain `.grad`, as torch does.
     """
 
     def __init__(
@@ -106,6 +107,7 @@ class MixedPrecisionOptimizer:
         precision: Precision,
         device: torch.device | str,
         grad_norm: GradNormFn | None = None,
+        layout: GradLayout | None = None,
     ) -> None:
         if precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
@@ -119,18 +121,17 @@ class MixedPrecisionOptimizer:
         self.params = [p for _, p in named_params]
         self._grad_norm_fn = grad_norm
         self._hooks: list[Any] = []
-
-        if self.low_precision:
-            self._build_flat_buffers(device)
-            opt_tensors = self._master_list
-        else:
+        self.flat_grads = self.low_precision or layout is not None
+        if not self.low_precision:
             bad = [(n, p.dtype) for n, p in named_params if p.dtype != torch.float32]
             if bad:
                 raise ValueError(
                     f"precision fp32 needs fp32 parameters, but {bad[0][0]!r} is {bad[0][1]}"
                 )
-            opt_tensors = self.params
-        self.masters: dict[str, torch.Tensor] = dict(zip(self.names, opt_tensors))
+        if self.flat_grads:
+            self.layout = layout or grad_layout([p.numel() for p in self.params])
+            self._build_grad_buffer(device)
+        self.masters: dict[str, torch.Tensor] = self._build_masters(device)
 
         decay = [(n, t) for n, t in self.masters.items() if not is_no_decay(n, opt.no_decay)]
         no_decay = [(n, t) for n, t in self.masters.items() if is_no_decay(n, opt.no_decay)]
@@ -155,23 +156,27 @@ class MixedPrecisionOptimizer:
         self._scale = torch.tensor(initial_scale, dtype=torch.float32, device=device)
         self._good_steps = torch.zeros((), dtype=torch.int64, device=device)
 
-    def _build_flat_buffers(self, device: torch.device) -> None:
-        offsets, total = [], 0
-        for p in self.params:
-            offsets.append(total)
-            total += -(-p.numel() // _ALIGN) * _ALIGN
-        self._master_flat = torch.zeros(total, dtype=torch.float32, device=device)
-        self._grad_flat = torch.zeros(total, dtype=torch.float32, device=device)
-        self._master_list: list[torch.Tensor] = []
-        for p, start in zip(self.params, offsets):
-            end = start + p.numel()
-            master = self._master_flat[start:end].view(p.shape)
-            main_grad = self._grad_flat[start:end].view(p.shape)
-            master.copy_(p.detach())
-            master.grad = main_grad  # AdamW reads the fp32 gradient from here
-            p.main_grad = main_grad
-            self._master_list.append(master)
+    def _build_grad_buffer(self, device: torch.device) -> None:
+        self._grad_flat = torch.zeros(self.layout.total, dtype=torch.float32, device=device)
+        for p, start in zip(self.params, self.layout.offsets):
+            p.main_grad = self._grad_flat[start : start + p.numel()].view(p.shape)
             self._hooks.append(p.register_post_accumulate_grad_hook(_accumulate_main_grad))
+
+    def _build_masters(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """name -> the fp32 tensor AdamW updates, its `.grad` set where it is fixed."""
+        if not self.low_precision:
+            # fp32: the parameters themselves; with flat grads `.grad` is pointed at the
+            # main-gradient view in `step` (not before: autograd would accumulate into it)
+            self._master_list = self.params
+            return dict(zip(self.names, self.params))
+        self._master_flat = torch.zeros(self.layout.total, dtype=torch.float32, device=device)
+        self._master_list = []
+        for p, start in zip(self.params, self.layout.offsets):
+            master = self._master_flat[start : start + p.numel()].view(p.shape)
+            master.copy_(p.detach())
+            master.grad = p.main_grad  # AdamW reads the fp32 gradient from here
+            self._master_list.append(master)
+        return dict(zip(self.names, self._master_list))
 
     # ------------------------------------------------------------------------------------------
     # The training step
@@ -180,6 +185,11 @@ class MixedPrecisionOptimizer:
     def loss_scale(self) -> torch.Tensor:
         """The current loss scale (a device scalar; 1 unless fp16)."""
         return self._scale
+
+    @property
+    def grad_buffer(self) -> torch.Tensor:
+        """The flat fp32 main-gradient buffer (bf16 / fp16, or any precision with a `layout`)."""
+        return self._grad_flat
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -191,19 +201,19 @@ class MixedPrecisionOptimizer:
 
     def zero_grad(self) -> None:
         """Clear the gradients before the first micro batch of a step."""
-        if self.low_precision:
+        if self.flat_grads:
             self._grad_flat.zero_()
         for p in self.params:
             p.grad = None
 
     def _grads(self) -> list[torch.Tensor]:
-        if self.low_precision:
+        if self.flat_grads:
             return [self._grad_flat]  # padding is zero, so norms over the flat buffer are exact
         return [p.grad for p in self.params if p.grad is not None]
 
     def _named_grads(self) -> list[tuple[str, torch.Tensor]]:
         """(name, gradient) per parameter: the main-gradient views, or the .grad (0 if none)."""
-        if self.low_precision:
+        if self.flat_grads:
             return [(n, p.main_grad) for n, p in zip(self.names, self.params)]
         return [(n, p.grad if p.grad is not None else torch.zeros_like(p))
                 for n, p in zip(self.names, self.params)]
@@ -220,12 +230,7 @@ class MixedPrecisionOptimizer:
         grads = self._grads()
         if self.precision == "fp16":
             torch._foreach_mul_(grads, self._scale.reciprocal())
-        if self._grad_norm_fn is not None:
-            grad_norm = self._grad_norm_fn(self._named_grads())
-        elif grads:
-            grad_norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        else:
-            grad_norm = torch.zeros((), device=self._scale.device)
+        grad_norm = self._global_grad_norm(grads)
         grad_norm = grad_norm.to(device=self._scale.device, dtype=torch.float32)
         found_inf = (~torch.isfinite(grad_norm)).float()
         if self.opt.clip_grad > 0 and grads:
@@ -235,6 +240,9 @@ class MixedPrecisionOptimizer:
 
         for group in self.inner.param_groups:
             group["lr"] = lr
+        if self.flat_grads and self._master_list is self.params:
+            for p in self.params:  # fp32 with a flat buffer: AdamW reads the main gradients
+                p.grad = p.main_grad
         if self.fused:
             self.inner.found_inf = found_inf  # the fused kernel skips the whole update if 1
             self.inner.step()
@@ -243,11 +251,24 @@ class MixedPrecisionOptimizer:
             updated = not found_inf.item()  # the one host sync of the foreach path
             if updated:
                 self.inner.step()
-        if self.low_precision and updated:
-            torch._foreach_copy_(self.params, self._master_list)  # fp32 -> bf16/fp16
+        if updated:
+            self._copy_back()
         if self.precision == "fp16":
             self._update_loss_scale(found_inf.bool())
         return {"grad_norm": grad_norm, "skipped": found_inf, "loss_scale": self._scale.clone()}
+
+    def _global_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The L2 norm of the whole model's gradient (over every parallel group)."""
+        if self._grad_norm_fn is not None:
+            return self._grad_norm_fn(self._named_grads())
+        if grads:
+            return torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        return torch.zeros((), device=self._scale.device)
+
+    def _copy_back(self) -> None:
+        """Put the updated master weights into the model's parameters."""
+        if self.low_precision:
+            torch._foreach_copy_(self.params, self._master_list)  # fp32 -> bf16/fp16
 
     def _update_loss_scale(self, found_inf: torch.Tensor) -> None:
         # All on the device: halve on overflow (not below min_loss_scale); double after
@@ -298,6 +319,20 @@ class MixedPrecisionOptimizer:
         when present, overwrite the model's parameters; without them (e.g. an fp32 checkpoint) the
         master weights are taken from the model's current parameters.
         """
+        exp_avg, exp_avg_sq, step = self._check_state(state)
+        self._load_moments(exp_avg, exp_avg_sq, step)
+        masters = state.get("master") or {}
+        for name, t in self.masters.items():
+            if name in masters:
+                t.copy_(masters[name])
+        if self.low_precision:
+            if len(masters) == 0:
+                self.sync_master_from_params()
+            torch._foreach_copy_(self.params, self._master_list)
+        self._load_loss_scale(state)
+
+    def _check_state(self, state: dict[str, Any]) -> tuple[dict, dict, int]:
+        """(exp_avg, exp_avg_sq, step) of a state_dict, checked against this model."""
         try:
             exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
             step = int(state["step"])
@@ -316,7 +351,10 @@ class MixedPrecisionOptimizer:
                         f"optimizer state for {name!r} has shape {tuple(src[name].shape)}, the "
                         f"model's parameter {tuple(p.shape)}; the checkpoint is from another model"
                     )
+        return exp_avg, exp_avg_sq, step
 
+    def _load_moments(self, exp_avg: dict, exp_avg_sq: dict, step: int) -> None:
+        """Set AdamW's state of each master tensor from name -> tensor of its shape."""
         torch_state = self.inner.state_dict()
         index = {}  # id(tensor) -> torch's integer key of the parameter
         for group_sd, group in zip(torch_state["param_groups"], self.inner.param_groups):
@@ -333,14 +371,7 @@ class MixedPrecisionOptimizer:
         torch_state["state"] = new_state
         self.inner.load_state_dict(torch_state)
 
-        masters = state.get("master") or {}
-        for name, t in self.masters.items():
-            if name in masters:
-                t.copy_(masters[name])
-        if self.low_precision:
-            if len(masters) == 0:
-                self.sync_master_from_params()
-            torch._foreach_copy_(self.params, self._master_list)
+    def _load_loss_scale(self, state: dict[str, Any]) -> None:
         if self.precision == "fp16" and state.get("precision") == "fp16":
             self._scale.fill_(float(state["loss_scale"]))
             self._good_steps.fill_(int(state["good_steps"]))
@@ -350,6 +381,14 @@ class MixedPrecisionOptimizer:
         """Copy the model's parameters into the master weights (after loading model weights)."""
         if self.low_precision:
             torch._foreach_copy_(self._master_list, [p.detach() for p in self.params])
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held by this process: fp32 masters kept apart from the
+        model's parameters, and AdamW's moments."""
+        masters = self._master_flat.numel() * 4 if self.low_precision else 0
+        moments = sum(t.numel() * t.element_size() for st in self.inner.state.values()
+                      for k, t in st.items() if k != "step")
+        return masters + moments
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks from the model's parameters (ends the optimizer's use)."""
@@ -364,6 +403,7 @@ def build_optimizer(
     precision: Precision,
     device: torch.device | str,
     grad_norm: GradNormFn | None = None,
+    layout: GradLayout | None = None,
 ) -> MixedPrecisionOptimizer:
     """AdamW for `model` (or a list of model chunks) whose parameters are already in `precision`.
 
@@ -372,5 +412,5 @@ def build_optimizer(
     "embedding"). Load the model's weights before building it (or call `sync_master_from_params`).
     """
     return MixedPrecisionOptimizer(
-        named_trainable_parameters(model), opt, precision, device, grad_norm
+        named_trainable_parameters(model), opt, precision, device, grad_norm, layout
     )

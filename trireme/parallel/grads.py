@@ -124,3 +124,23 @@ def parallel_grad_norm(
         return total.sqrt()
 
     return grad_norm
+
+
+def inverse_replicas(
+    model: nn.Module, tp: TensorParallel, named_params: list[tuple[str, nn.Parameter]],
+    offsets: tuple[int, ...], total: int,
+) -> Tensor:
+    """A flat fp32 tensor in the gradient-buffer layout (`offsets`, `total`): 1 / (TP ranks
+    holding the same numbers) for each element (0 on padding), so that sum(g^2 * w) over the TP
+    ranks counts each element of the full model once (the distributed optimizer's norm)."""
+    shardings = parameter_shardings(model)
+    weights = torch.zeros(total, dtype=torch.float32, device=named_params[0][1].device)
+    for (name, p), offset in zip(named_params, offsets):
+        view = weights[offset : offset + p.numel()].view(p.shape)
+        sharding = shardings.get(name)
+        if sharding is None:
+            view.fill_(1.0 / tp.size)
+        else:
+            for part, replicas in sharding.views(view):
+                part.fill_(1.0 / replicas)
+    return weights

@@ -221,6 +221,17 @@ def init_distributed(device_type: str = "cpu") -> DistributedEnv:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return DistributedEnv()
+    missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise ConfigError(
+            f"WORLD_SIZE = {world_size} but {', '.join(missing)} not set: launch with torchrun "
+            "(torchrun --nproc_per_node N -m trireme train ..., see docs/parallelism.md)"
+        )
+    if device_type == "cuda" and not dist.is_nccl_available():
+        raise ConfigError(
+            "this torch build has no NCCL, which multi-GPU training needs; install a CUDA build "
+            "of torch, or set train.device=cpu to use gloo"
+        )
     if device_type == "cuda":
         if local_rank >= torch.cuda.device_count():
             raise ConfigError(

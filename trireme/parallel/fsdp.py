@@ -1,0 +1,102 @@
+"""FSDP mode (`parallel.data_parallel_mode = "fsdp"`): torch's `fully_shard` (FSDP2) over DP.
+
+Each transformer block, and then the whole model (embedding, final norm, output), becomes one
+FSDP unit: its parameters are stored as 1/DP shards (DTensors on the data-parallel axis of the
+mesh), all-gathered just before the unit's forward and backward, and its gradients are
+reduce-scattered (averaged over DP) right after its backward, so they overlap the rest of the
+backward by construction. Only the last micro batch of a step reduces: the earlier ones run with
+gradient sync off and accumulate unsharded gradients.
+
+The optimizer is the fp32 AdamW of `trireme.optim.optimizer` over the sharded parameters; the
+gradient norm sums the squares of each rank's shards over the DP group.
+
+Limits of this first version (each a one-line ConfigError in `check_fsdp`): fp32 only (bf16 wants
+fully_shard's MixedPrecisionPolicy and fp32 sharded parameters), no tensor parallelism, no
+checkpoints yet. The model is built and initialized whole on each rank before it is sharded, so it
+must fit on one device at the start.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from trireme.config import Config
+from trireme.errors import ConfigError
+from trireme.optim.optimizer import MixedPrecisionOptimizer, named_trainable_parameters
+from trireme.parallel.mesh import ParallelMesh
+
+
+def check_fsdp(cfg: Config) -> None:
+    """What FSDP mode does not support yet, said before anything starts."""
+    p = cfg.parallel
+    if cfg.model.precision != "fp32":
+        raise ConfigError(f"parallel.data_parallel_mode = 'fsdp' with model.precision = "
+                          f"{cfg.model.precision}: not implemented yet; use fp32 or 'ddp'")
+    if p.tensor > 1:
+        raise ConfigError("parallel.data_parallel_mode = 'fsdp' with parallel.tensor > 1: not "
+                          "implemented yet; use 'ddp'")
+    if p.distributed_optimizer:
+        raise ConfigError("parallel.distributed_optimizer is for 'ddp'; 'fsdp' already shards "
+                          "the optimizer state")
+    if cfg.checkpoint.dir:
+        raise ConfigError("checkpoints with parallel.data_parallel_mode = 'fsdp': not "
+                          "implemented yet; use 'ddp' (checkpoint.dir set)")
+
+
+def shard_model(model: nn.Module, mesh: ParallelMesh) -> None:
+    """Apply fully_shard to each block, then to the model (in place)."""
+    from torch.distributed.fsdp import fully_shard
+
+    dp_mesh = mesh.device_mesh["data"]
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class FSDPOptimizer(MixedPrecisionOptimizer):
+    """fp32 AdamW over FSDP-sharded parameters: norm and clipping act on the local shards."""
+
+    def __init__(self, model: nn.Module, cfg: Config, device: torch.device,
+                 group: dist.ProcessGroup) -> None:
+        self.dp_group = group
+        super().__init__(named_trainable_parameters(model), cfg.optimizer, "fp32", device)
+
+    def _grads(self) -> list[Tensor]:
+        # views of the local shards: scaling them in place scales the DTensor gradients
+        return [_local(p.grad) for p in self.params if p.grad is not None]
+
+    def _global_grad_norm(self, grads: list[Tensor]) -> Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        for g in grads:
+            total += g.float().square().sum()
+        dist.all_reduce(total, group=self.dp_group)
+        return total.sqrt()
+
+
+class GradientSyncSwitch:
+    """The trainer's reducer interface for FSDP: gradients are reduced (by FSDP's own hooks) only
+    in the backward of the last micro batch."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def start_step(self) -> None:
+        self.last_micro_batch = False
+
+    @property
+    def last_micro_batch(self) -> bool:
+        return self._last
+
+    @last_micro_batch.setter
+    def last_micro_batch(self, value: bool) -> None:
+        self._last = value
+        self.model.set_requires_gradient_sync(value)
+
+    def finish(self) -> None:
+        pass  # FSDP waits for its reduce-scatters at the end of the backward
