@@ -103,12 +103,17 @@ class Trainer:
         for chunk in self.chunks:
             chunk.train()
         self.optimizer.zero_grad()
-        if self.pipeline is not None:  # (data parallelism with PP is refused in check_parallel)
+        if self.pipeline is not None:
             loss = self.pipeline.train_step(micro_batches, self.optimizer.scale_loss)
-            if self.grad_sync is not None:
+            if self.data_parallel > 1:  # PP x DP: mean over the replicas after the whole step
+                # (one all-reduce of the flat buffer, not overlapped with the backward yet)
+                grads = self.optimizer.grad_buffer
+                grads.div_(self.data_parallel)
+                torch.distributed.all_reduce(grads, group=self.mesh.group("data"))
+            if self.grad_sync is not None:  # after the DP mean: both are sums, so they commute
                 self.grad_sync()
             result = self.optimizer.step(lr)
-            result["loss"] = loss
+            result["loss"] = data_parallel_loss(loss, self.mesh.group("data"), self.data_parallel)
             return result
         reducer = self.grad_reducer
         if reducer is not None:
@@ -220,13 +225,12 @@ def check_parallel(cfg: Config, world_size: int | None = None) -> ParallelDims:
     if p.data_parallel_mode == "fsdp":
         check_fsdp(cfg)
     check_tensor_parallel(cfg.model, p.tensor, p.sequence_parallel)
-    check_pipeline(cfg.model, p, cfg.train.global_batch_size // cfg.train.micro_batch_size)
     dims = ParallelDims.from_config(p, world)
-    if dims.pipeline > 1 and dims.data > 1:
+    if dims.pipeline > 1 and dims.data > 1 and (p.distributed_optimizer
+                                                or p.data_parallel_mode == "fsdp"):
         raise ConfigError(
-            f"launched with {world} processes: parallel.pipeline = {p.pipeline} with data "
-            f"parallelism of {dims.data} is not implemented yet; launch "
-            f"{world // dims.data} processes"
+            "parallel.pipeline > 1 with the distributed optimizer or FSDP: not implemented yet; "
+            "use parallel.data_parallel_mode = 'ddp' without parallel.distributed_optimizer"
         )
     t = cfg.train
     if t.global_batch_size % (t.micro_batch_size * dims.data):
@@ -236,6 +240,8 @@ def check_parallel(cfg: Config, world_size: int | None = None) -> ParallelDims:
             f"(data parallelism = {world} processes / (pipeline x context x tensor)); change the "
             "batch sizes or the number of processes"
         )
+    # the micro batches per step of each DP replica
+    check_pipeline(cfg.model, p, t.global_batch_size // (t.micro_batch_size * dims.data))
     return dims
 
 
@@ -342,7 +348,11 @@ def build_trainer(cfg: Config, with_data: bool = True) -> Trainer:
         grad_norm = parallel_grad_norm(chunks, tp, pipeline_group, skip)
     reducer = None
     if pipeline is not None:
-        optimizer = build_optimizer(chunks, cfg.optimizer, cfg.model.precision, device, grad_norm)
+        layout = None  # PP x DP: a flat gradient buffer (one bucket) to all-reduce after the step
+        if dims.data > 1:
+            layout = grad_layout([p.numel() for _, p in named_trainable_parameters(chunks)])
+        optimizer = build_optimizer(chunks, cfg.optimizer, cfg.model.precision, device, grad_norm,
+                                    layout)
     else:
         optimizer, reducer = build_data_parallel_optimizer(cfg, chunks[0], mesh, device,
                                                            grad_norm)

@@ -112,8 +112,9 @@ def check_pipeline(cfg: ModelConfig, pcfg: ParallelConfig, num_micro_batches: in
     if pcfg.virtual_pipeline > 1 and num_micro_batches % pcfg.pipeline:
         raise ConfigError(
             f"interleaved pipelining (parallel.virtual_pipeline = {pcfg.virtual_pipeline}) needs "
-            f"the micro batches per step (train.global_batch_size / train.micro_batch_size = "
-            f"{num_micro_batches}) to be a multiple of parallel.pipeline = {pcfg.pipeline}"
+            f"the micro batches per step of each data-parallel replica (train.global_batch_size / "
+            f"(train.micro_batch_size x data-parallel degree) = {num_micro_batches}) to be a "
+            f"multiple of parallel.pipeline = {pcfg.pipeline}"
         )
 
 

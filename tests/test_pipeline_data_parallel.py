@@ -1,0 +1,37 @@
+"""Pipeline x data parallelism (plain DDP) against one process: the same global batch gives the
+same losses.
+
+4 gloo processes train PP = 2 x DP = 2 for 10 steps (run_ranks calls `train(cfg)` on every rank,
+the way torchrun would): each replica runs 2 of the 4 micro batches of a step through its two
+stages, then the gradients are averaged over DP. Compared with the single-process run: losses,
+gradient norms (clipping) and eval losses; once with a tied embedding (its two copies are summed
+over the pipeline after the DP mean). Both layouts share one spawn of processes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from distributed import run_ranks
+from test_data_parallel import config, reference, train_worker  # noqa: F401  (reference: fixture)
+from test_train import toy_data  # noqa: F401  (toy_data is a fixture)
+from test_train_parallel import assert_same, losses
+
+from trireme.train import train
+
+PP = "parallel.pipeline=2"
+TIED = ("model.tie_embeddings=true", "model.make_vocab_size_divisible_by=1")
+CASES = {"pp2-dp2": (PP,), "pp2-dp2-tied": (PP, *TIED)}
+
+
+def test_pipeline_data_parallel_matches_one_process(toy_data, reference, tmp_path):  # noqa: F811
+    runs = [(str(tmp_path / name), extra) for name, extra in CASES.items()]
+    run_ranks(train_worker, 4, tmp_path, toy_data, runs)
+    assert losses(tmp_path / "pp2-dp2") != losses(tmp_path / "pp2-dp2-tied")
+    tied_ref = tmp_path / "ref-tied"
+    train(config(toy_data, tied_ref, *TIED))
+    for name, ref in (("pp2-dp2", reference), ("pp2-dp2-tied", tied_ref)):
+        run_dir = tmp_path / name
+        assert_same(losses(run_dir), losses(ref), f"{name} loss")
+        np.testing.assert_allclose(losses(run_dir), losses(ref), rtol=1e-5)
+        assert_same(losses(run_dir, "grad_norm"), losses(ref, "grad_norm"), f"{name} grad norm")
+        assert_same(losses(run_dir, "eval_loss"), losses(ref, "eval_loss"), f"{name} eval")
