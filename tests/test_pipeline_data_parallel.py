@@ -35,3 +35,16 @@ def test_pipeline_data_parallel_matches_one_process(toy_data, reference, tmp_pat
         np.testing.assert_allclose(losses(run_dir), losses(ref), rtol=1e-5)
         assert_same(losses(run_dir, "grad_norm"), losses(ref, "grad_norm"), f"{name} grad norm")
         assert_same(losses(run_dir, "eval_loss"), losses(ref, "eval_loss"), f"{name} eval")
+
+
+def test_tensor_pipeline_data_parallel_3d_matches_one_process(toy_data, reference, tmp_path):  # noqa: F811
+    """The 3-D grid: TP 2 x PP 2 x DP 2 on 8 processes, against the single-process run."""
+    run_dir = tmp_path / "tp2-pp2-dp2"
+    runs = [(str(run_dir), (PP, "parallel.tensor=2"))]
+    run_ranks(train_worker, 8, tmp_path, toy_data, runs)
+    resolved = (run_dir / "config.toml").read_text()
+    assert "tensor = 2" in resolved and "pipeline = 2" in resolved  # 8 / (2 x 2): DP = 2
+    assert_same(losses(run_dir), losses(reference), "tp2-pp2-dp2 loss")
+    np.testing.assert_allclose(losses(run_dir), losses(reference), rtol=1e-5)
+    assert_same(losses(run_dir, "grad_norm"), losses(reference, "grad_norm"), "3-D grad norm")
+    assert_same(losses(run_dir, "eval_loss"), losses(reference, "eval_loss"), "3-D eval")
