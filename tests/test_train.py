@@ -141,3 +141,36 @@ def test_build_model_on_device_equals_plain_construction():
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def test_sigterm_saves_and_stops_cleanly(toy_data, tmp_path):
+    """SIGTERM during training: the current step finishes, a checkpoint is saved, exit status 0,
+    and a new run resumes from that step."""
+    import signal
+    import time
+
+    ckpt, run = tmp_path / "ckpt", tmp_path / "run"
+    args = [sys.executable, "-m", "trireme", "train", f"--data.path={toy_data}",
+            "--data.tokenizer=bytes", f"--run.dir={run}", f"--checkpoint.dir={ckpt}",
+            "--model.num_layers=1", "--model.hidden_size=32", "--model.num_attention_heads=2",
+            "--model.num_query_groups=0", "--model.ffn_hidden_size=64", "--model.seq_length=16",
+            "--train.steps=100000", "--train.log_interval=1", "--train.eval_interval=0",
+            "--logging.progress=false", "--logging.tensorboard=false"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "stopped by a stop signal" in out
+    last_step = read_metrics(run)[-1]["step"]
+    assert 3 <= last_step < 100000
+    assert (ckpt / "latest").read_text().strip() == f"step_{last_step:07d}"
+    more = [a if a != "--train.steps=100000" else f"--train.steps={last_step + 2}" for a in args]
+    resumed = subprocess.run(more, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from {ckpt / f'step_{last_step:07d}'} at step {last_step}" in resumed.stderr

@@ -6,7 +6,9 @@ config.toml, checkpoints) and prints.
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -118,6 +120,7 @@ def run_loop(trainer: Trainer) -> None:
     started = time.monotonic()
     pending: list[dict] = []
     last_log = now()
+    stop = StopRequest()
     try:
         while trainer.state.step < cfg.train.steps:
             lr = lr_at(trainer.state.step, cfg.optimizer, cfg.schedule, cfg.train.steps)
@@ -128,6 +131,15 @@ def run_loop(trainer: Trainer) -> None:
             out_of_time = cfg.train.max_minutes and agree(
                 trainer, time.monotonic() - started > 60 * cfg.train.max_minutes
             )
+            # SIGTERM / SIGINT: finish this step, save, stop. Ranks agree at log steps (where
+            # they synchronize anyway), so they all stop at the same step.
+            if trainer.env.world_size == 1:
+                signalled = stop.signal is not None
+            else:
+                signalled = step % cfg.train.log_interval == 0 and agree(
+                    trainer, stop.signal is not None
+                )
+            out_of_time = out_of_time or signalled
             last = step == cfg.train.steps or out_of_time
             do_eval = trainer.valid_data is not None and cfg.train.eval_interval and (
                 step % cfg.train.eval_interval == 0 or last
@@ -154,14 +166,45 @@ def run_loop(trainer: Trainer) -> None:
             ):
                 save(trainer)
             if out_of_time:
-                print_line(progress, f"trireme: train.max_minutes reached at step {step}", main)
+                why = "a stop signal" if signalled else "train.max_minutes"
+                saved = " (checkpoint saved)" if cfg.checkpoint.dir else ""
+                print_line(progress, f"trireme: stopped by {why} at step {step}{saved}", main)
                 break
     finally:
+        stop.restore()
         if progress is not None:
             progress.close()
         if logger is not None:
             logger.close()
-    print_sample(trainer)
+    if stop.signal is None:
+        print_sample(trainer)
+
+
+class StopRequest:
+    """Turns the first SIGTERM / SIGINT into a request to stop after the current step (and save);
+    a second one interrupts at once. Only the main thread can install handlers; elsewhere this
+    does nothing."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._previous: dict[int, object] = {}
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signal is not None:  # the second one: stop now
+            self.restore()
+            raise KeyboardInterrupt
+        self.signal = signum
+        print(f"trireme: got {signal.Signals(signum).name}; stopping after this step",
+              file=sys.stderr, flush=True)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
 
 def layout_note(trainer: Trainer) -> str:
