@@ -31,9 +31,9 @@ def test_required_keys_exist_and_documented():
 
 
 def test_all_fields_documented():
-    for section in dataclasses.fields(Config):
-        for f in dataclasses.fields(section.type if isinstance(section.type, type) else
-                                    getattr(Config(), section.name)):
+    cfg = Config()
+    for section in dataclasses.fields(cfg):
+        for f in dataclasses.fields(getattr(cfg, section.name)):
             assert f.metadata.get("help"), f"{section.name}.{f.name}"
 
 

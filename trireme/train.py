@@ -150,15 +150,12 @@ class Trainer:
         return batches
 
     def _micro_batch(self, data, consumed: int, size: int) -> tuple:
-        tokens, labels = get_batch(data, consumed, size)
-        extra = {}
-        if self.cfg.data.reset_position_ids or self.cfg.data.reset_attention_mask:
-            batch = get_micro_batch(data, consumed, size)
-            for name in ("position_ids", "document_ids"):
-                value = getattr(batch, name)
-                if value is not None:
-                    extra[name] = value.to(self.device, non_blocking=True)
+        batch = get_micro_batch(data, consumed, size)  # the samples are read once
         dev = self.device
+        extra = {name: value.to(dev, non_blocking=True)
+                 for name in ("position_ids", "document_ids")
+                 if (value := getattr(batch, name)) is not None}
+        tokens, labels = batch.tokens, batch.masked_labels()
         return tokens.to(dev, non_blocking=True), labels.to(dev, non_blocking=True), extra
 
     @torch.no_grad()
@@ -316,8 +313,6 @@ def build_trainer(cfg: Config, with_data: bool = True) -> Trainer:
     if device.type == "cuda" and env.world_size > 1:
         device = torch.device("cuda", env.local_rank)
     mesh = ParallelMesh.build(dims, device.type)
-    if cfg.model.precision == "bf16" and device.type == "cpu":
-        pass  # bf16 runs on CPU too, slowly; allowed for tests
     setup_determinism(cfg)
     tokenizer, train_data, valid_data = None, None, None
     if with_data:

@@ -43,6 +43,11 @@ class Batch:
     position_ids: torch.Tensor | None = None  # int64 [b, s], with reset_position_ids
     document_ids: torch.Tensor | None = None  # int64 [b, s], with reset_attention_mask
 
+    def masked_labels(self) -> torch.Tensor:
+        """labels with -100 (ignored by the loss) where loss_mask is 0 (only eod_mask_loss sets
+        zeros there)."""
+        return self.labels.masked_fill(self.loss_mask == 0, IGNORE_INDEX)
+
 
 def make_batch(samples: np.ndarray, options: BatchOptions) -> Batch:
     """A Batch from samples int64[b, s + 1]."""
@@ -87,10 +92,7 @@ def get_batch(dataset, consumed_samples: int, batch_size: int) -> tuple[torch.Te
     """(tokens, labels), both int64 [batch_size, seq_length]; with eod_mask_loss, the masked
     labels are -100 (ignored by the loss)."""
     batch = get_micro_batch(dataset, consumed_samples, batch_size)
-    labels = batch.labels
-    if getattr(dataset, "options", BatchOptions()).eod_mask_loss:
-        labels = labels.masked_fill(batch.loss_mask == 0, IGNORE_INDEX)
-    return batch.tokens, labels
+    return batch.tokens, batch.masked_labels()
 
 
 class BatchIterator:
