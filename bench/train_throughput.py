@@ -39,7 +39,8 @@ if str(REPO) not in sys.path:
 
 from trireme.config import Config, ModelConfig, load_config  # noqa: E402
 
-AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+# the HF baseline of an fp8 run is its bf16 autocast run (HF has no fp8 training path here)
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None, "fp8": torch.bfloat16}
 
 
 # --------------------------------------------------------------------------------------------

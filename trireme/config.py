@@ -73,9 +73,14 @@ class ModelConfig:
     scaled_init: bool = doc(
         True, "Scale the init of output projections by 1/sqrt(2 * num_layers) (GPT-2)."
     )
-    precision: Literal["fp32", "bf16", "fp16"] = doc(
+    precision: Literal["fp32", "bf16", "fp16", "fp8"] = doc(
         "fp32", "fp32; bf16 (bf16 params, fp32 main grads and master weights); fp16 (the same "
-        "with dynamic loss scaling)."
+        "with dynamic loss scaling); fp8 (bf16, plus fp8 matmuls with per-tensor scaling in the "
+        "transformer blocks' linears; CUDA with compute capability >= 8.9)."
+    )
+    fp8_emulate: bool = doc(
+        False, "fp8 only: run the fp8 matmuls as the fp32 reference emulation (quantize, "
+        "dequantize, plain matmul) on any device; slow, for tests and CPU runs."
     )
     attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math", "reference"] = doc(
         "auto", "Attention kernel. auto: cuDNN on Hopper, then flash, efficient, math; "
@@ -525,6 +530,9 @@ def validate(cfg: Config, need_vocab: bool = True) -> None:
         )
     if m.position_embedding == "rope" and m.head_size % 2:
         raise ConfigError(f"rotary embeddings need an even head size, got {m.head_size}")
+    if m.precision == "fp8" and p.tensor > 1:
+        raise ConfigError("model.precision = 'fp8' with parallel.tensor > 1 is not supported yet; "
+                          "use parallel.tensor = 1 or model.precision = 'bf16'")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout = {m.dropout} must be in [0, 1)")
     if need_vocab and m.vocab_size < 1:

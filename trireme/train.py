@@ -28,6 +28,7 @@ from trireme.errors import ConfigError, DataError
 from trireme.metrics import flops_per_token, memory_gib, peak_flops
 from trireme.models.gpt import GPT
 from trireme.models.init import init_parameters
+from trireme.ops.fp8 import check_fp8_device, convert_to_float8
 from trireme.optim.distributed import DistributedOptimizer
 from trireme.optim.optimizer import (
     MixedPrecisionOptimizer,
@@ -48,7 +49,9 @@ from trireme.parallel.pipeline import StageSpec, bubble_fraction, check_pipeline
 from trireme.parallel.pipeline_step import PipelineRunner, TiedEmbeddingSync
 from trireme.parallel.tensor import TensorParallel, build_tensor_parallel, check_tensor_parallel
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# fp8 is bf16 everywhere except the transformer blocks' matmuls (trireme.ops.fp8)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "fp8": torch.bfloat16}
 
 
 @dataclass
@@ -298,6 +301,9 @@ def build_model(
         model = GPT(cfg.model, seed=None, tp=tp, stage=stage)
     model = model.to_empty(device=device).to(DTYPES[cfg.model.precision])
     init_parameters(model, cfg.train.seed)
+    if cfg.model.precision == "fp8":  # swap the blocks' linears (same parameters, same names)
+        check_fp8_device(device, cfg.model.fp8_emulate)
+        convert_to_float8(model, cfg.model.fp8_emulate)
     return model
 
 

@@ -1,8 +1,8 @@
 """AdamW with low-precision parameters, fp32 master weights and fp32 main gradients.
 
 With `precision="fp32"` this is torch's AdamW plus global-norm clipping and a skip on a non-finite
-gradient. With bf16 / fp16 the model's parameters are low precision (the caller casts the model) and
-the optimizer keeps, on the same device:
+gradient. With bf16 / fp16 (and fp8, whose parameters are bf16) the model's parameters are low
+precision (the caller casts the model) and the optimizer keeps, on the same device:
 
     master  one flat fp32 buffer; each trainable parameter owns an aligned slice of it (a view)
     grads   one flat fp32 buffer with the same layout; `param.main_grad` is the parameter's view
@@ -38,7 +38,7 @@ from trireme.config import OptimizerConfig
 from trireme.errors import CheckpointError
 from trireme.parallel.data import GradLayout, grad_layout
 
-Precision = Literal["fp32", "bf16", "fp16"]
+Precision = Literal["fp32", "bf16", "fp16", "fp8"]  # fp8: bf16 parameters
 # (name, gradient) of every optimized parameter -> the global L2 norm (a device scalar)
 GradNormFn = Callable[[list[tuple[str, torch.Tensor]]], torch.Tensor]
 
@@ -109,8 +109,8 @@ class MixedPrecisionOptimizer:
         grad_norm: GradNormFn | None = None,
         layout: GradLayout | None = None,
     ) -> None:
-        if precision not in ("fp32", "bf16", "fp16"):
-            raise ValueError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
+        if precision not in ("fp32", "bf16", "fp16", "fp8"):
+            raise ValueError(f"precision must be fp32, bf16, fp16 or fp8, got {precision!r}")
         if not named_params:
             raise ValueError("the model has no trainable parameters")
         device = torch.device(device)
