@@ -223,3 +223,26 @@ def test_fp8_training_follows_bf16(toy_data, tmp_path):
 def test_fp8_on_cpu_without_emulation_is_a_clear_error(toy_data, tmp_path):
     with pytest.raises(ConfigError, match="fp8_emulate"):
         train_losses(toy_data, tmp_path, "model.precision=fp8", "train.device=cpu")
+
+
+@pytest.mark.skipif(not cpu_scaled_mm_works(), reason="this torch has no CPU fp8 _scaled_mm")
+def test_fp8_check_script_cpu_smoke(tmp_path):
+    """bench/fp8_check.py (a GPU script) runs end to end on tiny shapes and writes its JSON."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    out = tmp_path / "fp8_check.json"
+    cmd = [sys.executable, str(repo / "bench" / "fp8_check.py"), "--device", "cpu",
+           "--shrink", "64", "--tokens", "32", "--no-compile", "--iters", "1", "--warmup", "0",
+           "--out", str(out)]
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert data["pass"] and set(data["checks"]) == {"qkv", "out", "fc1", "fc2"}
+    for r in data["checks"].values():
+        assert r["y_vs_emulated"] < 1e-2 and 1e-3 < r["dw_vs_fp32"] < 0.1
+    assert data["bench"]["block_linears/eager"]["fp8_ms"] > 0

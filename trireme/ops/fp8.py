@@ -46,8 +46,9 @@ FP8_LINEARS = ("attention.qkv", "attention.out", "mlp.fc1", "mlp.fc2")
 
 def fp8_scale(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """s = fp8_max / amax(|t|): an fp32 scalar on t's device (amax clamped to AMAX_EPS)."""
-    amax = t.detach().abs().amax().float().clamp(min=AMAX_EPS)
-    return torch.finfo(dtype).max / amax
+    # max |t| in one fp32 reduction (no |t| temporary in eager mode)
+    amax = torch.linalg.vector_norm(t.detach(), float("inf"), dtype=torch.float32)
+    return torch.finfo(dtype).max / amax.clamp(min=AMAX_EPS)
 
 
 def quantize(t: torch.Tensor, dtype: torch.dtype,
@@ -56,7 +57,9 @@ def quantize(t: torch.Tensor, dtype: torch.dtype,
     if scale is None:
         scale = fp8_scale(t, dtype)
     fp8_max = torch.finfo(dtype).max
-    return (t.float() * scale).clamp(-fp8_max, fp8_max).to(dtype), scale
+    # (t * s).clamp(-max, max) in fp32, in place on one fp32 copy (torch.compile fuses it all)
+    scaled = t.detach().to(torch.float32, copy=True).mul_(scale).clamp_(-fp8_max, fp8_max)
+    return scaled.to(dtype), scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
