@@ -11,7 +11,12 @@
    relative (Frobenius) error of y, dx and dW must stay under --tol. The error of fp8 itself
    against an fp32 linear is printed too (information: fp8 rounds ~2^-4 per element).
 2. Speed: one linear, forward + backward, bf16 F.linear against fp8_linear, eager and under
-   torch.compile; CUDA events around each iteration, the median of --iters after warmup.
+   torch.compile; CUDA events around each iteration, the median of --iters after warmup. Small
+   compiled layers can be bound by the host (a compiled call's overhead), hence also:
+3. One llama3-1b transformer block (trireme.models.gpt.Block, compiled as model.compile does),
+   forward + backward on [--micro-batch, --seq, 2048] activations, bf16 against fp8 linears: the
+   best single estimate of the training speedup (the embedding, output layer, loss and optimizer
+   are the same in both, so a whole step gains somewhat less).
 
 `--device cpu` (with `--shrink` to divide the shapes) runs the same code where this torch has a CPU
 fp8 _scaled_mm: a smoke test of the script, not a measurement.
@@ -55,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile timings")
     p.add_argument("--time-budget", type=float, default=180.0,
                    help="seconds; later measurements are skipped once this is spent")
+    p.add_argument("--micro-batch", type=int, default=2, help="block benchmark: batch")
+    p.add_argument("--seq", type=int, default=4096, help="block benchmark: sequence length")
+    p.add_argument("--no-block", action="store_true", help="skip the block benchmark")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--shrink", type=int, default=1, help="divide K and N by this (smoke tests)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "fp8_check.json"))
@@ -138,6 +146,48 @@ def bench(m: int, k: int, n: int, compiled: bool, args) -> dict:
     return result
 
 
+def bench_block(args) -> dict:
+    """fwd + bwd of one compiled llama3-1b Block with bf16 linears, then with fp8 linears."""
+    import copy
+
+    from trireme.config import load_config
+    from trireme.models.gpt import Block
+    from trireme.ops.fp8 import convert_to_float8
+    from trireme.ops.rope import RotaryEmbedding, rope_frequencies
+
+    cfg = load_config("llama3-1b").model
+    cfg.hidden_size //= args.shrink
+    cfg.ffn_hidden_size //= args.shrink
+    cfg.num_attention_heads = max(1, cfg.num_attention_heads // args.shrink)
+    cfg.num_query_groups = max(1, cfg.num_query_groups // args.shrink)
+    cfg.seq_length = args.seq
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        block = Block(cfg).to(torch.bfloat16)
+        inv_freq = rope_frequencies(cfg.head_size, cfg.rope_theta, cfg.rope_scaling,
+                                    cfg.rope_scaling_factor, cfg.rope_low_freq_factor,
+                                    cfg.rope_high_freq_factor, cfg.rope_original_max_position)
+        rope = RotaryEmbedding(cfg.head_size, cfg.seq_length, inv_freq)(
+            torch.device(args.device), offset=0, length=args.seq)
+        shape = (args.micro_batch, args.seq, cfg.hidden_size)
+        x = torch.randn(shape, dtype=torch.bfloat16).requires_grad_()
+        g = torch.randn(shape, dtype=torch.bfloat16)
+    block8 = copy.deepcopy(block)
+    swapped = convert_to_float8(block8)  # attention.qkv, attention.out, mlp.fc1, mlp.fc2
+    result = {"shape": list(shape), "fp8_layers": swapped}
+    for name, b in (("bf16", block), ("fp8", block8)):
+        if args.device == "cuda":
+            b.compile()
+
+        def step(b=b):
+            x.grad = None
+            b(x, rope).backward(g)
+
+        result[f"{name}_ms"] = time_it(step, args.warmup, args.iters, args.device)
+    result["speedup"] = result["bf16_ms"] / result["fp8_ms"]
+    return result
+
+
 def write(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(data, indent=2) + "\n"
@@ -213,6 +263,17 @@ def main(argv: list[str] | None = None) -> int:
             data["bench"][f"block_linears/{mode}"] = {**total, "speedup": speedup}
             print(f"{'all 4':<6}{mode:<9}{total['bf16_ms']:>10.3f}{total['fp8_ms']:>10.3f}"
                   f"{'':>21}{speedup:>8.2f}x")
+    if not args.no_block:
+        try:
+            r = bench_block(args)
+            data["bench"]["block"] = r
+            mode = "compiled" if args.device == "cuda" else "eager"
+            print(f"\nllama3-1b block {r['shape']}, {mode}, fwd + bwd: bf16 "
+                  f"{r['bf16_ms']:.3f} ms, fp8 {r['fp8_ms']:.3f} ms, speedup {r['speedup']:.2f}x")
+        except Exception as e:
+            traceback.print_exc()
+            data["bench"]["block"] = {"error": f"{type(e).__name__}: {e}"}
+            failed = True
     data["pass"] = not failed
     write(out, data)
     print(f"{'PASS' if not failed else 'FAIL'}; wrote {out} ({time.perf_counter() - start:.0f} s)")

@@ -167,6 +167,12 @@ def test_convert_swaps_only_the_block_linears():
     assert loss.item() != loss_ref.item()  # the blocks really run in (emulated) fp8
 
 
+def test_convert_matches_whole_name_parts():
+    block = GPT(tiny_model_config()).layers["0"]
+    assert convert_to_float8(block, emulate=True, targets=("out",)) == ["attention.out"]
+    assert type(block.attention.resid_dropout) is not Float8Linear  # "resid_dropout" ends in out
+
+
 def test_convert_keeps_unaligned_layers():
     model = GPT(tiny_model_config(ffn_hidden_size=72))  # fc1 [144, 64] ok; fc2 [64, 72] not
     swapped = convert_to_float8(model, emulate=True)
@@ -237,7 +243,7 @@ def test_fp8_check_script_cpu_smoke(tmp_path):
     out = tmp_path / "fp8_check.json"
     cmd = [sys.executable, str(repo / "bench" / "fp8_check.py"), "--device", "cpu",
            "--shrink", "64", "--tokens", "32", "--no-compile", "--iters", "1", "--warmup", "0",
-           "--out", str(out)]
+           "--seq", "64", "--micro-batch", "1", "--out", str(out)]
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -246,3 +252,4 @@ def test_fp8_check_script_cpu_smoke(tmp_path):
     for r in data["checks"].values():
         assert r["y_vs_emulated"] < 1e-2 and 1e-3 < r["dw_vs_fp32"] < 0.1
     assert data["bench"]["block_linears/eager"]["fp8_ms"] > 0
+    assert len(data["bench"]["block"]["fp8_layers"]) == 4 and data["bench"]["block"]["speedup"] > 0

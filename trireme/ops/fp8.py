@@ -76,12 +76,18 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
 
 
 def scaled_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                  out_dtype: torch.dtype, emulate: bool) -> torch.Tensor:
-    """(a / s_a) @ (b / s_b) for fp8 `a` [m, k] and `b` [k, n], accumulated in fp32."""
+                  out_dtype: torch.dtype, emulate: bool, fast_accum: bool = False) -> torch.Tensor:
+    """(a / s_a) @ (b / s_b) for fp8 `a` [m, k] and `b` [k, n], accumulated in fp32.
+
+    `fast_accum` lets Hopper keep the running sum in the tensor cores' own (lower) precision
+    instead of promoting it to fp32 every few steps of k: faster, slightly less exact. The
+    emulation always sums in fp32.
+    """
     if emulate:
         return (dequantize(a, a_scale) @ dequantize(b, b_scale)).to(out_dtype)
     return torch._scaled_mm(_row_major(a), _column_major(b), scale_a=a_scale.reciprocal(),
-                            scale_b=b_scale.reciprocal(), out_dtype=out_dtype)
+                            scale_b=b_scale.reciprocal(), out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)
 
 
 class Float8Matmul(torch.autograd.Function):
@@ -93,7 +99,9 @@ class Float8Matmul(torch.autograd.Function):
         w_q, w_scale = quantize(weight, E4M3)
         ctx.save_for_backward(x_q, x_scale, w_q, w_scale)
         ctx.emulate, ctx.x_dtype, ctx.w_dtype = emulate, x.dtype, weight.dtype
-        return scaled_matmul(x_q, x_scale, w_q.t(), w_scale, x.dtype, emulate)  # [M, N]
+        # fast accumulation in the forward only (as torchao does): gradients sum in fp32
+        return scaled_matmul(x_q, x_scale, w_q.t(), w_scale, x.dtype, emulate,
+                             fast_accum=True)  # [M, N]
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
@@ -178,7 +186,8 @@ def convert_to_float8(model: nn.Module, emulate: bool = False,
     """
     swapped = []
     for name, module in list(model.named_modules()):
-        if not name.endswith(targets) or isinstance(module, Float8Linear):
+        matches = any(f".{name}".endswith(f".{t}") for t in targets)  # whole name parts only
+        if not matches or isinstance(module, Float8Linear):
             continue
         if type(module) is not nn.Linear:
             raise ConfigError(
