@@ -162,13 +162,13 @@ def bench_block(args) -> dict:
     cfg.num_query_groups = max(1, cfg.num_query_groups // args.shrink)
     cfg.seq_length = args.seq
     torch.manual_seed(0)
+    inv_freq = rope_frequencies(cfg.head_size, cfg.rope_theta, cfg.rope_scaling,
+                                cfg.rope_scaling_factor, cfg.rope_low_freq_factor,
+                                cfg.rope_high_freq_factor, cfg.rope_original_max_position)
+    rope = RotaryEmbedding(cfg.head_size, cfg.seq_length, inv_freq)(  # inv_freq on the CPU
+        torch.device(args.device), offset=0, length=args.seq)
     with torch.device(args.device):
         block = Block(cfg).to(torch.bfloat16)
-        inv_freq = rope_frequencies(cfg.head_size, cfg.rope_theta, cfg.rope_scaling,
-                                    cfg.rope_scaling_factor, cfg.rope_low_freq_factor,
-                                    cfg.rope_high_freq_factor, cfg.rope_original_max_position)
-        rope = RotaryEmbedding(cfg.head_size, cfg.seq_length, inv_freq)(
-            torch.device(args.device), offset=0, length=args.seq)
         shape = (args.micro_batch, args.seq, cfg.hidden_size)
         x = torch.randn(shape, dtype=torch.bfloat16).requires_grad_()
         g = torch.randn(shape, dtype=torch.bfloat16)
