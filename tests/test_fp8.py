@@ -253,3 +253,23 @@ def test_fp8_check_script_cpu_smoke(tmp_path):
         assert r["y_vs_emulated"] < 1e-2 and 1e-3 < r["dw_vs_fp32"] < 0.1
     assert data["bench"]["block_linears/eager"]["fp8_ms"] > 0
     assert len(data["bench"]["block"]["fp8_layers"]) == 4 and data["bench"]["block"]["speedup"] > 0
+
+
+def test_fp8_resumes_from_a_bf16_checkpoint(toy_data, tmp_path):
+    """Same parameter names and optimizer state: switching bf16 -> fp8 mid-run just continues."""
+    from test_train import tiny_cfg
+
+    from trireme.train import train
+
+    ckpt = f"checkpoint.dir={tmp_path / 'ckpt'}"
+    const = "schedule.decay_style=constant"  # the same lr at step 8 whatever train.steps is
+    common = ("train.eval_interval=0", ckpt, const)
+    full = train_losses(toy_data, tmp_path / "full", "model.precision=bf16", const)  # 15 steps
+    train(tiny_cfg(toy_data, tmp_path / "part", "train.steps=8", "model.precision=bf16", *common))
+    trainer = train(tiny_cfg(toy_data, tmp_path / "part", "train.steps=15", "model.precision=fp8",
+                             "model.fp8_emulate=true", *common))
+    assert trainer.state.step == 15
+    lines = (tmp_path / "part" / "run" / "metrics.jsonl").read_text().splitlines()
+    losses = [json.loads(line)["loss"] for line in lines]
+    assert losses[:8] == full[:8]
+    np.testing.assert_allclose(losses[8:], full[8:], rtol=0.05)
