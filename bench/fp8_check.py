@@ -11,7 +11,8 @@
    relative (Frobenius) error of y, dx and dW must stay under --tol. The error of fp8 itself
    against an fp32 linear is printed too (information: fp8 rounds ~2^-4 per element).
 2. Speed: one linear, forward + backward, bf16 F.linear against fp8_linear, eager and under
-   torch.compile; CUDA events around each iteration, the median of --iters after warmup. Small
+   torch.compile (whose result must also match the eager fp8 path within --tol); CUDA events
+   around each iteration, the median of --iters after warmup. Small
    compiled layers can be bound by the host (a compiled call's overhead), hence also:
 3. One llama3-1b transformer block (trireme.models.gpt.Block, compiled as model.compile does),
    forward + backward on [--micro-batch, --seq, 2048] activations, bf16 against fp8 linears: the
@@ -140,6 +141,11 @@ def bench(m: int, k: int, n: int, compiled: bool, args) -> dict:
 
         result[f"{name}_ms"] = time_it(step, args.warmup, args.iters, args.device)
     flops = 6 * m * k * n  # forward + two backward matmuls
+    if compiled:  # the compiled fp8 path (inductor's fused casts) against the eager one
+        ref = forward_backward(fp8_linear, x, w, g)
+        got = forward_backward(fp8, x, w, g)
+        result["compiled_vs_eager"] = max(rel_err(a, b) for a, b in zip(got, ref, strict=True))
+        result["compiled_finite"] = all(bool(torch.isfinite(t).all()) for t in got)
     result["bf16_tflops"] = flops / result["bf16_ms"] / 1e9
     result["fp8_tflops"] = flops / result["fp8_ms"] / 1e9
     result["speedup"] = result["bf16_ms"] / result["fp8_ms"]
@@ -253,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
                 failed = True
                 break
             data["bench"][f"{name}/{mode}"] = r
+            if compiled and not (r["compiled_vs_eager"] < args.tol and r["compiled_finite"]):
+                print(f"{name}: compiled fp8 differs from eager: {r['compiled_vs_eager']:.1e}")
+                failed = True
             total["bf16_ms"] += r["bf16_ms"]
             total["fp8_ms"] += r["fp8_ms"]
             print(f"{name:<6}{mode:<9}{r['bf16_ms']:>10.3f}{r['fp8_ms']:>10.3f}"

@@ -273,3 +273,30 @@ def test_fp8_resumes_from_a_bf16_checkpoint(toy_data, tmp_path):
     losses = [json.loads(line)["loss"] for line in lines]
     assert losses[:8] == full[:8]
     np.testing.assert_allclose(losses[8:], full[8:], rtol=0.05)
+
+
+def test_torchao_backend_matches_trireme():
+    """model.fp8_backend = "torchao": the same layers swapped, the same parameters kept, and the
+    same recipe, so the loss agrees with trireme's own fp8 linears (both emulated here)."""
+    pytest.importorskip("torchao.float8")
+    from trireme.ops.fp8 import to_fp8_training
+
+    ours, theirs = GPT(tiny_model_config()), GPT(tiny_model_config())
+    params = list(theirs.parameters())
+    swapped = to_fp8_training(theirs, "cpu", emulate=True, backend="torchao")
+    assert swapped == to_fp8_training(ours, "cpu", emulate=True)
+    assert all(a is b for a, b in zip(theirs.parameters(), params, strict=True))
+    assert "Float8Linear" in type(theirs.layers["0"].mlp.fc1).__name__
+    ids = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(0))
+    loss, loss_ref = ours(ids[:, :-1], ids[:, 1:]), theirs(ids[:, :-1], ids[:, 1:])
+    assert abs(loss.item() - loss_ref.item()) < 1e-3 * loss_ref.item()
+
+
+def test_torchao_backend_missing_is_a_clear_error(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # import fails as if not installed
+    from trireme.ops.fp8 import to_fp8_training
+
+    with pytest.raises(ConfigError, match="needs the torchao package"):
+        to_fp8_training(GPT(tiny_model_config()), "cpu", emulate=True, backend="torchao")

@@ -82,6 +82,12 @@ class ModelConfig:
         False, "fp8 only: run the fp8 matmuls as the fp32 reference emulation (quantize, "
         "dequantize, plain matmul) on any device; slow, for tests and CPU runs."
     )
+    fp8_backend: Literal["trireme", "torchao"] = doc(
+        "trireme", "fp8 only: whose fp8 linear layers. trireme: trireme.ops.fp8 "
+        "(torch._scaled_mm); torchao: torchao.float8.convert_to_float8_training (needs torchao "
+        "installed). Both: "
+        "e4m3 forward, e5m2 gradients, per-tensor current scaling."
+    )
     attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math", "reference"] = doc(
         "auto", "Attention kernel. auto: cuDNN on Hopper, then flash, efficient, math; "
         "reference: plain PyTorch softmax(QK^T)V."

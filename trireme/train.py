@@ -28,7 +28,7 @@ from trireme.errors import ConfigError, DataError
 from trireme.metrics import flops_per_token, memory_gib, peak_flops
 from trireme.models.gpt import GPT
 from trireme.models.init import init_parameters
-from trireme.ops.fp8 import check_fp8_device, convert_to_float8
+from trireme.ops.fp8 import to_fp8_training
 from trireme.optim.distributed import DistributedOptimizer
 from trireme.optim.optimizer import (
     MixedPrecisionOptimizer,
@@ -302,8 +302,7 @@ def build_model(
     model = model.to_empty(device=device).to(DTYPES[cfg.model.precision])
     init_parameters(model, cfg.train.seed)
     if cfg.model.precision == "fp8":  # swap the blocks' linears (same parameters, same names)
-        check_fp8_device(device, cfg.model.fp8_emulate)
-        convert_to_float8(model, cfg.model.fp8_emulate)
+        to_fp8_training(model, device, cfg.model.fp8_emulate, cfg.model.fp8_backend)
     return model
 
 

@@ -177,6 +177,48 @@ def check_fp8_device(device: torch.device | str, emulate: bool) -> None:
         )
 
 
+def to_fp8_training(model: nn.Module, device: torch.device | str, emulate: bool = False,
+                    backend: str = "trireme") -> list[str]:
+    """What `model.precision = "fp8"` does to a built model: check the device, then swap the
+    transformer blocks' linears (FP8_LINEARS) for fp8 ones from `backend` ("trireme": this
+    file; "torchao": torchao.float8, tensorwise current scaling). Returns the names swapped."""
+    check_fp8_device(device, emulate)
+    if backend == "torchao":
+        return convert_with_torchao(model, emulate)
+    return convert_to_float8(model, emulate)
+
+
+def _fp8_candidate(name: str, module: nn.Module, targets: tuple[str, ...]) -> bool:
+    """`name` ends with one of `targets` (whole name parts) and is not converted yet."""
+    matches = any(f".{name}".endswith(f".{t}") for t in targets)
+    return matches and not isinstance(module, Float8Linear)
+
+
+def convert_with_torchao(model: nn.Module, emulate: bool = False,
+                         targets: tuple[str, ...] = FP8_LINEARS) -> list[str]:
+    """convert_to_float8_training from torchao (an optional dependency) on the same layers as
+    convert_to_float8: its defaults are the same recipe (e4m3 forward, e5m2 gradients, one
+    current scale per tensor). Parameter names stay as they are."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise ConfigError("model.fp8_backend = 'torchao' needs the torchao package (pip install "
+                          "torchao); or use model.fp8_backend = 'trireme'") from e
+    swapped = []
+
+    def wanted(module: nn.Module, name: str) -> bool:
+        if not _fp8_candidate(name, module, targets) or type(module) is not nn.Linear:
+            return False
+        if module.in_features % ALIGN or module.out_features % ALIGN:
+            return False
+        swapped.append(name)
+        return True
+
+    convert_to_float8_training(model, module_filter_fn=wanted,
+                               config=Float8LinearConfig(emulate=emulate))
+    return swapped
+
+
 def convert_to_float8(model: nn.Module, emulate: bool = False,
                       targets: tuple[str, ...] = FP8_LINEARS) -> list[str]:
     """Swap the linears whose names end with one of `targets` for Float8Linear, in place.
@@ -186,8 +228,7 @@ def convert_to_float8(model: nn.Module, emulate: bool = False,
     """
     swapped = []
     for name, module in list(model.named_modules()):
-        matches = any(f".{name}".endswith(f".{t}") for t in targets)  # whole name parts only
-        if not matches or isinstance(module, Float8Linear):
+        if not _fp8_candidate(name, module, targets):
             continue
         if type(module) is not nn.Linear:
             raise ConfigError(
