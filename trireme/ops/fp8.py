@@ -4,7 +4,7 @@ A linear layer y = x W^T (+ b) computed from fp8 copies of x and W:
 
     s_t   = fp8_max / amax(|t|)                     per tensor, fp32, on the device
     q(t)  = fp8(clamp(t * s_t, -fp8_max, fp8_max))   e4m3 for x and W (forward)
-    y     = (q(x) q(W)^T) / (s_x s_W)                torch._scaled_mm, fp32 accumulate, bf16 out
+    y     = (q(x) q(W)^T) / (s_x s_W)                torch._scaled_mm, bf16 out
 
 and in backward, with the incoming gradient g = dL/dy quantized to e5m2:
 
@@ -12,9 +12,11 @@ and in backward, with the incoming gradient g = dL/dy quantized to e5m2:
     dW = (q5(g)^T q(x)) / (s_g s_x)                  [N, M] @ [M, K]
 
 Why e5m2 for g: gradients span a wider range than activations and weights, and with one scale
-per tensor only the largest value is pinned to fp8_max; e5m2 keeps values down to 2^-16 of its max
-(e4m3 only to 2^-9 of 448), at the cost of one mantissa bit. That is the usual "hybrid" recipe.
+per tensor only the largest value is pinned to fp8_max; e5m2 spans about 2^32 from its largest to
+its smallest (subnormal) value, e4m3 about 2^18, at the cost of one mantissa bit. That is the usual
+"hybrid" recipe (Transformer Engine's and torchao's default).
 
+The forward matmul uses Hopper's fast accumulation; the two gradient matmuls accumulate in fp32.
 The saved q(x) and q(W) are reused in backward (quantization is elementwise, so the transpose of
 q(t) is q of the transpose); only their memory layout is changed where `_scaled_mm` needs it: its
 first operand row-major, its second column-major, every dimension a multiple of 16.
