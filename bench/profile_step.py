@@ -7,11 +7,12 @@
 Builds the trainer as bench/train_throughput.py does (random token batches made on the device up
 front, no data files), runs `--warmup` untimed steps (compiling happens there), then `--steps` steps
 timed with CUDA events and no profiler, then `--steps` steps under torch.profiler recording the GPU
-activity only (so profiling adds as little host work as possible). From the kernel records (device
+activity and the CPU ops (`--gpu-only`: the GPU activity alone). From the kernel records (device
 time; memcpy and memset included) it reports per step:
 
 - the step time (unprofiled, and with the profiler on), GPU busy time (the union of all kernel
-  intervals, so overlapping streams count once) and idle time (the rest: gaps where the GPU waits);
+  intervals, so overlapping streams count once) and idle time (the rest: gaps where the GPU waits;
+  given against the profiled and the unprofiled step time, as the profiler slows the host a little);
 - the time and share of each category (bench/kernel_categories.py: attention, matmul, norm,
   cross-entropy/softmax, elementwise, fused (compiled), embedding, optimizer, communication,
   memcpy/memset, other); shares are of the summed kernel time;
@@ -19,7 +20,7 @@ time; memcpy and memset included) it reports per step:
 
 On the CPU (a smoke test) there are no kernels: the same report is made from the aten ops' self
 CPU time instead. JSON goes to bench/results/profile-<preset>[-tag].json; `--trace PATH` also
-writes a Chrome trace (with the CPU ops too) for chrome://tracing or Perfetto.
+writes a Chrome trace for chrome://tracing or Perfetto (tens of MB for llama3-1b).
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tag", default=None,
                    help="appended to the JSON name (default: 'compile' with --compile)")
     p.add_argument("--trace", default=None, metavar="PATH", help="also write a Chrome trace")
+    p.add_argument("--gpu-only", action="store_true",
+                   help="record only GPU activity (less host overhead; some torch versions then "
+                   "miss kernels, so the default records the CPU ops too)")
     p.add_argument("--out", default=None,
                    help="JSON path (default bench/results/profile-<preset>[-tag].json); a copy "
                    "goes to $OUT when that variable is set")
@@ -160,7 +164,8 @@ def format_report(s: dict, top: int) -> str:
     lines = [
         f"step time {s['step_s']:.4f} s (no profiler), {s['profiled_step_s']:.4f} s profiled; "
         f"{s['source']} busy {s['busy_s']:.4f} s ({100 * s['busy_fraction']:.1f}%), "
-        f"idle {s['idle_s']:.4f} s; {s['kernels_per_step']:,.0f} records per step",
+        f"idle {s['idle_s']:.4f} s ({s['idle_unprofiled_s']:.4f} s against the unprofiled step); "
+        f"{s['kernels_per_step']:,.0f} records per step",
         "",
         f"{'category':<24}{'s / step':>10}{'share':>8}",
         "-" * 42,
@@ -202,9 +207,10 @@ def profile(args: argparse.Namespace) -> tuple[dict, object]:
     from torch.profiler import profile as torch_profile
 
     cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
-    if cuda and args.trace:
-        activities.append(ProfilerActivity.CPU)  # the trace is more useful with the host side
+    activities = [ProfilerActivity.CPU]
+    if cuda:
+        activities = [ProfilerActivity.CUDA] if args.gpu_only else [*activities,
+                                                                     ProfilerActivity.CUDA]
     tt.sync(device)
     with torch_profile(activities=activities) as prof:
         t0 = time.perf_counter()
@@ -213,11 +219,15 @@ def profile(args: argparse.Namespace) -> tuple[dict, object]:
         tt.sync(device)
         wall = time.perf_counter() - t0
     records = device_records(prof) if cuda else cpu_records(prof)
+    if not records:
+        raise RuntimeError("the profiler recorded no kernels" + (
+            "; try without --gpu-only" if args.gpu_only else ""))
     summary = summarize_kernels(records, args.steps, wall, args.top)
     values = [float(v) for v in torch.stack([v.float() for v in losses]).cpu()]
     summary.update({
         "source": "GPU" if cuda else "CPU ops",
         "step_s": sum(timed["step_times"]) / args.steps,
+        "idle_unprofiled_s": max(sum(timed["step_times"]) / args.steps - summary["busy_s"], 0.0),
         "step_times_s": timed["step_times"],
         "tokens_per_s": cfg.train.global_batch_size * cfg.model.seq_length * args.steps
         / sum(timed["step_times"]),

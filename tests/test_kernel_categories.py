@@ -80,3 +80,21 @@ def test_categorize(name, category):
 
 def test_categories_are_the_listed_ones():
     assert {categorize(n) for n in NAMES} == set(CATEGORIES)
+
+
+def test_summarize_kernels_busy_idle_and_shares():
+    import profile_step
+
+    assert profile_step.busy_time([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
+    # 2 steps in 0.1 s; a GEMM overlaps an NCCL kernel (other stream) for 10 us
+    records = [("sm90_xmma_gemm_bf16", 0.0, 30.0), ("ncclDevKernel_AllReduce", 20.0, 20.0),
+               ("sm90_xmma_gemm_bf16", 100.0, 30.0), ("triton_poi_fused_mul_0", 200.0, 20.0)]
+    s = profile_step.summarize_kernels(records, steps=2, wall_s=1e-4, top=2)
+    assert s["kernel_time_s"] == pytest.approx(50e-6)  # 100 us over 2 steps
+    assert s["busy_s"] == pytest.approx(45e-6)  # the overlap counts once
+    assert s["idle_s"] == pytest.approx(5e-6) and s["profiled_step_s"] == pytest.approx(50e-6)
+    cats = s["categories"]
+    assert list(cats) == ["matmul", "communication", "elementwise"]
+    assert cats["matmul"]["share"] == pytest.approx(0.6)
+    assert [k["category"] for k in s["top_kernels"]] == ["matmul", "communication"]
+    assert s["top_kernels"][0]["count"] == 1.0 and s["top_kernels"][0]["share"] == 0.6
