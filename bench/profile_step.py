@@ -129,13 +129,19 @@ def summarize_kernels(records: list[tuple[str, float, float]], steps: int, wall_
 
 
 def device_records(prof) -> list[tuple[str, float, float]]:
-    """(name, start us, duration us) of every GPU kernel, memcpy and memset."""
+    """(name, start us, duration us) of every GPU kernel, memcpy and memset. Ranges annotated on
+    the GPU timeline (record_function regions such as torch.compile's) are not kernels: skipped."""
     from torch.autograd import DeviceType
 
     out = []
     for e in prof.events():
-        if e.device_type == DeviceType.CUDA:
-            out.append((e.name, e.time_range.start, e.time_range.end - e.time_range.start))
+        if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
+            continue
+        if "annotation" in str(getattr(e, "activity_type", "") or "").lower():
+            continue
+        if e.name.startswith(("ProfilerStep", "## ")):  # annotations, should the flags miss
+            continue
+        out.append((e.name, e.time_range.start, e.time_range.end - e.time_range.start))
     return out
 
 

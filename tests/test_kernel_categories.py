@@ -98,3 +98,25 @@ def test_summarize_kernels_busy_idle_and_shares():
     assert cats["matmul"]["share"] == pytest.approx(0.6)
     assert [k["category"] for k in s["top_kernels"]] == ["matmul", "communication"]
     assert s["top_kernels"][0]["count"] == 1.0 and s["top_kernels"][0]["share"] == 0.6
+
+
+def test_device_records_skip_gpu_annotations():
+    from types import SimpleNamespace
+
+    import profile_step
+    from torch.autograd import DeviceType
+
+    def event(name, device, start, end, annotation=False, activity=None):
+        return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation,
+                               activity_type=activity,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    prof = SimpleNamespace(events=lambda: [
+        event("aten::mm", DeviceType.CPU, 0, 5),
+        event("nvjet_tst_128x256", DeviceType.CUDA, 1, 4),
+        event("## Call CompiledFxGraph fabc ##", DeviceType.CUDA, 0, 50, annotation=True),
+        event("fwd", DeviceType.CUDA, 0, 50, activity="gpu_user_annotation"),
+        event("Memset (Device)", DeviceType.CUDA, 6, 7),
+    ])
+    assert profile_step.device_records(prof) == [("nvjet_tst_128x256", 1, 3),
+                                                 ("Memset (Device)", 6, 1)]
