@@ -78,8 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "after another: none (plain optimizer), ddp (buckets + all-reduce), distopt "
                    "(distributed optimizer: reduce-scatter + all-gather); e.g. none,ddp,distopt")
     p.add_argument("--out", default=None,
-                   help="JSON path (default bench/results/train_throughput-<preset>.json); "
-                   "a copy goes to $OUT when that variable is set")
+                   help="JSON path (default bench/results/train_throughput-<preset>.json, "
+                   "...-<preset>-dp-paths.json with --dp-path); a copy goes to $OUT when that "
+                   "variable is set")
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be at least 1 and --warmup at least 0")
@@ -532,7 +533,9 @@ def main(argv: list[str] | None = None) -> int:
         },
         "results": results,
     }
-    default_out = REPO / "bench" / "results" / f"train_throughput-{Path(args.preset).stem}.json"
+    suffix = "" if args.dp_paths == ["none"] else "-dp-paths"  # keep the plain run's file
+    default_out = (REPO / "bench" / "results"
+                   / f"train_throughput-{Path(args.preset).stem}{suffix}.json")
     out = Path(args.out or default_out)
     write_json(out, data)
     print(f"wrote {out}")
