@@ -3,6 +3,7 @@
     python bench/train_throughput.py --preset llama3-1b --compare hf
     python bench/train_throughput.py --preset gpt2-124m --compare hf --compile-hf
     python bench/train_throughput.py --preset tiny --device cpu --steps 2 --warmup 1 --compare hf
+    python bench/train_throughput.py --preset llama3-1b --dp-path none,ddp,distopt
 
 Each system trains on the same random token batches (a fixed seed, made on the device once, outside
 the timed region): `--warmup` untimed steps, then `--steps` timed optimizer steps, each of
@@ -12,6 +13,12 @@ global_batch / micro_batch micro batches. Reported: tokens/s, TFLOP/s per GPU by
 measured in the same process after trireme, once trireme's model and optimizer are freed:
 LlamaForCausalLM (or GPT2LMHeadModel for learned-position presets) with SDPA attention, fp32
 parameters under bf16 autocast, fused AdamW. A table is printed and a JSON file written.
+
+`--dp-path none,ddp,distopt` measures trireme once per data-parallel path at DP = 1: `none` is the
+plain single-process optimizer; `ddp` and `distopt` force the DP > 1 construction (gradient
+buckets, the overlapped bucket reducer, and for `distopt` the distributed optimizer) over a process
+group of one rank, so its all-reduces (or reduce-scatters and all-gathers) really run. One more
+table shows each path's tokens/s against `none`.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import gc
 import json
 import math
@@ -66,12 +74,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="peak for MFU in TFLOP/s (default: trireme.metrics.peak_flops)")
     p.add_argument("--seed", type=int, default=1234, help="seed of the random token batches")
     p.add_argument("--skip-trireme", action="store_true", help="measure only the baseline")
+    p.add_argument("--dp-path", default="none", metavar="PATHS",
+                   help="comma list of data-parallel paths to measure trireme with at DP = 1, one "
+                   "after another: none (plain optimizer), ddp (buckets + all-reduce), distopt "
+                   "(distributed optimizer: reduce-scatter + all-gather); e.g. none,ddp,distopt")
     p.add_argument("--out", default=None,
-                   help="JSON path (default bench/results/train_throughput-<preset>.json); "
-                   "a copy goes to $OUT when that variable is set")
+                   help="JSON path (default bench/results/train_throughput-<preset>.json, "
+                   "...-<preset>-dp-paths.json with --dp-path); a copy goes to $OUT when that "
+                   "variable is set")
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be at least 1 and --warmup at least 0")
+    args.dp_paths = [v.strip() for v in args.dp_path.split(",") if v.strip()]
+    bad = [v for v in args.dp_paths if v not in DP_PATHS] or (not args.dp_paths and ["(empty)"])
+    if bad or len(set(args.dp_paths)) != len(args.dp_paths):
+        p.error(f"--dp-path takes distinct values among {', '.join(DP_PATHS)}; "
+                f"got {args.dp_path!r}")
     return args
 
 
@@ -189,12 +207,10 @@ def summarize(name: str, run: dict, cfg: Config, flops_tok: float, peak: float,
 
 
 def measure_trireme(cfg: Config, args: argparse.Namespace, device: torch.device,
-                    flops_tok: float, peak: float) -> dict:
-    from trireme.train import build_trainer
-
+                    flops_tok: float, peak: float, dp_path: str = "none") -> dict:
     reset_memory(device)
     t0 = time.perf_counter()
-    trainer = build_trainer(cfg, with_data=False)
+    cfg, trainer = build_dp_path_trainer(cfg, dp_path, device)
     sync(device)
     build_s = time.perf_counter() - t0
     params = sum(p.numel() for p in trainer.model.parameters())
@@ -205,10 +221,109 @@ def measure_trireme(cfg: Config, args: argparse.Namespace, device: torch.device,
         return trainer.train_step(batches[i], lr)["loss"]
 
     run = time_steps(step, trainer.device, args.warmup, args.steps)
-    name = "trireme" + (" (compile)" if cfg.model.compile else "")
+    name = "trireme" + (f" {dp_path} path" if dp_path != "none" else "")
+    name += " (compile)" if cfg.model.compile else ""
     return summarize(name, run, cfg, flops_tok, peak, device,
                      {"parameters": params, "build_s": build_s,
-                      "precision": cfg.model.precision, "compile": cfg.model.compile})
+                      "precision": cfg.model.precision, "compile": cfg.model.compile,
+                      **dp_path_info(trainer, dp_path)})
+
+
+# --------------------------------------------------------------------------------------------
+# trireme's data-parallel paths at DP = 1 (--dp-path)
+
+DP_PATHS = ("none", "ddp", "distopt")
+
+
+def trireme_systems(args: argparse.Namespace, flops_tok: float) -> list[tuple]:
+    """(name, measure function, FLOPs per token) of each trireme run: one per --dp-path."""
+    if args.dp_paths == ["none"]:
+        return [("trireme", measure_trireme, flops_tok)]
+    return [(f"trireme {path}", functools.partial(measure_trireme, dp_path=path), flops_tok)
+            for path in args.dp_paths]
+
+
+def init_single_process_group(device: torch.device) -> None:
+    """A default process group of one rank (nccl on CUDA, gloo on the CPU) on a free local port,
+    unless one exists."""
+    import socket
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1, device_id=torch.device("cuda", index))
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1)
+
+
+def close_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def build_dp_path_trainer(cfg: Config, dp_path: str, device: torch.device):
+    """(config, trainer) for one --dp-path. `none` is plain build_trainer. `ddp` / `distopt` build
+    the same trainer with trireme.train.build_data_parallel_optimizer(force=True): the DP > 1 code
+    (bucket layout by parallel.bucket_size, BucketReducer, DistributedOptimizer for distopt) over
+    a one-rank process group."""
+    import trireme.train as train
+
+    if dp_path == "none":
+        return cfg, train.build_trainer(cfg, with_data=False)
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(
+        cfg.parallel, data_parallel_mode="ddp", distributed_optimizer=dp_path == "distopt"))
+    init_single_process_group(device)
+    plain = train.build_data_parallel_optimizer
+    train.build_data_parallel_optimizer = functools.partial(plain, force=True)
+    try:
+        trainer = train.build_trainer(cfg, with_data=False)
+    finally:
+        train.build_data_parallel_optimizer = plain
+    if trainer.grad_reducer is None:
+        raise RuntimeError(f"--dp-path {dp_path}: the trainer was built without a reducer")
+    return cfg, trainer
+
+
+def dp_path_info(trainer, dp_path: str) -> dict:
+    reducer = trainer.grad_reducer
+    if dp_path == "none" or reducer is None:
+        return {"dp_path": dp_path}
+    return {"dp_path": dp_path, "buckets": len(reducer.layout.buckets),
+            "optimizer": type(trainer.optimizer).__name__,
+            "bucket_size": trainer.cfg.parallel.bucket_size}
+
+
+def format_dp_table(results: list[dict]) -> str | None:
+    """tokens/s, MFU and peak memory of each --dp-path run against `none` (adds ratio_vs_none)."""
+    runs = [r for r in results if "dp_path" in r and "error" not in r]
+    if len(runs) < 2 and not any(r["dp_path"] != "none" for r in runs):
+        return None
+    base = next((r for r in runs if r["dp_path"] == "none"), None)
+    header = (f"{'DP = 1 path':<30}{'buckets':>8}{'tokens/s':>12}{'MFU':>8}{'peak GiB':>10}"
+              f"{'step s':>9}{'vs none':>9}{'loss diff':>11}")
+    lines = [header, "-" * len(header)]
+    for r in runs:
+        if base:  # the same batches from the same init: the losses should agree closely
+            r["ratio_vs_none"] = r["tokens_per_s"] / base["tokens_per_s"]
+            r["max_loss_diff_vs_none"] = max(abs(a - b) for a, b in zip(r["losses"],
+                                                                       base["losses"]))
+        mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
+        ratio = f"{r['ratio_vs_none']:.3f}x" if base else "-"
+        lines.append(f"{r['system']:<30}{r.get('buckets', '-'):>8}{r['tokens_per_s']:>12,.0f}"
+                     f"{100 * r['mfu']:>7.1f}%{mem:>10}{r['step_time_s_median']:>9.3f}"
+                     f"{ratio:>9}{r.get('max_loss_diff_vs_none', float('nan')):>11.2e}")
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------
@@ -368,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{gbs // mbs} = {gbs} sequences of {seq} tokens, {args.warmup} warmup + {args.steps} "
           f"timed steps, {trireme_flops / 1e9:.2f} GFLOP/token", flush=True)
 
-    systems = [] if args.skip_trireme else [("trireme", measure_trireme, trireme_flops)]
+    systems = [] if args.skip_trireme else trireme_systems(args, trireme_flops)
     if args.compare == "hf":
         systems.append(("hf", measure_hf, hf_flops))
     results, failed = [], False
@@ -386,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
             failed |= not r["losses_finite"]
         results.append(r)
         gc.collect()
-        if name == "trireme" and cfg.model.compile:
+        if name.startswith("trireme") and cfg.model.compile:
             torch._dynamo.reset()
         reset_memory(device)
     hf = next((r for r in results if r["system"].startswith("hf") and "error" not in r), None)
@@ -395,6 +510,10 @@ def main(argv: list[str] | None = None) -> int:
             r["ratio_vs_hf"] = r["tokens_per_s"] / hf["tokens_per_s"]
 
     print(format_table(results))
+    close_process_group()  # started by --dp-path ddp / distopt
+    dp_table = format_dp_table(results)
+    if dp_table:
+        print(dp_table)
     data = {
         "benchmark": "train_throughput",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -410,11 +529,14 @@ def main(argv: list[str] | None = None) -> int:
             "tokens_per_step": gbs * seq, "warmup_steps": args.warmup, "timed_steps": args.steps,
             "compile": cfg.model.compile, "compile_hf": args.compile_hf,
             "compare": args.compare, "seed": args.seed, "overrides": overrides,
+            "dp_paths": args.dp_paths,
             "peak_flops": peak, "model": dataclasses.asdict(cfg.model),
         },
         "results": results,
     }
-    default_out = REPO / "bench" / "results" / f"train_throughput-{Path(args.preset).stem}.json"
+    suffix = "" if args.dp_paths == ["none"] else "-dp-paths"  # keep the plain run's file
+    default_out = (REPO / "bench" / "results"
+                   / f"train_throughput-{Path(args.preset).stem}{suffix}.json")
     out = Path(args.out or default_out)
     write_json(out, data)
     print(f"wrote {out}")

@@ -43,3 +43,61 @@ def test_train_throughput_cpu_smoke(tmp_path):
             assert key in r, (r["system"], key)
         assert r["tokens_per_s"] > 0 and r["tflops_per_gpu"] > 0 and r["losses_finite"]
     assert data["results"][1]["ratio_vs_hf"] == pytest.approx(1.0)
+
+
+def test_train_throughput_dp_paths_cpu(tmp_path):
+    """--dp-path builds the DP > 1 construction at DP = 1 (several buckets, the distributed
+    optimizer) over a one-rank gloo group; it trains the same losses as the plain optimizer."""
+    out = tmp_path / "bench.json"
+    cmd = [
+        sys.executable, str(REPO / "bench" / "train_throughput.py"),
+        "--preset", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1",
+        "--dp-path", "none,ddp,distopt", "--seq-length", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--out", str(out),
+        "--override", "model.vocab_size=256", "model.num_layers=2", "model.hidden_size=64",
+        "model.num_attention_heads=4", "model.num_query_groups=2", "model.ffn_hidden_size=128",
+        "parallel.bucket_size=20000",
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "WORLD_SIZE", "RANK")}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "vs none" in proc.stdout
+
+    data = json.loads(out.read_text())
+    assert data["settings"]["dp_paths"] == ["none", "ddp", "distopt"]
+    none, ddp, distopt = data["results"]
+    assert [r["dp_path"] for r in (none, ddp, distopt)] == ["none", "ddp", "distopt"]
+    assert ddp["optimizer"] != "DistributedOptimizer" and distopt["optimizer"] == (
+        "DistributedOptimizer")
+    for r in (ddp, distopt):
+        assert r["buckets"] > 1, r  # the DP > 1 bucket layout, not the one-bucket DP = 1 one
+        assert r["ratio_vs_none"] > 0
+        assert len(r["losses"]) == len(none["losses"]) == 3
+        assert r["losses"] == pytest.approx(none["losses"], rel=1e-5)
+    assert none["ratio_vs_none"] == pytest.approx(1.0)
+
+
+def test_profile_step_cpu_smoke(tmp_path):
+    """bench/profile_step.py on the CPU: the report is made of the aten ops' self times."""
+    out = tmp_path / "profile.json"
+    cmd = [
+        sys.executable, str(REPO / "bench" / "profile_step.py"),
+        "--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "1",
+        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--out", str(out), "--trace", str(tmp_path / "trace.json"),
+        "--override", "model.vocab_size=256", "model.num_layers=2", "model.hidden_size=64",
+        "model.num_attention_heads=4", "model.num_query_groups=2", "model.ffn_hidden_size=128",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "top 15" in proc.stdout
+
+    data = json.loads(out.read_text())
+    assert data["settings"]["profiled_steps"] == 1 and data["source"] == "CPU ops"
+    cats = data["categories"]
+    assert sum(v["share"] for v in cats.values()) == pytest.approx(1.0)
+    assert cats["matmul"]["time_s"] > 0 and cats["attention"]["time_s"] > 0
+    assert 0 < data["busy_s"] <= data["profiled_step_s"] * 1.001
+    assert 0 < len(data["top_kernels"]) <= 15
+    assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]

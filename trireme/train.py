@@ -385,12 +385,17 @@ def run_all(calls: list[Callable[[], None]]) -> Callable[[], None] | None:
 
 
 def build_data_parallel_optimizer(
-    cfg: Config, model: GPT, mesh: ParallelMesh, device: torch.device, grad_norm
+    cfg: Config, model: GPT, mesh: ParallelMesh, device: torch.device, grad_norm,
+    force: bool = False,
 ) -> tuple[MixedPrecisionOptimizer, BucketReducer | GradientSyncSwitch | None]:
     """The optimizer and, under data parallelism, the bucketed gradient reduction over its flat
-    gradient buffer. At DP = 1 this is the plain optimizer and no reducer (no cost at all)."""
+    gradient buffer. At DP = 1 this is the plain optimizer and no reducer (no cost at all).
+
+    `force` builds the DP > 1 path (buckets, reducer, distributed optimizer) even at DP = 1, over
+    the default process group of one rank (which must exist): benchmarks use it to measure what
+    that path costs (bench/train_throughput.py --dp-path)."""
     precision = cfg.model.precision
-    if mesh.size("data") == 1:
+    if mesh.size("data") == 1 and not force:
         return build_optimizer(model, cfg.optimizer, precision, device, grad_norm), None
     if cfg.parallel.data_parallel_mode == "fsdp":
         shard_model(model, mesh)

@@ -77,14 +77,15 @@ class GradLayout:
 def grad_layout(numels: Sequence[int], bucket_size: int = 0, data_parallel: int = 1) -> GradLayout:
     """The flat-buffer layout of parameters with `numels` elements (in model order).
 
-    `bucket_size` <= 0 (or DP = 1) gives one bucket in model order: the single-process layout.
-    Otherwise parameters are taken from the last to the first (the order backward finishes them)
-    into buckets of at least `bucket_size` elements; each bucket is padded to a multiple of
-    ALIGN * DP so every DP chunk is aligned and equal.
+    `bucket_size` <= 0 gives one bucket in model order: the single-process layout. Otherwise
+    (at DP = 1 too, which only benchmarks of the DP path ask for) parameters are taken from the
+    last to the first (the order backward finishes them) into buckets of at least `bucket_size`
+    elements; each bucket is padded to a multiple of ALIGN * DP so every DP chunk is aligned and
+    equal.
     """
     order = list(range(len(numels)))
     groups: list[list[int]] = []
-    if bucket_size <= 0 or data_parallel == 1:
+    if bucket_size <= 0:
         groups = [order]
     else:
         current: list[int] = []
