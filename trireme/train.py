@@ -298,6 +298,7 @@ def build_model(
         model = GPT(cfg.model, seed=None, tp=tp, stage=stage)
     model = model.to_empty(device=device).to(DTYPES[cfg.model.precision])
     init_parameters(model, cfg.train.seed)
+    model.set_recompute(cfg.train.recompute, cfg.train.recompute_layers)
     return model
 
 

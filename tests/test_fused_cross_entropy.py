@@ -1,0 +1,110 @@
+"""Chunked output layer + cross-entropy (trireme.ops.fused_cross_entropy) against the plain path:
+the loss and the gradients of x and the output weight, alone and through the whole GPT."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trireme.config import ModelConfig
+from trireme.errors import TriremeError
+from trireme.models.gpt import GPT
+from trireme.ops.cross_entropy import cross_entropy
+from trireme.ops.fused_cross_entropy import fused_linear_cross_entropy
+
+VOCAB, PADDED, H = 100, 128, 32
+
+
+def inputs(dtype, n=37, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, H, generator=gen).to(dtype).requires_grad_()
+    weight = (torch.randn(PADDED, H, generator=gen) * 0.5).to(dtype).requires_grad_()
+    labels = torch.randint(0, VOCAB, (n,), generator=gen)
+    labels[::5] = -100
+    loss_mask = torch.rand(n, generator=gen).round()
+    loss_mask[1] = 0.5  # weights, not only 0/1
+    return x, weight, labels, loss_mask
+
+
+def plain(x, weight, labels, loss_mask):
+    return cross_entropy(F.linear(x, weight)[..., :VOCAB], labels, loss_mask)
+
+
+def grads(loss_fn, x, weight, scale=1.0):
+    x, weight = x.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    loss = loss_fn(x, weight)
+    (loss * scale).backward()
+    return loss.detach(), x.grad, weight.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_size", [1, 8, 1000])
+def test_matches_plain_path(dtype, chunk_size):
+    x, weight, labels, loss_mask = inputs(dtype)
+    ref = grads(lambda a, w: plain(a, w, labels, loss_mask), x, weight, scale=0.25)
+    got = grads(lambda a, w: fused_linear_cross_entropy(
+        a, w, labels, loss_mask, vocab_size=VOCAB, chunk_size=chunk_size), x, weight, scale=0.25)
+    tol = {} if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(got[0], ref[0], **({} if dtype == torch.float32 else
+                                                   dict(rtol=1e-3, atol=1e-3)))
+    assert got[1].dtype == dtype and got[2].dtype == dtype
+    torch.testing.assert_close(got[1], ref[1], **tol)  # d loss / d x
+    torch.testing.assert_close(got[2], ref[2], **tol)  # d loss / d weight
+    assert got[2][VOCAB:].abs().sum() == 0  # padded rows: no gradient
+    if dtype == torch.float32:  # not vacuous: a real gradient reached every real row used
+        assert got[2][:VOCAB].abs().sum() > 0
+
+
+def test_no_token_counts_gives_zero_not_nan():
+    x, weight, labels, _ = inputs(torch.float32)
+    loss, gx, gw = grads(lambda a, w: fused_linear_cross_entropy(
+        a, w, labels, torch.zeros(labels.shape), vocab_size=VOCAB, chunk_size=4), x, weight)
+    assert loss.item() == 0.0 and gx.abs().sum() == 0 and gw.abs().sum() == 0
+
+
+def test_no_grad_gives_the_same_loss():
+    x, weight, labels, loss_mask = inputs(torch.float32)
+    with torch.no_grad():
+        loss = fused_linear_cross_entropy(x, weight, labels, loss_mask, vocab_size=VOCAB,
+                                          chunk_size=5)
+    torch.testing.assert_close(loss, plain(x, weight, labels, loss_mask))
+
+
+def test_bad_chunk_size():
+    x, weight, labels, _ = inputs(torch.float32)
+    with pytest.raises(TriremeError, match="chunk_size"):
+        fused_linear_cross_entropy(x, weight, labels, chunk_size=0)
+
+
+def model_config(**overrides) -> ModelConfig:
+    values = dict(
+        num_layers=2, hidden_size=H, num_attention_heads=4, num_query_groups=2,
+        ffn_hidden_size=48, vocab_size=VOCAB, seq_length=16, tie_embeddings=True,
+    )
+    return ModelConfig(**{**values, **overrides})
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_whole_model_grads_match(tied):
+    cfg = model_config(tie_embeddings=tied)  # vocab 100 padded to 128 rows
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (2, 17), generator=gen)
+    tokens, labels = ids[:, :-1], ids[:, 1:].clone()
+    labels[0, :4] = -100
+    loss_mask = torch.ones(2, 16)
+    loss_mask[1, 10:] = 0
+    results = []
+    for fused in (False, True):
+        model = GPT(dataclasses.replace(cfg, fused_cross_entropy=fused, loss_chunk_size=7),
+                    seed=5)
+        loss = model(tokens, labels, loss_mask=loss_mask)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (loss_plain, g_plain), (loss_fused, g_fused) = results
+    torch.testing.assert_close(loss_fused, loss_plain)
+    assert g_plain.keys() == g_fused.keys()
+    for name in g_plain:
+        torch.testing.assert_close(g_fused[name], g_plain[name], msg=name)
+    out = "embedding.weight" if tied else "output.weight"
+    assert g_fused[out][VOCAB:].abs().sum() == 0 and g_fused[out].abs().sum() > 0
