@@ -64,9 +64,24 @@ def _loss_and_grad(
     return loss, dlogits
 
 
+def _loss_and_grad_pointwise(
+    logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_loss_and_grad` written as reductions and pointwise ops only (the one-hot as a compare,
+    no scatter), so that torch.compile fuses it into a few kernels with no [c, vocab] fp32
+    tensor in memory."""
+    logits32 = logits.float()
+    lse = torch.logsumexp(logits32, dim=-1, keepdim=True)  # [c, 1]
+    onehot = torch.arange(logits.shape[1], device=logits.device) == labels.unsqueeze(1)
+    target_logit = torch.where(onehot, logits32, 0.0).sum(dim=1)  # [c]; 0 for label -100
+    loss = ((lse.squeeze(1) - target_logit) * weight).sum()
+    dlogits = (torch.exp(logits32 - lse) - onehot.float()) * weight.unsqueeze(1)
+    return loss, dlogits.to(logits.dtype)
+
+
 @functools.cache
 def _compiled_loss_and_grad() -> Callable:
-    return torch.compile(_loss_and_grad, dynamic=False)
+    return torch.compile(_loss_and_grad_pointwise, dynamic=False)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
