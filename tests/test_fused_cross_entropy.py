@@ -14,15 +14,17 @@ from trireme.ops.cross_entropy import cross_entropy
 from trireme.ops.fused_cross_entropy import fused_linear_cross_entropy
 
 VOCAB, PADDED, H = 100, 128, 32
+# on a GPU machine the same checks run on CUDA too (its bf16 matmuls and the fp32 accumulation)
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def inputs(dtype, n=37, seed=0):
+def inputs(dtype, n=37, seed=0, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, H, generator=gen).to(dtype).requires_grad_()
-    weight = (torch.randn(PADDED, H, generator=gen) * 0.5).to(dtype).requires_grad_()
-    labels = torch.randint(0, VOCAB, (n,), generator=gen)
+    x = torch.randn(n, H, generator=gen).to(device, dtype).requires_grad_()
+    weight = (torch.randn(PADDED, H, generator=gen) * 0.5).to(device, dtype).requires_grad_()
+    labels = torch.randint(0, VOCAB, (n,), generator=gen).to(device)
     labels[::5] = -100
-    loss_mask = torch.rand(n, generator=gen).round()
+    loss_mask = torch.rand(n, generator=gen).round().to(device)
     loss_mask[1] = 0.5  # weights, not only 0/1
     return x, weight, labels, loss_mask
 
@@ -38,10 +40,11 @@ def grads(loss_fn, x, weight, scale=1.0):
     return loss.detach(), x.grad, weight.grad
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk_size", [1, 8, 1000])
-def test_matches_plain_path(dtype, chunk_size):
-    x, weight, labels, loss_mask = inputs(dtype)
+def test_matches_plain_path(dtype, chunk_size, device):
+    x, weight, labels, loss_mask = inputs(dtype, device=device)
     ref = grads(lambda a, w: plain(a, w, labels, loss_mask), x, weight, scale=0.25)
     got = grads(lambda a, w: fused_linear_cross_entropy(
         a, w, labels, loss_mask, vocab_size=VOCAB, chunk_size=chunk_size), x, weight, scale=0.25)
@@ -122,3 +125,14 @@ def test_pointwise_chunk_step_matches():
     torch.testing.assert_close(loss_p, loss)
     assert grad_p.dtype == torch.bfloat16
     torch.testing.assert_close(grad_p, grad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled chunk step is for CUDA")
+def test_compiled_chunk_step_on_cuda():
+    x, weight, labels, loss_mask = inputs(torch.bfloat16, device="cuda")
+    ref = grads(lambda a, w: plain(a, w, labels, loss_mask), x, weight)
+    got = grads(lambda a, w: fused_linear_cross_entropy(
+        a, w, labels, loss_mask, vocab_size=VOCAB, chunk_size=16, compile=True), x, weight)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-3, atol=1e-3)
+    for g, r in zip(got[1:], ref[1:]):
+        torch.testing.assert_close(g, r, rtol=2e-2, atol=2e-3)

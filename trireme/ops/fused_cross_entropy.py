@@ -84,6 +84,29 @@ def _compiled_loss_and_grad() -> Callable:
     return torch.compile(_loss_and_grad_pointwise, dynamic=False)
 
 
+@functools.cache
+def _has_mixed_addmm(device: torch.device) -> bool:
+    """Whether torch.addmm(fp32, bf16, bf16, out_dtype=fp32, out=fp32) works in place here
+    (CUDA in recent torch): the product is then summed into fp32 without a bf16 temporary."""
+    try:
+        acc = torch.ones(2, 2, device=device)
+        a = torch.ones(2, 3, device=device, dtype=torch.bfloat16)
+        torch.addmm(acc, a, a.t(), out_dtype=torch.float32, out=acc)
+        return bool((acc == 4).all())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, with acc fp32 and a, b in the input dtype."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif _has_mixed_addmm(acc.device):
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:  # a [vocab, h] product in the input dtype, then added
+        acc.add_(a @ b)
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -108,7 +131,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             if need_x:
                 torch.matmul(dlogits, w, out=grad_x[start : start + chunk_size])
             if need_w:
-                grad_w[:vocab_size].add_(dlogits.t() @ x_c)  # [vocab, h], summed in fp32
+                _add_product(grad_w[:vocab_size], dlogits.t(), x_c)  # [vocab, h], in fp32
         if need_w:
             grad_w = grad_w.to(weight.dtype)
         ctx.save_for_backward(grad_x, grad_w)
