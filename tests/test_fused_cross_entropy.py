@@ -41,7 +41,7 @@ def grads(loss_fn, x, weight, scale=1.0):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("chunk_size", [1, 8, 1000])
 def test_matches_plain_path(dtype, chunk_size, device):
     x, weight, labels, loss_mask = inputs(dtype, device=device)

@@ -2,7 +2,8 @@
 
 The plain head computes logits = x @ W^T for every token ([b * s, vocab] in bf16), then the loss
 upcasts all of them to fp32: at a 128k vocabulary and 8k tokens per micro batch that is 2 GiB of
-bf16 logits, 4 GiB of fp32 logits kept for the backward and as much again for their gradient.
+bf16 logits, 4 GiB of fp32 log-probabilities kept for the backward and as much again for their
+gradient.
 
 Here the tokens go through in chunks of `chunk_size`. For each chunk, in the forward:
 
@@ -13,14 +14,18 @@ Here the tokens go through in chunks of `chunk_size`. For each chunk, in the for
     grad_x_c = dlogits @ W[:vocab]                [c, h]
     grad_W  += dlogits^T @ x_c                    [vocab, h]  (summed in fp32)
 
-with w the token weights: (label != -100) * loss_mask / their sum, so the loss is `token_mean`'s
-mean. The gradients are complete when the forward ends (the loss is linear in the weights w), so
-the backward only scales them by the incoming gradient; only one chunk's logits ever exist.
+with w the token weights (label != -100) * loss_mask; the loss is then divided by sum(w), which
+gives `token_mean`'s mean. The gradients are complete when the forward ends (the loss is linear in
+w), so the backward only multiplies them by grad_output / sum(w), in fp32, and rounds them to the
+input dtype; only one chunk's logits ever exist.
 
 Numerics against the plain path: the same bf16 logits and the same fp32 softmax; the gradient of
 the logits is rounded to the input dtype before its matmuls, as in the plain path (where autograd
-casts it back to the logits' dtype). grad_W sums the chunks' products in fp32 and is rounded to the
-weight's dtype once at the end.
+casts it back to the logits' dtype). It is rounded before the division by sum(w) and the scale
+from the backward (1 / micro batches, an fp16 loss scale) rather than after: the same relative
+rounding, and no underflow of tiny gradients in fp16. grad_W sums the chunks' products in fp32
+and is rounded to the weight's dtype once, in the backward (so it is held in fp32, 4 bytes per
+weight, between the loss's forward and backward).
 
 The padded rows of W (past `vocab_size`) take no part and get a zero gradient. On CUDA the
 per-chunk softmax part can run through torch.compile (`compile=True`): one fused kernel reads the
@@ -39,12 +44,15 @@ from trireme.errors import TriremeError
 __all__ = ["fused_linear_cross_entropy", "token_weights"]
 
 
-def token_weights(labels: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """[N] fp32: (labels != -100) * loss_mask, divided by its sum (all 0 when no token counts)."""
+def token_weights(
+    labels: torch.Tensor, loss_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N] fp32 token weights (labels != -100) * loss_mask, and 1 / their sum (a 0-dim fp32
+    tensor; finite when no token counts)."""
     weight = (labels.reshape(-1) != -100).float()
     if loss_mask is not None:
         weight = weight * loss_mask.reshape(-1).float()
-    return weight / weight.sum().clamp(min=1e-12)
+    return weight, 1.0 / weight.sum().clamp(min=1e-12)
 
 
 def _loss_and_grad(
@@ -52,13 +60,14 @@ def _loss_and_grad(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk: (sum of the weighted losses (fp32 scalar), d loss / d logits in logits.dtype).
 
-    logits [c, vocab], labels [c] (-100 allowed, its weight is 0), weight [c] fp32."""
+    logits [c, vocab] (fp32 logits are overwritten), labels [c] (-100 allowed, its weight is 0),
+    weight [c] fp32."""
     logits32 = logits.float()
     lse = torch.logsumexp(logits32, dim=-1)  # [c]
     target = labels.clamp(min=0).unsqueeze(1)  # [c, 1]: -100 -> 0, its weight is 0 anyway
     target_logit = logits32.gather(1, target).squeeze(1)  # [c]
     loss = ((lse - target_logit) * weight).sum()
-    probs = (logits32 - lse.unsqueeze(1)).exp_()  # [c, vocab]: softmax
+    probs = logits32.sub_(lse.unsqueeze(1)).exp_()  # [c, vocab]: softmax, in place
     probs.scatter_add_(1, target, -torch.ones_like(target_logit).unsqueeze(1))  # - onehot
     dlogits = probs.mul_(weight.unsqueeze(1)).to(logits.dtype)
     return loss, dlogits
@@ -111,9 +120,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, token_w: torch.Tensor,
-        vocab_size: int, chunk_size: int, compile: bool,
+        norm: torch.Tensor, vocab_size: int, chunk_size: int, compile: bool,
     ) -> torch.Tensor:
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.weight_dtype = weight.dtype
         step = _compiled_loss_and_grad() if compile else _loss_and_grad
         w = weight[:vocab_size]  # [vocab, h]: the padded rows take no part
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
@@ -132,19 +142,18 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 torch.matmul(dlogits, w, out=grad_x[start : start + chunk_size])
             if need_w:
                 _add_product(grad_w[:vocab_size], dlogits.t(), x_c)  # [vocab, h], in fp32
-        if need_w:
-            grad_w = grad_w.to(weight.dtype)
-        ctx.save_for_backward(grad_x, grad_w)
-        return loss
+        ctx.save_for_backward(grad_x, grad_w, norm)
+        return loss * norm
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        grad_x, grad_w = ctx.saved_tensors
+        grad_x, grad_w, norm = ctx.saved_tensors
+        scale = grad_loss * norm  # fp32: applied before any rounding to the input dtype
         if grad_x is not None:
-            grad_x = grad_x * grad_loss.to(grad_x.dtype)
+            grad_x = (grad_x.float() * scale).to(grad_x.dtype)
         if grad_w is not None:
-            grad_w = grad_w * grad_loss.to(grad_w.dtype)
-        return grad_x, grad_w, None, None, None, None, None
+            grad_w = grad_w.mul_(scale).to(ctx.weight_dtype)
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(
@@ -172,12 +181,11 @@ def fused_linear_cross_entropy(
     labels = labels.reshape(-1)  # [N]
     if labels.shape[0] != x.shape[0]:
         raise TriremeError(f"{labels.shape[0]} labels for {x.shape[0]} tokens")
-    token_w = token_weights(labels, loss_mask)
+    token_w, norm = token_weights(labels, loss_mask)
     if not torch.is_grad_enabled():  # evaluation: the loss alone, no gradient work
-        with torch.no_grad():
-            return _loss_only(x, weight[:vocab_size], labels, token_w, chunk_size)
+        return _loss_only(x, weight[:vocab_size], labels, token_w, chunk_size) * norm
     return _FusedLinearCrossEntropy.apply(
-        x, weight, labels, token_w, vocab_size, chunk_size, compile
+        x, weight, labels, token_w, norm, vocab_size, chunk_size, compile
     )
 
 
