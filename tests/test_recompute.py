@@ -166,3 +166,16 @@ def test_compiled_block_recomputes_the_same(monkeypatch):
         got = grads_after_step(model, cfg, steps=1)
         for name, g in ref.items():
             torch.testing.assert_close(got[name], g, msg=f"{mode} {name}")
+
+
+def test_config_errors():
+    from trireme.config import load_config
+    from trireme.errors import ConfigError
+
+    assert load_config("tiny", ["train.recompute=full", "train.recompute_layers=1"])
+    with pytest.raises(ConfigError, match="recompute_layers = 2 needs train.recompute"):
+        load_config("tiny", ["train.recompute=selective", "train.recompute_layers=2"])
+    with pytest.raises(ConfigError, match="not one of"):
+        load_config("tiny", ["train.recompute=all"])
+    with pytest.raises(ConfigError, match="loss_chunk_size = 0"):
+        load_config("tiny", ["model.fused_cross_entropy=true", "model.loss_chunk_size=0"])

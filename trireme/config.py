@@ -544,6 +544,11 @@ def validate(cfg: Config, need_vocab: bool = True) -> None:
         )
     if m.position_embedding == "rope" and m.head_size % 2:
         raise ConfigError(f"rotary embeddings need an even head size, got {m.head_size}")
+    if t.recompute_layers and t.recompute != "full":
+        raise ConfigError(
+            f"train.recompute_layers = {t.recompute_layers} needs train.recompute = \"full\" "
+            f"(it is {t.recompute!r}); set it to 0 or use full recomputation"
+        )
     if m.fused_cross_entropy and m.loss_chunk_size < 1:
         raise ConfigError(
             f"model.loss_chunk_size = {m.loss_chunk_size} must be at least 1 with "
