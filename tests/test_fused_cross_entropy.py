@@ -136,3 +136,30 @@ def test_compiled_chunk_step_on_cuda():
     torch.testing.assert_close(got[0], ref[0], rtol=1e-3, atol=1e-3)
     for g, r in zip(got[1:], ref[1:]):
         torch.testing.assert_close(g, r, rtol=2e-2, atol=2e-3)
+
+
+def saved_bytes(loss_fn) -> int:
+    """Bytes of the distinct storages autograd keeps for the backward (leaves left out)."""
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        if not t.requires_grad or t.grad_fn is not None:  # not a leaf input
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_fn()
+    loss.backward()
+    return sum(kept.values())
+
+
+def test_keeps_no_logits_for_the_backward():
+    n, vocab, h = 512, 1000, 16
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, h, generator=gen, requires_grad=True)
+    weight = torch.randn(vocab, h, generator=gen, requires_grad=True)
+    labels = torch.randint(0, vocab, (n,), generator=gen)
+    plain_bytes = saved_bytes(lambda: cross_entropy(x @ weight.t(), labels))
+    fused_bytes = saved_bytes(lambda: fused_linear_cross_entropy(x, weight, labels, chunk_size=64))
+    assert plain_bytes >= n * vocab * 4  # the fp32 log-probabilities
+    assert fused_bytes <= (n * h + vocab * h) * 4 + 64  # the gradients of x and W, and a scalar
