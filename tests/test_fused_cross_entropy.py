@@ -163,3 +163,11 @@ def test_keeps_no_logits_for_the_backward():
     fused_bytes = saved_bytes(lambda: fused_linear_cross_entropy(x, weight, labels, chunk_size=64))
     assert plain_bytes >= n * vocab * 4  # the fp32 log-probabilities
     assert fused_bytes <= (n * h + vocab * h) * 4 + 64  # the gradients of x and W, and a scalar
+
+
+def test_second_backward_is_refused():
+    x, weight, labels, _ = inputs(torch.float32)
+    loss = fused_linear_cross_entropy(x, weight, labels, vocab_size=VOCAB, chunk_size=8)
+    loss.backward(retain_graph=True)
+    with pytest.raises(TriremeError, match="one backward"):
+        loss.backward()

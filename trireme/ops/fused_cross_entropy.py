@@ -124,6 +124,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.weight_dtype = weight.dtype
+        ctx.used = False
         step = _compiled_loss_and_grad() if compile else _loss_and_grad
         w = weight[:vocab_size]  # [vocab, h]: the padded rows take no part
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
@@ -147,6 +148,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
+        if ctx.used:  # grad_w is scaled in place below (no second 4-byte copy of it)
+            raise TriremeError("the fused cross-entropy supports one backward per forward")
+        ctx.used = True
         grad_x, grad_w, norm = ctx.saved_tensors
         scale = grad_loss * norm  # fp32: applied before any rounding to the input dtype
         if grad_x is not None:
