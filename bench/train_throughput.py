@@ -4,6 +4,8 @@
     python bench/train_throughput.py --preset gpt2-124m --compare hf --compile-hf
     python bench/train_throughput.py --preset tiny --device cpu --steps 2 --warmup 1 --compare hf
     python bench/train_throughput.py --preset llama3-1b --dp-path none,ddp,distopt
+    python bench/train_throughput.py --preset llama3-1b --compile --fused-cross-entropy \
+        --recompute selective --micro-batch-size 4
 
 Each system trains on the same random token batches (a fixed seed, made on the device once, outside
 the timed region): `--warmup` untimed steps, then `--steps` timed optimizer steps, each of
@@ -67,6 +69,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-length", type=int, help="override model.seq_length")
     p.add_argument("--compile", action="store_true", help="trireme: model.compile=true")
     p.add_argument("--compile-hf", action="store_true", help="torch.compile the HF model")
+    p.add_argument("--recompute", choices=["none", "selective", "full"],
+                   help="trireme: train.recompute (activation recomputation)")
+    p.add_argument("--fused-cross-entropy", action="store_true",
+                   help="trireme: model.fused_cross_entropy=true (chunked output layer + loss)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--override", nargs="+", action="extend", default=[], metavar="SECTION.KEY=V",
                    help="any config override, e.g. model.attention_backend=flash")
@@ -103,6 +109,10 @@ def build_config(args: argparse.Namespace) -> tuple[Config, list[str]]:
         overrides.append(f"model.seq_length={args.seq_length}")
     if args.compile:
         overrides.append("model.compile=true")
+    if getattr(args, "recompute", None):
+        overrides.append(f"train.recompute={args.recompute}")
+    if getattr(args, "fused_cross_entropy", False):
+        overrides.append("model.fused_cross_entropy=true")
     overrides += list(args.override)
     cfg = load_config(args.preset, overrides)
     if cfg.model.vocab_size == 0:  # presets that take the vocabulary from their tokenizer
@@ -223,6 +233,9 @@ def measure_trireme(cfg: Config, args: argparse.Namespace, device: torch.device,
     run = time_steps(step, trainer.device, args.warmup, args.steps)
     name = "trireme" + (f" {dp_path} path" if dp_path != "none" else "")
     name += " (compile)" if cfg.model.compile else ""
+    name += " fp8" if cfg.model.precision == "fp8" else ""
+    name += " fused-ce" if cfg.model.fused_cross_entropy else ""
+    name += f" recompute={cfg.train.recompute}" if cfg.train.recompute != "none" else ""
     return summarize(name, run, cfg, flops_tok, peak, device,
                      {"parameters": params, "build_s": build_s,
                       "precision": cfg.model.precision, "compile": cfg.model.compile,
@@ -528,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
             "global_batch_size": gbs, "micro_batches": gbs // mbs, "seq_length": seq,
             "tokens_per_step": gbs * seq, "warmup_steps": args.warmup, "timed_steps": args.steps,
             "compile": cfg.model.compile, "compile_hf": args.compile_hf,
+            "recompute": cfg.train.recompute, "recompute_layers": cfg.train.recompute_layers,
             "compare": args.compare, "seed": args.seed, "overrides": overrides,
             "dp_paths": args.dp_paths,
             "peak_flops": peak, "model": dataclasses.asdict(cfg.model),

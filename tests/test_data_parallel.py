@@ -48,7 +48,10 @@ def reference(toy_data, tmp_path_factory):  # noqa: F811
 DISTOPT = "parallel.distributed_optimizer=true"
 FSDP = "parallel.data_parallel_mode=fsdp"
 CASES = {  # world size -> name -> overrides
-    2: {"dp2": (), "dp2-distopt": (DISTOPT,), "dp2-fsdp": (FSDP,)},
+    2: {"dp2": (), "dp2-distopt": (DISTOPT,), "dp2-fsdp": (FSDP,),
+        "dp2-fsdp-recompute-fused-loss": (FSDP, "train.recompute=full",
+                                          "model.fused_cross_entropy=true",
+                                          "model.loss_chunk_size=10")},
     4: {"dp4": (), "dp4-distopt": (DISTOPT,), "dp4-fsdp": (FSDP,),
         "tp2-dp2": ("parallel.tensor=2",),
         "tp2-sp-dp2-distopt": ("parallel.tensor=2", "parallel.sequence_parallel=true", DISTOPT)},

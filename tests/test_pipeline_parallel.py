@@ -5,7 +5,8 @@ stages; compared: the losses of 10 clipped AdamW steps (1e-4 relative), every pa
 after the first step gathered from all ranks under its global name (1e-5), and the gradient norm.
 Covered: uneven splits (explicit and with the embedding counted as a layer), tied embeddings
 (both copies get the reference's gradient), interleaving, TP x PP with sequence parallelism, and
-the activations 1F1B keeps in flight on the first stage. Rank 0 writes the largest differences to
+the activations 1F1B keeps in flight on the first stage; activation recomputation and the fused
+loss inside the stages. Rank 0 writes the largest differences to
 a JSON file the test prints (pytest -s).
 """
 
@@ -59,6 +60,15 @@ CASES = {
                         ParallelConfig(pipeline=2, tensor=2, sequence_parallel=True), 4),
     "pp2-vp2-tp2-uneven": (4, gpt2(num_layers=5), ParallelConfig(
         pipeline=2, virtual_pipeline=2, tensor=2, pipeline_layers=[2, 1, 0, 2]), 4),
+    "pp2-recompute-full-fused-loss": (2, llama(fused_cross_entropy=True, loss_chunk_size=5),
+                                      ParallelConfig(pipeline=2), 3),
+    "pp2-tp2-sp-recompute-selective": (4, llama(), ParallelConfig(
+        pipeline=2, tensor=2, sequence_parallel=True), 3),
+}
+# name -> (train.recompute, train.recompute_layers) for the pipeline stages (default: none)
+RECOMPUTE = {
+    "pp2-recompute-full-fused-loss": ("full", 1),
+    "pp2-tp2-sp-recompute-selective": ("selective", 0),
 }
 
 
@@ -96,11 +106,14 @@ def reference(cfg: ModelConfig, count: int):
     return losses, grads, norm
 
 
-def run_case(cfg: ModelConfig, pcfg: ParallelConfig, count: int, world: int) -> dict:
+def run_case(cfg: ModelConfig, pcfg: ParallelConfig, count: int, world: int,
+             recompute: tuple[str, int] = ("none", 0)) -> dict:
     dims = ParallelDims(pipeline=pcfg.pipeline, tensor=pcfg.tensor)
     mesh = ParallelMesh.build(dims, "cpu")
     tp = build_tensor_parallel(mesh, cfg, pcfg.sequence_parallel, SEED, "cpu")
     chunks = build_stage_chunks(cfg, pcfg, mesh.coordinate("pipeline"), tp, SEED)
+    for chunk in chunks:
+        chunk.set_recompute(*recompute)
     seq = cfg.seq_length // pcfg.tensor if pcfg.sequence_parallel else cfg.seq_length
     runner = PipelineRunner(chunks, mesh, (MBS, seq, cfg.hidden_size), torch.float32,
                             torch.device("cpu"))
@@ -161,7 +174,7 @@ def worker(rank: int, world: int, out: str) -> None:
     for name, (size, cfg, pcfg, count) in CASES.items():
         if size != world:
             continue
-        diffs = run_case(cfg, pcfg, count, world)
+        diffs = run_case(cfg, pcfg, count, world, RECOMPUTE.get(name, ("none", 0)))
         assert diffs["loss"] < LOSS_RTOL, f"{name}: losses differ by {diffs['loss']:.2e}"
         assert diffs["grads"] < GRAD_RTOL, f"{name}: gradients differ by {diffs['grads']:.2e}"
         assert diffs["grad_norm"] < GRAD_RTOL, f"{name}: norm differs by {diffs['grad_norm']:.2e}"

@@ -93,6 +93,15 @@ class ModelConfig:
         "reference: plain PyTorch softmax(QK^T)V."
     )
     compile: bool = doc(False, "torch.compile each transformer block (GPU only; ignored on CPU).")
+    fused_cross_entropy: bool = doc(
+        False, "Compute the output layer and the loss in chunks of tokens (loss_chunk_size), "
+        "gradients included, without the full fp32 logits: less memory at a large vocabulary. "
+        "Not used under tensor parallelism (the vocabulary-parallel loss is used there)."
+    )
+    loss_chunk_size: int = doc(
+        4096, "fused_cross_entropy: tokens per chunk; each chunk holds a few [chunk, vocab] "
+        "tensors (bf16 logits and their gradient, fp32 temporaries unless compiled)."
+    )
 
     @property
     def kv_heads(self) -> int:
@@ -244,6 +253,15 @@ class TrainConfig:
     )
     max_minutes: float = doc(
         0.0, "Stop (after saving a checkpoint) after this many minutes; 0: no limit."
+    )
+    recompute: Literal["none", "selective", "full"] = doc(
+        "none", "Activation recomputation in the backward: selective recomputes the attention "
+        "core (RoPE + attention) and the MLP activation; full recomputes whole blocks (all "
+        "of them, or the first recompute_layers of each pipeline stage)."
+    )
+    recompute_layers: int = doc(
+        0, "recompute = full: recompute only the first this many blocks of each pipeline stage "
+        "(of the model without pipelining); 0: all of them."
     )
     sample_prompt: str = doc("def ", "Prompt for the text sample printed at the end of training.")
     sample_tokens: int = doc(64, "Tokens to generate for the final sample; 0 disables it.")
@@ -516,6 +534,7 @@ def validate(cfg: Config, need_vocab: bool = True) -> None:
         ("train.eval_interval", t.eval_interval),
         ("train.eval_steps", t.eval_steps),
         ("checkpoint.interval", cfg.checkpoint.interval),
+        ("train.recompute_layers", t.recompute_layers),
         ("checkpoint.keep_last", cfg.checkpoint.keep_last),
         ("schedule.warmup_steps", cfg.schedule.warmup_steps),
         ("schedule.decay_steps", cfg.schedule.decay_steps),
@@ -539,6 +558,16 @@ def validate(cfg: Config, need_vocab: bool = True) -> None:
     if m.precision == "fp8" and p.tensor > 1:
         raise ConfigError("model.precision = 'fp8' with parallel.tensor > 1 is not supported yet; "
                           "use parallel.tensor = 1 or model.precision = 'bf16'")
+    if t.recompute_layers and t.recompute != "full":
+        raise ConfigError(
+            f"train.recompute_layers = {t.recompute_layers} needs train.recompute = \"full\" "
+            f"(it is {t.recompute!r}); set it to 0 or use full recomputation"
+        )
+    if m.fused_cross_entropy and m.loss_chunk_size < 1:
+        raise ConfigError(
+            f"model.loss_chunk_size = {m.loss_chunk_size} must be at least 1 with "
+            "model.fused_cross_entropy = true"
+        )
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout = {m.dropout} must be in [0, 1)")
     if need_vocab and m.vocab_size < 1:

@@ -303,6 +303,7 @@ def build_model(
     init_parameters(model, cfg.train.seed)
     if cfg.model.precision == "fp8":  # swap the blocks' linears (same parameters, same names)
         to_fp8_training(model, device, cfg.model.fp8_emulate, cfg.model.fp8_backend)
+    model.set_recompute(cfg.train.recompute, cfg.train.recompute_layers)
     return model
 
 

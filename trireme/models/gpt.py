@@ -26,6 +26,11 @@ Pipeline parallelism (`stage`, a trireme.parallel.pipeline.StageSpec): the model
 layers of one stage, under their global names; the first stage has the embedding, the last the final
 norm, the output layer and the loss. A stage other than the first takes the previous stage's
 activations as `hidden`; one other than the last returns its activations.
+
+Memory savers (both keep the plain path): `GPT.set_recompute` recomputes activations in the
+backward (trireme.ops.recompute: whole blocks, or only the attention core and the MLP activation);
+model.fused_cross_entropy computes the output layer and the loss in chunks of tokens
+(trireme.ops.fused_cross_entropy) instead of materialising the [b, s, vocab] logits.
 """
 
 from __future__ import annotations
@@ -40,7 +45,10 @@ from trireme.config import ModelConfig
 from trireme.errors import TriremeError
 from trireme.ops.attention import attention
 from trireme.ops.cross_entropy import cross_entropy
+from trireme.ops.fused_cross_entropy import fused_linear_cross_entropy
 from trireme.ops.norms import RMSNorm, build_norm
+from trireme.ops.recompute import MODES as RECOMPUTE_MODES
+from trireme.ops.recompute import recompute
 from trireme.ops.rope import RotaryEmbedding, apply_rotary, rope_frequencies
 from trireme.parallel.pipeline import StageSpec
 from trireme.parallel.random import dropout, fork_rng
@@ -83,6 +91,7 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.head_rng = tp.rng if tp is not None else None  # heads are split: masks per rank
         self.resid_dropout = dropout(cfg.dropout, tp.residual_rng if tp is not None else None)
+        self.recompute_core = False  # selective recomputation (GPT.set_recompute)
 
     def forward(
         self,
@@ -92,8 +101,27 @@ class Attention(nn.Module):
         start_pos: int = 0,
         document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        qkv = self.qkv(x)  # [b, s, (n_heads + 2 * n_kv) * d]
+        if self.recompute_core and cache is None and torch.is_grad_enabled():
+            # keep qkv only; RoPE'd q, k and the kernel's statistics are rebuilt in the backward
+            random = self.training and self.dropout_p > 0.0
+            y = recompute(self.core, qkv, rope, document_ids=document_ids, random=random,
+                          rngs=[self.head_rng])
+        else:
+            y = self.core(qkv, rope, cache, start_pos, document_ids)
+        return self.resid_dropout(self.out(y))
+
+    def core(
+        self,
+        qkv: torch.Tensor,
+        rope: Rope | None = None,
+        cache: LayerCache | None = None,
+        start_pos: int = 0,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """[b, s, n_heads * d]: attention over the projected q, k, v (QK-norm, RoPE, kernel)."""
         d = self.head_size
-        q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)  # [b, s, heads * d] each
+        q, k, v = qkv.split(self.split_sizes, dim=-1)  # [b, s, heads * d] each
         b, s, _ = q.shape  # the whole sequence (under SP, x was this rank's chunk of it)
         q = q.view(b, s, self.num_heads, d).transpose(1, 2)  # [b, n_heads, s, d]
         k = k.view(b, s, self.num_kv_heads, d).transpose(1, 2)  # [b, n_kv, s, d]
@@ -114,8 +142,7 @@ class Attention(nn.Module):
                 q, k, v, causal=True, backend=self.backend, dropout_p=dropout_p,
                 q_offset=start_pos, document_ids=document_ids,
             )  # [b, n_heads, s, d]
-        y = y.transpose(1, 2).reshape(b, s, self.num_heads * d)  # [b, s, n_heads * d]
-        return self.resid_dropout(self.out(y))
+        return y.transpose(1, 2).reshape(b, s, self.num_heads * d)  # [b, s, n_heads * d]
 
 
 class MLP(nn.Module):
@@ -128,15 +155,23 @@ class MLP(nn.Module):
         self.fc1 = column_linear(cfg.hidden_size, fc1_parts, cfg.bias, tp)
         self.fc2 = row_linear(cfg.ffn_size, cfg.hidden_size, cfg.bias, tp)
         self.resid_dropout = dropout(cfg.dropout, tp.residual_rng if tp is not None else None)
+        self.recompute_activation = False  # selective recomputation (GPT.set_recompute)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)  # [b, s, 2 * ffn] (SwiGLU) or [b, s, ffn]
+        # SwiGLU keeps silu(gate) ([b, s, ffn]) for its backward: recomputing it saves that.
+        # (GeLU's backward needs only its input, which fc1's output is anyway: nothing to save.)
+        if self.recompute_activation and self.swiglu and torch.is_grad_enabled():
+            h = recompute(self.activation, h)
+        else:
+            h = self.activation(h)
+        return self.resid_dropout(self.fc2(h))
+
+    def activation(self, h: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)  # [b, s, ffn] each
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate="tanh")
-        return self.resid_dropout(self.fc2(h))
+            return F.silu(gate) * up
+        return F.gelu(h, approximate="tanh")
 
 
 class Block(nn.Module):
@@ -148,8 +183,26 @@ class Block(nn.Module):
         self.attention = Attention(cfg, tp)
         self.mlp_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_eps, cfg.bias)
         self.mlp = MLP(cfg, tp)
+        self.recompute = False  # full recomputation (GPT.set_recompute)
+        self.random = cfg.dropout > 0.0
+        self.rng = tp.rng if tp is not None else None
 
     def forward(
+        self,
+        x: torch.Tensor,
+        rope: Rope | None = None,
+        cache: LayerCache | None = None,
+        start_pos: int = 0,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.recompute and cache is None and torch.is_grad_enabled():
+            # keep only x: the whole block runs again in the backward. Inside forward, so that
+            # a compiled block (block.compile()) compiles the checkpoint with it.
+            return recompute(self.layer, x, rope, document_ids=document_ids,
+                             random=self.random and self.training, rngs=[self.rng])
+        return self.layer(x, rope, cache, start_pos, document_ids)
+
+    def layer(
         self,
         x: torch.Tensor,
         rope: Rope | None = None,
@@ -219,6 +272,17 @@ class GPT(nn.Module):
     def output_weight(self) -> torch.Tensor:
         """[padded_vocab, h]: the output layer's weight, the embedding's when tied."""
         return self.embedding.weight if self.cfg.tie_embeddings else self.output.weight
+
+    def set_recompute(self, mode: str, num_layers: int = 0) -> None:
+        """Recompute activations in the backward (train.recompute): "none"; "selective" (every
+        block's attention core and MLP activation); "full" (whole blocks: the first `num_layers`
+        of this model's (stage's) blocks, all when 0)."""
+        if mode not in RECOMPUTE_MODES:
+            raise TriremeError(f"train.recompute = {mode!r} is not one of {RECOMPUTE_MODES}")
+        for i, block in enumerate(self.layers.values()):
+            block.recompute = mode == "full" and (num_layers == 0 or i < num_layers)
+            block.attention.recompute_core = mode == "selective"
+            block.mlp.recompute_activation = mode == "selective"
 
     def _maybe_compile(self, device: torch.device) -> None:
         # Compile each block (not the whole model): small graphs, the same one reused by every
@@ -314,6 +378,11 @@ class GPT(nn.Module):
         if self.tp is not None:  # vocabulary split over the ranks: no full logits for the loss
             return parallel_output(
                 x, self.output_weight(), self.tp, self.cfg.vocab_size, labels, loss_mask
+            )
+        if labels is not None and self.cfg.fused_cross_entropy:  # no [b, s, vocab] logits
+            return fused_linear_cross_entropy(
+                x, self.output_weight(), labels, loss_mask, vocab_size=self.cfg.vocab_size,
+                chunk_size=self.cfg.loss_chunk_size, compile=self.cfg.compile and x.is_cuda,
             )
         logits = F.linear(x, self.output_weight())  # [b, s, padded_vocab]: a padded-size matmul
         logits = logits[..., : self.cfg.vocab_size]  # [b, s, vocab]: the padding never leaves

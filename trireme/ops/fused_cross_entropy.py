@@ -1,0 +1,207 @@
+"""Output layer + cross-entropy in chunks of tokens, without the full [tokens, vocab] fp32 logits.
+
+The plain head computes logits = x @ W^T for every token ([b * s, vocab] in bf16), then the loss
+upcasts all of them to fp32: at a 128k vocabulary and 8k tokens per micro batch that is 2 GiB of
+bf16 logits, 4 GiB of fp32 log-probabilities kept for the backward and as much again for their
+gradient.
+
+Here the tokens go through in chunks of `chunk_size`. For each chunk, in the forward:
+
+    logits   = x_c @ W[:vocab]^T                  [c, vocab]  (input dtype: a bf16 matmul)
+    lse      = logsumexp(float(logits))           [c]         (fp32)
+    loss    += sum(w * (lse - logits[label]))                 (fp32)
+    dlogits  = w * (softmax(logits) - onehot)     [c, vocab]  (fp32, then cast to the input dtype)
+    grad_x_c = dlogits @ W[:vocab]                [c, h]
+    grad_W  += dlogits^T @ x_c                    [vocab, h]  (summed in fp32)
+
+with w the token weights (label != -100) * loss_mask; the loss is then divided by sum(w), which
+gives `token_mean`'s mean. The gradients are complete when the forward ends (the loss is linear in
+w), so the backward only multiplies them by grad_output / sum(w), in fp32, and rounds them to the
+input dtype; only one chunk's logits ever exist.
+
+Numerics against the plain path: the same bf16 logits and the same fp32 softmax; the gradient of
+the logits is rounded to the input dtype before its matmuls, as in the plain path (where autograd
+casts it back to the logits' dtype). It is rounded before the division by sum(w) and the scale
+from the backward (1 / micro batches, an fp16 loss scale) rather than after: the same relative
+rounding, and no underflow of tiny gradients in fp16. grad_W sums the chunks' products in fp32
+and is rounded to the weight's dtype once, in the backward (so it is held in fp32, 4 bytes per
+weight, between the loss's forward and backward).
+
+The padded rows of W (past `vocab_size`) take no part and get a zero gradient. On CUDA the
+per-chunk softmax part can run through torch.compile (`compile=True`): one fused kernel reads the
+bf16 logits and writes the bf16 gradient, with no fp32 [c, vocab] temporaries.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from trireme.errors import TriremeError
+
+__all__ = ["fused_linear_cross_entropy", "token_weights"]
+
+
+def token_weights(
+    labels: torch.Tensor, loss_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N] fp32 token weights (labels != -100) * loss_mask, and 1 / their sum (a 0-dim fp32
+    tensor; finite when no token counts)."""
+    weight = (labels.reshape(-1) != -100).float()
+    if loss_mask is not None:
+        weight = weight * loss_mask.reshape(-1).float()
+    return weight, 1.0 / weight.sum().clamp(min=1e-12)
+
+
+def _loss_and_grad(
+    logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk: (sum of the weighted losses (fp32 scalar), d loss / d logits in logits.dtype).
+
+    logits [c, vocab] (fp32 logits are overwritten), labels [c] (-100 allowed, its weight is 0),
+    weight [c] fp32."""
+    logits32 = logits.float()
+    lse = torch.logsumexp(logits32, dim=-1)  # [c]
+    target = labels.clamp(min=0).unsqueeze(1)  # [c, 1]: -100 -> 0, its weight is 0 anyway
+    target_logit = logits32.gather(1, target).squeeze(1)  # [c]
+    loss = ((lse - target_logit) * weight).sum()
+    probs = logits32.sub_(lse.unsqueeze(1)).exp_()  # [c, vocab]: softmax, in place
+    probs.scatter_add_(1, target, -torch.ones_like(target_logit).unsqueeze(1))  # - onehot
+    dlogits = probs.mul_(weight.unsqueeze(1)).to(logits.dtype)
+    return loss, dlogits
+
+
+def _loss_and_grad_pointwise(
+    logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_loss_and_grad` written as reductions and pointwise ops only (the one-hot as a compare,
+    no scatter), so that torch.compile fuses it into a few kernels with no [c, vocab] fp32
+    tensor in memory."""
+    logits32 = logits.float()
+    lse = torch.logsumexp(logits32, dim=-1, keepdim=True)  # [c, 1]
+    onehot = torch.arange(logits.shape[1], device=logits.device) == labels.unsqueeze(1)
+    target_logit = torch.where(onehot, logits32, 0.0).sum(dim=1)  # [c]; 0 for label -100
+    loss = ((lse.squeeze(1) - target_logit) * weight).sum()
+    dlogits = (torch.exp(logits32 - lse) - onehot.float()) * weight.unsqueeze(1)
+    return loss, dlogits.to(logits.dtype)
+
+
+@functools.cache
+def _compiled_loss_and_grad() -> Callable:
+    return torch.compile(_loss_and_grad_pointwise, dynamic=False)
+
+
+@functools.cache
+def _has_mixed_addmm(device: torch.device) -> bool:
+    """Whether torch.addmm(fp32, bf16, bf16, out_dtype=fp32, out=fp32) works in place here
+    (CUDA in recent torch): the product is then summed into fp32 without a bf16 temporary."""
+    try:
+        acc = torch.ones(2, 2, device=device)
+        a = torch.ones(2, 3, device=device, dtype=torch.bfloat16)
+        torch.addmm(acc, a, a.t(), out_dtype=torch.float32, out=acc)
+        return bool((acc == 4).all())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, with acc fp32 and a, b in the input dtype."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif _has_mixed_addmm(acc.device):
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:  # a [vocab, h] product in the input dtype, then added
+        acc.add_(a @ b)
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, token_w: torch.Tensor,
+        norm: torch.Tensor, vocab_size: int, chunk_size: int, compile: bool,
+    ) -> torch.Tensor:
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.weight_dtype = weight.dtype
+        ctx.used = False
+        step = _compiled_loss_and_grad() if compile else _loss_and_grad
+        w = weight[:vocab_size]  # [vocab, h]: the padded rows take no part
+        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        grad_x = torch.empty_like(x) if need_x else None
+        grad_w = None  # [padded_vocab, h], fp32 while the chunks add up; the padded rows stay 0
+        if need_w:
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for start in range(0, x.shape[0], chunk_size):
+            x_c = x[start : start + chunk_size]  # [c, h]
+            logits = x_c @ w.t()  # [c, vocab] in the input dtype
+            chunk_loss, dlogits = step(logits, labels[start : start + chunk_size],
+                                       token_w[start : start + chunk_size])
+            del logits
+            loss += chunk_loss
+            if need_x:
+                torch.matmul(dlogits, w, out=grad_x[start : start + chunk_size])
+            if need_w:
+                _add_product(grad_w[:vocab_size], dlogits.t(), x_c)  # [vocab, h], in fp32
+        ctx.save_for_backward(grad_x, grad_w, norm)
+        return loss * norm
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        if ctx.used:  # grad_w is scaled in place below (no second 4-byte copy of it)
+            raise TriremeError("the fused cross-entropy supports one backward per forward")
+        ctx.used = True
+        grad_x, grad_w, norm = ctx.saved_tensors
+        scale = grad_loss * norm  # fp32: applied before any rounding to the input dtype
+        if grad_x is not None:
+            grad_x = (grad_x.float() * scale).to(grad_x.dtype)
+        if grad_w is not None:
+            grad_w = grad_w.mul_(scale).to(ctx.weight_dtype)
+        return grad_x, grad_w, None, None, None, None, None, None
+
+
+def fused_linear_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor | None = None,
+    *,
+    vocab_size: int | None = None,
+    chunk_size: int = 4096,
+    compile: bool = False,
+) -> torch.Tensor:
+    """The mean cross-entropy (fp32 scalar) of logits = x @ weight[:vocab_size]^T, computed
+    `chunk_size` tokens at a time; equal to `cross_entropy(F.linear(x, weight)[..., :vocab_size],
+    labels, loss_mask)` without the full logits.
+
+    x [..., h] (any leading shape), weight [padded_vocab, h], labels [...] (-100: ignored),
+    loss_mask [...] (0/1 or weights). `compile` runs the per-chunk softmax through torch.compile.
+    """
+    if chunk_size < 1:
+        raise TriremeError(f"chunk_size = {chunk_size} must be at least 1")
+    vocab_size = weight.shape[0] if vocab_size is None else vocab_size
+    h = x.shape[-1]
+    x = x.reshape(-1, h)  # [N, h]
+    labels = labels.reshape(-1)  # [N]
+    if labels.shape[0] != x.shape[0]:
+        raise TriremeError(f"{labels.shape[0]} labels for {x.shape[0]} tokens")
+    token_w, norm = token_weights(labels, loss_mask)
+    if not torch.is_grad_enabled():  # evaluation: the loss alone, no gradient work
+        return _loss_only(x, weight[:vocab_size], labels, token_w, chunk_size) * norm
+    return _FusedLinearCrossEntropy.apply(
+        x, weight, labels, token_w, norm, vocab_size, chunk_size, compile
+    )
+
+
+def _loss_only(
+    x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, token_w: torch.Tensor, chunk_size: int
+) -> torch.Tensor:
+    loss = torch.zeros((), dtype=torch.float32, device=x.device)
+    for start in range(0, x.shape[0], chunk_size):
+        logits = (x[start : start + chunk_size] @ w.t()).float()  # [c, vocab]
+        end = start + logits.shape[0]
+        per_token = torch.nn.functional.cross_entropy(
+            logits, labels[start:end], ignore_index=-100, reduction="none"
+        )
+        loss += (per_token * token_w[start:end]).sum()
+    return loss
