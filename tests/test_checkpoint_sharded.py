@@ -1,0 +1,121 @@
+"""Sharded checkpoints in one process: resume gives the same losses, async saves, bad input."""
+
+import shutil
+
+import pytest
+import torch
+from test_train import read_metrics, tiny_cfg, toy_data  # noqa: F401  (toy_data is a fixture)
+
+from trireme.checkpoint import sharded
+from trireme.checkpoint.pieces import local_rectangles, tensor_pieces
+from trireme.checkpoint.store import latest_checkpoint
+from trireme.errors import CheckpointError
+from trireme.parallel.sharding import Sharding
+from trireme.train import train
+
+SHARDED = ["checkpoint.format=sharded", "train.eval_interval=0", "schedule.decay_style=constant"]
+
+
+def losses(run_dir):
+    return [r["loss"] for r in read_metrics(run_dir)]
+
+
+def test_flat_range_pieces_rebuild_the_global_tensor():
+    """Distributed-optimizer ranges of a TP qkv-like shard land where the full tensor has them."""
+    full = torch.arange(8 * 3, dtype=torch.float32).view(8, 3)
+    sharding = Sharding(0, ((4, 1), (2, 1), (2, 1)), rank=1, size=2)  # q, k, v row blocks
+    local = sharding.shard(full)
+    rebuilt = torch.full_like(full, -1.0)
+    flat = local.reshape(-1)
+    for lo, hi in [(0, 4), (4, 11), (11, 12)]:  # three DP ranks' ranges
+        assert len(local_rectangles(flat[lo:hi], tuple(local.shape), lo, hi)) <= 3
+        for p in tensor_pieces(flat[lo:hi], tuple(local.shape), sharding, (8, 3), (lo, hi)):
+            r, c = p.offsets
+            rebuilt[r : r + p.data.shape[0], c : c + p.data.shape[1]] = p.data
+    rows = [s.full_start + i for s in sharding.slices() for i in range(s.rows)]
+    assert torch.equal(rebuilt[rows], full[rows])
+    assert (rebuilt[[i for i in range(8) if i not in rows]] == -1).all()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_sharded_resume_continues_the_same_curve(toy_data, tmp_path, precision):  # noqa: F811
+    extra = [*SHARDED, f"model.precision={precision}", "model.dropout=0.1"]
+    train(tiny_cfg(toy_data, tmp_path / "full", "train.steps=6", *extra))
+    ref = losses(tmp_path / "full" / "run")
+    ckpt = tmp_path / "ckpt"
+    train(tiny_cfg(toy_data, tmp_path / "part", "train.steps=3", f"checkpoint.dir={ckpt}",
+                   *extra))
+    path = latest_checkpoint(ckpt)
+    assert sharded.is_sharded(path) and (path / ".metadata").is_file()
+    trainer = train(tiny_cfg(toy_data, tmp_path / "part", "train.steps=6",
+                             f"checkpoint.dir={ckpt}", *extra))
+    assert trainer.state.step == 6
+    assert losses(tmp_path / "part" / "run") == ref
+
+
+def test_async_save_resumes_like_blocking(toy_data, tmp_path):  # noqa: F811
+    ref_ckpt, ckpt = tmp_path / "sync", tmp_path / "async"
+    base = [*SHARDED, "train.steps=4", "checkpoint.interval=2"]
+    train(tiny_cfg(toy_data, tmp_path / "a", f"checkpoint.dir={ref_ckpt}", *base))
+    train(tiny_cfg(toy_data, tmp_path / "b", f"checkpoint.dir={ckpt}", *base,
+                   "checkpoint.async_save=true"))
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_0000002", "step_0000004"]
+    assert (ckpt / "latest").read_text().strip() == "step_0000004"
+    for run, root in (("a", ref_ckpt), ("b", ckpt)):
+        train(tiny_cfg(toy_data, tmp_path / run, f"checkpoint.dir={root}", *SHARDED,
+                       "train.steps=6"))
+    assert losses(tmp_path / "a" / "run") == losses(tmp_path / "b" / "run")
+
+
+class FailingWriter(sharded.Writer):
+    def write_data(self, plan, planner):
+        raise OSError("disk on fire")
+
+
+def test_async_save_error_is_raised_at_the_next_step(toy_data, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(sharded, "WRITER", FailingWriter)
+    cfg = tiny_cfg(toy_data, tmp_path, f"checkpoint.dir={tmp_path}/ckpt", *SHARDED,
+                   "train.steps=4", "checkpoint.interval=2", "checkpoint.async_save=true")
+    with pytest.raises(CheckpointError, match="background checkpoint save failed.*disk on fire"):
+        train(cfg)
+    # raised before step 3 finished: metrics hold steps 1 and 2 only (or step 3 if the thread
+    # was slow, never step 4), and no checkpoint was published
+    assert len(read_metrics(tmp_path / "run")) in (2, 3)
+    assert latest_checkpoint(tmp_path / "ckpt") is None
+
+
+@pytest.fixture
+def saved(toy_data, tmp_path):  # noqa: F811
+    ckpt = tmp_path / "ckpt"
+    train(tiny_cfg(toy_data, tmp_path, f"checkpoint.dir={ckpt}", *SHARDED, "train.steps=2"))
+    return ckpt
+
+
+def test_truncated_or_missing_shard_is_named(saved, toy_data, tmp_path):  # noqa: F811
+    step = latest_checkpoint(saved)
+    shard = next(step.glob("*.distcp"))
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=shard.name):
+        sharded.load_model_tensors(step)
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"{shard.name} is missing"):
+        sharded.load_model_tensors(step)
+
+
+def test_corrupted_shard_is_a_checkpoint_error(saved, toy_data, tmp_path):  # noqa: F811
+    step = latest_checkpoint(saved)
+    shard = next(step.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3 : len(data) // 3 + 64] = b"\x00" * 64  # same size, wrong bytes
+    shard.write_bytes(bytes(data))
+    shutil.rmtree(tmp_path / "run")
+    with pytest.raises(CheckpointError, match="sharded checkpoint"):
+        train(tiny_cfg(toy_data, tmp_path, f"checkpoint.dir={saved}", *SHARDED, "train.steps=3"))
+
+
+def test_other_model_shape_names_the_keys(saved, toy_data, tmp_path):  # noqa: F811
+    cfg = tiny_cfg(toy_data, tmp_path / "other", f"checkpoint.dir={saved}", *SHARDED,
+                   "train.steps=3", "model.ffn_hidden_size=96")
+    with pytest.raises(CheckpointError, match=r"model/layers\.0\.mlp\.fc1\.weight"):
+        train(cfg)
