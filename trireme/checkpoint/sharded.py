@@ -423,7 +423,8 @@ def load(trainer, path: Path, group) -> None:
         except CheckpointError:
             raise
         except (Exception, CheckpointException) as e:
-            raise CheckpointError(f"could not load the sharded checkpoint {path}: {reason(e)}") from e
+            raise CheckpointError(
+                f"could not load the sharded checkpoint {path}: {reason(e)}") from e
         _finish_optimizer(opt, scalars["masters"] and opt.low_precision)
     trainer.state.step = int(saved["step"])
     trainer.state.consumed_samples = int(saved["consumed_samples"])

@@ -1,0 +1,54 @@
+"""Sharded checkpoints across layouts: saved by TP 2 x PP 2 x DP 2 (8 gloo processes; PP does
+not take the distributed optimizer yet), resumed by DP 4 with the distributed optimizer and by
+one process; a same-layout resume (TP 2 x DP 2, distributed optimizer, 4 processes). Constant LR, so a 6-step run shares the first steps of the reference; the resumed
+losses must match the uninterrupted single-process run."""
+
+from __future__ import annotations
+
+import shutil
+
+from distributed import run_ranks
+from test_data_parallel import config, train_worker
+from test_train import toy_data  # noqa: F401  (toy_data is a fixture)
+from test_train_parallel import assert_same, losses
+
+from trireme.checkpoint import sharded
+from trireme.checkpoint.store import latest_checkpoint, load_checkpoint
+from trireme.train import train
+
+BASE = ("schedule.decay_style=constant", "train.eval_interval=0", "checkpoint.format=sharded")
+DISTOPT = "parallel.distributed_optimizer=true"
+
+
+def test_sharded_checkpoint_reshards_across_layouts(toy_data, tmp_path):  # noqa: F811
+    ref = tmp_path / "ref"
+    train(config(toy_data, ref, *BASE, "train.steps=6"))
+    expected = losses(ref)
+
+    saved = tmp_path / "ckpt-3d"
+    run_ranks(train_worker, 8, tmp_path, toy_data, [(str(tmp_path / "3d"), (
+        *BASE, "train.steps=3", "parallel.tensor=2", "parallel.pipeline=2",
+        f"checkpoint.dir={saved}"))])
+    assert_same(losses(tmp_path / "3d"), expected[:3], "TP2 x PP2 x DP2 before saving")
+    step = latest_checkpoint(saved)
+    assert sharded.is_sharded(step) and len(list((step / "rng").iterdir())) == 8
+    # the stored tensors are the single-process ones: compare with a gathered load
+    full = load_checkpoint(step)
+    assert full.step == 3 and set(full.optimizer["exp_avg"]) == set(full.model)
+
+    for name in ("dp4", "one"):
+        shutil.copytree(saved, tmp_path / f"ckpt-{name}")
+    same = tmp_path / "ckpt-same"
+    tp2dp2 = ("parallel.tensor=2", DISTOPT, f"checkpoint.dir={same}")
+    run_ranks(train_worker, 4, tmp_path, toy_data, [
+        (str(tmp_path / "dp4"), (*BASE, "train.steps=6", DISTOPT,
+                                 f"checkpoint.dir={tmp_path}/ckpt-dp4")),
+        (str(tmp_path / "same"), (*BASE, "train.steps=3", *tp2dp2)),
+        (str(tmp_path / "same"), (*BASE, "train.steps=6", *tp2dp2)),
+        (str(tmp_path / "whole"), (*BASE, "train.steps=6", "parallel.tensor=2", DISTOPT)),
+    ])
+    train(config(toy_data, tmp_path / "one", *BASE, "train.steps=6",
+                 f"checkpoint.dir={tmp_path}/ckpt-one"))
+    assert_same(losses(tmp_path / "dp4"), expected[3:], "saved TP2xPP2xDP2, resumed DP4")
+    assert_same(losses(tmp_path / "one"), expected[3:], "saved TP2xPP2xDP2, resumed 1 process")
+    assert losses(tmp_path / "same") == losses(tmp_path / "whole")  # same layout: identical
