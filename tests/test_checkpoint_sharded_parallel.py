@@ -1,7 +1,9 @@
 """Sharded checkpoints across layouts: saved by TP 2 x PP 2 x DP 2 (8 gloo processes; PP does
 not take the distributed optimizer yet), resumed by DP 4 with the distributed optimizer and by
-one process; a same-layout resume (TP 2 x DP 2, distributed optimizer, 4 processes). Constant LR, so a 6-step run shares the first steps of the reference; the resumed
-losses must match the uninterrupted single-process run."""
+one process; a same-layout resume (TP 2 x DP 2, distributed optimizer, 4 processes).
+
+Constant LR, so a 6-step run shares the first steps of the reference; the resumed losses must
+match the uninterrupted single-process run."""
 
 from __future__ import annotations
 
