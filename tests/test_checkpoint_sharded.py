@@ -119,3 +119,17 @@ def test_other_model_shape_names_the_keys(saved, toy_data, tmp_path):  # noqa: F
                    "train.steps=3", "model.ffn_hidden_size=96")
     with pytest.raises(CheckpointError, match=r"model/layers\.0\.mlp\.fc1\.weight"):
         train(cfg)
+
+
+def test_inspect_describes_a_sharded_checkpoint(saved, capsys):
+    from trireme.checkpoint.cli import inspect_main
+    from trireme.checkpoint.describe import describe
+
+    assert inspect_main([str(saved)]) == 0
+    out = capsys.readouterr().out
+    full = sharded.load_model_tensors(latest_checkpoint(saved))
+    count = sum(t.numel() for t in full.values())
+    assert "sharded (torch.distributed.checkpoint) by 1 processes" in out
+    assert f"({count:,})" in out and "step               2" in out
+    assert ".metadata" in out and "rng/rank_00000.safetensors" in out
+    assert describe(latest_checkpoint(saved))[:8] == describe(saved)[:8]  # step dir or root

@@ -222,14 +222,16 @@ class SafeReader(FileSystemReader):
 
 
 class Writer(FileSystemWriter):
-    """DCP's file writer; TRIREME_TEST_SAVE_DELAY (seconds) slows it down for the tests that
-    kill a run in the middle of a save."""
+    """DCP's file writer. For the tests that kill a run in the middle of a save,
+    TRIREME_TEST_SAVE_DELAY="STEP:SECONDS" sleeps after the shards of step STEP are written
+    (before DCP's .metadata, trireme's meta.json and the rename)."""
 
     def write_data(self, plan, planner):
-        delay = float(os.environ.get("TRIREME_TEST_SAVE_DELAY", "0") or 0)
-        if delay:
-            time.sleep(delay)
-        return super().write_data(plan, planner)
+        future = super().write_data(plan, planner)
+        step, _, seconds = os.environ.get("TRIREME_TEST_SAVE_DELAY", "").partition(":")
+        if seconds and store.step_dir_name(int(step)) in Path(self.path).name:
+            time.sleep(float(seconds))
+        return future
 
     def storage_meta(self):
         meta = super().storage_meta()
