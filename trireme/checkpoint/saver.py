@@ -12,6 +12,7 @@ calls it before every step) as a CheckpointError.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,6 +33,7 @@ class Saver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_path: Path | None = None
+        self.finished_at = 0.0  # time.perf_counter() when the last background save ended
 
     def group(self):
         """A gloo group of all ranks for the checkpoint's collectives (None in one process)."""
@@ -64,6 +66,8 @@ class Saver:
             self.last_path = sharded.write(job)
         except BaseException as e:  # handed to the training thread by check()
             self._error = e
+        finally:
+            self.finished_at = time.perf_counter()
 
     def check(self) -> None:
         """Raise the error of a finished background save, once."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,10 @@ from trireme.checkpoint.safe_pickle import load_dcp_metadata
 from trireme.errors import CheckpointError
 from trireme.parallel.checkpointing import VOCAB_TABLES
 from trireme.parallel.sharding import parameter_shardings
+
+# one process without a process group is a normal case here, not worth DCP's warning
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
+                        "uninitialized", category=UserWarning)
 
 FORMAT_NAME = "sharded"
 DCP_METADATA = ".metadata"
