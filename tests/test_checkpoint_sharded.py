@@ -133,3 +133,24 @@ def test_inspect_describes_a_sharded_checkpoint(saved, capsys):
     assert f"({count:,})" in out and "step               2" in out
     assert ".metadata" in out and "rng/rank_00000.safetensors" in out
     assert describe(latest_checkpoint(saved))[:8] == describe(saved)[:8]  # step dir or root
+
+
+@pytest.mark.parametrize("saved_as,loaded_as", [("bf16", "fp32"), ("fp32", "bf16")])
+def test_precision_change_keeps_the_fp32_weights(toy_data, tmp_path, saved_as, loaded_as):  # noqa: F811
+    from trireme.loop import maybe_resume
+    from trireme.train import build_trainer
+
+    ckpt = tmp_path / "ckpt"
+    train(tiny_cfg(toy_data, tmp_path / "a", f"checkpoint.dir={ckpt}", *SHARDED,
+                   "train.steps=2", f"model.precision={saved_as}"))
+    full = sharded.load_checkpoint(latest_checkpoint(ckpt), {"step": 2})
+    fp32 = full.optimizer["master"] if saved_as == "bf16" else full.model
+    trainer = build_trainer(tiny_cfg(toy_data, tmp_path / "b", f"checkpoint.dir={ckpt}",
+                                     *SHARDED, f"model.precision={loaded_as}"))
+    maybe_resume(trainer)
+    assert trainer.state.step == 2
+    opt = trainer.optimizer
+    for name in opt.names:
+        assert torch.equal(opt.masters[name].float(), fp32[name].float()), name
+        assert torch.equal(opt.inner.state[opt.masters[name]]["exp_avg"],
+                           full.optimizer["exp_avg"][name]), name

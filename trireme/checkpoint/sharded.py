@@ -399,6 +399,18 @@ def _finish_optimizer(opt, masters_loaded: bool) -> None:
         torch._foreach_copy_(opt.params, opt._master_list)
 
 
+def _master_source(entries: dict[str, Entry], opt, stored: bool) -> dict[str, Entry]:
+    """Read the fp32 weights from where they are: a bf16 / fp16 checkpoint's masters into an fp32
+    model's parameters; an fp32 checkpoint's parameters into a bf16 / fp16 run's masters."""
+    if stored and not opt.low_precision:
+        for name in opt.names:
+            entries[f"optimizer/master/{name}"] = entries.pop(f"model/{name}")
+    elif not stored and opt.low_precision:
+        for name in opt.names:
+            entries[f"model/{name}"].pieces += entries.pop(f"optimizer/master/{name}").pieces
+    return entries
+
+
 def _zero_vocab_tables(trainer) -> None:
     """Rows of the vocabulary tables that no stored chunk covers (the extra tensor-parallel
     padding) must be zero, as in the gathered format."""
@@ -417,9 +429,7 @@ def load(trainer, path: Path, group) -> None:
     scalars = saved["optimizer"]
     opt = trainer.optimizer
     _prepare_optimizer(opt, scalars)
-    entries = state_entries(trainer, scalars["moments"])
-    if not scalars["masters"]:
-        entries = {k: e for k, e in entries.items() if not k.startswith("optimizer/master/")}
+    entries = _master_source(state_entries(trainer, scalars["moments"]), opt, scalars["masters"])
     metadata = load_dcp_metadata(path / DCP_METADATA)
     check_shapes(entries, metadata, path)
     with torch.no_grad():
@@ -432,7 +442,7 @@ def load(trainer, path: Path, group) -> None:
         except (Exception, CheckpointException) as e:
             raise CheckpointError(
                 f"could not load the sharded checkpoint {path}: {reason(e)}") from e
-        _finish_optimizer(opt, scalars["masters"] and opt.low_precision)
+        _finish_optimizer(opt, opt.low_precision)
     trainer.state.step = int(saved["step"])
     trainer.state.consumed_samples = int(saved["consumed_samples"])
     same_layout = saved["layout"] == layout_of(trainer)
