@@ -154,3 +154,51 @@ def test_precision_change_keeps_the_fp32_weights(toy_data, tmp_path, saved_as, l
         assert torch.equal(opt.masters[name].float(), fp32[name].float()), name
         assert torch.equal(opt.inner.state[opt.masters[name]]["exp_avg"],
                            full.optimizer["exp_avg"][name]), name
+
+
+def test_sharded_holds_what_gathered_holds_and_generates(toy_data, tmp_path):  # noqa: F811
+    import subprocess
+    import sys
+
+    from trireme.checkpoint.store import load_checkpoint
+
+    for fmt in ("gathered", "sharded"):
+        train(tiny_cfg(toy_data, tmp_path / fmt, f"checkpoint.dir={tmp_path}/{fmt}/ckpt",
+                       "train.eval_interval=0", "train.steps=2", "model.precision=bf16",
+                       f"checkpoint.format={fmt}"))
+    a, b = (load_checkpoint(tmp_path / f / "ckpt") for f in ("gathered", "sharded"))
+    assert sharded.is_sharded(b.path) and not sharded.is_sharded(a.path)
+    assert a.model.keys() == b.model.keys()
+    for name in a.model:
+        assert torch.equal(a.model[name], b.model[name]), name
+    for key in ("exp_avg", "exp_avg_sq", "master"):
+        assert a.optimizer[key].keys() == b.optimizer[key].keys()
+        for name, t in a.optimizer[key].items():
+            assert torch.equal(t, b.optimizer[key][name]), (key, name)
+    assert (a.step, a.optimizer["step"]) == (b.step, b.optimizer["step"]) == (2, 2)
+    r = subprocess.run([sys.executable, "-m", "trireme", "generate", "--checkpoint",
+                        str(tmp_path / "sharded" / "ckpt"), "--prompt", "def ",
+                        "--max-new-tokens", "5", "--greedy"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("def ")
+
+
+class Evil:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch pwned",))
+
+
+def test_malicious_metadata_runs_no_code(saved, tmp_path, monkeypatch):
+    import pickle
+
+    monkeypatch.chdir(tmp_path)
+    step = latest_checkpoint(saved)
+    size = (step / ".metadata").stat().st_size
+    payload = pickle.dumps(Evil())
+    (step / ".metadata").write_bytes(payload + b"\0" * (size - len(payload)))  # same size
+    with pytest.raises(CheckpointError, match="posix.system is not allowed|os.system"):
+        sharded.load_model_tensors(step)
+    assert not (tmp_path / "pwned").exists()
