@@ -42,15 +42,23 @@ def test_sharded_checkpoint_reshards_across_layouts(toy_data, tmp_path):  # noqa
         shutil.copytree(saved, tmp_path / f"ckpt-{name}")
     same = tmp_path / "ckpt-same"
     tp2dp2 = ("parallel.tensor=2", DISTOPT, f"checkpoint.dir={same}")
+    async_args = ("parallel.tensor=2", DISTOPT, f"checkpoint.dir={tmp_path}/ckpt-async",
+                  "checkpoint.async_save=true", "checkpoint.interval=1", "checkpoint.keep_last=2")
     run_ranks(train_worker, 4, tmp_path, toy_data, [
         (str(tmp_path / "dp4"), (*BASE, "train.steps=6", DISTOPT,
                                  f"checkpoint.dir={tmp_path}/ckpt-dp4")),
         (str(tmp_path / "same"), (*BASE, "train.steps=3", *tp2dp2)),
         (str(tmp_path / "same"), (*BASE, "train.steps=6", *tp2dp2)),
         (str(tmp_path / "whole"), (*BASE, "train.steps=6", "parallel.tensor=2", DISTOPT)),
+        (str(tmp_path / "async"), (*BASE, "train.steps=3", *async_args)),
+        (str(tmp_path / "async"), (*BASE, "train.steps=6", *async_args)),
     ])
     train(config(toy_data, tmp_path / "one", *BASE, "train.steps=6",
                  f"checkpoint.dir={tmp_path}/ckpt-one"))
     assert_same(losses(tmp_path / "dp4"), expected[3:], "saved TP2xPP2xDP2, resumed DP4")
     assert_same(losses(tmp_path / "one"), expected[3:], "saved TP2xPP2xDP2, resumed 1 process")
     assert losses(tmp_path / "same") == losses(tmp_path / "whole")  # same layout: identical
+    # asynchronous saves every step under TP 2 x DP 2: the same curve, two checkpoints kept
+    assert losses(tmp_path / "async") == losses(tmp_path / "whole")
+    kept = sorted(p.name for p in (tmp_path / "ckpt-async").glob("step_*"))
+    assert kept == ["step_0000005", "step_0000006"], kept

@@ -72,7 +72,9 @@ def maybe_resume(trainer: Trainer) -> None:
     if path is None:
         return
     if sharded.is_sharded(path):
-        sharded.load(trainer, path, None)
+        # a gloo group: DCP's small collectives on CPU, whatever the training's backend
+        group = torch.distributed.new_group(backend="gloo") if trainer.env.world_size > 1 else None
+        sharded.load(trainer, path, group)
         if trainer.is_main:
             print(f"trireme: resumed from {path} at step {trainer.state.step}", file=sys.stderr)
         return

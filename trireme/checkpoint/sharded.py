@@ -259,11 +259,12 @@ def reason(e: BaseException) -> str:
     return lines[-1].strip() if lines else type(e).__name__
 
 
-def _token(distributed: bool) -> int:
-    """One random number, the same on every rank (names the temporary directory)."""
+def _token(group) -> int:
+    """One random number, the same on every rank (names the temporary directory); `group` is
+    the checkpoint's gloo group of all ranks (CPU tensors), None in one process."""
     t = torch.tensor([secrets.randbits(31)], dtype=torch.int64)
-    if distributed:
-        dist.broadcast(t, src=0)
+    if group is not None:
+        dist.broadcast(t, src=0, group=group)
     return int(t.item())
 
 
@@ -289,7 +290,8 @@ def prepare(trainer, root: Path, group) -> dict[str, Any]:
     and everything rank 0 writes at the end. Returns the job for `write`."""
     distributed = trainer.env.world_size > 1
     step = trainer.state.step
-    tmp = root / f"{store._TMP_PREFIX}{store.step_dir_name(step)}-{_token(distributed):08x}"
+    token = _token(group if distributed else None)
+    tmp = root / f"{store._TMP_PREFIX}{store.step_dir_name(step)}-{token:08x}"
     if trainer.is_main:
         tmp.mkdir(parents=True, exist_ok=True)
     if distributed:
