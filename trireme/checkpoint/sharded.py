@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.futures import Future
 
 from trireme import __version__
 from trireme.checkpoint import format as fmt
@@ -224,6 +225,22 @@ class SafeReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan: LoadPlan, planner):
+        """torch's reading, one data file at a time, so that an error names the file."""
+        by_file: dict[str, list] = {}
+        for item in plan.items:
+            by_file.setdefault(self.storage_data[item.storage_index].relative_path,
+                               []).append(item)
+        for name, items in by_file.items():
+            try:
+                super().read_data(LoadPlan(items), planner).wait()
+            except Exception as e:
+                raise CheckpointError(f"{Path(self.path) / name} is corrupted or unreadable "
+                                      f"({type(e).__name__}: {reason(e)})") from e
+        done: Future = Future()
+        done.set_result(None)
+        return done
 
 
 class Writer(FileSystemWriter):
