@@ -114,10 +114,15 @@ def test_corrupted_shard_is_a_checkpoint_error(saved, toy_data, tmp_path):  # no
         train(tiny_cfg(toy_data, tmp_path, f"checkpoint.dir={saved}", *SHARDED, "train.steps=3"))
 
 
-def test_other_model_shape_names_the_keys(saved, toy_data, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("change,needle", [
+    ("model.ffn_hidden_size=96", r"shapes differ.*model/layers\.0\.mlp\.fc1\.weight"),
+    ("model.num_layers=1", r"does not have: model/layers\.1\."),
+    ("model.num_layers=3", r"has no model/layers\.2\."),
+])
+def test_other_model_shape_names_the_keys(saved, toy_data, tmp_path, change, needle):  # noqa: F811
     cfg = tiny_cfg(toy_data, tmp_path / "other", f"checkpoint.dir={saved}", *SHARDED,
-                   "train.steps=3", "model.ffn_hidden_size=96")
-    with pytest.raises(CheckpointError, match=r"model/layers\.0\.mlp\.fc1\.weight"):
+                   "train.steps=3", change)
+    with pytest.raises(CheckpointError, match=needle):
         train(cfg)
 
 

@@ -163,9 +163,12 @@ class PieceSavePlanner(DefaultSavePlanner):
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
-        items = []
+        items, seen = [], set()
         for key, entry in self.state_dict.items():
             for piece in entry.pieces:
+                if (key, piece.offsets) in seen:  # a rank holding both tied embedding copies
+                    continue
+                seen.add((key, piece.offsets))
                 chunk = ChunkStorageMetadata(offsets=torch.Size(piece.offsets),
                                              sizes=torch.Size(piece.data.shape))
                 items.append(WriteItem(
@@ -373,9 +376,19 @@ def is_sharded(path: Path) -> bool:
         return False
 
 
-def check_shapes(entries: dict[str, Entry], metadata, path: Path) -> None:
-    """Every key this model needs is in the checkpoint, with this model's global shape."""
+def check_shapes(entries: dict[str, Entry], metadata, path: Path, model_cfg) -> None:
+    """Every key this model needs is in the checkpoint, with this model's global shape, and the
+    checkpoint holds no model tensor that this model (all stages of it) lacks."""
+    from trireme.checkpoint.convert import expected_shapes
+
     stored = metadata.state_dict_metadata
+    expected = expected_shapes(model_cfg)
+    unexpected = sorted(k for k in stored if k.startswith("model/") and k[6:] not in expected)
+    if unexpected:
+        raise CheckpointError(
+            f"{path} holds tensors this model does not have: {', '.join(unexpected[:4])}"
+            f"{' ...' if len(unexpected) > 4 else ''} ({len(unexpected)}); the checkpoint was "
+            "saved from a different model")
     missing = sorted(k for k in entries if k not in stored)
     if missing:
         raise CheckpointError(
@@ -450,7 +463,7 @@ def load(trainer, path: Path, group) -> None:
     _prepare_optimizer(opt, scalars)
     entries = _master_source(state_entries(trainer, scalars["moments"]), opt, scalars["masters"])
     metadata = load_dcp_metadata(path / DCP_METADATA)
-    check_shapes(entries, metadata, path)
+    check_shapes(entries, metadata, path, trainer.cfg.model)
     with torch.no_grad():
         _zero_vocab_tables(trainer)
         try:
