@@ -22,7 +22,6 @@ layout that runs now and copies the overlapping parts of the stored chunks into 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -104,6 +103,3 @@ def tensor_pieces(data: Tensor, local_shape: tuple[int, ...], sharding: Sharding
         rects = local_rectangles(data.reshape(-1), tuple(local_shape), *flat_range)
     return [p for view, at in rects for p in to_global(view, at, sharding, shape)]
 
-
-def covered(entry: Entry) -> int:
-    return sum(math.prod(p.data.shape) for p in entry.pieces)
