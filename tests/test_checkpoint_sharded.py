@@ -207,3 +207,12 @@ def test_malicious_metadata_runs_no_code(saved, tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match="posix.system is not allowed|os.system"):
         sharded.load_model_tensors(step)
     assert not (tmp_path / "pwned").exists()
+
+
+def test_async_save_needs_the_sharded_format(toy_data, tmp_path):  # noqa: F811
+    from trireme.errors import ConfigError
+
+    cfg = tiny_cfg(toy_data, tmp_path, f"checkpoint.dir={tmp_path}/ckpt", "train.steps=1",
+                   "checkpoint.async_save=true")
+    with pytest.raises(ConfigError, match="async_save = true needs checkpoint.format"):
+        train(cfg)
