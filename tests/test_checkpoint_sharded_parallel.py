@@ -62,3 +62,24 @@ def test_sharded_checkpoint_reshards_across_layouts(toy_data, tmp_path):  # noqa
     assert losses(tmp_path / "async") == losses(tmp_path / "whole")
     kept = sorted(p.name for p in (tmp_path / "ckpt-async").glob("step_*"))
     assert kept == ["step_0000005", "step_0000006"], kept
+
+
+def test_fsdp_sharded_checkpoint(toy_data, tmp_path):  # noqa: F811
+    """FSDP (DP 2) saves sharded: resumed by FSDP it gives the uninterrupted FSDP losses, resumed
+    by one process the single-process ones."""
+    ref = tmp_path / "ref"
+    train(config(toy_data, ref, *BASE, "train.steps=6"))
+    ckpt = tmp_path / "ckpt"
+    fsdp = ("parallel.data_parallel_mode=fsdp", f"checkpoint.dir={ckpt}")
+    run_ranks(train_worker, 2, tmp_path, toy_data, [
+        (str(tmp_path / "part"), (*BASE, "train.steps=3", *fsdp)),
+        (str(tmp_path / "part"), (*BASE, "train.steps=6", *fsdp)),
+        (str(tmp_path / "whole"), (*BASE, "train.steps=6", "parallel.data_parallel_mode=fsdp")),
+    ])
+    assert losses(tmp_path / "part") == losses(tmp_path / "whole")
+    one = tmp_path / "ckpt-one"
+    shutil.copytree(ckpt, one)
+    shutil.rmtree(one / "step_0000006")
+    (one / "latest").unlink()  # resume from step 3
+    train(config(toy_data, tmp_path / "one", *BASE, "train.steps=6", f"checkpoint.dir={one}"))
+    assert_same(losses(tmp_path / "one"), losses(ref)[3:], "saved FSDP DP2, resumed 1 process")

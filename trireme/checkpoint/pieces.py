@@ -103,3 +103,20 @@ def tensor_pieces(data: Tensor, local_shape: tuple[int, ...], sharding: Sharding
         rects = local_rectangles(data.reshape(-1), tuple(local_shape), *flat_range)
     return [p for view, at in rects for p in to_global(view, at, sharding, shape)]
 
+
+
+def dtensor_pieces(t) -> list[Piece]:
+    """The local shard of an FSDP parameter (a DTensor sharded on dim 0 over a 1-D mesh, split
+    the way torch.chunk splits: ceil(rows / ranks) rows each, the last ones shorter or empty)."""
+    from torch.distributed.tensor import Shard
+
+    if len(t.placements) != 1 or t.placements[0] != Shard(0):
+        raise ValueError(f"sharded checkpoints handle DTensors sharded on dim 0 only, got "
+                         f"{t.placements}")
+    local = t.to_local().detach()
+    rows, ranks = t.shape[0], t.device_mesh.size()
+    start = min(rows, t.device_mesh.get_local_rank() * -(-rows // ranks))
+    if local.shape[0] != min(rows - start, -(-rows // ranks)):
+        raise ValueError(f"unexpected FSDP shard of {tuple(local.shape)} rows at {start} of "
+                         f"{tuple(t.shape)}")
+    return [Piece(local, (start,) + (0,) * (t.dim() - 1))] if local.numel() else []

@@ -45,7 +45,7 @@ from trireme.checkpoint.dcp_io import (
     Writer,
     reason,
 )
-from trireme.checkpoint.pieces import Entry, Piece, tensor_pieces
+from trireme.checkpoint.pieces import Entry, Piece, dtensor_pieces, tensor_pieces
 from trireme.checkpoint.rng import capture_rng_state, restore_rng_state
 from trireme.checkpoint.safe_pickle import load_dcp_metadata
 from trireme.errors import CheckpointError
@@ -85,6 +85,9 @@ def _param_info(trainer) -> dict[str, tuple[tuple[int, ...], Any, tuple[int, ...
 def _add(entries: dict[str, Entry], key: str, data: torch.Tensor, info, flat_range=None) -> None:
     local_shape, sharding, shape = info
     entry = entries.setdefault(key, Entry(shape, data.dtype))
+    if hasattr(data, "to_local"):  # FSDP: a DTensor, sharded over DP on dim 0
+        entry.pieces += dtensor_pieces(data)
+        return
     entry.pieces += tensor_pieces(data.detach(), local_shape, sharding, shape, flat_range)
 
 
