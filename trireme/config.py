@@ -250,10 +250,11 @@ class CheckpointConfig:
         "auto", "auto: resume from the latest checkpoint in dir if there is one."
     )
     keep_last: int = doc(0, "Keep only this many most recent checkpoints; 0 keeps all.")
-    format: Literal["gathered", "sharded"] = doc(
-        "gathered", "gathered: rank 0 writes the whole model (safetensors; what generate and "
-        "convert read). sharded: every rank writes its own shards (torch.distributed.checkpoint) "
-        "under global names; loads under any layout. Resume reads either."
+    format: Literal["sharded", "gathered"] = doc(
+        "sharded", "sharded: every rank writes its own shards (torch.distributed.checkpoint) "
+        "under global names and shapes; loads under any layout. gathered: rank 0 gathers and "
+        "writes the whole model as safetensors (no FSDP). Resume, generate, convert and inspect "
+        "read either."
     )
     async_save: bool = doc(
         False, "sharded only: copy the state to CPU and write it in a background thread while "
