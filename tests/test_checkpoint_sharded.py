@@ -213,6 +213,6 @@ def test_async_save_needs_the_sharded_format(toy_data, tmp_path):  # noqa: F811
     from trireme.errors import ConfigError
 
     cfg = tiny_cfg(toy_data, tmp_path, f"checkpoint.dir={tmp_path}/ckpt", "train.steps=1",
-                   "checkpoint.async_save=true")
+                   "checkpoint.async_save=true", "checkpoint.format=gathered")
     with pytest.raises(ConfigError, match="async_save = true needs checkpoint.format"):
         train(cfg)

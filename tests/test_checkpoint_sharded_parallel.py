@@ -64,19 +64,31 @@ def test_sharded_checkpoint_reshards_across_layouts(toy_data, tmp_path):  # noqa
     assert kept == ["step_0000005", "step_0000006"], kept
 
 
-def test_fsdp_sharded_checkpoint(toy_data, tmp_path):  # noqa: F811
+TIED = ("model.tie_embeddings=true", "model.make_vocab_size_divisible_by=1")
+
+
+def test_fsdp_and_tied_pipeline_sharded_checkpoints(toy_data, tmp_path):  # noqa: F811
     """FSDP (DP 2) saves sharded: resumed by FSDP it gives the uninterrupted FSDP losses, resumed
-    by one process the single-process ones."""
+    by one process the single-process ones. PP 2 with a tied embedding (both stages hold it)
+    saves it once; one process resumes to the tied reference's losses."""
     ref = tmp_path / "ref"
     train(config(toy_data, ref, *BASE, "train.steps=6"))
     ckpt = tmp_path / "ckpt"
     fsdp = ("parallel.data_parallel_mode=fsdp", f"checkpoint.dir={ckpt}")
+    pp_ckpt = tmp_path / "ckpt-pp"
     run_ranks(train_worker, 2, tmp_path, toy_data, [
         (str(tmp_path / "part"), (*BASE, "train.steps=3", *fsdp)),
         (str(tmp_path / "part"), (*BASE, "train.steps=6", *fsdp)),
         (str(tmp_path / "whole"), (*BASE, "train.steps=6", "parallel.data_parallel_mode=fsdp")),
+        (str(tmp_path / "pp"), (*BASE, *TIED, "train.steps=3", "parallel.pipeline=2",
+                                f"checkpoint.dir={pp_ckpt}")),
     ])
     assert losses(tmp_path / "part") == losses(tmp_path / "whole")
+    tied_ref = tmp_path / "ref-tied"
+    train(config(toy_data, tied_ref, *BASE, *TIED, "train.steps=6"))
+    train(config(toy_data, tmp_path / "pp", *BASE, *TIED, "train.steps=6",
+                 f"checkpoint.dir={pp_ckpt}"))
+    assert_same(losses(tmp_path / "pp"), losses(tied_ref), "saved PP2 tied, resumed 1 process")
     one = tmp_path / "ckpt-one"
     shutil.copytree(ckpt, one)
     shutil.rmtree(one / "step_0000006")
