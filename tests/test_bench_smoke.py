@@ -101,3 +101,25 @@ def test_profile_step_cpu_smoke(tmp_path):
     assert 0 < data["busy_s"] <= data["profiled_step_s"] * 1.001
     assert 0 < len(data["top_kernels"]) <= 15
     assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+
+
+def test_checkpoint_overlap_cpu_smoke(tmp_path):
+    out = tmp_path / "overlap.json"
+    cmd = [
+        sys.executable, str(REPO / "bench" / "checkpoint_overlap.py"), "--preset", "tiny",
+        "--device", "cpu", "--steps", "2", "--warmup", "1", "--out", str(out),
+        "--dir", str(tmp_path / "ckpt"), "--override", "model.vocab_size=256",
+        "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
+        "model.num_query_groups=2", "model.ffn_hidden_size=128", "model.seq_length=32",
+        "train.micro_batch_size=2", "train.global_batch_size=4",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    phases = {r["phase"]: r for r in data["results"]}
+    assert list(phases) == ["none", "async", "blocking"]
+    assert phases["async"]["save_wall_s"] >= phases["async"]["save_foreground_s"] > 0
+    assert len(phases["blocking"]["step_times"]) == 2
+    # the blocking save of step 5 (1 warmup + 2 + 2) is the latest complete checkpoint
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_0000005"

@@ -72,17 +72,18 @@ def test_gradient_accumulation_matches_one_big_micro_batch(toy_data, tmp_path):
     np.testing.assert_allclose(la, lb, rtol=1e-5)
 
 
-def test_resume_continues_the_same_curve(toy_data, tmp_path):
+@pytest.mark.parametrize("fmt", ["sharded", "gathered"])
+def test_resume_continues_the_same_curve(toy_data, tmp_path, fmt):
     full = tiny_cfg(toy_data, tmp_path / "full", "train.steps=8", "model.dropout=0.1")
     train(full)
     ref = [r["loss"] for r in read_metrics(tmp_path / "full" / "run")]
 
     ckpt = tmp_path / "ckpt"
     first = tiny_cfg(toy_data, tmp_path / "part", "train.steps=4", "model.dropout=0.1",
-                     f"checkpoint.dir={ckpt}")
+                     f"checkpoint.dir={ckpt}", f"checkpoint.format={fmt}")
     train(first)
     second = tiny_cfg(toy_data, tmp_path / "part", "train.steps=8", "model.dropout=0.1",
-                      f"checkpoint.dir={ckpt}")
+                      f"checkpoint.dir={ckpt}", f"checkpoint.format={fmt}")
     trainer = train(second)
     assert trainer.state.step == 8
     got = [r["loss"] for r in read_metrics(tmp_path / "part" / "run")]

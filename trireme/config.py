@@ -279,6 +279,16 @@ class CheckpointConfig:
         "auto", "auto: resume from the latest checkpoint in dir if there is one."
     )
     keep_last: int = doc(0, "Keep only this many most recent checkpoints; 0 keeps all.")
+    format: Literal["sharded", "gathered"] = doc(
+        "sharded", "sharded: every rank writes its own shards (torch.distributed.checkpoint) "
+        "under global names and shapes; loads under any layout. gathered: rank 0 gathers and "
+        "writes the whole model as safetensors (no FSDP). Resume, generate, convert and inspect "
+        "read either."
+    )
+    async_save: bool = doc(
+        False, "sharded only: copy the state to CPU and write it in a background thread while "
+        "training goes on (one save in flight; `latest` moves when it is complete)."
+    )
 
 
 @dataclass

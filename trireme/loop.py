@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from trireme.checkpoint import sharded
+from trireme.checkpoint.saver import Saver
 from trireme.checkpoint.store import (
     capture_rng_state,
     latest_checkpoint,
@@ -69,6 +71,13 @@ def maybe_resume(trainer: Trainer) -> None:
     path = latest_checkpoint(cfg.checkpoint.dir)
     if path is None:
         return
+    if sharded.is_sharded(path):
+        # a gloo group: DCP's small collectives on CPU, whatever the training's backend
+        group = torch.distributed.new_group(backend="gloo") if trainer.env.world_size > 1 else None
+        sharded.load(trainer, path, group)
+        if trainer.is_main:
+            print(f"trireme: resumed from {path} at step {trainer.state.step}", file=sys.stderr)
+        return
     ckpt = load_checkpoint(path)
     model, chunks = trainer.model, trainer.chunks
     for chunk in chunks:  # each pipeline stage takes the global names it holds
@@ -121,8 +130,10 @@ def run_loop(trainer: Trainer) -> None:
     pending: list[dict] = []
     last_log = now()
     stop = StopRequest()
+    saver = Saver(trainer, save)
     try:
         while trainer.state.step < cfg.train.steps:
+            saver.check()  # an asynchronous save that failed stops the run here
             lr = lr_at(trainer.state.step, cfg.optimizer, cfg.schedule, cfg.train.steps)
             pending.append(trainer.train_step(trainer.next_micro_batches(), lr))
             trainer.state.step += 1
@@ -164,12 +175,13 @@ def run_loop(trainer: Trainer) -> None:
             if cfg.checkpoint.dir and (
                 last or (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0)
             ):
-                save(trainer)
+                saver.save()
             if out_of_time:
                 why = "a stop signal" if signalled else "train.max_minutes"
                 saved = " (checkpoint saved)" if cfg.checkpoint.dir else ""
                 print_line(progress, f"trireme: stopped by {why} at step {step}{saved}", main)
                 break
+        saver.wait()  # the last save is complete before training returns
     finally:
         stop.restore()
         if progress is not None:

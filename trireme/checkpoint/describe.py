@@ -90,6 +90,8 @@ def describe_trireme(path: Path) -> list[str]:
     if step_dir is None:
         raise CheckpointError(f"no complete trireme checkpoint in {path}")
     meta = store.check_complete(step_dir)
+    if meta.get("checkpoint_format") == "sharded":
+        return describe_sharded(path, step_dir, meta)
     cfg = config_from_toml((step_dir / store.CONFIG_FILE).read_text(), str(step_dir))
     trainer = json.loads((step_dir / store.TRAINER_JSON).read_text())
     params, dtypes, _ = _header_params([step_dir / store.MODEL_FILE])
@@ -110,6 +112,47 @@ def describe_trireme(path: Path) -> list[str]:
     ]
     if isinstance(trainer, dict) and trainer.get("converted_from"):
         lines.append(_row("converted from", trainer["converted_from"]))
+    if others:
+        lines.append(_row("checkpoints here", ", ".join(others)))
+    files = [step_dir / f for f in meta["files"]] + [step_dir / store.META_FILE]
+    return lines + _files(step_dir, files)
+
+
+def describe_sharded(path: Path, step_dir: Path, meta: dict) -> list[str]:
+    """A sharded checkpoint: counts and dtypes from the DCP metadata (read by the restricted
+    unpickler; no tensor data is read)."""
+    from trireme.checkpoint import store
+    from trireme.checkpoint.safe_pickle import load_dcp_metadata
+
+    cfg = config_from_toml((step_dir / store.CONFIG_FILE).read_text(), str(step_dir))
+    trainer = json.loads((step_dir / store.TRAINER_JSON).read_text())
+    stored = load_dcp_metadata(step_dir / ".metadata").state_dict_metadata
+    params, dtypes, optimizer_tensors = 0, {}, 0
+    for key, md in stored.items():
+        if key.startswith("model/") and hasattr(md, "size"):
+            n = math.prod(md.size)
+            params += n
+            dtype = str(md.properties.dtype).removeprefix("torch.")
+            dtypes[dtype] = dtypes.get(dtype, 0) + n
+        elif key.startswith("optimizer/"):
+            optimizer_tensors += 1
+    layout = trainer.get("layout", {})
+    saved_by = ", ".join(f"{k} {layout[k]}" for k in ("tensor", "pipeline", "data")
+                         if k in layout)
+    others = sorted(p.name for p in path.glob("step_*")) if path != step_dir else []
+    lines = [
+        f"trireme checkpoint  {step_dir}",
+        _row("step", f"{meta['step']} (consumed samples {trainer.get('consumed_samples', '?')})"),
+        _row("saved", f"{meta.get('time', '?')} by trireme {meta.get('trireme_version', '?')}, "
+                      f"torch {meta.get('torch_version', '?')}"),
+        _row("layout", f"sharded (torch.distributed.checkpoint) by {layout.get('world_size', '?')}"
+                       f" processes ({saved_by}); loads under any layout"),
+        _row("parameters", f"{human_count(params)} {', '.join(sorted(dtypes))}"),
+        _row("model", model_summary(cfg.model)),
+        _row("precision", cfg.model.precision),
+        _row("optimizer", f"{optimizer_tensors} tensors" if optimizer_tensors else
+             "empty (a fresh optimizer starts from these weights)"),
+    ]
     if others:
         lines.append(_row("checkpoints here", ", ".join(others)))
     files = [step_dir / f for f in meta["files"]] + [step_dir / store.META_FILE]

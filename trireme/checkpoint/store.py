@@ -67,6 +67,7 @@ CONFIG_FILE = "config.toml"
 META_FILE = "meta.json"
 LATEST_FILE = "latest"
 REQUIRED_FILES = (MODEL_FILE, OPTIMIZER_FILE, OPTIMIZER_JSON, RNG_FILE, TRAINER_JSON, CONFIG_FILE)
+SHARDED_REQUIRED_FILES = (".metadata", TRAINER_JSON, CONFIG_FILE)
 
 _STEP_RE = re.compile(r"step_(\d+)")
 _TMP_PREFIX = ".tmp-"
@@ -268,12 +269,16 @@ def check_complete(path: Path) -> dict[str, Any]:
             f"({FORMAT_VERSION}); upgrade trireme"
         )
     files = meta["files"]
-    for fname in REQUIRED_FILES:
+    sharded = meta.get("checkpoint_format") == "sharded"  # sharded.py: DCP files + rng/*
+    for fname in SHARDED_REQUIRED_FILES if sharded else REQUIRED_FILES:
         if fname not in files:
             raise CheckpointError(f"{meta_path} does not list {fname}; the checkpoint is corrupted")
     for fname, info in files.items():
         file = path / fname
-        if Path(fname).name != fname or not isinstance(info, dict):
+        parts = Path(fname).parts
+        nested_ok = sharded and len(parts) == 2 and parts[0] == "rng"
+        if (Path(fname).name != fname and not nested_ok) or ".." in parts \
+                or not isinstance(info, dict):
             raise CheckpointError(f"{meta_path}: bad file entry {fname!r}; the file is corrupted")
         if not file.is_file():
             raise CheckpointError(
@@ -358,6 +363,10 @@ def load_checkpoint(path: str | Path, *, verify: bool = True) -> Checkpoint:
             )
         path = found
     meta = check_complete(path)
+    if meta.get("checkpoint_format") == "sharded":  # every rank's shards: sharded.py
+        from trireme.checkpoint import sharded
+
+        return sharded.load_checkpoint(path, meta)
     if verify:
         for fname, info in meta["files"].items():
             if "sha256" in info and fmt.sha256_file(path / fname) != info["sha256"]:

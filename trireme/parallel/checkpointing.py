@@ -12,7 +12,9 @@ are already the global ones, and `gather_stages` collects every stage's tensors 
 (a tied embedding's last-stage copy is the same tensor as the first stage's, kept once). Loading
 gives each chunk the names it holds, so a checkpoint loads under any pipeline layout too.
 
-This gathers the whole model through every rank, fine for now; sharded checkpoints come later.
+This gathers the whole model through one rank (`checkpoint.format = "gathered"`); the sharded
+format (trireme/checkpoint/sharded.py) reuses the same Sharding description to let every rank
+write its own pieces.
 """
 
 from __future__ import annotations

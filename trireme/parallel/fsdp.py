@@ -11,9 +11,9 @@ The optimizer is the fp32 AdamW of `trireme.optim.optimizer` over the sharded pa
 gradient norm sums the squares of each rank's shards over the DP group.
 
 Limits of this first version (each a one-line ConfigError in `check_fsdp`): fp32 only (bf16 wants
-fully_shard's MixedPrecisionPolicy and fp32 sharded parameters), no tensor parallelism, no
-checkpoints yet. The model is built and initialized whole on each rank before it is sharded, so it
-must fit on one device at the start.
+fully_shard's MixedPrecisionPolicy and fp32 sharded parameters), no tensor parallelism, and
+checkpoints in the sharded format only. The model is built and initialized whole on each rank
+before it is sharded, so it must fit on one device at the start.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ def check_fsdp(cfg: Config) -> None:
     if p.distributed_optimizer:
         raise ConfigError("parallel.distributed_optimizer is for 'ddp'; 'fsdp' already shards "
                           "the optimizer state")
-    if cfg.checkpoint.dir:
-        raise ConfigError("checkpoints with parallel.data_parallel_mode = 'fsdp': not "
-                          "implemented yet; use 'ddp' (checkpoint.dir set)")
+    if cfg.checkpoint.dir and cfg.checkpoint.format != "sharded":
+        raise ConfigError("checkpoints with parallel.data_parallel_mode = 'fsdp' need "
+                          "checkpoint.format = 'sharded' (checkpoint.dir set)")
 
 
 def shard_model(model: nn.Module, mesh: ParallelMesh) -> None:

@@ -1,0 +1,400 @@
+"""Sharded checkpoints (`checkpoint.format = "sharded"`): every rank writes what it holds.
+
+    root/step_0000100/
+      .metadata, __0_0.distcp, ...   torch.distributed.checkpoint (DCP): tensors by global name
+      rng/rank_00003.safetensors     each rank's RNG states (structure in the header, as JSON)
+      trainer.json                   step, consumed samples, optimizer scalars, the saving layout
+      config.toml, meta.json         as in the gathered format; meta.json (written last) lists
+                                     every file with its size
+
+The DCP keys are "model/<name>", "optimizer/exp_avg/<name>", "optimizer/exp_avg_sq/<name>" and
+(bf16 / fp16) "optimizer/master/<name>", each in the parameter's global shape (pieces.py says
+how local shards map to it), so a checkpoint loads under any layout: loading describes this
+layout's pieces and DCP reads the overlapping parts of the stored chunks straight into them.
+
+Saving keeps the gathered format's protocol: all ranks write into root/.tmp-step_...-<token>,
+rank 0 adds trainer.json, config.toml and meta.json, renames the directory and moves `latest`
+last (store.py's helpers). DCP writes `.metadata` with pickle; torch's reader would unpickle it,
+so `SafeReader` reads it with the restricted unpickler of safe_pickle.py (only DCP's metadata
+classes and torch dtypes resolve), and tensors come back through torch.load(weights_only=True):
+loading never runs code from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+from trireme import __version__
+from trireme.checkpoint import format as fmt
+from trireme.checkpoint import store
+from trireme.checkpoint.dcp_io import (
+    DCP_METADATA,
+    PieceLoadPlanner,
+    PieceSavePlanner,
+    SafeReader,
+    Writer,
+    reason,
+)
+from trireme.checkpoint.pieces import Entry, Piece, dtensor_pieces, tensor_pieces
+from trireme.checkpoint.rng import capture_rng_state, restore_rng_state
+from trireme.checkpoint.safe_pickle import load_dcp_metadata
+from trireme.errors import CheckpointError
+from trireme.parallel.checkpointing import VOCAB_TABLES
+from trireme.parallel.sharding import parameter_shardings
+
+# one process without a process group is a normal case here, not worth DCP's warning
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
+                        "uninitialized", category=UserWarning)
+
+FORMAT_NAME = "sharded"
+WRITER = Writer  # tests replace it with a failing one
+RNG_DIR = "rng"
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+# --------------------------------------------------------------------------------------------
+# What this rank holds, under global names
+
+
+def _param_info(trainer) -> dict[str, tuple[tuple[int, ...], Any, tuple[int, ...]]]:
+    """name -> (local shape, TP sharding or None, global shape) of every model tensor here."""
+    rows = trainer.cfg.model.padded_vocab_size  # the single-process padding
+    info = {}
+    for chunk in trainer.chunks:
+        shardings = parameter_shardings(chunk)
+        for name, t in chunk.state_dict().items():
+            sharding = shardings.get(name)
+            shape = tuple(sharding.full_shape(t.shape) if sharding else t.shape)
+            if name in VOCAB_TABLES:
+                shape = (rows, *shape[1:])
+            info[name] = (tuple(t.shape), sharding, shape)
+    return info
+
+
+def _add(entries: dict[str, Entry], key: str, data: torch.Tensor, info, flat_range=None) -> None:
+    local_shape, sharding, shape = info
+    entry = entries.setdefault(key, Entry(shape, data.dtype))
+    if hasattr(data, "to_local"):  # FSDP: a DTensor, sharded over DP on dim 0
+        entry.pieces += dtensor_pieces(data)
+        return
+    entry.pieces += tensor_pieces(data.detach(), local_shape, sharding, shape, flat_range)
+
+
+def state_entries(trainer, moments: bool) -> dict[str, Entry]:
+    """Every tensor of the model and optimizer this rank holds, as global-tensor pieces. With
+    `moments`, AdamW's exp_avg / exp_avg_sq are included (they must exist)."""
+    info = _param_info(trainer)
+    entries: dict[str, Entry] = {}
+    for chunk in trainer.chunks:
+        for name, t in chunk.state_dict().items():
+            _add(entries, f"model/{name}", t, info[name])
+    opt = trainer.optimizer
+    segments = getattr(opt, "_segments", None)  # the distributed optimizer: flat ranges
+    ranges = ({name: (lo, hi) for name, _, lo, hi in segments} if segments is not None else
+              {name: None for name in opt.names})
+    for name, flat_range in ranges.items():
+        master = opt.masters[name]
+        tensors = {}
+        if moments:
+            state = opt.inner.state[master]
+            tensors = {key: state[key] for key in MOMENTS}
+        if opt.low_precision:
+            tensors["master"] = master
+        for key, t in tensors.items():
+            _add(entries, f"optimizer/{key}/{name}", t, info[name], flat_range)
+    return entries
+
+
+def optimizer_stepped(opt) -> bool:
+    return any(opt.inner.state.get(m) for m in opt.masters.values())
+
+
+def optimizer_scalars(opt) -> dict[str, Any]:
+    steps = [int(st["step"].item()) for st in opt.inner.state.values() if "step" in st]
+    return {"step": max(steps, default=0), "loss_scale": float(opt.loss_scale.item()),
+            "good_steps": int(opt._good_steps.item()), "precision": opt.precision,
+            "moments": bool(steps), "masters": opt.low_precision}
+
+
+def layout_of(trainer) -> dict[str, Any]:
+    p = trainer.cfg.parallel
+    return {"world_size": trainer.env.world_size, "tensor": p.tensor, "pipeline": p.pipeline,
+            "virtual_pipeline": p.virtual_pipeline, "data": trainer.data_parallel,
+            "data_parallel_mode": p.data_parallel_mode,
+            "distributed_optimizer": p.distributed_optimizer}
+
+
+def staged(entries: dict[str, Entry]) -> dict[str, Entry]:
+    """CPU copies of every piece (what an asynchronous save writes while training goes on)."""
+    return {k: Entry(e.shape, e.dtype, [Piece(p.data.to("cpu", copy=True), p.offsets)
+                                        for p in e.pieces]) for k, e in entries.items()}
+
+
+
+def _token(group) -> int:
+    """One random number, the same on every rank (names the temporary directory); `group` is
+    the checkpoint's gloo group of all ranks (CPU tensors), None in one process."""
+    t = torch.tensor([secrets.randbits(31)], dtype=torch.int64)
+    if group is not None:
+        dist.broadcast(t, src=0, group=group)
+    return int(t.item())
+
+
+def _write_rng(tmp: Path, rank: int, state: dict[str, Any]) -> None:
+    flat = fmt.Flattener("rng")
+    structure = flat.encode(state)
+    (tmp / RNG_DIR).mkdir(exist_ok=True)
+    path = tmp / RNG_DIR / f"rank_{rank:05d}.safetensors"
+    fmt.write_file(path, lambda f: fmt.write_safetensors(
+        f, flat.tensors, {"structure": json.dumps(structure)}))
+
+
+def rank_rng_state(trainer) -> dict[str, Any]:
+    state = {"rng": capture_rng_state()}
+    tp = trainer.model.tp
+    if tp is not None:
+        state["tensor_parallel_rng"] = tp.rng.state.cpu()
+    return state
+
+
+def prepare(trainer, root: Path, group) -> dict[str, Any]:
+    """The foreground part of a save (collective): the temporary directory, this rank's RNG file
+    and everything rank 0 writes at the end. Returns the job for `write`."""
+    distributed = trainer.env.world_size > 1
+    step = trainer.state.step
+    token = _token(group if distributed else None)
+    tmp = root / f"{store._TMP_PREFIX}{store.step_dir_name(step)}-{token:08x}"
+    if trainer.is_main:
+        tmp.mkdir(parents=True, exist_ok=True)
+    if distributed:
+        dist.barrier(group=group)
+    rank = dist.get_rank() if distributed else 0
+    _write_rng(tmp, rank, rank_rng_state(trainer))
+    opt = trainer.optimizer
+    trainer_state = {
+        "step": step, "consumed_samples": trainer.state.consumed_samples,
+        "optimizer": optimizer_scalars(opt), "layout": layout_of(trainer),
+    }
+    return {"tmp": tmp, "root": root, "step": step, "main": trainer.is_main,
+            "trainer": trainer_state, "config": trainer.cfg.to_toml(),
+            "keep_last": trainer.cfg.checkpoint.keep_last, "distributed": distributed,
+            "group": group, "entries": state_entries(trainer, optimizer_stepped(opt))}
+
+
+def write(job: dict[str, Any]) -> Path | None:
+    """Write the tensors (collective over the job's group), then on rank 0 finish, rename and
+    point `latest` at the new checkpoint. Safe to run in a background thread."""
+    tmp = job["tmp"]
+    try:
+        dcp.save(job["entries"], storage_writer=WRITER(tmp), planner=PieceSavePlanner(),
+                 process_group=job["group"], no_dist=not job["distributed"])
+    except (Exception, CheckpointException) as e:  # DCP wraps the failing rank's error
+        raise CheckpointError(f"could not save checkpoint into {tmp}: {reason(e)}") from e
+    if not job["main"]:
+        return None
+    final = job["root"] / store.step_dir_name(job["step"])
+    try:
+        fmt.write_file(tmp / store.TRAINER_JSON, lambda f: fmt.write_json(f, job["trainer"]))
+        fmt.write_file(tmp / store.CONFIG_FILE, lambda f: f.write(job["config"].encode()))
+        files = {str(p.relative_to(tmp)): {"size": p.stat().st_size}
+                 for p in sorted(tmp.rglob("*")) if p.is_file()}
+        meta = {
+            "format": store.FORMAT, "format_version": store.FORMAT_VERSION,
+            "checkpoint_format": FORMAT_NAME, "step": job["step"],
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "unix_time": time.time(),
+            "trireme_version": __version__, "torch_version": torch.__version__, "files": files,
+        }
+        fmt.write_file(tmp / store.META_FILE, lambda f: fmt.write_json(f, meta))
+        for d in (tmp / RNG_DIR, tmp):
+            store._fsync_dir(d)
+        store._publish(tmp, final)
+        store._write_latest(job["root"], final.name)
+    except OSError as e:
+        raise CheckpointError(f"could not save checkpoint {final}: {e}; check free space and "
+                              "permissions") from e
+    store._remove_old(job["root"], keep=final, keep_last=job["keep_last"])
+    return final
+
+
+# --------------------------------------------------------------------------------------------
+# Load
+
+
+def is_sharded(path: Path) -> bool:
+    meta = path / store.META_FILE
+    try:
+        return fmt.read_json(meta).get("checkpoint_format") == FORMAT_NAME
+    except (CheckpointError, AttributeError):
+        return False
+
+
+def check_shapes(entries: dict[str, Entry], metadata, path: Path, model_cfg) -> None:
+    """Every key this model needs is in the checkpoint, with this model's global shape, and the
+    checkpoint holds no model tensor that this model (all stages of it) lacks."""
+    from trireme.checkpoint.convert import expected_shapes
+
+    stored = metadata.state_dict_metadata
+    expected = expected_shapes(model_cfg)
+    unexpected = sorted(k for k in stored if k.startswith("model/") and k[6:] not in expected)
+    if unexpected:
+        raise CheckpointError(
+            f"{path} holds tensors this model does not have: {', '.join(unexpected[:4])}"
+            f"{' ...' if len(unexpected) > 4 else ''} ({len(unexpected)}); the checkpoint was "
+            "saved from a different model")
+    missing = sorted(k for k in entries if k not in stored)
+    if missing:
+        raise CheckpointError(
+            f"{path} has no {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} "
+            f"({len(missing)} missing); the checkpoint was saved from a different model")
+    wrong = [f"{k} {tuple(stored[k].size)} (this model {e.shape})" for k, e in entries.items()
+             if tuple(stored[k].size) != tuple(e.shape)]
+    if wrong:
+        raise CheckpointError(f"{path}: shapes differ from the config's model: "
+                              f"{'; '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}")
+
+
+def _read_rng(path: Path, rank: int) -> dict[str, Any] | None:
+    file = path / RNG_DIR / f"rank_{rank:05d}.safetensors"
+    if not file.is_file():
+        return None
+    tensors, meta = fmt.read_safetensors(file)
+    try:
+        structure = json.loads(meta["structure"])
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"{file} has no readable structure ({e}); it is corrupted") from None
+    return fmt.decode(structure, tensors, file)
+
+
+def _prepare_optimizer(opt, scalars: dict[str, Any]) -> None:
+    """Create AdamW's state tensors (zeros) so the load can fill them in place."""
+    if scalars["moments"]:
+        zeros = {n: torch.zeros_like(opt.masters[n]) for n in opt.names if n in opt.masters}
+        opt._load_moments(zeros, zeros, scalars["step"])
+    opt._load_loss_scale(scalars)
+
+
+def _finish_optimizer(opt, masters_loaded: bool) -> None:
+    """The parameters from the loaded masters (or the masters from the loaded parameters)."""
+    if not masters_loaded:
+        opt.sync_master_from_params()
+    if hasattr(opt, "_copy_back") and getattr(opt, "_segments", None) is not None:
+        opt._copy_back()  # the distributed optimizer: gather the masters into the parameters
+    elif opt.low_precision:
+        torch._foreach_copy_(opt.params, opt._master_list)
+
+
+def _master_source(entries: dict[str, Entry], opt, stored: bool) -> dict[str, Entry]:
+    """Read the fp32 weights from where they are: a bf16 / fp16 checkpoint's masters into an fp32
+    model's parameters; an fp32 checkpoint's parameters into a bf16 / fp16 run's masters."""
+    if stored and not opt.low_precision:
+        for name in opt.names:
+            entries[f"optimizer/master/{name}"] = entries.pop(f"model/{name}")
+    elif not stored and opt.low_precision:
+        for name in opt.names:
+            entries[f"model/{name}"].pieces += entries.pop(f"optimizer/master/{name}").pieces
+    return entries
+
+
+def _zero_vocab_tables(trainer) -> None:
+    """Rows of the vocabulary tables that no stored chunk covers (the extra tensor-parallel
+    padding) must be zero, as in the gathered format."""
+    for chunk in trainer.chunks:
+        for name, t in chunk.state_dict().items():
+            if name in VOCAB_TABLES:
+                t.zero_()
+                if name in trainer.optimizer.masters:
+                    trainer.optimizer.masters[name].zero_()
+
+
+def load(trainer, path: Path, group) -> None:
+    """Load a sharded checkpoint into the trainer's model, optimizer and state (collective)."""
+    store.check_complete(path)
+    saved = fmt.read_json(path / store.TRAINER_JSON)
+    scalars = saved["optimizer"]
+    opt = trainer.optimizer
+    _prepare_optimizer(opt, scalars)
+    entries = _master_source(state_entries(trainer, scalars["moments"]), opt, scalars["masters"])
+    metadata = load_dcp_metadata(path / DCP_METADATA)
+    check_shapes(entries, metadata, path, trainer.cfg.model)
+    with torch.no_grad():
+        _zero_vocab_tables(trainer)
+        try:
+            dcp.load(entries, storage_reader=SafeReader(path), planner=PieceLoadPlanner(),
+                     process_group=group, no_dist=trainer.env.world_size == 1)
+        except CheckpointError:
+            raise
+        except (Exception, CheckpointException) as e:
+            raise CheckpointError(
+                f"could not load the sharded checkpoint {path}: {reason(e)}") from e
+        _finish_optimizer(opt, opt.low_precision)
+    trainer.state.step = int(saved["step"])
+    trainer.state.consumed_samples = int(saved["consumed_samples"])
+    same_layout = saved["layout"] == layout_of(trainer)
+    rank = dist.get_rank() if trainer.env.world_size > 1 else 0
+    rng = _read_rng(path, rank if same_layout else 0)
+    if rng is None:
+        raise CheckpointError(f"{path / RNG_DIR} lacks rank {rank}'s RNG file; it is incomplete")
+    restore_rng_state(rng["rng"])
+    tp = trainer.model.tp
+    if same_layout and tp is not None and "tensor_parallel_rng" in rng:
+        tp.rng.state = rng["tensor_parallel_rng"].to(device="cpu", dtype=torch.uint8)
+
+
+# --------------------------------------------------------------------------------------------
+# Whole tensors in one process (trireme inspect / generate / convert, tests)
+
+
+def load_full_tensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every stored tensor whose key starts with `prefix`, whole, in this process (no process
+    group needed). Sizes of all files are checked first."""
+    store.check_complete(path)
+    metadata = load_dcp_metadata(path / DCP_METADATA)
+    entries = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith(prefix) and hasattr(md, "chunks"):
+            t = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+            entries[key] = Entry(tuple(md.size), t.dtype, [Piece(t, (0,) * t.dim())])
+    try:
+        dcp.load(entries, storage_reader=SafeReader(path), planner=PieceLoadPlanner(),
+                 no_dist=True)
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"could not load the sharded checkpoint {path}: {reason(e)}") from e
+    return {k: e.pieces[0].data for k, e in entries.items()}
+
+
+def load_model_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The model's tensors by global name (the gathered format's `model`)."""
+    return {k[len("model/"):]: t for k, t in load_full_tensors(path, "model/").items()}
+
+
+def load_checkpoint(path: Path, meta: dict[str, Any]) -> store.Checkpoint:
+    """A sharded checkpoint in the gathered form of `store.load_checkpoint`."""
+    tensors = load_full_tensors(path)
+    saved = fmt.read_json(path / store.TRAINER_JSON)
+    scalars = saved["optimizer"]
+    optimizer: dict[str, Any] = {k: scalars[k] for k in ("step", "loss_scale", "good_steps",
+                                                          "precision")}
+    for key in (*MOMENTS, "master"):
+        part = {k.split("/", 2)[2]: t for k, t in tensors.items()
+                if k.startswith(f"optimizer/{key}/")}
+        if part or key in MOMENTS:
+            optimizer[key] = part
+    model = {k[len("model/"):]: t for k, t in tensors.items() if k.startswith("model/")}
+    trainer = {k: saved[k] for k in ("step", "consumed_samples")}
+    rng = _read_rng(path, 0)
+    if rng is not None:
+        trainer["rng"] = rng["rng"]
+    return store.Checkpoint(step=int(meta["step"]), model=model, optimizer=optimizer,
+                            trainer=trainer, config_toml=(path / store.CONFIG_FILE).read_text(),
+                            path=path, meta=meta)
