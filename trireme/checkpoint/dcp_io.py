@@ -138,12 +138,15 @@ class SafeReader(FileSystemReader):
 
 
 class Writer(FileSystemWriter):
-    """DCP's file writer. For the tests that kill a run in the middle of a save,
-    TRIREME_TEST_SAVE_DELAY="STEP:SECONDS" sleeps after the shards of step STEP are written
-    (before DCP's .metadata, trireme's meta.json and the rename)."""
+    """DCP's file writer; `written` lists the data files this rank wrote. For the tests that
+    kill a run in the middle of a save, TRIREME_TEST_SAVE_DELAY="STEP:SECONDS" sleeps after the
+    shards of step STEP are written (before DCP's .metadata, trireme's meta.json and the
+    rename)."""
 
     def write_data(self, plan, planner):
         future = super().write_data(plan, planner)
+        # the data files this rank wrote (sharded.write records their sha256 in meta.json)
+        self.written = sorted({r.storage_data.relative_path for r in future.wait()})
         step, _, seconds = os.environ.get("TRIREME_TEST_SAVE_DELAY", "").partition(":")
         if seconds and store.step_dir_name(int(step)) in Path(self.path).name:
             time.sleep(float(seconds))

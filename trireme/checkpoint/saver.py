@@ -1,8 +1,9 @@
 """The training loop's checkpoint writer: the configured format, blocking or in the background.
 
 `checkpoint.async_save` (sharded format): `save` does the collective planning in the foreground
-(temporary directory name, each rank's RNG file), copies this rank's pieces to CPU (memory: one
-checkpoint) and returns; a background thread writes them with torch.distributed.checkpoint over a
+(temporary directory name, each rank's RNG file), copies this rank's pieces to CPU (pinned host
+buffers allocated by the first save and reused: memory for one checkpoint) and returns; a
+background thread writes them with torch.distributed.checkpoint over a
 separate gloo group (so its collectives never interleave with the training's), and rank 0 then
 renames the directory and moves `latest`. At most one save is in flight: the next save, and the
 end of training, wait for it. An error in the background is raised by the next `check` (the loop
@@ -33,6 +34,7 @@ class Saver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_path: Path | None = None
+        self._staging: dict = {}  # pinned host buffers, reused by every async save
         self.finished_at = 0.0  # time.perf_counter() when the last background save ended
 
     def group(self):
@@ -55,7 +57,7 @@ class Saver:
             if trainer.env.world_size > 1:
                 dist.barrier(group=group)  # the checkpoint is complete before any rank goes on
             return self.last_path
-        job["entries"] = sharded.staged(job["entries"])
+        job["entries"] = sharded.staged(job["entries"], self._staging)
         self._thread = threading.Thread(target=self._write, args=(job,), name="trireme-save",
                                         daemon=True)
         self._thread.start()

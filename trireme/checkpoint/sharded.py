@@ -5,7 +5,8 @@
       rng/rank_00003.safetensors     each rank's RNG states (structure in the header, as JSON)
       trainer.json                   step, consumed samples, optimizer scalars, the saving layout
       config.toml, meta.json         as in the gathered format; meta.json (written last) lists
-                                     every file with its size
+                                     every file with its size, the data files with their
+                                     sha256 (each rank hashes its own; checked on load)
 
 The DCP keys are "model/<name>", "optimizer/exp_avg/<name>", "optimizer/exp_avg_sq/<name>" and
 (bf16 / fp16) "optimizer/master/<name>", each in the parameter's global shape (pieces.py says
@@ -135,10 +136,31 @@ def layout_of(trainer) -> dict[str, Any]:
             "distributed_optimizer": p.distributed_optimizer}
 
 
-def staged(entries: dict[str, Entry]) -> dict[str, Entry]:
-    """CPU copies of every piece (what an asynchronous save writes while training goes on)."""
-    return {k: Entry(e.shape, e.dtype, [Piece(p.data.to("cpu", copy=True), p.offsets)
-                                        for p in e.pieces]) for k, e in entries.items()}
+def staged(entries: dict[str, Entry], buffers: dict | None = None) -> dict[str, Entry]:
+    """CPU copies of every piece (what an asynchronous save writes while training goes on).
+
+    Pieces on the GPU go to pinned host memory with asynchronous copies and one synchronize at
+    the end (pageable copies were ten times slower); `buffers` keeps those host buffers for the
+    next save, so staging allocates once and holds one checkpoint's worth of host memory. The
+    caller must not reuse `buffers` while a previous save is still writing from them.
+    """
+    out, on_gpu = {}, False
+    for key, e in entries.items():
+        pieces = []
+        for i, p in enumerate(e.pieces):
+            src = p.data
+            buf = buffers.get((key, i)) if buffers is not None else None
+            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
+                if buffers is not None:
+                    buffers[(key, i)] = buf
+            buf.copy_(src, non_blocking=src.is_cuda)
+            on_gpu |= src.is_cuda
+            pieces.append(Piece(buf, p.offsets))
+        out[key] = Entry(e.shape, e.dtype, pieces)
+    if on_gpu:
+        torch.cuda.synchronize()
+    return out
 
 
 
@@ -196,11 +218,20 @@ def write(job: dict[str, Any]) -> Path | None:
     """Write the tensors (collective over the job's group), then on rank 0 finish, rename and
     point `latest` at the new checkpoint. Safe to run in a background thread."""
     tmp = job["tmp"]
+    writer = WRITER(tmp)
     try:
-        dcp.save(job["entries"], storage_writer=WRITER(tmp), planner=PieceSavePlanner(),
+        dcp.save(job["entries"], storage_writer=writer, planner=PieceSavePlanner(),
                  process_group=job["group"], no_dist=not job["distributed"])
     except (Exception, CheckpointException) as e:  # DCP wraps the failing rank's error
         raise CheckpointError(f"could not save checkpoint into {tmp}: {reason(e)}") from e
+    # each rank hashes the data files it wrote; rank 0 records them all in meta.json
+    digests = {name: fmt.sha256_file(tmp / name) for name in getattr(writer, "written", [])}
+    if job["distributed"]:
+        group = job["group"]
+        every = [None] * dist.get_world_size(group) if job["main"] else None
+        dist.gather_object(digests, every, dst=0, group=group)  # between our own ranks
+        if job["main"]:
+            digests = {k: v for d in every for k, v in d.items()}
     if not job["main"]:
         return None
     final = job["root"] / store.step_dir_name(job["step"])
@@ -209,6 +240,8 @@ def write(job: dict[str, Any]) -> Path | None:
         fmt.write_file(tmp / store.CONFIG_FILE, lambda f: f.write(job["config"].encode()))
         files = {str(p.relative_to(tmp)): {"size": p.stat().st_size}
                  for p in sorted(tmp.rglob("*")) if p.is_file()}
+        for name, digest in digests.items():
+            files[name]["sha256"] = digest
         meta = {
             "format": store.FORMAT, "format_version": store.FORMAT_VERSION,
             "checkpoint_format": FORMAT_NAME, "step": job["step"],
@@ -317,9 +350,28 @@ def _zero_vocab_tables(trainer) -> None:
                     trainer.optimizer.masters[name].zero_()
 
 
+def verify_digests(path: Path, meta: dict[str, Any], group=None, world: int = 1,
+                   rank: int = 0) -> None:
+    """Check the data files' sha256 against meta.json (collective over `group`: each rank
+    hashes every world-th file); raise CheckpointError naming a corrupted file on every rank."""
+    named = sorted(n for n, info in meta["files"].items() if "sha256" in info)
+    bad = [n for i, n in enumerate(named) if i % world == rank
+           and fmt.sha256_file(path / n) != meta["files"][n]["sha256"]]
+    if world > 1:
+        every: list = [None] * world
+        dist.all_gather_object(every, bad, group=group)  # between our own ranks
+        bad = sorted(n for part in every for n in part)
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise CheckpointError(f"{path / bad[0]}{more} is corrupted: its sha256 does not match "
+                              f"{store.META_FILE}; load an earlier step")
+
+
 def load(trainer, path: Path, group) -> None:
     """Load a sharded checkpoint into the trainer's model, optimizer and state (collective)."""
-    store.check_complete(path)
+    meta = store.check_complete(path)
+    world = trainer.env.world_size
+    verify_digests(path, meta, group, world, dist.get_rank() if world > 1 else 0)
     saved = fmt.read_json(path / store.TRAINER_JSON)
     scalars = saved["optimizer"]
     opt = trainer.optimizer
@@ -378,8 +430,10 @@ def load_model_tensors(path: Path) -> dict[str, torch.Tensor]:
     return {k[len("model/"):]: t for k, t in load_full_tensors(path, "model/").items()}
 
 
-def load_checkpoint(path: Path, meta: dict[str, Any]) -> store.Checkpoint:
+def load_checkpoint(path: Path, meta: dict[str, Any], verify: bool = True) -> store.Checkpoint:
     """A sharded checkpoint in the gathered form of `store.load_checkpoint`."""
+    if verify:
+        verify_digests(path, meta)
     tensors = load_full_tensors(path)
     saved = fmt.read_json(path / store.TRAINER_JSON)
     scalars = saved["optimizer"]

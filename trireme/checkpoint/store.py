@@ -366,7 +366,7 @@ def load_checkpoint(path: str | Path, *, verify: bool = True) -> Checkpoint:
     if meta.get("checkpoint_format") == "sharded":  # every rank's shards: sharded.py
         from trireme.checkpoint import sharded
 
-        return sharded.load_checkpoint(path, meta)
+        return sharded.load_checkpoint(path, meta, verify)
     if verify:
         for fname, info in meta["files"].items():
             if "sha256" in info and fmt.sha256_file(path / fname) != info["sha256"]:
