@@ -156,8 +156,8 @@ def test_precision_change_keeps_the_fp32_weights(toy_data, tmp_path, saved_as, l
     assert trainer.state.step == 2
     opt = trainer.optimizer
     for name in opt.names:
-        assert torch.equal(opt.masters[name].float(), fp32[name].float()), name
-        assert torch.equal(opt.inner.state[opt.masters[name]]["exp_avg"],
+        assert torch.equal(opt.masters[name].float().cpu(), fp32[name].float()), name
+        assert torch.equal(opt.inner.state[opt.masters[name]]["exp_avg"].cpu(),
                            full.optimizer["exp_avg"][name]), name
 
 
