@@ -140,7 +140,7 @@ def staged(entries: dict[str, Entry], buffers: dict | None = None) -> dict[str, 
     """CPU copies of every piece (what an asynchronous save writes while training goes on).
 
     Pieces on the GPU go to pinned host memory with asynchronous copies and one synchronize at
-    the end (pageable copies were ten times slower); `buffers` keeps those host buffers for the
+    the end; `buffers` keeps those host buffers for the
     next save, so staging allocates once and holds one checkpoint's worth of host memory. The
     caller must not reuse `buffers` while a previous save is still writing from them.
     """
