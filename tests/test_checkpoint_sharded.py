@@ -84,6 +84,42 @@ def test_async_save_error_is_raised_at_the_next_step(toy_data, tmp_path, monkeyp
     assert latest_checkpoint(tmp_path / "ckpt") is None
 
 
+def test_a_crash_during_an_async_save_still_completes_it(toy_data, tmp_path, monkeypatch):  # noqa: F811
+    """A step that raises while the step-4 checkpoint is being written in the background: the
+    error propagates, and the checkpoint is finished (not lost with the process)."""
+    from trireme.train import Trainer
+
+    monkeypatch.setenv("TRIREME_TEST_SAVE_DELAY", "4:1.5")  # the write of step 4 takes 1.5 s
+    real_step = Trainer.train_step
+
+    def failing_step(self, micro_batches, lr):
+        if self.state.step == 4:
+            raise RuntimeError("out of memory (test)")
+        return real_step(self, micro_batches, lr)
+
+    monkeypatch.setattr(Trainer, "train_step", failing_step)
+    ckpt = tmp_path / "ckpt"
+    cfg = tiny_cfg(toy_data, tmp_path, f"checkpoint.dir={ckpt}", *SHARDED, "train.steps=8",
+                   "checkpoint.interval=2", "checkpoint.async_save=true")
+    with pytest.raises(RuntimeError, match="out of memory"):
+        train(cfg)
+    assert (ckpt / "latest").read_text().strip() == "step_0000004"
+    assert load_checkpoint(ckpt).step == 4
+    assert not list(ckpt.glob(".tmp-*"))
+
+
+def test_small_files_are_checksummed_too(toy_data, tmp_path):  # noqa: F811
+    ckpt = tmp_path / "ckpt"
+    train(tiny_cfg(toy_data, tmp_path, f"checkpoint.dir={ckpt}", *SHARDED, "train.steps=2"))
+    step = latest_checkpoint(ckpt)
+    trainer_json = step / "trainer.json"
+    text = trainer_json.read_text()
+    trainer_json.write_text(text.replace('"step": 2', '"step": 3'))  # same size, other bytes
+    assert len(trainer_json.read_text()) == len(text)
+    with pytest.raises(CheckpointError, match="trainer.json is corrupted"):
+        load_checkpoint(ckpt)
+
+
 @pytest.fixture
 def saved(toy_data, tmp_path):  # noqa: F811
     ckpt = tmp_path / "ckpt"
@@ -211,7 +247,6 @@ def test_malicious_metadata_runs_no_code(saved, tmp_path, monkeypatch):
 def test_async_save_needs_the_sharded_format(toy_data, tmp_path):  # noqa: F811
     from trireme.errors import ConfigError
 
-    cfg = tiny_cfg(toy_data, tmp_path, f"checkpoint.dir={tmp_path}/ckpt", "train.steps=1",
-                   "checkpoint.async_save=true", "checkpoint.format=gathered")
     with pytest.raises(ConfigError, match="async_save = true needs checkpoint.format"):
-        train(cfg)
+        tiny_cfg(toy_data, tmp_path, f"checkpoint.dir={tmp_path}/ckpt", "train.steps=1",
+                 "checkpoint.async_save=true", "checkpoint.format=gathered")

@@ -137,7 +137,8 @@ def test_launch_problems_one_line_exit_2(tmp_path, monkeypatch):
     for args, needle in [
         (["parallel.data_parallel_mode=zero"], "use 'ddp' or 'fsdp'"),
         (["parallel.data_parallel_mode=fsdp", "parallel.tensor=2"], "not implemented yet"),
-        (["parallel.data_parallel_mode=fsdp", "checkpoint.dir=x"], "checkpoint.format = .sharded."),
+        (["parallel.data_parallel_mode=fsdp", "checkpoint.dir=x", "checkpoint.format=gathered"],
+         "checkpoint.format = .sharded."),
     ]:
         with pytest.raises(ConfigError, match=needle):
             check_parallel(load_config("tiny", args), world_size=2)

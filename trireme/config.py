@@ -578,6 +578,9 @@ def validate(cfg: Config, need_vocab: bool = True) -> None:
             f"model.loss_chunk_size = {m.loss_chunk_size} must be at least 1 with "
             "model.fused_cross_entropy = true"
         )
+    if cfg.checkpoint.async_save and cfg.checkpoint.format != "sharded":
+        raise ConfigError("checkpoint.async_save = true needs checkpoint.format = 'sharded' "
+                          f"(it is {cfg.checkpoint.format!r})")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout = {m.dropout} must be in [0, 1)")
     if need_vocab and m.vocab_size < 1:

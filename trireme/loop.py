@@ -183,6 +183,7 @@ def run_loop(trainer: Trainer) -> None:
                 break
         saver.wait()  # the last save is complete before training returns
     finally:
+        saver.close()  # on an error too: a checkpoint being written is completed, not lost
         stop.restore()
         if progress is not None:
             progress.close()

@@ -12,11 +12,13 @@ calls it before every step) as a CheckpointError.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from trireme.checkpoint import sharded
@@ -64,6 +66,8 @@ class Saver:
         return None
 
     def _write(self, job) -> None:
+        if self.trainer.device.type == "cuda":  # a new thread starts on GPU 0: stay on ours
+            torch.cuda.set_device(self.trainer.device)
         try:
             self.last_path = sharded.write(job)
         except BaseException as e:  # handed to the training thread by check()
@@ -84,6 +88,18 @@ class Saver:
             self._thread.join()
             self._thread = None
         self.check()
+
+    def close(self) -> None:
+        """Wait for a save in flight without raising: the loop is ending on an error of its own,
+        and the checkpoint being written must still be completed. A failure of that save is
+        reported on stderr."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            print(f"trireme: the background checkpoint save failed too: "
+                  f"{sharded.reason(self._error)}", file=sys.stderr, flush=True)
+            self._error = None
 
     @property
     def in_flight(self) -> bool:

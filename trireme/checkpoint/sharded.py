@@ -5,8 +5,8 @@
       rng/rank_00003.safetensors     each rank's RNG states (structure in the header, as JSON)
       trainer.json                   step, consumed samples, optimizer scalars, the saving layout
       config.toml, meta.json         as in the gathered format; meta.json (written last) lists
-                                     every file with its size, the data files with their
-                                     sha256 (each rank hashes its own; checked on load)
+                                     every file with its size and sha256 (each rank hashes
+                                     the data files it wrote; all checked on load)
 
 The DCP keys are "model/<name>", "optimizer/exp_avg/<name>", "optimizer/exp_avg_sq/<name>" and
 (bf16 / fp16) "optimizer/master/<name>", each in the parameter's global shape (pieces.py says
@@ -225,39 +225,60 @@ def write(job: dict[str, Any]) -> Path | None:
     except (Exception, CheckpointException) as e:  # DCP wraps the failing rank's error
         raise CheckpointError(f"could not save checkpoint into {tmp}: {reason(e)}") from e
     # each rank hashes the data files it wrote; rank 0 records them all in meta.json
-    digests = {name: fmt.sha256_file(tmp / name) for name in getattr(writer, "written", [])}
-    if job["distributed"]:
-        group = job["group"]
+    error: Exception | None = None
+    try:
+        digests = {name: fmt.sha256_file(tmp / name) for name in getattr(writer, "written", [])}
+    except OSError as e:
+        error, digests = e, {}
+    distributed, group = job["distributed"], job["group"]
+    if distributed:
         every = [None] * dist.get_world_size(group) if job["main"] else None
         dist.gather_object(digests, every, dst=0, group=group)  # between our own ranks
         if job["main"]:
             digests = {k: v for d in every for k, v in d.items()}
+    final = job["root"] / store.step_dir_name(job["step"])
+    if job["main"] and error is None:
+        try:
+            _finish(job, tmp, final, digests)
+        except OSError as e:
+            error = e
+    if distributed:  # every rank learns whether the checkpoint is complete
+        failed = torch.tensor([int(error is not None)])
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+        if failed.item() and error is None:
+            raise CheckpointError(f"checkpoint {final} was not completed: another rank failed "
+                                  "(its error says why)")
+    if error is not None:
+        raise CheckpointError(f"could not save checkpoint {final}: {error}; check free space "
+                              "and permissions") from error
     if not job["main"]:
         return None
-    final = job["root"] / store.step_dir_name(job["step"])
-    try:
-        fmt.write_file(tmp / store.TRAINER_JSON, lambda f: fmt.write_json(f, job["trainer"]))
-        fmt.write_file(tmp / store.CONFIG_FILE, lambda f: f.write(job["config"].encode()))
-        files = {str(p.relative_to(tmp)): {"size": p.stat().st_size}
-                 for p in sorted(tmp.rglob("*")) if p.is_file()}
-        for name, digest in digests.items():
-            files[name]["sha256"] = digest
-        meta = {
-            "format": store.FORMAT, "format_version": store.FORMAT_VERSION,
-            "checkpoint_format": FORMAT_NAME, "step": job["step"],
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "unix_time": time.time(),
-            "trireme_version": __version__, "torch_version": torch.__version__, "files": files,
-        }
-        fmt.write_file(tmp / store.META_FILE, lambda f: fmt.write_json(f, meta))
-        for d in (tmp / RNG_DIR, tmp):
-            store._fsync_dir(d)
-        store._publish(tmp, final)
-        store._write_latest(job["root"], final.name)
-    except OSError as e:
-        raise CheckpointError(f"could not save checkpoint {final}: {e}; check free space and "
-                              "permissions") from e
     store._remove_old(job["root"], keep=final, keep_last=job["keep_last"])
     return final
+
+
+def _finish(job: dict[str, Any], tmp: Path, final: Path, digests: dict[str, str]) -> None:
+    """Rank 0: the small files, meta.json (every file's size and sha256) last, then the rename
+    and `latest`."""
+    fmt.write_file(tmp / store.TRAINER_JSON, lambda f: fmt.write_json(f, job["trainer"]))
+    fmt.write_file(tmp / store.CONFIG_FILE, lambda f: f.write(job["config"].encode()))
+    files = {}
+    for p in sorted(tmp.rglob("*")):
+        if p.is_file():
+            name = str(p.relative_to(tmp))  # the data files were hashed by their writers
+            digest = digests.get(name) or fmt.sha256_file(p)
+            files[name] = {"size": p.stat().st_size, "sha256": digest}
+    meta = {
+        "format": store.FORMAT, "format_version": store.FORMAT_VERSION,
+        "checkpoint_format": FORMAT_NAME, "step": job["step"],
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "unix_time": time.time(),
+        "trireme_version": __version__, "torch_version": torch.__version__, "files": files,
+    }
+    fmt.write_file(tmp / store.META_FILE, lambda f: fmt.write_json(f, meta))
+    for d in (tmp / RNG_DIR, tmp):
+        store._fsync_dir(d)
+    store._publish(tmp, final)
+    store._write_latest(job["root"], final.name)
 
 
 # --------------------------------------------------------------------------------------------
