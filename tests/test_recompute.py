@@ -186,5 +186,8 @@ def test_config_errors():
         load_config("tiny", ["train.recompute=selective", "train.recompute_layers=2"])
     with pytest.raises(ConfigError, match="not one of"):
         load_config("tiny", ["train.recompute=all"])
+    with pytest.raises(ConfigError, match="recompute_layers = 9 is more than model.num_layers"):
+        load_config("tiny", ["train.recompute=full", "train.recompute_layers=9",
+                             "model.num_layers=4"])
     with pytest.raises(ConfigError, match="loss_chunk_size = 0"):
         load_config("tiny", ["model.fused_cross_entropy=true", "model.loss_chunk_size=0"])

@@ -568,6 +568,9 @@ def validate(cfg: Config, need_vocab: bool = True) -> None:
     if m.precision == "fp8" and p.tensor > 1:
         raise ConfigError("model.precision = 'fp8' with parallel.tensor > 1 is not supported yet; "
                           "use parallel.tensor = 1 or model.precision = 'bf16'")
+    if t.recompute_layers > m.num_layers:
+        raise ConfigError(f"train.recompute_layers = {t.recompute_layers} is more than "
+                          f"model.num_layers = {m.num_layers}; use 0 for all layers")
     if t.recompute_layers and t.recompute != "full":
         raise ConfigError(
             f"train.recompute_layers = {t.recompute_layers} needs train.recompute = \"full\" "

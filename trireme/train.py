@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -302,7 +303,10 @@ def build_model(
     model = model.to_empty(device=device).to(DTYPES[cfg.model.precision])
     init_parameters(model, cfg.train.seed)
     if cfg.model.precision == "fp8":  # swap the blocks' linears (same parameters, same names)
-        to_fp8_training(model, device, cfg.model.fp8_emulate, cfg.model.fp8_backend)
+        swapped = to_fp8_training(model, device, cfg.model.fp8_emulate, cfg.model.fp8_backend)
+        if not swapped and model.layers:
+            warnings.warn("model.precision = 'fp8' converted no layer (in/out features must be "
+                          "multiples of 16): this model trains in bf16", stacklevel=2)
     model.set_recompute(cfg.train.recompute, cfg.train.recompute_layers)
     return model
 
