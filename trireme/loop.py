@@ -64,7 +64,9 @@ def save(trainer: Trainer) -> Path | None:
     return path
 
 
-def maybe_resume(trainer: Trainer) -> None:
+def maybe_resume(trainer: Trainer, saver: Saver | None = None) -> None:
+    """Load the newest checkpoint of checkpoint.dir, if any (either format). A sharded load
+    runs its collectives on `saver`'s gloo group (made here if no saver is given)."""
     cfg = trainer.cfg
     if not cfg.checkpoint.dir or cfg.checkpoint.resume == "never":
         return
@@ -73,7 +75,7 @@ def maybe_resume(trainer: Trainer) -> None:
         return
     if sharded.is_sharded(path):
         # a gloo group: DCP's small collectives on CPU, whatever the training's backend
-        group = torch.distributed.new_group(backend="gloo") if trainer.env.world_size > 1 else None
+        group = (saver or Saver(trainer, save)).group()
         sharded.load(trainer, path, group)
         if trainer.is_main:
             print(f"trireme: resumed from {path} at step {trainer.state.step}", file=sys.stderr)
@@ -117,7 +119,8 @@ def print_line(progress, text: str, main: bool = True) -> None:
 def run_loop(trainer: Trainer) -> None:
     """Train until train.steps (or train.max_minutes), logging, evaluating and checkpointing."""
     cfg = trainer.cfg
-    maybe_resume(trainer)
+    saver = Saver(trainer, save)  # also gives resume its gloo group
+    maybe_resume(trainer, saver)
     main = trainer.is_main
     run_dir = write_run_config(cfg) if main else cfg.run_dir
     logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard) if main else None
@@ -130,7 +133,6 @@ def run_loop(trainer: Trainer) -> None:
     pending: list[dict] = []
     last_log = now()
     stop = StopRequest()
-    saver = Saver(trainer, save)
     try:
         while trainer.state.step < cfg.train.steps:
             saver.check()  # an asynchronous save that failed stops the run here
