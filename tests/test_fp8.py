@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from test_train import toy_data  # noqa: F401  (a fixture)
 from torch import nn
 
 from trireme.config import ModelConfig, load_config
@@ -192,23 +193,7 @@ def test_fp8_device_checks_and_config_errors():
         validate(cfg)
 
 
-@pytest.fixture(scope="module")
-def toy_data(tmp_path_factory):
-    """Repetitive byte-level text (as in test_train.py): the loss falls within a few steps."""
-    from trireme.data.indexed import IndexedDatasetWriter
-
-    prefix = str(tmp_path_factory.mktemp("data") / "toy")
-    rng = np.random.default_rng(0)
-    words = ["alpha", "beta", "gamma", "delta", "def ", "return ", "(x)", ":\n    "]
-    writer = IndexedDatasetWriter(prefix, np.uint16)
-    for _ in range(120):
-        text = "".join(words[i] for i in rng.integers(0, len(words), size=60))
-        writer.add_document(list(text.encode()) + [256])
-    writer.finalize()
-    return prefix
-
-
-def train_losses(toy_data, tmp_path, *extra):
+def train_losses(toy_data, tmp_path, *extra):  # noqa: F811
     from test_train import tiny_cfg
 
     from trireme.train import train
@@ -218,7 +203,7 @@ def train_losses(toy_data, tmp_path, *extra):
     return [json.loads(line)["loss"] for line in lines]
 
 
-def test_fp8_training_follows_bf16(toy_data, tmp_path):
+def test_fp8_training_follows_bf16(toy_data, tmp_path):  # noqa: F811
     bf16 = train_losses(toy_data, tmp_path / "bf16", "model.precision=bf16")
     fp8 = train_losses(toy_data, tmp_path / "fp8", "model.precision=fp8", "model.fp8_emulate=true")
     assert fp8[-1] < 0.8 * fp8[0]
@@ -226,7 +211,7 @@ def test_fp8_training_follows_bf16(toy_data, tmp_path):
     assert fp8 != bf16
 
 
-def test_fp8_on_cpu_without_emulation_is_a_clear_error(toy_data, tmp_path):
+def test_fp8_on_cpu_without_emulation_is_a_clear_error(toy_data, tmp_path):  # noqa: F811
     with pytest.raises(ConfigError, match="fp8_emulate"):
         train_losses(toy_data, tmp_path, "model.precision=fp8", "train.device=cpu")
 
@@ -255,7 +240,7 @@ def test_fp8_check_script_cpu_smoke(tmp_path):
     assert len(data["bench"]["block"]["fp8_layers"]) == 4 and data["bench"]["block"]["speedup"] > 0
 
 
-def test_fp8_resumes_from_a_bf16_checkpoint(toy_data, tmp_path):
+def test_fp8_resumes_from_a_bf16_checkpoint(toy_data, tmp_path):  # noqa: F811
     """Same parameter names and optimizer state: switching bf16 -> fp8 mid-run just continues."""
     from test_train import tiny_cfg
 
@@ -302,7 +287,7 @@ def test_torchao_backend_missing_is_a_clear_error(monkeypatch):
         to_fp8_training(GPT(tiny_model_config()), "cpu", emulate=True, backend="torchao")
 
 
-def test_fp8_pipeline_parallel_matches_one_process(toy_data, tmp_path):
+def test_fp8_pipeline_parallel_matches_one_process(toy_data, tmp_path):  # noqa: F811
     """PP = 2 under torchrun (gloo): each stage swaps its own blocks' linears; the same micro
     batches give the same fp8 scales, so the losses follow the single-process fp8 run."""
     from test_train_parallel import ARGS, losses, single_process, torchrun

@@ -5,25 +5,11 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-
-from trireme.data.indexed import IndexedDatasetWriter
+from test_train import write_toy_data
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import loss_parity  # noqa: E402
-
-
-def toy_data(root: Path) -> str:
-    prefix = str(root / "toy")
-    rng = np.random.default_rng(0)
-    words = ["alpha", "beta", "gamma", "delta", "def ", "return ", "(x)", ":\n    "]
-    writer = IndexedDatasetWriter(prefix, np.uint16)
-    for _ in range(120):
-        text = "".join(words[i] for i in rng.integers(0, len(words), size=60))
-        writer.add_document(list(text.encode()) + [256])
-    writer.finalize()
-    return prefix
 
 
 def test_parse_variant():
@@ -50,7 +36,7 @@ def test_loss_parity_cpu(tmp_path, monkeypatch):
     rc = loss_parity.main([
         "--preset", "tiny", "--device", "cpu", "--steps", "8", "--last", "3",
         "--threshold", "0.001", "--out", str(out),
-        "--override", f"data.path={toy_data(tmp_path)}", "data.tokenizer=bytes",
+        "--override", f"data.path={write_toy_data(tmp_path)}", "data.tokenizer=bytes",
         f"data.cache_dir={tmp_path / 'cache'}", "model.num_layers=2", "model.hidden_size=64",
         "model.num_attention_heads=4", "model.num_query_groups=2", "model.ffn_hidden_size=128",
         "model.seq_length=32", "train.global_batch_size=4", "train.micro_batch_size=4",

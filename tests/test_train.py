@@ -19,7 +19,11 @@ METRIC_KEYS = {
 @pytest.fixture(scope="module")
 def toy_data(tmp_path_factory):
     """A byte-level dataset of repetitive text: easy to learn, so the loss must fall fast."""
-    root = tmp_path_factory.mktemp("data")
+    return write_toy_data(tmp_path_factory.mktemp("data"))
+
+
+def write_toy_data(root) -> str:
+    """The toy dataset's .bin/.idx under `root`; returns its prefix."""
     prefix = str(root / "toy")
     rng = np.random.default_rng(0)
     words = ["alpha", "beta", "gamma", "delta", "def ", "return ", "(x)", ":\n    "]
