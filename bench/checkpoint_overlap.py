@@ -21,7 +21,6 @@ printed and JSON written to bench/results/checkpoint_overlap-<preset>.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import shutil
 import statistics
@@ -29,8 +28,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-import torch
 
 REPO = Path(__file__).resolve().parent.parent
 for p in (REPO, REPO / "bench"):
@@ -144,11 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(root, ignore_errors=True)
     print(format_table(rows))
     data = {
-        "benchmark": "checkpoint_overlap",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": tt.device_name(device), "torch": torch.__version__,
-        "git_commit": tt.git_commit(),
-        "command": " ".join(["bench/checkpoint_overlap.py", *(argv or sys.argv[1:])]),
+        **tt.run_header("checkpoint_overlap", device, argv),
         "settings": {"preset": args.preset, "precision": cfg.model.precision,
                      "warmup_steps": w, "timed_steps": n, "overrides": overrides},
         "results": rows,

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import math
 import os
@@ -227,13 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"loss parity {'PASSED' if passed else 'FAILED'} (threshold {100 * args.threshold:g}% "
           f"on the mean loss of the last {args.last} steps, vs {results[0]['variant']})")
     data = {
-        "benchmark": "loss_parity",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": tt.device_name(device),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "git_commit": tt.git_commit(),
-        "command": " ".join(["bench/loss_parity.py", *(argv or sys.argv[1:])]),
+        **tt.run_header("loss_parity", device, argv),
         "preset": args.preset, "steps": args.steps, "last": args.last,
         "threshold": args.threshold, "passed": passed,
         "variants": settings, "results": results,

@@ -26,7 +26,6 @@ writes a Chrome trace for chrome://tracing or Perfetto (tens of MB for llama3-1b
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import time
@@ -269,13 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     if summary.get("trace"):
         print(f"trace: {summary['trace']}")
     data = {
-        "benchmark": "profile_step",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": tt.device_name(device),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "git_commit": tt.git_commit(),
-        "command": " ".join(["bench/profile_step.py", *(argv or sys.argv[1:])]),
+        **tt.run_header("profile_step", device, argv),
         "categories_known": list(CATEGORIES),
         **summary,
     }

@@ -472,6 +472,20 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def run_header(benchmark: str, device: torch.device, argv: list[str] | None) -> dict:
+    """What every bench/ JSON starts with: the script, when, where, with what, from which code."""
+    return {
+        "benchmark": benchmark,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "git_commit": git_commit(),
+        "command": " ".join([f"bench/{benchmark}.py", *(argv or sys.argv[1:])]),
+    }
+
+
 def write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -528,14 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     if dp_table:
         print(dp_table)
     data = {
-        "benchmark": "train_throughput",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": device_name(device),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "git_commit": git_commit(),
-        "command": " ".join(["bench/train_throughput.py", *(argv or sys.argv[1:])]),
+        **run_header("train_throughput", device, argv),
         "settings": {
             "preset": args.preset, "device": device.type, "micro_batch_size": mbs,
             "global_batch_size": gbs, "micro_batches": gbs // mbs, "seq_length": seq,
