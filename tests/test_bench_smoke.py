@@ -11,6 +11,10 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+# a model small enough for a 2-core CPU run of each script
+SMALL = ["model.vocab_size=256", "model.num_layers=2", "model.hidden_size=64",
+         "model.num_attention_heads=4", "model.num_query_groups=2", "model.ffn_hidden_size=128"]
+
 def test_train_throughput_cpu_smoke(tmp_path):
     pytest.importorskip("transformers", reason="the HF baseline needs transformers")
     out = tmp_path / "bench.json"
@@ -19,8 +23,7 @@ def test_train_throughput_cpu_smoke(tmp_path):
         "--preset", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1",
         "--compare", "hf", "--seq-length", "32", "--micro-batch-size", "2",
         "--global-batch-size", "4", "--out", str(out),
-        "--override", "model.vocab_size=256", "model.num_layers=2", "model.hidden_size=64",
-        "model.num_attention_heads=4", "model.num_query_groups=2", "model.ffn_hidden_size=128",
+        "--override", *SMALL,
     ]
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
@@ -54,8 +57,7 @@ def test_train_throughput_dp_paths_cpu(tmp_path):
         "--preset", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1",
         "--dp-path", "none,ddp,distopt", "--seq-length", "16", "--micro-batch-size", "2",
         "--global-batch-size", "4", "--out", str(out),
-        "--override", "model.vocab_size=256", "model.num_layers=2", "model.hidden_size=64",
-        "model.num_attention_heads=4", "model.num_query_groups=2", "model.ffn_hidden_size=128",
+        "--override", *SMALL,
         "parallel.bucket_size=20000",
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("OUT", "WORLD_SIZE", "RANK")}
@@ -85,8 +87,7 @@ def test_profile_step_cpu_smoke(tmp_path):
         "--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "1",
         "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
         "--out", str(out), "--trace", str(tmp_path / "trace.json"),
-        "--override", "model.vocab_size=256", "model.num_layers=2", "model.hidden_size=64",
-        "model.num_attention_heads=4", "model.num_query_groups=2", "model.ffn_hidden_size=128",
+        "--override", *SMALL,
     ]
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
@@ -108,9 +109,8 @@ def test_checkpoint_overlap_cpu_smoke(tmp_path):
     cmd = [
         sys.executable, str(REPO / "bench" / "checkpoint_overlap.py"), "--preset", "tiny",
         "--device", "cpu", "--steps", "2", "--warmup", "1", "--out", str(out),
-        "--dir", str(tmp_path / "ckpt"), "--override", "model.vocab_size=256",
-        "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
-        "model.num_query_groups=2", "model.ffn_hidden_size=128", "model.seq_length=32",
+        "--dir", str(tmp_path / "ckpt"), "--override", *SMALL,
+        "model.seq_length=32",
         "train.micro_batch_size=2", "train.global_batch_size=4",
     ]
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
