@@ -69,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-length", type=int, help="override model.seq_length")
     p.add_argument("--compile", action="store_true", help="trireme: model.compile=true")
     p.add_argument("--compile-hf", action="store_true", help="torch.compile the HF model")
+    p.add_argument("--hf-micro-batch-size", type=int,
+                   help="micro batch of the HF baseline (default: trireme's); the global batch "
+                   "is the same")
     p.add_argument("--recompute", choices=["none", "selective", "full"],
                    help="trireme: train.recompute (activation recomputation)")
     p.add_argument("--fused-cross-entropy", action="store_true",
@@ -89,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "...-<preset>-dp-paths.json with --dp-path); a copy goes to $OUT when that "
                    "variable is set")
     args = p.parse_args(argv)
+    if args.hf_micro_batch_size is not None and args.hf_micro_batch_size < 1:
+        p.error("--hf-micro-batch-size must be at least 1")
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be at least 1 and --warmup at least 0")
     args.dp_paths = [v.strip() for v in args.dp_path.split(",") if v.strip()]
@@ -390,6 +395,12 @@ def measure_hf(cfg: Config, args: argparse.Namespace, device: torch.device,
                flops_tok: float, peak: float) -> dict:
     import transformers
 
+    if args.hf_micro_batch_size:
+        mbs = args.hf_micro_batch_size
+        if cfg.train.global_batch_size % mbs:
+            raise ValueError(f"--hf-micro-batch-size {mbs} does not divide the global batch "
+                             f"{cfg.train.global_batch_size}")
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=mbs))
     reset_memory(device)
     t0 = time.perf_counter()
     model = hf_model(cfg.model, device)
@@ -428,9 +439,12 @@ def measure_hf(cfg: Config, args: argparse.Namespace, device: torch.device,
 
     run = time_steps(step, device, args.warmup, args.steps)
     name = "hf " + type(model).__name__ + (" (compile)" if args.compile_hf else "")
+    if args.hf_micro_batch_size:
+        name += f" mb {args.hf_micro_batch_size}"
     return summarize(name, run, cfg, flops_tok, peak, device,
                      {"parameters": params, "build_s": build_s,
                       "precision": f"fp32 params + {cfg.model.precision} autocast",
+                      "micro_batch_size": cfg.train.micro_batch_size,
                       "compile": args.compile_hf, "transformers": transformers.__version__})
 
 

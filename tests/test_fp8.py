@@ -181,6 +181,22 @@ def test_convert_keeps_unaligned_layers():
     assert type(model.layers["0"].mlp.fc2) is nn.Linear
 
 
+def test_fp8_layers_choose_the_linears(tmp_path):
+    from trireme.train import build_model
+
+    cfg = load_config("tiny", ["model.precision=fp8", "model.fp8_emulate=true",
+                               "model.fp8_layers=[\"fc1\", \"fc2\"]", "model.vocab_size=100"])
+    model = build_model(cfg, torch.device("cpu"))
+    block = model.layers["0"]
+    assert type(block.mlp.fc1) is Float8Linear and type(block.mlp.fc2) is Float8Linear
+    assert type(block.attention.qkv) is nn.Linear and type(block.attention.out) is nn.Linear
+    with pytest.raises(ConfigError, match="fp8_layers.*'proj'"):
+        from trireme.config import validate
+
+        validate(load_config("tiny", ["model.fp8_layers=[\"fc1\", \"proj\"]",
+                                      "model.vocab_size=100"]))
+
+
 def test_fp8_device_checks_and_config_errors():
     with pytest.raises(ConfigError, match="fp8_emulate"):
         check_fp8_device("cpu", emulate=False)

@@ -20,6 +20,7 @@ from typing import Any, Literal, get_args, get_origin
 from trireme.errors import ConfigError
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
+FP8_LAYER_NAMES = ("qkv", "out", "fc1", "fc2")  # the block linears model.fp8_layers can name
 
 
 def doc(default: Any, help: str, **kwargs: Any) -> Any:
@@ -87,6 +88,10 @@ class ModelConfig:
         "(torch._scaled_mm); torchao: torchao.float8.convert_to_float8_training (needs torchao "
         "installed). Both: "
         "e4m3 forward, e5m2 gradients, per-tensor current scaling."
+    )
+    fp8_layers: list[str] = doc(
+        list(FP8_LAYER_NAMES), "fp8 only: which linears of each transformer block run in "
+        "fp8 (any of qkv, out, fc1, fc2); the others stay bf16."
     )
     attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math", "reference"] = doc(
         "auto", "Attention kernel. auto: cuDNN on Hopper, then flash, efficient, math; "
@@ -565,6 +570,10 @@ def validate(cfg: Config, need_vocab: bool = True) -> None:
         )
     if m.position_embedding == "rope" and m.head_size % 2:
         raise ConfigError(f"rotary embeddings need an even head size, got {m.head_size}")
+    unknown = sorted(set(m.fp8_layers) - set(FP8_LAYER_NAMES))
+    if unknown:
+        raise ConfigError(f"model.fp8_layers has unknown layer(s) {unknown}; choose from "
+                          f"{list(FP8_LAYER_NAMES)}")
     if m.precision == "fp8" and p.tensor > 1:
         raise ConfigError("model.precision = 'fp8' with parallel.tensor > 1 is not supported yet; "
                           "use parallel.tensor = 1 or model.precision = 'bf16'")

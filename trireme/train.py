@@ -29,7 +29,7 @@ from trireme.errors import ConfigError, DataError
 from trireme.metrics import flops_per_token, memory_gib, peak_flops
 from trireme.models.gpt import GPT
 from trireme.models.init import init_parameters
-from trireme.ops.fp8 import to_fp8_training
+from trireme.ops.fp8 import fp8_targets, to_fp8_training
 from trireme.optim.distributed import DistributedOptimizer
 from trireme.optim.optimizer import (
     MixedPrecisionOptimizer,
@@ -303,7 +303,8 @@ def build_model(
     model = model.to_empty(device=device).to(DTYPES[cfg.model.precision])
     init_parameters(model, cfg.train.seed)
     if cfg.model.precision == "fp8":  # swap the blocks' linears (same parameters, same names)
-        swapped = to_fp8_training(model, device, cfg.model.fp8_emulate, cfg.model.fp8_backend)
+        swapped = to_fp8_training(model, device, cfg.model.fp8_emulate, cfg.model.fp8_backend,
+                                  fp8_targets(cfg.model.fp8_layers))
         if not swapped and model.layers:
             warnings.warn("model.precision = 'fp8' converted no layer (in/out features must be "
                           "multiples of 16): this model trains in bf16", stacklevel=2)

@@ -42,8 +42,14 @@ E5M2 = torch.float8_e5m2  # backward: dL/dy; max 57344
 AMAX_EPS = 1e-12  # amax is clamped to this, so an all-zero tensor gets a finite scale
 ALIGN = 16  # _scaled_mm needs every matrix dimension to be a multiple of this
 
-# The transformer blocks' linears that run in fp8; the embedding and the output layer stay bf16.
+# The transformer blocks' linears that can run in fp8 (model.fp8_layers names them by their last
+# part); the embedding and the output layer stay bf16.
 FP8_LINEARS = ("attention.qkv", "attention.out", "mlp.fc1", "mlp.fc2")
+
+
+def fp8_targets(layers: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """The module-name suffixes of the block linears named in `layers` (model.fp8_layers)."""
+    return tuple(t for t in FP8_LINEARS if t.rpartition(".")[2] in layers)
 
 
 def fp8_scale(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -180,14 +186,16 @@ def check_fp8_device(device: torch.device | str, emulate: bool) -> None:
 
 
 def to_fp8_training(model: nn.Module, device: torch.device | str, emulate: bool = False,
-                    backend: str = "trireme") -> list[str]:
+                    backend: str = "trireme",
+                    targets: tuple[str, ...] = FP8_LINEARS) -> list[str]:
     """What `model.precision = "fp8"` does to a built model: check the device, then swap the
-    transformer blocks' linears (FP8_LINEARS) for fp8 ones from `backend` ("trireme": this
-    file; "torchao": torchao.float8, tensorwise current scaling). Returns the names swapped."""
+    transformer blocks' linears named by `targets` (default all of FP8_LINEARS) for fp8 ones from
+    `backend` ("trireme": this file; "torchao": torchao.float8, tensorwise current scaling).
+    Returns the names swapped."""
     check_fp8_device(device, emulate)
     if backend == "torchao":
-        return convert_with_torchao(model, emulate)
-    return convert_to_float8(model, emulate)
+        return convert_with_torchao(model, emulate, targets)
+    return convert_to_float8(model, emulate, targets)
 
 
 def _fp8_candidate(name: str, module: nn.Module, targets: tuple[str, ...]) -> bool:
