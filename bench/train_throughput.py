@@ -69,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-length", type=int, help="override model.seq_length")
     p.add_argument("--compile", action="store_true", help="trireme: model.compile=true")
     p.add_argument("--compile-hf", action="store_true", help="torch.compile the HF model")
+    p.add_argument("--hf-tf32", action="store_true",
+                   help="let the HF baseline's fp32 matmuls use TF32 "
+                   "(torch.set_float32_matmul_precision('high'), as HF's Trainer tf32=True does)")
     p.add_argument("--hf-micro-batch-size", type=int,
                    help="micro batch of the HF baseline (default: trireme's); the global batch "
                    "is the same")
@@ -437,14 +440,22 @@ def measure_hf(cfg: Config, args: argparse.Namespace, device: torch.device,
         opt.zero_grad(set_to_none=True)
         return loss_sum / n
 
-    run = time_steps(step, device, args.warmup, args.steps)
+    precision_before = torch.get_float32_matmul_precision()
+    if args.hf_tf32:
+        torch.set_float32_matmul_precision("high")
+    try:
+        run = time_steps(step, device, args.warmup, args.steps)
+    finally:
+        torch.set_float32_matmul_precision(precision_before)
     name = "hf " + type(model).__name__ + (" (compile)" if args.compile_hf else "")
+    if args.hf_tf32:
+        name += " tf32"
     if args.hf_micro_batch_size:
         name += f" mb {args.hf_micro_batch_size}"
     return summarize(name, run, cfg, flops_tok, peak, device,
                      {"parameters": params, "build_s": build_s,
                       "precision": f"fp32 params + {cfg.model.precision} autocast",
-                      "micro_batch_size": cfg.train.micro_batch_size,
+                      "micro_batch_size": cfg.train.micro_batch_size, "tf32": args.hf_tf32,
                       "compile": args.compile_hf, "transformers": transformers.__version__})
 
 
