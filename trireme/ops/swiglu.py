@@ -52,7 +52,9 @@ def swiglu_backward_reference(h: torch.Tensor, dy: torch.Tensor) -> torch.Tensor
     return torch.cat([d_gate, d_up], dim=-1).to(h.dtype)
 
 
-@torch.library.custom_op("trireme::swiglu_backward", mutates_args=())
+@torch.library.custom_op(
+    "trireme::swiglu_backward", mutates_args=(), schema="(Tensor h, Tensor dy) -> Tensor"
+)  # the schema spelled out: the annotations are strings here (from __future__ import annotations)
 def swiglu_backward(h: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     """dh ([..., 2F], contiguous, h's dtype) of SwiGLU: one Triton kernel on CUDA (this is the
     implementation for the other devices: the plain formula)."""
