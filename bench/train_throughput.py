@@ -243,6 +243,7 @@ def measure_trireme(cfg: Config, args: argparse.Namespace, device: torch.device,
     name += " (compile)" if cfg.model.compile else ""
     name += " fp8" if cfg.model.precision == "fp8" else ""
     name += " fused-ce" if cfg.model.fused_cross_entropy else ""
+    name += " fused-swiglu" if cfg.model.fused_swiglu and cfg.model.activation == "swiglu" else ""
     name += f" recompute={cfg.train.recompute}" if cfg.train.recompute != "none" else ""
     return summarize(name, run, cfg, flops_tok, peak, device,
                      {"parameters": params, "build_s": build_s,

@@ -123,3 +123,18 @@ def test_checkpoint_overlap_cpu_smoke(tmp_path):
     assert len(phases["blocking"]["step_times"]) == 2
     # the blocking save of step 5 (1 warmup + 2 + 2) is the latest complete checkpoint
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_0000005"
+
+
+def test_swiglu_check_cpu_smoke(tmp_path):
+    """bench/swiglu_check.py on the CPU (the custom op's plain torch implementation)."""
+    out = tmp_path / "swiglu.json"
+    cmd = [sys.executable, str(REPO / "bench" / "swiglu_check.py"), "--device", "cpu",
+           "--shapes", "33x72", "--no-compile", "--iters", "2", "--warmup", "1", "--out", str(out)]
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert data["pass"] and data["checks"]["33x72"]["pass"]
+    assert data["checks"]["33x72"]["kernel"]["max_rel"] <= 2**-7
+    r = data["bench"]["33x72"]
+    assert r["plain"]["fwd_bwd_ms"] > 0 and r["fused"]["fwd_bwd_ms"] > 0 and r["kernel"]

@@ -56,6 +56,7 @@ CASES = {
     "llama-gqa": (llama(), False),
     "llama-gqa-sp": (llama(), True),
     "llama-mqa-sp": (llama(num_query_groups=1, tie_embeddings=True), True),
+    "llama-swiglu-fused": (llama(fused_swiglu=True), True),  # each rank's [gate_r; up_r]
     "gpt2": (gpt2(), False),
     "gpt2-sp": (gpt2(), True),
 }

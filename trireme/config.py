@@ -66,6 +66,11 @@ class ModelConfig:
     activation: Literal["swiglu", "gelu"] = doc(
         "swiglu", "MLP: swiglu (gated, three matrices, Llama) or gelu (two matrices, GPT-2)."
     )
+    fused_swiglu: bool = doc(
+        False, "SwiGLU's backward as one Triton kernel on CUDA (reads gate, up and their gradient "
+        "once; the forward is unchanged, and only fc1's output is kept for the backward); the "
+        "same fp32 formula in plain torch elsewhere. Ignored for gelu."
+    )
     qk_norm: bool = doc(False, "Normalize queries and keys per head before attention.")
     bias: bool = doc(False, "Biases in the linear layers (GPT-2 has them, Llama not).")
     tie_embeddings: bool = doc(False, "Share the input embedding with the output layer.")

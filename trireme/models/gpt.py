@@ -31,6 +31,9 @@ Memory savers (both keep the plain path): `GPT.set_recompute` recomputes activat
 backward (trireme.ops.recompute: whole blocks, or only the attention core and the MLP activation);
 model.fused_cross_entropy computes the output layer and the loss in chunks of tokens
 (trireme.ops.fused_cross_entropy) instead of materialising the [b, s, vocab] logits.
+
+Speed: model.fused_swiglu runs SwiGLU's backward as one kernel (trireme.ops.swiglu; the plain
+silu(gate) * up stays the reference path).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from trireme.ops.norms import RMSNorm, build_norm
 from trireme.ops.recompute import MODES as RECOMPUTE_MODES
 from trireme.ops.recompute import recompute
 from trireme.ops.rope import RotaryEmbedding, apply_rotary, rope_frequencies
+from trireme.ops.swiglu import fused_swiglu, swiglu
 from trireme.parallel.pipeline import StageSpec
 from trireme.parallel.random import dropout, fork_rng
 from trireme.parallel.tensor import TensorParallel, column_linear, row_linear
@@ -151,6 +155,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.swiglu = cfg.activation == "swiglu"
+        self.fused_swiglu = self.swiglu and cfg.fused_swiglu  # trireme.ops.swiglu
         fc1_parts = [(cfg.ffn_size, 1)] * (2 if self.swiglu else 1)  # gate and up split alike
         self.fc1 = column_linear(cfg.hidden_size, fc1_parts, cfg.bias, tp)
         self.fc2 = row_linear(cfg.ffn_size, cfg.hidden_size, cfg.bias, tp)
@@ -160,17 +165,20 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)  # [b, s, 2 * ffn] (SwiGLU) or [b, s, ffn]
         # SwiGLU keeps silu(gate) ([b, s, ffn]) for its backward: recomputing it saves that.
-        # (GeLU's backward needs only its input, which fc1's output is anyway: nothing to save.)
-        if self.recompute_activation and self.swiglu and torch.is_grad_enabled():
+        # (GeLU's backward needs only its input, which fc1's output is anyway: nothing to save;
+        # nor does the fused SwiGLU, which keeps only h, as the recomputation would.)
+        recompute_swiglu = self.swiglu and not self.fused_swiglu
+        if self.recompute_activation and recompute_swiglu and torch.is_grad_enabled():
             h = recompute(self.activation, h)
         else:
             h = self.activation(h)
         return self.resid_dropout(self.fc2(h))
 
     def activation(self, h: torch.Tensor) -> torch.Tensor:
+        if self.fused_swiglu:  # the same forward; the backward as one kernel on CUDA
+            return fused_swiglu(h)
         if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)  # [b, s, ffn] each
-            return F.silu(gate) * up
+            return swiglu(h)  # silu(gate) * up, gate and up [b, s, ffn] halves of h
         return F.gelu(h, approximate="tanh")
 
 
