@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="max elementwise relative error of the kernel vs the fp32 formula")
     p.add_argument("--no-compile", action="store_true", help="eager forward (smoke tests)")
     p.add_argument("--no-sweep", action="store_true", help="time the kernel at its default tile")
+    p.add_argument("--no-large", action="store_true",
+                   help="skip the check of an h past 2^31 elements (64-bit offsets; CUDA only)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "swiglu_check.json"))
     return p.parse_args(argv)
@@ -112,6 +114,22 @@ def check(m: int, ffn: int, args, plain) -> dict:
     plain(hg).backward(dy)
     result["plain_compiled"] = errors(hg.grad, ref)
     result["pass"] = result["kernel"]["max_rel"] <= args.tol and result["finite"]
+    return result
+
+
+def check_large(args, ffn: int = 8192, tail: int = 2048) -> dict:
+    """An h of more than 2^31 elements, where the kernel's offsets need 64 bits: its last `tail`
+    rows (and its first, for contrast) against the reference. About 11 GB of bf16 tensors."""
+    m = 2**31 // (2 * ffn) + tail  # the last `tail` rows start past element 2^31
+    h, dy = inputs(m, ffn, args.device, seed=2)
+    dh = kernel(args.device)(h, dy)
+    result = {"shape": [m, 2 * ffn], "elements": m * 2 * ffn}
+    for name, rows in (("first", slice(0, tail)), ("last", slice(m - tail, m))):
+        ref = swiglu_backward_reference(h[rows].float(), dy[rows].float())
+        result[name] = errors(dh[rows], ref)
+    result["finite"] = bool(torch.isfinite(dh[-tail:]).all())
+    result["pass"] = result["finite"] and all(result[k]["max_rel"] <= args.tol
+                                              for k in ("first", "last"))
     return result
 
 
@@ -214,6 +232,19 @@ def main(argv: list[str] | None = None) -> int:
               f"{p['max_rel']:>15.2e}   {'ok' if r['pass'] else 'FAIL'}")
         if cuda:
             torch.cuda.empty_cache()
+    if cuda and not args.no_large:
+        try:
+            r = check_large(args)
+        except Exception as e:
+            traceback.print_exc()
+            r = {"error": f"{type(e).__name__}: {e}", "pass": False}
+        data["checks"]["large"] = r
+        failed |= not r["pass"]
+        if "error" not in r:
+            print(f"{'x'.join(map(str, r['shape'])):<14}{r['last']['max_rel']:>16.2e}"
+                  f"{r['last']['max_abs']:>10.1e}{r['last']['rel_fro']:>10.1e}{'-':>15}   "
+                  f"{'ok' if r['pass'] else 'FAIL'} (last rows, past 2^31 elements)")
+        torch.cuda.empty_cache()
     save()
 
     print(f"\n{'M x F':<14}{'path':<8}{'fwd ms':>9}{'fwd+bwd ms':>12}{'bwd ms':>9}{'bwd GB/s':>10}")

@@ -67,9 +67,9 @@ class ModelConfig:
         "swiglu", "MLP: swiglu (gated, three matrices, Llama) or gelu (two matrices, GPT-2)."
     )
     fused_swiglu: bool = doc(
-        False, "SwiGLU's backward as one Triton kernel on CUDA (reads gate, up and their gradient "
-        "once; the forward is unchanged, and only fc1's output is kept for the backward); the "
-        "same fp32 formula in plain torch elsewhere. Ignored for gelu."
+        False, "SwiGLU's backward as one Triton kernel on CUDA (reads gate, up and the output's "
+        "gradient once, writes both halves of fc1's output gradient; the forward is unchanged); "
+        "the same fp32 formula in plain torch elsewhere. Ignored for gelu."
     )
     qk_norm: bool = doc(False, "Normalize queries and keys per head before attention.")
     bias: bool = doc(False, "Biases in the linear layers (GPT-2 has them, Llama not).")
@@ -266,8 +266,9 @@ class TrainConfig:
     )
     recompute: Literal["none", "selective", "full"] = doc(
         "none", "Activation recomputation in the backward: selective recomputes the attention "
-        "core (RoPE + attention) and the MLP activation; full recomputes whole blocks (all "
-        "of them, or the first recompute_layers of each pipeline stage)."
+        "core (RoPE + attention) and the MLP activation (not with model.fused_swiglu, which "
+        "needs no recomputation); full recomputes whole blocks (all of them, or the first "
+        "recompute_layers of each pipeline stage)."
     )
     recompute_layers: int = doc(
         0, "recompute = full: recompute only the first this many blocks of each pipeline stage "

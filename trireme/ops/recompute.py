@@ -16,7 +16,8 @@ masks as the forward:
 The GPT blocks use this in two ways (train.recompute): "full" recomputes a whole block (only its
 input is kept); "selective" recomputes two cheap parts that keep a lot: the attention core (RoPE,
 QK-norm and the attention kernel, from the QKV projection to the output projection's input) and
-the MLP activation (silu(gate) * up, or gelu).
+the MLP activation (silu(gate) * up, or gelu; not with model.fused_swiglu, whose backward keeps
+only fc1's output anyway).
 """
 
 from __future__ import annotations

@@ -20,8 +20,10 @@ The custom op is opaque to torch.compile (a compiled block calls it as one op, n
 its fake implementation gives the output's shape for tracing. Under tensor parallelism each rank's
 h is its own [gate_local; up_local], so the same code applies per rank.
 
-Memory: the plain path keeps gate, up and silu(gate) for its backward (h plus [..., F]); the fused
-one keeps h only, as much as recomputing the activation (train.recompute = "selective") keeps.
+Memory: eagerly, the plain path keeps gate, up and silu(gate) for its backward (h plus [..., F]);
+the fused one keeps h only, as much as recomputing the activation (train.recompute = "selective")
+keeps. In a compiled block torch.compile's partitioner already recomputes silu(gate) in the
+backward, so there the two keep the same tensors and the gain is speed only.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 __all__ = ["swiglu", "fused_swiglu", "swiglu_backward", "swiglu_backward_reference"]
 
@@ -71,7 +74,7 @@ def _triton_launcher():
     """trireme.ops.swiglu_triton.swiglu_backward, or None (with a warning) without Triton."""
     try:
         from trireme.ops.swiglu_triton import swiglu_backward as launch
-    except ImportError as e:
+    except Exception as e:  # missing, or installed but broken (no compiler, wrong version)
         warnings.warn(f"model.fused_swiglu: Triton is missing ({e}); the SwiGLU backward runs "
                       "as plain torch ops", stacklevel=2)
         return None
@@ -94,6 +97,7 @@ class _FusedSwiGLU(torch.autograd.Function):
         return swiglu(h)
 
     @staticmethod
+    @once_differentiable  # the custom op has no autograd formula: no double backward
     def backward(ctx, dy: torch.Tensor) -> torch.Tensor:
         (h,) = ctx.saved_tensors
         return swiglu_backward(h, dy)
