@@ -75,7 +75,7 @@ def _triton_launcher():
     try:
         from trireme.ops.swiglu_triton import swiglu_backward as launch
     except Exception as e:  # missing, or installed but broken (no compiler, wrong version)
-        warnings.warn(f"model.fused_swiglu: Triton is missing ({e}); the SwiGLU backward runs "
+        warnings.warn(f"model.fused_swiglu: Triton is unavailable ({e}); the SwiGLU backward runs "
                       "as plain torch ops", stacklevel=2)
         return None
     return launch
