@@ -296,7 +296,7 @@ def close_process_group() -> None:
 
 def build_dp_path_trainer(cfg: Config, dp_path: str, device: torch.device):
     """(config, trainer) for one --dp-path. `none` is plain build_trainer. `ddp` / `distopt` build
-    the same trainer with trireme.train.build_data_parallel_optimizer(force=True): the DP > 1 code
+    the same trainer with trireme.trainer.build_data_parallel_optimizer(force=True): the DP > 1 code
     (bucket layout by parallel.bucket_size, BucketReducer, DistributedOptimizer for distopt) over
     a one-rank process group."""
     import trireme.train as train

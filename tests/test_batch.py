@@ -12,7 +12,8 @@ from trireme.data.batch import BatchOptions, attention_mask, get_batch, make_bat
 from trireme.data.indexed import IndexedDatasetWriter
 from trireme.data.mock import MockGPTDataset
 from trireme.errors import ConfigError
-from trireme.train import build_trainer, train
+from trireme.train import train
+from trireme.trainer import build_trainer
 
 EOD = 9
 

@@ -87,7 +87,7 @@ def test_async_save_error_is_raised_at_the_next_step(toy_data, tmp_path, monkeyp
 def test_a_crash_during_an_async_save_still_completes_it(toy_data, tmp_path, monkeypatch):  # noqa: F811
     """A step that raises while the step-4 checkpoint is being written in the background: the
     error propagates, and the checkpoint is finished (not lost with the process)."""
-    from trireme.train import Trainer
+    from trireme.trainer import Trainer
 
     monkeypatch.setenv("TRIREME_TEST_SAVE_DELAY", "4:1.5")  # the write of step 4 takes 1.5 s
     real_step = Trainer.train_step
@@ -179,7 +179,7 @@ def test_inspect_describes_a_sharded_checkpoint(saved, capsys):
 @pytest.mark.parametrize("saved_as,loaded_as", [("bf16", "fp32"), ("fp32", "bf16")])
 def test_precision_change_keeps_the_fp32_weights(toy_data, tmp_path, saved_as, loaded_as):  # noqa: F811
     from trireme.loop import maybe_resume
-    from trireme.train import build_trainer
+    from trireme.trainer import build_trainer
 
     ckpt = tmp_path / "ckpt"
     train(tiny_cfg(toy_data, tmp_path / "a", f"checkpoint.dir={ckpt}", *SHARDED,

@@ -121,7 +121,7 @@ def test_launch_problems_one_line_exit_2(tmp_path, monkeypatch):
 
     from trireme.errors import ConfigError
     from trireme.parallel.mesh import init_distributed
-    from trireme.train import check_parallel
+    from trireme.trainer import check_parallel
 
     r = subprocess.run([sys.executable, "-m", "trireme", "train", f"--run.dir={tmp_path}/r",
                         "--train.device=cpu", "--train.global_batch_size=32"],
@@ -146,7 +146,7 @@ def test_launch_problems_one_line_exit_2(tmp_path, monkeypatch):
 
 def test_batch_must_split_over_replicas():
     from trireme.errors import ConfigError
-    from trireme.train import check_parallel
+    from trireme.trainer import check_parallel
 
     cfg = load_config("tiny", ["train.global_batch_size=8", "train.micro_batch_size=4"])
     assert check_parallel(cfg, world_size=2).data == 2

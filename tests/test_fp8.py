@@ -182,7 +182,7 @@ def test_convert_keeps_unaligned_layers():
 
 
 def test_fp8_layers_choose_the_linears(tmp_path):
-    from trireme.train import build_model
+    from trireme.trainer import build_model
 
     cfg = load_config("tiny", ["model.precision=fp8", "model.fp8_emulate=true",
                                "model.fp8_layers=[\"fc1\", \"fc2\"]", "model.vocab_size=100"])

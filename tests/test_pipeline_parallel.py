@@ -21,12 +21,11 @@ import torch.distributed as dist
 from distributed import run_ranks
 
 from trireme.config import ModelConfig, OptimizerConfig, ParallelConfig
-from trireme.models.gpt import GPT
+from trireme.engine.grads import PartialGradSync, parallel_grad_norm
+from trireme.engine.pipeline import PipelineRunner, TiedEmbeddingSync
+from trireme.models.gpt import GPT, build_stage_chunks
 from trireme.optim.optimizer import build_optimizer
-from trireme.parallel.grads import PartialGradSync, parallel_grad_norm
 from trireme.parallel.mesh import ParallelDims, ParallelMesh
-from trireme.parallel.pipeline import build_stage_chunks
-from trireme.parallel.pipeline_step import PipelineRunner, TiedEmbeddingSync
 from trireme.parallel.sharding import gather_full, parameter_shardings
 from trireme.parallel.tensor import build_tensor_parallel
 

@@ -3,15 +3,7 @@
 import pytest
 
 from trireme.config import ModelConfig, ParallelConfig
-from trireme.errors import ConfigError
-from trireme.models.gpt import GPT
-from trireme.parallel.pipeline import (
-    bubble_fraction,
-    build_stage_chunks,
-    rank_stages,
-    stage_layer_counts,
-)
-from trireme.parallel.schedules import (
+from trireme.engine.schedules import (
     BACKWARD,
     FORWARD,
     cool_down,
@@ -20,6 +12,13 @@ from trireme.parallel.schedules import (
     steady,
     training_timetable,
     warm_up,
+)
+from trireme.errors import ConfigError
+from trireme.models.gpt import GPT, build_stage_chunks
+from trireme.models.stages import (
+    bubble_fraction,
+    rank_stages,
+    stage_layer_counts,
 )
 
 

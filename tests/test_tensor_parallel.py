@@ -17,16 +17,16 @@ import torch
 import torch.distributed as dist
 from distributed import run_ranks
 
-from trireme.config import ModelConfig, OptimizerConfig
-from trireme.models.gpt import GPT
-from trireme.optim.optimizer import build_optimizer
-from trireme.parallel.checkpointing import (
+from trireme.checkpoint.gathered import (
     fit_vocab_rows,
     full_optimizer_state,
     local_optimizer_state,
     local_tensors,
 )
-from trireme.parallel.grads import PartialGradSync, tensor_parallel_grad_norm
+from trireme.config import ModelConfig, OptimizerConfig
+from trireme.engine.grads import PartialGradSync, tensor_parallel_grad_norm
+from trireme.models.gpt import GPT
+from trireme.optim.optimizer import build_optimizer
 from trireme.parallel.mesh import ParallelDims, ParallelMesh
 from trireme.parallel.random import TensorParallelRNG, dropout
 from trireme.parallel.sharding import gather_full, parameter_shardings

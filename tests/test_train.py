@@ -137,7 +137,7 @@ def test_build_model_on_device_equals_plain_construction():
     import torch
 
     from trireme.models.gpt import GPT
-    from trireme.train import build_model
+    from trireme.trainer import build_model
 
     cfg = load_config("tiny", ["model.vocab_size=300", "model.num_layers=2"])
     built = build_model(cfg, torch.device("cpu"))

@@ -15,7 +15,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from trireme import __version__
+from trireme.checkpoint.cli import convert_main, inspect_main
+from trireme.config import load_config, reference_markdown
+from trireme.data.cli import data_main, preprocess_main, tokenizer_main
 from trireme.errors import TriremeError
+from trireme.inference.cli import generate_from_checkpoint
+from trireme.inference.sample import print_sample
+from trireme.train import train
 
 
 def _split_overrides(argv: list[str], known: set[str]) -> tuple[list[str], list[str]]:
@@ -47,11 +54,8 @@ def _cmd_train(argv: list[str]) -> int:
         "--config", default="tiny", help="preset name (see configs/) or a .toml path"
     )
     args = parser.parse_args(own)
-    from trireme.config import load_config
-    from trireme.train import train
-
     cfg = load_config(args.config, overrides)
-    train(cfg)
+    train(cfg, on_finish=print_sample)
     return 0
 
 
@@ -62,16 +66,12 @@ def _cmd_config(argv: list[str]) -> int:
     )
     parser.add_argument("--config", default="tiny", help="preset name or a .toml path")
     args = parser.parse_args(own)
-    from trireme.config import load_config
-
     print(load_config(args.config, overrides).to_toml(), end="")
     return 0
 
 
 def _cmd_config_doc(argv: list[str]) -> int:
     argparse.ArgumentParser(prog="trireme config-doc", description="Print the config reference.")
-    from trireme.config import reference_markdown
-
     print(reference_markdown())
     return 0
 
@@ -89,8 +89,6 @@ def _cmd_generate(argv: list[str]) -> int:
     parser.add_argument("--tokenizer", default="", help="override the checkpoint's tokenizer")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     args = parser.parse_args(argv)
-    from trireme.inference.cli import generate_from_checkpoint
-
     text = generate_from_checkpoint(
         args.checkpoint,
         args.prompt,
@@ -112,32 +110,12 @@ COMMANDS = {
     "generate": _cmd_generate,
     "config": _cmd_config,
     "config-doc": _cmd_config_doc,
+    "preprocess": preprocess_main,
+    "data": data_main,
+    "tokenizer": tokenizer_main,
+    "convert": convert_main,
+    "inspect": inspect_main,
 }
-
-# Subcommands that live beside the code they drive: "module:function", imported on use.
-# Each function takes the remaining argv and returns an exit status.
-LAZY_COMMANDS = {
-    "preprocess": "trireme.data.cli:preprocess_main",
-    "data": "trireme.data.cli:data_main",
-    "tokenizer": "trireme.data.cli:tokenizer_main",
-    "convert": "trireme.checkpoint.cli:convert_main",
-    "inspect": "trireme.checkpoint.cli:inspect_main",
-}
-
-
-def _resolve(command: str):
-    if command in COMMANDS:
-        return COMMANDS[command]
-    module_name, func = LAZY_COMMANDS[command].split(":")
-    import importlib
-
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name != module_name:
-            raise
-        raise TriremeError(f"'trireme {command}' is not implemented yet") from None
-    return getattr(module, func)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,18 +124,16 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.strip())
         return 0
     if argv and argv[0] in ("-V", "--version"):
-        from trireme import __version__
-
         print(f"trireme {__version__}")
         return 0
     # No subcommand (or only overrides): train, the main job.
     command = argv.pop(0) if argv and not argv[0].startswith("-") else "train"
-    if command not in COMMANDS and command not in LAZY_COMMANDS:
-        names = ", ".join([*COMMANDS, *LAZY_COMMANDS])
+    if command not in COMMANDS:
+        names = ", ".join(COMMANDS)
         print(f"trireme: unknown command {command!r}; commands: {names}", file=sys.stderr)
         return 2
     try:
-        return _resolve(command)(argv)
+        return COMMANDS[command](argv)
     except TriremeError as e:
         print(f"trireme: error: {e}", file=sys.stderr)
         return 2

@@ -13,7 +13,9 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
+from trireme.checkpoint import gathered as tp_ckpt
 from trireme.checkpoint import sharded
 from trireme.checkpoint.saver import Saver
 from trireme.checkpoint.store import (
@@ -26,8 +28,7 @@ from trireme.checkpoint.store import (
 )
 from trireme.metrics import MetricsLogger
 from trireme.optim.schedules import lr_at
-from trireme.parallel import checkpointing as tp_ckpt
-from trireme.train import Trainer, log_line, now, step_metrics, write_run_config
+from trireme.trainer import Trainer, log_line, now, step_metrics, write_run_config
 
 
 def save(trainer: Trainer) -> Path | None:
@@ -99,10 +100,6 @@ def maybe_resume(trainer: Trainer, saver: Saver | None = None) -> None:
 def make_progress(trainer: Trainer, total: int, initial: int):
     if not trainer.cfg.logging.progress or not trainer.is_main:
         return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
     return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
                 file=sys.stderr, leave=False)
 
@@ -116,8 +113,9 @@ def print_line(progress, text: str, main: bool = True) -> None:
         print(text, flush=True)
 
 
-def run_loop(trainer: Trainer) -> None:
-    """Train until train.steps (or train.max_minutes), logging, evaluating and checkpointing."""
+def run_loop(trainer: Trainer) -> bool:
+    """Train until train.steps (or train.max_minutes), logging, evaluating and checkpointing.
+    False when a stop signal ended the run early."""
     cfg = trainer.cfg
     saver = Saver(trainer, save)  # also gives resume its gloo group
     maybe_resume(trainer, saver)
@@ -191,8 +189,7 @@ def run_loop(trainer: Trainer) -> None:
             progress.close()
         if logger is not None:
             logger.close()
-    if stop.signal is None:
-        print_sample(trainer)
+    return stop.signal is None
 
 
 class StopRequest:
@@ -248,62 +245,3 @@ def agree(trainer: Trainer, flag: bool) -> bool:
     t = torch.tensor(float(flag), device=trainer.device)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return bool(t.item())
-
-
-def sample_through_stages(trainer: Trainer, prompt_ids: list[int]) -> list[int]:
-    """The end-of-training sample under pipeline parallelism: every rank runs its stages for each
-    token, the last stage samples (same settings as the one-process sample, no KV cache)."""
-    from trireme.inference.generate import sample_next
-    from trireme.train import build_runner
-
-    cfg = trainer.cfg
-    prompt_ids = prompt_ids[: cfg.model.seq_length - 1]
-    generator = torch.Generator(device=trainer.device).manual_seed(cfg.train.seed)
-    runner = build_runner(cfg, trainer.chunks, trainer.mesh, trainer.device, micro_batch_size=1)
-    for chunk in trainer.chunks:
-        chunk.eval()
-    try:
-        return runner.generate(
-            prompt_ids, len(prompt_ids) + cfg.train.sample_tokens,
-            lambda logits: sample_next(logits, temperature=0.8, top_k=40, generator=generator),
-        )
-    finally:
-        for chunk in trainer.chunks:
-            chunk.train()
-
-
-def print_sample(trainer: Trainer) -> None:
-    cfg = trainer.cfg
-    if not cfg.train.sample_tokens or trainer.tokenizer is None:
-        return
-    from trireme.inference.generate import generate
-
-    tok = trainer.tokenizer
-    prompt_ids = tok.encode(cfg.train.sample_prompt) or [tok.eod]
-    if trainer.pipeline is not None:
-        ids = sample_through_stages(trainer, prompt_ids)
-        if trainer.is_main:
-            print("----- sample -----")
-            print(tok.decode(ids))
-            print("------------------")
-        return
-    tp = trainer.model.tp
-    if tp is None:
-        out = generate(trainer.model, prompt_ids, cfg.train.sample_tokens, temperature=0.8,
-                       top_k=40, seed=cfg.train.seed)
-    else:
-        # Every rank runs the generation (the layers communicate) and samples the same tokens
-        # from the same gathered logits. No KV cache under TP yet, and no sequence parallelism:
-        # the growing sequence need not split evenly.
-        sequence_parallel, tp.sequence_parallel = tp.sequence_parallel, False
-        try:
-            out = generate(trainer.model, prompt_ids, cfg.train.sample_tokens, temperature=0.8,
-                           top_k=40, seed=cfg.train.seed, use_cache=False)
-        finally:
-            tp.sequence_parallel = sequence_parallel
-    if not trainer.is_main:
-        return
-    ids = out[0].tolist() if out.dim() == 2 else out.tolist()
-    print("----- sample -----")
-    print(tok.decode(ids))
-    print("------------------")

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from trireme.checkpoint.convert import DTYPES, FORMATS_IN, FORMATS_OUT, convert
+from trireme.checkpoint.describe import describe
 
 
 def convert_main(argv: list[str]) -> int:
@@ -44,7 +45,6 @@ def inspect_main(argv: list[str]) -> int:
     )
     parser.add_argument("path")
     args = parser.parse_args(argv)
-    from trireme.checkpoint.describe import describe
 
     print("\n".join(describe(args.path)))
     return 0

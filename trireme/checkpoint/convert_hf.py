@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import Tensor
 
 from trireme.checkpoint.convert import (
@@ -449,7 +450,6 @@ def write_hf(
 
     Above `shard_bytes` the weights are split into shards with a model.safetensors.index.json.
     """
-    from safetensors.torch import save_file
 
     cfg = conv.model
     kind, biases = _choose_architecture(cfg, conv.state)

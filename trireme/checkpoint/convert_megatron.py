@@ -32,10 +32,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
 from trireme.checkpoint.convert import Converted, listing
-from trireme.checkpoint.safe_pickle import load_dcp_metadata, load_torch_file, namespace_dict
+from trireme.checkpoint.safe_pickle import (
+    load_dcp_metadata,
+    load_torch_bytes,
+    load_torch_file,
+    namespace_dict,
+)
 from trireme.config import ModelConfig
 from trireme.errors import CheckpointError
 
@@ -203,13 +211,11 @@ def read_legacy(iter_dir: Path) -> tuple[dict[str, Any], int, dict[str, Tensor],
 
 
 def _dist_reader(iter_dir: Path):
-    from torch.distributed.checkpoint import FileSystemReader
 
     class SafeReader(FileSystemReader):
         """dcp's file reader, with the metadata unpickled by our restricted unpickler."""
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            from torch.distributed.checkpoint.metadata import StorageMeta
 
             metadata = load_dcp_metadata(iter_dir / ".metadata")
             if getattr(metadata, "storage_meta", None) is None:
@@ -235,7 +241,6 @@ def _blob(iter_dir: Path, metadata: Any, fqn_prefix: str) -> bytes | None:
 def dist_header(iter_dir: Path) -> tuple[Any, dict[str, Any]]:
     """(dcp metadata, Megatron's common state) of a torch_dist iteration directory, after checking
     that every byte range the metadata lists is present."""
-    from trireme.checkpoint.safe_pickle import load_torch_bytes
 
     try:
         backend = json.loads((iter_dir / "metadata.json").read_text()).get("sharded_backend")
@@ -268,8 +273,6 @@ def dist_header(iter_dir: Path) -> tuple[Any, dict[str, Any]]:
 
 def read_torch_dist(iter_dir: Path) -> tuple[dict[str, Any], int, dict[str, Tensor], str]:
     """(args, iteration, full state under Megatron names, layout description)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata, common = dist_header(iter_dir)
     args = namespace_dict(common.get("args"))

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import Shard
 
 from trireme.parallel.sharding import Sharding
 
@@ -108,7 +109,6 @@ def tensor_pieces(data: Tensor, local_shape: tuple[int, ...], sharding: Sharding
 def dtensor_pieces(t) -> list[Piece]:
     """The local shard of an FSDP parameter (a DTensor sharded on dim 0 over a 1-D mesh, split
     the way torch.chunk splits: ceil(rows / ranks) rows each, the last ones shorter or empty)."""
-    from torch.distributed.tensor import Shard
 
     if len(t.placements) != 1 or t.placements[0] != Shard(0):
         raise ValueError(f"sharded checkpoints handle DTensors sharded on dim 0 only, got "

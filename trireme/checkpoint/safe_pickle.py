@@ -17,6 +17,7 @@ Two kinds of file need it, both written by other programs:
 
 from __future__ import annotations
 
+import importlib
 import io
 import pickle  # only for RestrictedUnpickler; never pickle.load / pickle.loads
 import zipfile
@@ -145,7 +146,6 @@ _DCP_CLASSES = {
 
 
 def _dcp_allowed() -> dict[tuple[str, str], Any]:
-    import importlib
 
     allowed: dict[tuple[str, str], Any] = {
         ("torch", "Size"): torch.Size,

@@ -46,11 +46,11 @@ from trireme.checkpoint.dcp_io import (
     Writer,
     reason,
 )
+from trireme.checkpoint.gathered import VOCAB_TABLES
 from trireme.checkpoint.pieces import Entry, Piece, dtensor_pieces, tensor_pieces
 from trireme.checkpoint.rng import capture_rng_state, restore_rng_state
 from trireme.checkpoint.safe_pickle import load_dcp_metadata
 from trireme.errors import CheckpointError
-from trireme.parallel.checkpointing import VOCAB_TABLES
 from trireme.parallel.sharding import parameter_shardings
 
 # one process without a process group is a normal case here, not worth DCP's warning

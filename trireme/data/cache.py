@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trireme.data.corpus import default_cache_root
 from trireme.data.indexed import IndexedDataset, temporary_path
 
 CACHE_VERSION = 1
@@ -31,7 +32,6 @@ _warned: set[str] = set()
 
 def index_cache_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """`<cache_dir>/index-cache`; with no cache_dir under ~/.cache/trireme (or $XDG_CACHE_HOME)."""
-    from trireme.data.corpus import default_cache_root
 
     return (Path(cache_dir) if cache_dir else default_cache_root()) / "index-cache"
 

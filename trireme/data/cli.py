@@ -14,11 +14,14 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from trireme.data.indexed import IndexedDataset
+from trireme.data.jsonl import Piece, parse_lines, read_blocks
+from trireme.data.preprocess import PreprocessOptions, merge_datasets, preprocess
+from trireme.data.tokenizer import load_tokenizer, train_bpe
 from trireme.errors import ConfigError, DataError
 
 
 def preprocess_main(argv: list[str]) -> int:
-    from trireme.data.preprocess import PreprocessOptions, preprocess
 
     parser = argparse.ArgumentParser(
         prog="trireme preprocess",
@@ -69,7 +72,6 @@ def data_main(argv: list[str]) -> int:
     inspect.add_argument("--chars", type=int, default=500, help="characters of the sample")
     args = parser.parse_args(argv)
     if args.command == "merge":
-        from trireme.data.preprocess import merge_datasets
 
         merged = merge_datasets(args.input, args.output_prefix)
         print(f"trireme: wrote {merged.prefix}.bin / .idx: {merged.num_documents:,} documents, "
@@ -81,7 +83,6 @@ def data_main(argv: list[str]) -> int:
 
 def inspect_dataset(prefix: str, tokenizer: str = "", document: int = 0, chars: int = 500) -> str:
     """A human-readable summary of a dataset (what `trireme data inspect` prints)."""
-    from trireme.data.indexed import IndexedDataset
 
     ds = IndexedDataset(prefix)
     starts = ds.document_indices
@@ -118,7 +119,6 @@ def inspect_dataset(prefix: str, tokenizer: str = "", document: int = 0, chars: 
         first, last = int(starts[document]), int(starts[document + 1])
         ids = np.concatenate([ds[i] for i in range(first, last)])
         if tokenizer:
-            from trireme.data.tokenizer import load_tokenizer
 
             text = load_tokenizer(tokenizer).decode(ids.tolist())
             lines.append(f"document {document} ({ids.size:,} tokens), decoded:")
@@ -132,7 +132,6 @@ def inspect_dataset(prefix: str, tokenizer: str = "", document: int = 0, chars: 
 
 def _training_texts(paths: list[str], key: str) -> Iterator[str]:
     """Texts from JSONL files (the `key` of each line, bad lines skipped) or plain text lines."""
-    from trireme.data.jsonl import Piece, parse_lines, read_blocks
 
     for path in paths:
         if not os.path.isfile(path):
@@ -156,7 +155,6 @@ def tokenizer_main(argv: list[str]) -> int:
     train.add_argument("--vocab-size", type=int, required=True, metavar="N")
     train.add_argument("--output", required=True, metavar="DIR", help="writes DIR/tokenizer.json")
     args = parser.parse_args(argv)
-    from trireme.data.tokenizer import train_bpe
 
     if args.vocab_size < 1:
         raise ConfigError(f"--vocab-size {args.vocab_size} must be positive")

@@ -29,6 +29,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from trireme.data.indexed import CODE_OF_DTYPE, IndexedDataset, IndexedDatasetWriter, best_dtype
 from trireme.data.jsonl import Block, Piece, parse_lines, read_blocks, split_pieces
@@ -188,10 +189,6 @@ def _ordered_results(blocks, options: PreprocessOptions, dtype: np.dtype):
 
 def _progress(options: PreprocessOptions, total: int):
     if not options.progress:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
         return None
     return tqdm(total=total, unit="B", unit_scale=True, desc="preprocess", file=sys.stderr,
                 dynamic_ncols=True, smoothing=0.1)

@@ -7,11 +7,15 @@ package is a DataError that says what to install.
 from __future__ import annotations
 
 import base64
+import importlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from trireme.data.tokenizer import EOD_TOKEN, HFTokenizer, Tokenizer
+from tokenizers import Tokenizer as _RustTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+from trireme.data.tokenizer_base import EOD_TOKEN, HFTokenizer, Tokenizer
 from trireme.errors import DataError
 
 # The split regex of cl100k-style tiktoken encodings (also Llama 3's): words with their leading
@@ -28,7 +32,6 @@ LLAMA3_NAMED = {
 
 
 def _require(package: str, what: str):
-    import importlib
 
     try:
         return importlib.import_module(package)
@@ -40,8 +43,6 @@ def _require(package: str, what: str):
 
 def gpt2_tokenizer(vocab_path: str | os.PathLike[str], fast: bool = False) -> HFTokenizer:
     """GPT-2's `vocab.json` + `merges.txt` (side by side) as a byte-level BPE."""
-    from tokenizers import Tokenizer as _RustTokenizer
-    from tokenizers import decoders, models, pre_tokenizers
 
     vocab = Path(vocab_path)
     merges = vocab.parent / "merges.txt"

@@ -10,7 +10,7 @@ from trireme.data.tokenizer import load_tokenizer
 from trireme.errors import ConfigError
 from trireme.inference.generate import generate
 from trireme.models.gpt import GPT
-from trireme.train import DTYPES, pick_device
+from trireme.trainer import DTYPES, pick_device
 
 
 def generate_from_checkpoint(

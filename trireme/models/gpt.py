@@ -22,7 +22,7 @@ that hold this rank's heads, features and vocabulary rows; with sequence paralle
 stream between them is this rank's [b, s / T, h] chunk of the sequence. At tp=None (one rank) they
 are the plain torch layers.
 
-Pipeline parallelism (`stage`, a trireme.parallel.pipeline.StageSpec): the model holds only the
+Pipeline parallelism (`stage`, a trireme.models.stages.StageSpec): the model holds only the
 layers of one stage, under their global names; the first stage has the embedding, the last the final
 norm, the output layer and the loss. A stage other than the first takes the previous stage's
 activations as `hidden`; one other than the last returns its activations.
@@ -44,8 +44,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trireme.config import ModelConfig
+from trireme.config import ModelConfig, ParallelConfig
 from trireme.errors import TriremeError
+from trireme.models.init import init_parameters
+from trireme.models.stages import StageSpec, rank_stages
 from trireme.ops.attention import attention
 from trireme.ops.cross_entropy import cross_entropy
 from trireme.ops.fused_cross_entropy import fused_linear_cross_entropy
@@ -54,7 +56,6 @@ from trireme.ops.recompute import MODES as RECOMPUTE_MODES
 from trireme.ops.recompute import recompute
 from trireme.ops.rope import RotaryEmbedding, apply_rotary, rope_frequencies
 from trireme.ops.swiglu import fused_swiglu, swiglu
-from trireme.parallel.pipeline import StageSpec
 from trireme.parallel.random import dropout, fork_rng
 from trireme.parallel.tensor import TensorParallel, column_linear, row_linear
 from trireme.parallel.vocab import padded_vocab_size, parallel_output, vocab_embedding
@@ -273,7 +274,6 @@ class GPT(nn.Module):
             self.output = column_linear(h, [(self.padded_vocab_size, 1)], False, tp)
         self._compile_pending = cfg.compile
         if seed is not None:
-            from trireme.models.init import init_parameters
 
             init_parameters(self, seed)
 
@@ -404,3 +404,10 @@ class GPT(nn.Module):
         skip = {"embedding.weight", "position_embedding.weight"} if exclude_embedding else set()
         return sum(p.numel() for n, p in self.named_parameters() if n not in skip)
 
+
+def build_stage_chunks(
+    cfg: ModelConfig, pcfg: ParallelConfig, pipeline_rank: int, tp=None, seed: int | None = 0,
+) -> list:
+    """This pipeline rank's model chunks (GPTs holding one stage each), initialized by name."""
+    return [GPT(cfg, seed=seed, tp=tp, stage=spec)
+            for spec in rank_stages(cfg.num_layers, pcfg, pipeline_rank)]

@@ -19,7 +19,6 @@ rank keeps its slice: the same numbers as the single-process model's, whatever t
 
 from __future__ import annotations
 
-import hashlib
 import math
 from typing import TYPE_CHECKING
 
@@ -27,16 +26,11 @@ import torch
 from torch import nn
 
 from trireme.ops.norms import LayerNorm, RMSNorm
+from trireme.parallel.random import name_seed
 from trireme.parallel.sharding import parameter_shardings
 
 if TYPE_CHECKING:
     from trireme.models.gpt import GPT
-
-
-def name_seed(seed: int, name: str) -> int:
-    """A 64-bit generator seed derived from (seed, name)."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little")
 
 
 def draw_normal(

@@ -23,12 +23,14 @@ only fc1's output anyway).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from trireme.parallel.random import TensorParallelRNG
+if TYPE_CHECKING:  # annotations only: ops sit below parallel
+    from trireme.parallel.random import TensorParallelRNG
+
 
 MODES = ("none", "selective", "full")
 

@@ -1,7 +1,7 @@
 """The distributed optimizer (ZeRO stage 1): fp32 masters and AdamW moments sharded over DP.
 
 Every data-parallel replica holds the whole model and the whole fp32 main-gradient buffer, laid
-out in buckets (`trireme.parallel.data.grad_layout`, each bucket padded to a multiple of DP).
+out in buckets (`trireme.engine.data_parallel.grad_layout`, each bucket padded to a multiple of DP).
 Replica r owns chunk r of every bucket:
 
     bucket b = [ chunk 0 | chunk 1 | ... | chunk DP-1 ]      replica r's shard = its chunks
@@ -32,9 +32,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from trireme.config import OptimizerConfig
+from trireme.optim.layout import GradLayout
 from trireme.optim.optimizer import MixedPrecisionOptimizer, Precision
 from trireme.parallel.comm import _all_gather_single
-from trireme.parallel.data import GradLayout
 
 _EMPTY = "<empty shard>"  # AdamW's stand-in parameter on a replica whose chunks hold no parameter
 

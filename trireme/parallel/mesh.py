@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from trireme.config import ParallelConfig
 from trireme.errors import ConfigError
@@ -135,7 +136,6 @@ class ParallelMesh:
         if not dist.is_initialized():
             raise RuntimeError("ParallelMesh.build needs torch.distributed to be initialized")
         dims.check_world_size(dist.get_world_size())
-        from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=AXES)
         return cls(dims, dist.get_rank(), mesh)

@@ -16,13 +16,18 @@ At tensor = 1 nothing is forked and the numbers are the single-process ones.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trireme.models.init import name_seed
+
+def name_seed(seed: int, name: str) -> int:
+    """A 64-bit generator seed derived from (seed, name)."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
 
 
 def _get_state(device: torch.device) -> torch.Tensor:

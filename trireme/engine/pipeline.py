@@ -1,6 +1,6 @@
 """Pipeline parallelism, part 2: running a step's micro batches through the stages.
 
-`PipelineRunner` walks the timetable of trireme.parallel.schedules: in each tick this rank runs its
+`PipelineRunner` walks the timetable of trireme.engine.schedules: in each tick this rank runs its
 one forward or backward pass (if any), then exchanges the tick's activations and gradients with its
 neighbours (p2p.py). A forward stores (input, output) of its micro batch for the backward; the
 backward frees them at once, so the stored activations are the micro batches in flight (at most P
@@ -19,16 +19,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from trireme.parallel.grads import _grad
-from trireme.parallel.mesh import AXES, ParallelMesh
-from trireme.parallel.p2p import exchange
-from trireme.parallel.schedules import (
+from trireme.engine.grads import _grad
+from trireme.engine.schedules import (
     FORWARD,
     Pass,
     Tick,
     evaluation_timetable,
     training_timetable,
 )
+from trireme.parallel.mesh import AXES, ParallelMesh
+from trireme.parallel.p2p import exchange
 
 MicroBatch = tuple[Tensor, Tensor]  # tokens, labels: [b, s] each
 

@@ -125,12 +125,3 @@ def bubble_fraction(pipeline: int, virtual_pipeline: int, num_micro_batches: int
         return 0.0
     return (pipeline - 1) / (virtual_pipeline * num_micro_batches)
 
-
-def build_stage_chunks(
-    cfg: ModelConfig, pcfg: ParallelConfig, pipeline_rank: int, tp=None, seed: int | None = 0,
-) -> list:
-    """This pipeline rank's model chunks (GPTs holding one stage each), initialized by name."""
-    from trireme.models.gpt import GPT
-
-    return [GPT(cfg, seed=seed, tp=tp, stage=spec)
-            for spec in rank_stages(cfg.num_layers, pcfg, pipeline_rank)]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import fully_shard
 
 from trireme.config import Config
 from trireme.errors import ConfigError
@@ -47,7 +48,6 @@ def check_fsdp(cfg: Config) -> None:
 
 def shard_model(model: nn.Module, mesh: ParallelMesh) -> None:
     """Apply fully_shard to each block, then to the model (in place)."""
-    from torch.distributed.fsdp import fully_shard
 
     dp_mesh = mesh.device_mesh["data"]
     for block in model.layers.values():

@@ -1,0 +1,176 @@
+"""The package's floors (docs/architecture.md): every import of a trireme module goes to the same
+floor or one below, no two files import each other (directly or around a loop), and no import of
+a trireme module hides inside a function. Imports under `if TYPE_CHECKING:` are annotations only
+and do not count. Parsed from the source (nothing is imported), so a failure names the file."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "trireme"
+
+# Floors, lowest first. A module's floor is that of its longest listed prefix.
+FLOORS = [
+    ("trireme", "trireme.errors"),
+    ("trireme.config",),
+    ("trireme.data",),
+    ("trireme.ops",),
+    ("trireme.parallel",),
+    ("trireme.models",),
+    ("trireme.optim",),
+    ("trireme.engine",),
+    ("trireme.checkpoint",),
+    ("trireme.metrics", "trireme.trainer", "trireme.loop", "trireme.train"),
+    ("trireme.inference",),
+    ("trireme.plan",),
+    ("trireme.cli", "trireme.__main__"),
+]
+
+# Third-party or platform modules that may be missing, so they are imported where used.
+OPTIONAL = ("torchao", "triton", "torch.utils.tensorboard", "tensorboard", "tiktoken",
+            "sentencepiece", "zstandard", "resource", "fcntl", "megatron",
+            "trireme.ops.swiglu_triton")  # the last imports Triton at its top
+
+
+def module_files() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def floor(module: str) -> int:
+    best, level = -1, None
+    for i, prefixes in enumerate(FLOORS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, level = len(prefix), i
+    assert level is not None, f"{module} is on no floor: add it to FLOORS"
+    return level
+
+
+def _targets(module: str, node: ast.Import | ast.ImportFrom, files: dict[str, Path]) -> list[str]:
+    """The modules an import statement reads (a `from package import module` names the module)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = node.module or ""
+    if node.level:
+        parts = module.split(".")
+        if files[module].name != "__init__.py":
+            parts = parts[:-1]
+        parts = parts[: len(parts) - node.level + 1]
+        base = ".".join(parts + ([node.module] if node.module else []))
+    return [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+
+
+def _owner(target: str, files: dict[str, Path]) -> str:
+    while target not in files and "." in target:
+        target = target.rsplit(".", 1)[0]
+    return target
+
+
+def scan() -> tuple[dict[str, set[str]], list[str], list[str]]:
+    """(module -> trireme modules it imports, function-level imports, optional-dependency ones)."""
+    files = module_files()
+    edges: dict[str, set[str]] = {m: set() for m in files}
+    hidden, optional = [], []
+
+    def visit(module: str, node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                targets = _targets(module, child, files)
+                where = f"{files[module].relative_to(PACKAGE.parent)}:{child.lineno}"
+                for target in targets:
+                    if in_function and target.startswith(OPTIONAL):
+                        optional.append(f"{where}: {ast.unparse(child)}")
+                    elif target.split(".")[0] == "trireme":
+                        edges[module].add(_owner(target, files))
+                        if in_function:
+                            hidden.append(f"{where}: {ast.unparse(child)}")
+                    elif in_function:
+                        hidden.append(f"{where}: {ast.unparse(child)}")
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            visit(module, child, inner)
+
+    for module, path in files.items():
+        visit(module, ast.parse(path.read_text(), str(path)), False)
+    for module in edges:
+        edges[module].discard(module)
+    return edges, hidden, optional
+
+
+def find_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected group of more than one module (Tarjan), each as a loop path."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(edges):
+        if v not in index:
+            connect(v)
+    return groups
+
+
+def test_no_import_cycles():
+    edges, _, _ = scan()
+    cycles = find_cycles(edges)
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_imports_go_down():
+    edges, _, _ = scan()
+    upward = [f"{m} -> {t}" for m, targets in sorted(edges.items()) for t in sorted(targets)
+              if floor(t) > floor(m)]
+    assert not upward, "imports from a lower floor up: " + "; ".join(upward)
+
+
+def test_no_hidden_imports():
+    _, hidden, _ = scan()
+    assert not hidden, "imports inside functions (not optional dependencies): " + "; ".join(hidden)
+
+
+def test_the_checks_catch_a_cycle_and_an_upward_import():
+    edges = {"trireme.models.a": {"trireme.engine.b"}, "trireme.engine.b": {"trireme.models.a"}}
+    assert find_cycles(edges) == [["trireme.engine.b", "trireme.models.a"]]
+    assert floor("trireme.engine.b") > floor("trireme.models.a")
+
+
+if __name__ == "__main__":  # the figures for a note: cycles, upward, hidden imports, longest
+    edges, hidden, optional = scan()
+    up = sum(floor(t) > floor(m) for m, ts in edges.items() for t in ts)
+    print(f"cycles {len(find_cycles(edges))}, upward {up}, hidden {len(hidden)}, "
+          f"optional-dependency {len(optional)}")
+    longest = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                longest.append((node.end_lineno - node.lineno + 1, f"{path.name}:{node.name}"))
+    print("longest functions:", sorted(longest, reverse=True)[:5])
