@@ -157,9 +157,10 @@ def bench_block(args) -> dict:
     import copy
 
     from trireme.config import load_config
-    from trireme.models.gpt import Block
+    from trireme.models.block import Block
     from trireme.ops.fp8 import convert_to_float8
     from trireme.ops.rope import RotaryEmbedding, rope_frequencies
+    from trireme.parallel.context import ParallelContext
 
     cfg = load_config("llama3-1b").model
     cfg.hidden_size //= args.shrink
@@ -174,7 +175,7 @@ def bench_block(args) -> dict:
     rope = RotaryEmbedding(cfg.head_size, cfg.seq_length, inv_freq)(  # inv_freq on the CPU
         torch.device(args.device), offset=0, length=args.seq)
     with torch.device(args.device):
-        block = Block(cfg).to(torch.bfloat16)
+        block = Block(cfg, ParallelContext()).to(torch.bfloat16)
         shape = (args.micro_batch, args.seq, cfg.hidden_size)
         x = torch.randn(shape, dtype=torch.bfloat16).requires_grad_()
         g = torch.randn(shape, dtype=torch.bfloat16)

@@ -5,7 +5,8 @@ import torch
 
 from trireme.config import ModelConfig
 from trireme.errors import TriremeError
-from trireme.inference.generate import KVCache, generate, sample_next
+from trireme.inference.generate import generate, sample_next
+from trireme.models.cache import InferenceCache as KVCache
 from trireme.models.gpt import GPT
 
 VOCAB = 100

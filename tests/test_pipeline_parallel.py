@@ -25,6 +25,7 @@ from trireme.engine.grads import PartialGradSync, parallel_grad_norm
 from trireme.engine.pipeline import PipelineRunner, TiedEmbeddingSync
 from trireme.models.gpt import GPT, build_stage_chunks
 from trireme.optim.optimizer import build_optimizer
+from trireme.parallel.context import ParallelContext
 from trireme.parallel.mesh import ParallelDims, ParallelMesh
 from trireme.parallel.sharding import gather_full, parameter_shardings
 from trireme.parallel.tensor import build_tensor_parallel
@@ -110,7 +111,8 @@ def run_case(cfg: ModelConfig, pcfg: ParallelConfig, count: int, world: int,
     dims = ParallelDims(pipeline=pcfg.pipeline, tensor=pcfg.tensor)
     mesh = ParallelMesh.build(dims, "cpu")
     tp = build_tensor_parallel(mesh, cfg, pcfg.sequence_parallel, SEED, "cpu")
-    chunks = build_stage_chunks(cfg, pcfg, mesh.coordinate("pipeline"), tp, SEED)
+    ctx = ParallelContext(mesh, tp)
+    chunks = build_stage_chunks(cfg, pcfg, mesh.coordinate("pipeline"), ctx, SEED)
     for chunk in chunks:
         chunk.set_recompute(*recompute)
     seq = cfg.seq_length // pcfg.tensor if pcfg.sequence_parallel else cfg.seq_length

@@ -35,8 +35,9 @@ def test_stage_layer_counts():
 
 
 def test_interleaved_stages_go_round_the_ranks():
+    cfg5 = ModelConfig(num_layers=5)
     pcfg = ParallelConfig(pipeline=2, virtual_pipeline=2, pipeline_layers=[2, 1, 0, 2])
-    rank0, rank1 = rank_stages(5, pcfg, 0), rank_stages(5, pcfg, 1)
+    rank0, rank1 = rank_stages(cfg5, pcfg, 0), rank_stages(cfg5, pcfg, 1)
     assert [s.layers for s in rank0] == [range(0, 2), range(3, 3)]
     assert [s.layers for s in rank1] == [range(2, 3), range(3, 5)]
     assert rank0[0].first and not rank0[1].last and rank1[1].last

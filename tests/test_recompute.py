@@ -10,6 +10,7 @@ import trireme.ops.recompute as recompute_module
 from trireme.config import ModelConfig
 from trireme.errors import TriremeError
 from trireme.models.gpt import GPT
+from trireme.parallel.context import ParallelContext
 from trireme.parallel.mesh import ParallelDims, ParallelMesh
 from trireme.parallel.tensor import build_tensor_parallel
 
@@ -142,7 +143,7 @@ def tensor_parallel_worker(rank: int, world: int) -> None:
     results = {}
     for mode, layers in [("none", 0), *MODES]:
         tp = build_tensor_parallel(mesh, cfg, True, SEED, "cpu")  # SP: residual dropout per rank
-        model = GPT(cfg, seed=SEED, tp=tp).train()
+        model = GPT(cfg, seed=SEED, ctx=ParallelContext(mesh, tp)).train()
         model.set_recompute(mode, layers)
         results[mode, layers] = grads_after_step(model, cfg, steps=1)
     for key, got in results.items():

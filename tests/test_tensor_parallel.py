@@ -27,6 +27,7 @@ from trireme.config import ModelConfig, OptimizerConfig
 from trireme.engine.grads import PartialGradSync, tensor_parallel_grad_norm
 from trireme.models.gpt import GPT
 from trireme.optim.optimizer import build_optimizer
+from trireme.parallel.context import ParallelContext
 from trireme.parallel.mesh import ParallelDims, ParallelMesh
 from trireme.parallel.random import TensorParallelRNG, dropout
 from trireme.parallel.sharding import gather_full, parameter_shardings
@@ -85,7 +86,7 @@ def full(model, tensors: dict, tp) -> dict:
 def check_case(cfg: ModelConfig, sp: bool, mesh: ParallelMesh) -> dict[str, float]:
     tp = build_tensor_parallel(mesh, cfg, sp, SEED, "cpu")
     ref = GPT(cfg, seed=SEED)
-    model = GPT(cfg, seed=SEED, tp=tp)
+    model = GPT(cfg, seed=SEED, ctx=ParallelContext(mesh, tp))
     diffs: dict[str, float] = {}
 
     ref_params = dict(ref.named_parameters())
@@ -159,7 +160,7 @@ def memory_check(mesh: ParallelMesh) -> dict[str, float]:
     world = mesh.size("tensor")
     cfg = llama(num_query_groups=0, vocab_size=128, make_vocab_size_divisible_by=32)  # MHA
     tp = build_tensor_parallel(mesh, cfg, False, SEED, "cpu")
-    model, ref = GPT(cfg, seed=None, tp=tp), GPT(cfg, seed=None)
+    model, ref = GPT(cfg, seed=None, ctx=ParallelContext(mesh, tp)), GPT(cfg, seed=None)
     sharded = parameter_shardings(model)
     layers = {n.split(".")[-2] for n in sharded}
     assert layers == {"embedding", "output", "qkv", "out", "fc1", "fc2"}
@@ -196,7 +197,7 @@ def dropout_check(mesh: ParallelMesh) -> dict[str, bool]:
     # A TP model with dropout: the residual stream entering the final norm stays one tensor.
     cfg = llama(dropout=0.2)
     tp = build_tensor_parallel(mesh, cfg, False, SEED, "cpu")
-    model = GPT(cfg, seed=SEED, tp=tp).train()
+    model = GPT(cfg, seed=SEED, ctx=ParallelContext(mesh, tp)).train()
     seen = {}
     model.final_norm.register_forward_hook(lambda m, i, o: seen.update(x=i[0].detach()))
     inputs, labels, _ = batch(cfg)
@@ -209,7 +210,7 @@ def dropout_check(mesh: ParallelMesh) -> dict[str, bool]:
 
     # with SP the residual stream is split: its dropout draws per rank, and training still runs
     tp_sp = build_tensor_parallel(mesh, cfg, True, SEED, "cpu")
-    model = GPT(cfg, seed=SEED, tp=tp_sp).train()
+    model = GPT(cfg, seed=SEED, ctx=ParallelContext(mesh, tp_sp)).train()
     loss = model(inputs, labels)
     loss.backward()
     assert torch.isfinite(loss) and same_on_all_ranks(loss.detach())
@@ -222,7 +223,7 @@ def bf16_check(mesh: ParallelMesh) -> dict[str, float]:
     missing sum would be off by O(1))."""
     cfg, opt_cfg = llama(), OptimizerConfig()
     tp = build_tensor_parallel(mesh, cfg, True, SEED, "cpu")
-    model = GPT(cfg, seed=SEED, tp=tp).to(torch.bfloat16)
+    model = GPT(cfg, seed=SEED, ctx=ParallelContext(mesh, tp)).to(torch.bfloat16)
     ref16, ref32 = GPT(cfg, seed=SEED).to(torch.bfloat16), GPT(cfg, seed=SEED)
     build_optimizer(model, opt_cfg, "bf16", "cpu", tensor_parallel_grad_norm(model, tp))
     build_optimizer(ref16, opt_cfg, "bf16", "cpu")

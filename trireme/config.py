@@ -30,6 +30,36 @@ def doc(default: Any, help: str, **kwargs: Any) -> Any:
     return field(default=default, metadata={"help": help}, **kwargs)
 
 
+MIXERS = "*M"  # sublayers that mix across positions; each starts a layer
+SYMBOLS = {"*": "self-attention", "-": "MLP", "E": "mixture-of-experts MLP", "M": "Mamba-2 mixer"}
+NOT_YET = {"E": "issue 15", "M": "issue 18"}  # symbols whose sublayer has not landed
+
+
+def parse_layer_pattern(pattern: str, num_layers: int) -> list[str]:
+    """`pattern` (model.layer_pattern) cut into layers, each a mixer and the sublayers after it;
+    the empty pattern is the standard transformer. One-line ConfigError for a bad pattern."""
+    if not pattern:
+        return ["*-"] * num_layers
+    unknown = sorted(set(pattern) - set(SYMBOLS))
+    if unknown:
+        known = ", ".join(f"{k} {v}" for k, v in SYMBOLS.items())
+        raise ConfigError(f"model.layer_pattern = {pattern!r} has unknown symbol(s) {unknown}; "
+                          f"use {known}")
+    if pattern[0] not in MIXERS:
+        raise ConfigError(f"model.layer_pattern = {pattern!r} must start with a mixer (* or M): "
+                          "every layer begins with one")
+    layers: list[str] = []
+    for symbol in pattern:
+        if symbol in MIXERS:
+            layers.append(symbol)
+        else:
+            layers[-1] += symbol
+    if len(layers) != num_layers:
+        raise ConfigError(f"model.layer_pattern = {pattern!r} has {len(layers)} mixer(s) (* or M) "
+                          f"but model.num_layers = {num_layers}; make them agree")
+    return layers
+
+
 @dataclass
 class ModelConfig:
     """The network: one GPT class covers the GPT-2 and Llama families."""
@@ -39,6 +69,12 @@ class ModelConfig:
     num_attention_heads: int = doc(4, "Number of query heads.")
     num_query_groups: int = doc(
         0, "Number of key/value heads (GQA groups). 0 means one per query head (MHA); 1 is MQA."
+    )
+    layer_pattern: str = doc(
+        "", "One character per residual sublayer, in model order (Megatron's hybrid symbols): "
+        "* self-attention, - MLP, E mixture-of-experts MLP, M Mamba-2 mixer. Each mixer (* or M) "
+        "starts a layer that also holds the sublayers after it; num_layers counts the mixers. "
+        "Empty: the standard transformer, \"*-\" repeated num_layers times."
     )
     head_dim: int = doc(0, "Size of one attention head. 0 means hidden_size / num_attention_heads.")
     ffn_hidden_size: int = doc(0, "Width of the MLP's hidden layer. 0 means 4 * hidden_size.")
@@ -112,6 +148,11 @@ class ModelConfig:
         4096, "fused_cross_entropy: tokens per chunk; each chunk holds a few [chunk, vocab] "
         "tensors (bf16 logits and their gradient, fp32 temporaries unless compiled)."
     )
+
+    @property
+    def layer_symbols(self) -> list[str]:
+        """Each layer's sublayers, e.g. ["*-", "*-"]: the pattern cut before every mixer."""
+        return parse_layer_pattern(self.layer_pattern, self.num_layers)
 
     @property
     def kv_heads(self) -> int:
@@ -529,6 +570,14 @@ def config_from_toml(text: str, source: str = "config.toml") -> Config:
 
 def validate(cfg: Config, need_vocab: bool = True) -> None:
     """Check that values fit together; raise ConfigError naming the value and the fix."""
+    _check_ranges(cfg)
+    _check_model(cfg, need_vocab)
+    _check_train(cfg)
+    _check_optimizer_and_data(cfg)
+
+
+def _check_ranges(cfg: Config) -> None:
+    """Counts and sizes that must be positive (or not negative)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     for name, v in [
         ("model.num_layers", m.num_layers),
@@ -564,6 +613,15 @@ def validate(cfg: Config, need_vocab: bool = True) -> None:
             raise ConfigError(f"{name} = {v} must not be negative")
     if t.log_interval < 1:
         raise ConfigError(f"train.log_interval = {t.log_interval} must be at least 1")
+
+
+def _check_model(cfg: Config, need_vocab: bool) -> None:
+    m, p = cfg.model, cfg.parallel
+    pending = sorted(set("".join(m.layer_symbols)) & set(NOT_YET))  # raises on a bad pattern
+    if pending:
+        symbol = pending[0]
+        raise ConfigError(f"model.layer_pattern: {symbol!r} ({SYMBOLS[symbol]}) is not "
+                          f"implemented yet ({NOT_YET[symbol]}); use * and -")
     if m.head_dim == 0 and m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"model.hidden_size = {m.hidden_size} is not divisible by model.num_attention_heads = "
@@ -583,6 +641,19 @@ def validate(cfg: Config, need_vocab: bool = True) -> None:
     if m.precision == "fp8" and p.tensor > 1:
         raise ConfigError("model.precision = 'fp8' with parallel.tensor > 1 is not supported yet; "
                           "use parallel.tensor = 1 or model.precision = 'bf16'")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"model.dropout = {m.dropout} must be in [0, 1)")
+    if need_vocab and m.vocab_size < 1:
+        raise ConfigError("model.vocab_size must be set (or taken from the tokenizer)")
+    if m.fused_cross_entropy and m.loss_chunk_size < 1:
+        raise ConfigError(
+            f"model.loss_chunk_size = {m.loss_chunk_size} must be at least 1 with "
+            "model.fused_cross_entropy = true"
+        )
+
+
+def _check_train(cfg: Config) -> None:
+    m, t = cfg.model, cfg.train
     if t.recompute_layers > m.num_layers:
         raise ConfigError(f"train.recompute_layers = {t.recompute_layers} is more than "
                           f"model.num_layers = {m.num_layers}; use 0 for all layers")
@@ -591,23 +662,17 @@ def validate(cfg: Config, need_vocab: bool = True) -> None:
             f"train.recompute_layers = {t.recompute_layers} needs train.recompute = \"full\" "
             f"(it is {t.recompute!r}); set it to 0 or use full recomputation"
         )
-    if m.fused_cross_entropy and m.loss_chunk_size < 1:
-        raise ConfigError(
-            f"model.loss_chunk_size = {m.loss_chunk_size} must be at least 1 with "
-            "model.fused_cross_entropy = true"
-        )
     if cfg.checkpoint.async_save and cfg.checkpoint.format != "sharded":
         raise ConfigError("checkpoint.async_save = true needs checkpoint.format = 'sharded' "
                           f"(it is {cfg.checkpoint.format!r})")
-    if not 0.0 <= m.dropout < 1.0:
-        raise ConfigError(f"model.dropout = {m.dropout} must be in [0, 1)")
-    if need_vocab and m.vocab_size < 1:
-        raise ConfigError("model.vocab_size must be set (or taken from the tokenizer)")
     if t.global_batch_size % t.micro_batch_size:
         raise ConfigError(
             f"train.global_batch_size = {t.global_batch_size} is not divisible by "
             f"train.micro_batch_size = {t.micro_batch_size} (times the data-parallel degree)"
         )
+
+
+def _check_optimizer_and_data(cfg: Config) -> None:
     if cfg.optimizer.lr < 0 or cfg.optimizer.min_lr < 0:
         raise ConfigError("optimizer.lr and optimizer.min_lr must not be negative")
     if cfg.optimizer.min_lr > cfg.optimizer.lr:

@@ -44,6 +44,7 @@ from trireme.optim.optimizer import (
     build_optimizer,
     named_trainable_parameters,
 )
+from trireme.parallel.context import ParallelContext, build_parallel_context
 from trireme.parallel.mesh import (
     DistributedEnv,
     ParallelDims,
@@ -51,7 +52,7 @@ from trireme.parallel.mesh import (
     init_distributed,
     launched_world_size,
 )
-from trireme.parallel.tensor import TensorParallel, build_tensor_parallel, check_tensor_parallel
+from trireme.parallel.tensor import check_tensor_parallel
 
 # fp8 is bf16 everywhere except the transformer blocks' matmuls (trireme.ops.fp8)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -295,13 +296,13 @@ def build_datasets(cfg: Config, sources: DataSources) -> tuple[GPTDataset, GPTDa
 
 
 def build_model(
-    cfg: Config, device: torch.device, tp: TensorParallel | None = None,
+    cfg: Config, device: torch.device, ctx: ParallelContext | None = None,
     stage: StageSpec | None = None,
 ) -> GPT:
-    """Build the model (this rank's tensor-parallel shard with `tp`, one pipeline stage with
+    """Build the model (this rank's tensor-parallel shard under `ctx`, one pipeline stage with
     `stage`) directly on its device (no CPU copy), then initialize it by name."""
     with torch.device("meta"):
-        model = GPT(cfg.model, seed=None, tp=tp, stage=stage)
+        model = GPT(cfg.model, seed=None, ctx=ctx, stage=stage)
     model = model.to_empty(device=device).to(DTYPES[cfg.model.precision])
     init_parameters(model, cfg.train.seed)
     if cfg.model.precision == "fp8":  # swap the blocks' linears (same parameters, same names)
@@ -335,13 +336,14 @@ def build_trainer(cfg: Config, with_data: bool = True) -> Trainer:
             train_data, valid_data = build_datasets(cfg, indexed)
     else:
         validate(cfg)
-    tp = build_tensor_parallel(mesh, cfg.model, cfg.parallel.sequence_parallel, cfg.train.seed,
-                               device)
+    ctx = build_parallel_context(mesh, cfg.model, cfg.parallel.sequence_parallel,
+                                 cfg.train.seed, device)
+    tp = ctx.tensor
     if dims.pipeline == 1:
-        chunks = [build_model(cfg, device, tp)]
+        chunks = [build_model(cfg, device, ctx)]
     else:
-        stages = rank_stages(cfg.model.num_layers, cfg.parallel, mesh.coordinate("pipeline"))
-        chunks = [build_model(cfg, device, tp, stage) for stage in stages]
+        stages = rank_stages(cfg.model, cfg.parallel, mesh.coordinate("pipeline"))
+        chunks = [build_model(cfg, device, ctx, stage) for stage in stages]
     syncs: list[Callable[[], None]] = [PartialGradSync(c, tp) for c in chunks if tp is not None]
     pipeline, skip, pipeline_group = None, frozenset(), None
     if dims.pipeline > 1:

@@ -1,4 +1,4 @@
-"""Autoregressive generation with a preallocated KV cache, and the samplers it uses.
+"""Autoregressive generation with a preallocated cache (trireme.models.cache), and the samplers.
 
 The prompt goes through the model once (prefill, filling the cache at positions 0..s-1); then each
 new token is one forward of length 1 at position start_pos, attending over the cached keys/values.
@@ -10,47 +10,8 @@ from __future__ import annotations
 import torch
 
 from trireme.errors import TriremeError
+from trireme.models.cache import InferenceCache
 from trireme.models.gpt import GPT
-
-
-class KVCache:
-    """Keys and values of every layer, preallocated: `k[i]`, `v[i]` are [b, n_kv, max_len, d].
-
-    `cache[i]` gives layer i's (k, v) pair; the attention writes positions start_pos..start_pos+s-1
-    and reads 0..start_pos+s-1. A batch smaller than the cache's uses its first rows.
-    """
-
-    def __init__(
-        self,
-        num_layers: int,
-        batch_size: int,
-        num_kv_heads: int,
-        max_len: int,
-        head_size: int,
-        *,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-    ) -> None:
-        shape = (batch_size, num_kv_heads, max_len, head_size)
-        self.max_len = max_len
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
-
-    @classmethod
-    def for_model(cls, model: GPT, batch_size: int, max_len: int | None = None) -> KVCache:
-        """A cache shaped for `model`, on its device and in its parameters' dtype."""
-        cfg = model.cfg
-        weight = model.embedding.weight
-        return cls(
-            cfg.num_layers, batch_size, cfg.kv_heads, max_len or cfg.seq_length, cfg.head_size,
-            device=weight.device, dtype=weight.dtype,
-        )
-
-    def __getitem__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[layer], self.v[layer]
-
-    def __len__(self) -> int:
-        return len(self.k)
 
 
 def sample_next(
@@ -137,7 +98,7 @@ def generate(
         out = torch.empty(b, total, dtype=torch.long, device=device)
         out[:, :s] = ids
         finished = torch.zeros(b, dtype=torch.bool, device=device)
-        cache = KVCache.for_model(model, b, total) if use_cache else None
+        cache = InferenceCache.for_model(model, b, total) if use_cache else None
         pos = s  # position of the next token to produce
         if pos < total:  # prefill; the logits have no padded ids, so none can be sampled
             logits = model(ids, kv_cache=cache)[:, -1]  # [b, vocab]

@@ -1,8 +1,11 @@
 """Pipeline parallelism, part 1: which layers each stage holds.
 
-The model's transformer layers are cut into `pipeline * virtual_pipeline` contiguous stages, in
-model order. Pipeline rank p holds the stages p, p + P, p + 2P, ... (its "model chunks", one per
-virtual stage, Megatron's interleaved assignment), so with P = 2 and 2 virtual stages:
+The model's layers (a mixer and the sublayers after it, trireme.models.block) are cut into
+`pipeline * virtual_pipeline` contiguous stages, in model order: evenly when every layer costs the
+same (the standard transformer), else balanced by their cost (`layer_costs`: the forward FLOPs per
+token of each sublayer symbol), or as parallel.pipeline_layers says.
+Pipeline rank p holds the stages p, p + P, p + 2P, ... (its "model chunks", one per virtual
+stage, Megatron's interleaved assignment), so with P = 2 and 2 virtual stages:
 
     stage:   0        1        2        3
     rank:    0        1        0        1          (stage s lives on rank s % P, chunk s // P)
@@ -39,14 +42,54 @@ class StageSpec:
         return range(self.start, self.stop)
 
 
+def sublayer_flops(cfg: ModelConfig, symbol: str, seq_length: int | None = None) -> float:
+    """Forward FLOPs per token of one sublayer, / 2 (Megatron's formula, trireme.metrics)."""
+    h, s = cfg.hidden_size, seq_length or cfg.seq_length
+    q, kv = cfg.num_attention_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
+    mlp = h * cfg.ffn_size * (3 if cfg.activation == "swiglu" else 2)
+    if symbol == "*":
+        return h * (q + 2 * kv) + q * h + q * s  # projections, scores and values (causal)
+    return mlp  # "-"; the sublayers still to come ("E", "M") bring their own
+
+
+def layer_costs(cfg: ModelConfig) -> list[float]:
+    """The cost of each layer: the FLOPs of its sublayers."""
+    return [sum(sublayer_flops(cfg, symbol) for symbol in layer) for layer in cfg.layer_symbols]
+
+
+def balanced_counts(costs: list[float], stages: int) -> list[int]:
+    """Layers per stage (contiguous, at least one each) that minimize the costliest stage."""
+    n = len(costs)
+    if n < stages:
+        raise ConfigError(f"{n} layers cannot fill pipeline x virtual_pipeline = {stages} stages")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # best[k][i]: the smallest max-stage cost of the first i layers in k stages, and the cut
+    best = [[(float("inf"), 0)] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = (0.0, 0)
+    for k in range(1, stages + 1):
+        for i in range(k, n - (stages - k) + 1):
+            best[k][i] = min((max(best[k - 1][j][0], prefix[i] - prefix[j]), j)
+                             for j in range(k - 1, i))
+    counts, i = [], n
+    for k in range(stages, 0, -1):
+        j = best[k][i][1]
+        counts.append(i - j)
+        i = j
+    return counts[::-1]
+
+
 def stage_layer_counts(
     num_layers: int, stages: int, explicit: list[int] | tuple[int, ...] = (),
-    embedding_as_layer: bool = False,
+    embedding_as_layer: bool = False, costs: list[float] | None = None,
 ) -> list[int]:
-    """Transformer layers per stage (model order): `explicit` checked, or an even division.
+    """Layers per stage (model order): `explicit` checked, an even division, or (when `costs`
+    differ between layers) the split that balances them.
 
-    With `embedding_as_layer` the embedding and the output layer take one slot each, so
-    num_layers + 2 slots are divided evenly and the first and last stages get one layer fewer.
+    With `embedding_as_layer` the embedding and the output layer take one slot each (of the mean
+    layer cost), so num_layers + 2 slots are divided and the first and last stages get one layer
+    fewer.
     """
     if explicit:
         if len(explicit) != stages or sum(explicit) != num_layers or min(explicit) < 0:
@@ -56,6 +99,12 @@ def stage_layer_counts(
                 f"{num_layers}"
             )
         return list(explicit)
+    if costs is not None and len(set(costs)) > 1 and stages > 1:
+        ends = [sum(costs) / len(costs)] if embedding_as_layer else []
+        counts = balanced_counts([*ends, *costs, *ends], stages)
+        if embedding_as_layer:
+            counts[0], counts[-1] = counts[0] - 1, counts[-1] - 1
+        return counts
     slots = num_layers + 2 if embedding_as_layer and stages > 1 else num_layers
     if slots % stages:
         extra = " + 2 (embedding and output)" if slots != num_layers else ""
@@ -81,11 +130,11 @@ def _uneven(num_layers: int, stages: int) -> list[int]:
     return counts
 
 
-def stage_specs(num_layers: int, pcfg: ParallelConfig) -> list[StageSpec]:
+def stage_specs(cfg: ModelConfig, pcfg: ParallelConfig) -> list[StageSpec]:
     """Every stage of the model, in model order (stage s on pipeline rank s % pipeline)."""
     stages = pcfg.pipeline * pcfg.virtual_pipeline
-    counts = stage_layer_counts(num_layers, stages, pcfg.pipeline_layers,
-                                pcfg.pipeline_embedding_as_layer)
+    counts = stage_layer_counts(cfg.num_layers, stages, pcfg.pipeline_layers,
+                                pcfg.pipeline_embedding_as_layer, layer_costs(cfg))
     specs, start = [], 0
     for s, count in enumerate(counts):
         specs.append(StageSpec(start, start + count, s == 0, s == stages - 1))
@@ -93,9 +142,9 @@ def stage_specs(num_layers: int, pcfg: ParallelConfig) -> list[StageSpec]:
     return specs
 
 
-def rank_stages(num_layers: int, pcfg: ParallelConfig, pipeline_rank: int) -> list[StageSpec]:
+def rank_stages(cfg: ModelConfig, pcfg: ParallelConfig, pipeline_rank: int) -> list[StageSpec]:
     """The stages (model chunks) pipeline rank `pipeline_rank` holds, chunk 0 first."""
-    specs = stage_specs(num_layers, pcfg)
+    specs = stage_specs(cfg, pcfg)
     return specs[pipeline_rank :: pcfg.pipeline]
 
 
@@ -108,7 +157,7 @@ def check_pipeline(cfg: ModelConfig, pcfg: ParallelConfig, num_micro_batches: in
     if pcfg.pipeline_layers and pcfg.pipeline == 1:
         raise ConfigError("parallel.pipeline_layers is set but parallel.pipeline = 1")
     if pcfg.pipeline > 1:
-        stage_specs(cfg.num_layers, pcfg)  # raises on a split that does not fit
+        stage_specs(cfg, pcfg)  # raises on a split that does not fit
     if pcfg.virtual_pipeline > 1 and num_micro_batches % pcfg.pipeline:
         raise ConfigError(
             f"interleaved pipelining (parallel.virtual_pipeline = {pcfg.virtual_pipeline}) needs "

@@ -13,6 +13,8 @@ from torch import nn
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight."""
 
+    is_norm = True  # initialized to weight 1, bias 0 (trireme.models.init)
+
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.eps = eps
@@ -27,6 +29,8 @@ class RMSNorm(nn.Module):
 
 class LayerNorm(nn.Module):
     """y = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias (bias optional)."""
+
+    is_norm = True  # initialized to weight 1, bias 0 (trireme.models.init)
 
     def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True) -> None:
         super().__init__()

@@ -15,7 +15,14 @@ tensor = 2 (so data = 8 / (2 * 2) = 2):
                                          pipeline groups  {0,4} {1,5} {2,6} {3,7}
 
 Expert parallelism is not a fifth axis: it reuses the data x context ranks of a pipeline stage, so
-`expert` must divide data * context.
+`expert` must divide data * context. Three flattened groups serve context and expert parallelism
+(`flat_rank_lists`): for each (pipeline, tensor) coordinate, the data x context ranks in grid order
+form the "data_context" group (gradients and the loss are averaged over it); cut into runs of
+`expert` consecutive ranks they form the "expert" groups (the ranks that split the experts among
+them), and the ranks at the same place of every run form the "expert_data" groups (the replicas of
+one expert shard). With 8 ranks, data = 4, context = 2, expert = 4 (pipeline = tensor = 1):
+
+    data_context {0..7}   expert {0,1,2,3} {4,5,6,7}   expert_data {0,4} {1,5} {2,6} {3,7}
 
 `ParallelDims` is the validated degrees (plain numbers, no processes needed); `ParallelMesh` adds
 this rank's coordinates and the process groups (from a torch `DeviceMesh`). Both are passed
@@ -37,6 +44,7 @@ from trireme.config import ParallelConfig
 from trireme.errors import ConfigError
 
 AXES = ("pipeline", "data", "context", "tensor")  # outermost to innermost
+FLAT = ("data_context", "expert", "expert_data")  # groups across axes (module docstring)
 
 
 @dataclass(frozen=True)
@@ -111,6 +119,26 @@ class ParallelDims:
         return dims
 
 
+def flat_rank_lists(dims: ParallelDims, name: str) -> list[list[int]]:
+    """Every group of the flattened kind `name` (one of FLAT), as lists of global ranks."""
+    grid = torch.arange(dims.world_size).view(dims.shape)  # [pipeline, data, context, tensor]
+    rows = grid.permute(0, 3, 1, 2).reshape(-1, dims.data * dims.context)  # one per (p, t)
+    if name == "data_context":
+        return rows.tolist()
+    runs = rows.reshape(rows.shape[0], -1, dims.expert)  # [(p, t), replicas, expert]
+    if name == "expert":
+        return runs.reshape(-1, dims.expert).tolist()
+    if name == "expert_data":
+        return runs.transpose(1, 2).reshape(-1, runs.shape[1]).tolist()
+    raise ValueError(f"{name!r} is not one of {FLAT}")
+
+
+def flat_size(dims: ParallelDims, name: str) -> int:
+    sizes = {"data_context": dims.data * dims.context, "expert": dims.expert,
+             "expert_data": dims.data * dims.context // dims.expert}
+    return sizes[name]
+
+
 @dataclass
 class ParallelMesh:
     """This process's place in the grid: degrees, coordinates and one process group per axis.
@@ -138,13 +166,34 @@ class ParallelMesh:
         dims.check_world_size(dist.get_world_size())
 
         mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=AXES)
-        return cls(dims, dist.get_rank(), mesh)
+        built = cls(dims, dist.get_rank(), mesh)
+        built._build_flat_groups()
+        return built
+
+    def _build_flat_groups(self) -> None:
+        """The flattened groups that have more than one rank and are not an axis group already
+        (data_context at context = 1 is the data group). Collective: every rank creates every
+        group, in the same order."""
+        for name in FLAT:
+            size = flat_size(self.dims, name)
+            if size == 1 or (name == "data_context" and self.dims.context == 1):
+                continue
+            if name == "expert_data" and self.dims.expert == 1:
+                continue  # the data_context group
+            for ranks in flat_rank_lists(self.dims, name):
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self._subgroups[(name, 0)] = group
 
     def size(self, axis: str) -> int:
-        return self.dims.degree(axis)
+        """Ranks in this rank's group along `axis` (one of AXES or FLAT)."""
+        return flat_size(self.dims, axis) if axis in FLAT else self.dims.degree(axis)
 
     def coordinate(self, axis: str) -> int:
         """This rank's index along `axis` (its rank inside that axis's group)."""
+        if axis in FLAT:
+            ranks = next(r for r in flat_rank_lists(self.dims, axis) if self.rank in r)
+            return ranks.index(self.rank)
         return self.dims.coordinates(self.rank)[axis]
 
     @property
@@ -153,9 +202,16 @@ class ParallelMesh:
         return self.rank == 0
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
-        """The process group of this rank along `axis` (None in a single process)."""
+        """The process group of this rank along `axis`, one of AXES or FLAT (None in a single
+        process, and for a flattened group of one rank)."""
         if self.device_mesh is None:
             return None
+        if axis == "data_context" and self.dims.context == 1:
+            return self.device_mesh.get_group("data")
+        if axis == "expert_data" and self.dims.expert == 1:
+            return self.group("data_context")
+        if axis in FLAT:
+            return self._subgroups.get((axis, 0))
         return self.device_mesh.get_group(axis)
 
     def subgroup(self, axis: str, size: int) -> dist.ProcessGroup | None:

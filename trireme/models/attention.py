@@ -1,0 +1,125 @@
+"""The `*` sublayer: causal self-attention with a fused QKV projection, QK-norm, RoPE, KV cache.
+
+    qkv = x W_qkv                       [b, s, (n_heads + 2 * n_kv) * d]
+    q, k, v = split(qkv) per head        [b, heads, s, d]
+    y = softmax(q k^T / sqrt(d) + causal) v, then y W_out
+
+`qkv.weight` is [(n_heads + 2 * n_kv) * d, h]: rows [all q heads; all k heads; all v heads], each
+part head-major (what a converter or a tensor-parallel split must respect). Under tensor
+parallelism this rank holds num_heads / T query heads and their key/value heads (num_kv / T of
+them, or the one they share when T > num_kv); qkv is column-parallel and out row-parallel.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trireme.config import ModelConfig
+from trireme.models.init import InitRule
+from trireme.ops.attention import attention
+from trireme.ops.norms import RMSNorm
+from trireme.ops.recompute import recompute
+from trireme.ops.rope import apply_rotary
+from trireme.parallel.context import ParallelContext
+from trireme.parallel.random import dropout, fork_rng
+from trireme.parallel.tensor import column_linear, row_linear
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [s, d] (or [b, s, d])
+LayerCache = tuple[torch.Tensor, torch.Tensor]  # k, v buffers: [b, n_kv, max_len, d]
+
+
+class Attention(nn.Module):
+    """Causal self-attention (module docstring). A mixer: it sees positions, and keeps a cache."""
+
+    symbol = "*"
+    mixes = True
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
+        super().__init__()
+        d, n_heads, n_kv = cfg.head_size, cfg.num_attention_heads, cfg.kv_heads
+        tp_size = ctx.size("tensor")
+        self.num_heads, self.num_kv_heads, self.head_size = (
+            n_heads // tp_size, max(n_kv // tp_size, 1), d,
+        )
+        self.backend = cfg.attention_backend
+        self.dropout_p = cfg.dropout
+        q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_parts = (("q", n_heads * d), ("k", n_kv * d), ("v", n_kv * d))  # full rows
+        self.qkv = column_linear(cfg.hidden_size, [(n_heads, d), (n_kv, d), (n_kv, d)], cfg.bias,
+                                 ctx.tensor)
+        self.out = row_linear(n_heads * d, cfg.hidden_size, cfg.bias, ctx.tensor)
+        if cfg.qk_norm:  # RMSNorm over each head's d features, shared by all heads
+            self.q_norm = RMSNorm(self.head_size, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_size, cfg.norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.head_rng = ctx.head_rng  # heads are split: dropout masks per rank
+        self.resid_dropout = dropout(cfg.dropout, ctx.residual_rng)
+        self.recompute_core = False  # selective recomputation: see set_recompute
+
+    def init_rules(self) -> dict[str, InitRule]:
+        return {"qkv.weight": InitRule(parts=self.qkv_parts),
+                "out.weight": InitRule(residual_output=True)}
+
+    def set_recompute(self, selective: bool) -> None:
+        """Selective recomputation keeps only qkv: RoPE'd q, k and the kernel's statistics are
+        rebuilt in the backward."""
+        self.recompute_core = selective
+
+    def new_cache(self, batch_size: int, max_len: int, device: torch.device,
+                  dtype: torch.dtype) -> LayerCache:
+        """Zeroed key and value buffers for `max_len` positions of `batch_size` sequences."""
+        shape = (batch_size, self.num_kv_heads, max_len, self.head_size)
+        return (torch.zeros(shape, device=device, dtype=dtype),
+                torch.zeros(shape, device=device, dtype=dtype))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Rope | None = None,
+        cache: LayerCache | None = None,
+        start_pos: int = 0,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        qkv = self.qkv(x)  # [b, s, (n_heads + 2 * n_kv) * d]
+        if self.recompute_core and cache is None and torch.is_grad_enabled():
+            random = self.training and self.dropout_p > 0.0
+            y = recompute(self.core, qkv, rope, document_ids=document_ids, random=random,
+                          rngs=[self.head_rng])
+        else:
+            y = self.core(qkv, rope, cache, start_pos, document_ids)
+        return self.resid_dropout(self.out(y))
+
+    def core(
+        self,
+        qkv: torch.Tensor,
+        rope: Rope | None = None,
+        cache: LayerCache | None = None,
+        start_pos: int = 0,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """[b, s, n_heads * d]: attention over the projected q, k, v (QK-norm, RoPE, kernel)."""
+        d = self.head_size
+        q, k, v = qkv.split(self.split_sizes, dim=-1)  # [b, s, heads * d] each
+        b, s, _ = q.shape  # the whole sequence (under SP, x was this rank's chunk of it)
+        q = q.view(b, s, self.num_heads, d).transpose(1, 2)  # [b, n_heads, s, d]
+        k = k.view(b, s, self.num_kv_heads, d).transpose(1, 2)  # [b, n_kv, s, d]
+        v = v.view(b, s, self.num_kv_heads, d).transpose(1, 2)  # [b, n_kv, s, d]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if cache is not None:  # store this chunk's keys/values, attend over everything so far
+            k_cache, v_cache = cache
+            end = start_pos + s
+            k_cache[:b, :, start_pos:end] = k
+            v_cache[:b, :, start_pos:end] = v
+            k, v = k_cache[:b, :, :end], v_cache[:b, :, :end]  # [b, n_kv, end, d]
+        dropout_p = self.dropout_p if self.training else 0.0
+        with fork_rng(self.head_rng, dropout_p > 0.0):
+            y = attention(
+                q, k, v, causal=True, backend=self.backend, dropout_p=dropout_p,
+                q_offset=start_pos, document_ids=document_ids,
+            )  # [b, n_heads, s, d]
+        return y.transpose(1, 2).reshape(b, s, self.num_heads * d)  # [b, s, n_heads * d]

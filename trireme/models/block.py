@@ -1,0 +1,117 @@
+"""A layer of the model: a mixer sublayer and the sublayers after it, each a pre-norm residual.
+
+    for each sublayer f of the layer:   x = x + f(norm_f(x))
+
+The standard transformer layer is "*-": x = x + attention(attention_norm(x)), then
+x = x + mlp(mlp_norm(x)). `build_sublayer` makes a sublayer from its symbol of
+model.layer_pattern (one factory for every kind); the block names each by its kind ("attention",
+"mlp"; a second MLP in one layer is "mlp_1") with its norm before it ("attention_norm"), so the
+parameter names of the standard layer are those checkpoints have always had.
+
+What a sublayer tells the block (and nobody pokes its attributes from outside):
+- `mixes`: whether it mixes positions (takes rope, a cache and the start position) or not;
+- `set_recompute(selective)`: what selective recomputation may rerun inside it;
+- `new_cache(batch, max_len, device, dtype)`: the state it keeps between decoding steps (None);
+- `init_rules()`: the role of each of its weights (trireme.models.init).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from trireme.config import NOT_YET, SYMBOLS, ModelConfig
+from trireme.errors import ConfigError
+from trireme.models.attention import Attention, Rope
+from trireme.models.mlp import MLP
+from trireme.ops.norms import build_norm
+from trireme.ops.recompute import recompute
+from trireme.parallel.context import ParallelContext
+
+# symbol -> (module name in the block, class); each class takes (cfg, ctx)
+SUBLAYERS: dict[str, tuple[str, type[nn.Module]]] = {
+    "*": ("attention", Attention),
+    "-": ("mlp", MLP),
+}
+
+
+def build_sublayer(symbol: str, cfg: ModelConfig, ctx: ParallelContext) -> nn.Module:
+    """The sublayer for one symbol of model.layer_pattern."""
+    if symbol not in SUBLAYERS:
+        issue = f" ({NOT_YET[symbol]})" if symbol in NOT_YET else ""
+        raise ConfigError(f"model.layer_pattern: {symbol!r} ({SYMBOLS.get(symbol, 'unknown')}) "
+                          f"is not implemented yet{issue}")
+    return SUBLAYERS[symbol][1](cfg, ctx)
+
+
+def sublayer_names(symbols: str) -> list[str]:
+    """Module names of a layer's sublayers, e.g. "*-" -> ["attention", "mlp"]."""
+    names: list[str] = []
+    for symbol in symbols:
+        kind = SUBLAYERS[symbol][0] if symbol in SUBLAYERS else symbol
+        count = sum(n == kind or n.startswith(f"{kind}_") for n in names)
+        names.append(kind if count == 0 else f"{kind}_{count}")
+    return names
+
+
+class Block(nn.Module):
+    """One layer: its sublayers (from `symbols`, e.g. "*-") in order, each after its own norm."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, symbols: str = "*-") -> None:
+        super().__init__()
+        self.sublayers = tuple(sublayer_names(symbols))
+        for name, symbol in zip(self.sublayers, symbols):  # registration order: norm, sublayer
+            self.add_module(f"{name}_norm", build_norm(cfg.normalization, cfg.hidden_size,
+                                                       cfg.norm_eps, cfg.bias))
+            self.add_module(name, build_sublayer(symbol, cfg, ctx))
+        self.recompute = False  # full recomputation: see set_recompute
+        self.random = cfg.dropout > 0.0
+        self.rng = ctx.head_rng
+
+    def set_recompute(self, full: bool, selective: bool) -> None:
+        """`full`: keep only the block's input, rerun the whole block in the backward;
+        `selective`: each sublayer reruns what it says it may (its `set_recompute`)."""
+        self.recompute = full
+        for name in self.sublayers:
+            getattr(self, name).set_recompute(selective)
+
+    def new_cache(self, batch_size: int, max_len: int, device: torch.device,
+                  dtype: torch.dtype) -> dict[str, Any]:
+        """Each sublayer's decoding state, by name (sublayers that keep none are left out)."""
+        states = {name: getattr(self, name).new_cache(batch_size, max_len, device, dtype)
+                  for name in self.sublayers}
+        return {name: state for name, state in states.items() if state is not None}
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Rope | None = None,
+        cache: dict[str, Any] | None = None,
+        start_pos: int = 0,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.recompute and cache is None and torch.is_grad_enabled():
+            # keep only x: the whole block runs again in the backward. Inside forward, so that
+            # a compiled block (block.compile()) compiles the checkpoint with it.
+            return recompute(self.layer, x, rope, document_ids=document_ids,
+                             random=self.random and self.training, rngs=[self.rng])
+        return self.layer(x, rope, cache, start_pos, document_ids)
+
+    def layer(
+        self,
+        x: torch.Tensor,
+        rope: Rope | None = None,
+        cache: dict[str, Any] | None = None,
+        start_pos: int = 0,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        for name in self.sublayers:
+            sublayer, h = getattr(self, name), getattr(self, f"{name}_norm")(x)
+            if sublayer.mixes:
+                state = cache.get(name) if cache is not None else None
+                x = x + sublayer(h, rope, state, start_pos, document_ids)
+            else:
+                x = x + sublayer(h)
+        return x

@@ -1,0 +1,67 @@
+"""The `-` sublayer: SwiGLU, fc2(silu(gate) * up) with fc1 = [gate; up], or GeLU, fc2(gelu(fc1(x))).
+
+SwiGLU's `fc1.weight` is [2 * ffn, h]: rows [gate; up]; GeLU's is [ffn, h]. Under tensor
+parallelism fc1 is column-parallel (gate and up split alike, so silu(gate_r) * up_r needs no
+communication) and fc2 row-parallel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trireme.config import ModelConfig
+from trireme.models.init import InitRule
+from trireme.ops.recompute import recompute
+from trireme.ops.swiglu import fused_swiglu, swiglu
+from trireme.parallel.context import ParallelContext
+from trireme.parallel.random import dropout
+from trireme.parallel.tensor import column_linear, row_linear
+
+
+class MLP(nn.Module):
+    """The feed-forward sublayer (module docstring). Not a mixer: each position on its own."""
+
+    symbol = "-"
+    mixes = False
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
+        super().__init__()
+        self.swiglu = cfg.activation == "swiglu"
+        self.fused_swiglu = self.swiglu and cfg.fused_swiglu  # trireme.ops.swiglu
+        fc1_parts = [(cfg.ffn_size, 1)] * (2 if self.swiglu else 1)  # gate and up split alike
+        self.fc1_parts = (("gate", cfg.ffn_size), ("up", cfg.ffn_size)) if self.swiglu else ()
+        self.fc1 = column_linear(cfg.hidden_size, fc1_parts, cfg.bias, ctx.tensor)
+        self.fc2 = row_linear(cfg.ffn_size, cfg.hidden_size, cfg.bias, ctx.tensor)
+        self.resid_dropout = dropout(cfg.dropout, ctx.residual_rng)
+        self.recompute_activation = False  # selective recomputation: see set_recompute
+
+    def init_rules(self) -> dict[str, InitRule]:
+        return {"fc1.weight": InitRule(parts=self.fc1_parts),
+                "fc2.weight": InitRule(residual_output=True)}
+
+    def set_recompute(self, selective: bool) -> None:
+        """Selective recomputation reruns SwiGLU's activation in the backward instead of keeping
+        silu(gate) ([b, s, ffn]). GeLU's backward needs only its input, which fc1's output is
+        anyway, and the fused SwiGLU keeps only h: nothing to save there."""
+        self.recompute_activation = selective and self.swiglu and not self.fused_swiglu
+
+    def new_cache(self, batch_size: int, max_len: int, device: torch.device,
+                  dtype: torch.dtype) -> None:
+        return None  # nothing carries over between positions
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)  # [b, s, 2 * ffn] (SwiGLU) or [b, s, ffn]
+        if self.recompute_activation and torch.is_grad_enabled():
+            h = recompute(self.activation, h)
+        else:
+            h = self.activation(h)
+        return self.resid_dropout(self.fc2(h))
+
+    def activation(self, h: torch.Tensor) -> torch.Tensor:
+        if self.fused_swiglu:  # the same forward; the backward as one kernel on CUDA
+            return fused_swiglu(h)
+        if self.swiglu:
+            return swiglu(h)  # silu(gate) * up, gate and up [b, s, ffn] halves of h
+        return F.gelu(h, approximate="tanh")
