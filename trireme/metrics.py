@@ -8,7 +8,8 @@ compare with published tables:
               + 6 * L * q * s                                 QK^T and PV, halved by the causal mask
 
 with q = heads * head_dim, kv = groups * head_dim, k_ffn = 3 for SwiGLU and 2 for GeLU;
-6 = 3 (forward and backward) x 2 (a multiply-add is two FLOPs).
+6 = 3 (forward and backward) x 2 (a multiply-add is two FLOPs). Under model.layer_pattern the
+attention terms count once per `*` sublayer and the MLP term once per `-`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from trireme.config import ModelConfig
+from trireme.models.stages import sublayer_flops
 
 # Dense bf16 tensor-core peak per GPU, FLOP/s, from the vendor datasheets. Matched in order against
 # the device name, so the more specific names come first.
@@ -42,17 +44,14 @@ NOMINAL_PEAK_FLOPS = 1e12
 
 
 def flops_per_token(cfg: ModelConfig, seq_length: int | None = None) -> float:
-    """Training FLOPs (forward + backward) per token of `cfg`, Megatron's formula.
+    """Training FLOPs (forward + backward) per token of `cfg`, Megatron's formula, summed over
+    the sublayers of model.layer_pattern (trireme.models.stages.sublayer_flops).
 
     `seq_length` defaults to `cfg.seq_length`; the output layer uses the padded vocabulary.
     """
-    s = seq_length or cfg.seq_length
-    h, num_layers = cfg.hidden_size, cfg.num_layers
-    q = cfg.num_attention_heads * cfg.head_size
-    kv = cfg.kv_heads * cfg.head_size
-    k_ffn = 3 if cfg.activation == "swiglu" else 2
-    per_layer = h * (q + 2 * kv) + q * h + h * cfg.ffn_size * k_ffn + q * s
-    return 6.0 * (num_layers * per_layer + h * cfg.padded_vocab_size)
+    layers = sum(sublayer_flops(cfg, symbol, seq_length)
+                 for layer in cfg.layer_symbols for symbol in layer)
+    return 6.0 * (layers + cfg.hidden_size * cfg.padded_vocab_size)
 
 
 def peak_flops(device: torch.device | str) -> float:
