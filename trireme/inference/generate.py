@@ -76,49 +76,58 @@ def generate(
     and the loop stops once every sequence has. `seed` makes sampling reproducible. The model's
     training/eval mode is restored afterwards.
     """
-    cfg = model.cfg
     device = model.embedding.weight.device
     one_dim = not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() == 1
     ids = _as_batch(prompt_ids, device)
-    b, s = ids.shape
-    if s > cfg.seq_length:
-        raise TriremeError(
-            f"prompt has {s} tokens but model.seq_length is {cfg.seq_length}; shorten the prompt"
-        )
-    if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
-        raise TriremeError(f"prompt ids must be in [0, {cfg.vocab_size}) (model.vocab_size)")
-    total = min(s + max(max_new_tokens, 0), cfg.seq_length)
+    _check_prompt(ids, model.cfg)
+    total = min(ids.shape[1] + max(max_new_tokens, 0), model.cfg.seq_length)
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
 
+    def pick(logits: torch.Tensor) -> torch.Tensor:  # [b, vocab] -> [b]
+        return sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                           greedy=greedy, generator=generator)
+
     was_training = model.training
     model.eval()
     try:
-        out = torch.empty(b, total, dtype=torch.long, device=device)
-        out[:, :s] = ids
-        finished = torch.zeros(b, dtype=torch.bool, device=device)
-        cache = InferenceCache.for_model(model, b, total) if use_cache else None
-        pos = s  # position of the next token to produce
-        if pos < total:  # prefill; the logits have no padded ids, so none can be sampled
-            logits = model(ids, kv_cache=cache)[:, -1]  # [b, vocab]
-        while pos < total:
-            next_ids = sample_next(
-                logits, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
-                generator=generator,
-            )  # [b]
-            if eos_id is not None:
-                next_ids = next_ids.masked_fill(finished, eos_id)
-                finished |= next_ids == eos_id
-            out[:, pos] = next_ids
-            pos += 1
-            if pos == total or (eos_id is not None and bool(finished.all())):
-                break
-            if cache is not None:
-                logits = model(out[:, pos - 1 : pos], kv_cache=cache, start_pos=pos - 1)[:, -1]
-            else:
-                logits = model(out[:, :pos])[:, -1]
-        out = out[:, :pos]
+        out = _decode(model, ids, total, pick, eos_id, use_cache)
     finally:
         model.train(was_training)
     return out[0] if one_dim else out
+
+
+def _check_prompt(ids: torch.Tensor, cfg) -> None:
+    if ids.shape[1] > cfg.seq_length:
+        raise TriremeError(f"prompt has {ids.shape[1]} tokens but model.seq_length is "
+                           f"{cfg.seq_length}; shorten the prompt")
+    if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
+        raise TriremeError(f"prompt ids must be in [0, {cfg.vocab_size}) (model.vocab_size)")
+
+
+def _decode(model: GPT, ids: torch.Tensor, total: int, pick, eos_id: int | None,
+            use_cache: bool) -> torch.Tensor:
+    """[b, <= total]: `ids` extended one token at a time by `pick` (prefill, then decode)."""
+    b, s = ids.shape
+    out = torch.empty(b, total, dtype=torch.long, device=ids.device)
+    out[:, :s] = ids
+    finished = torch.zeros(b, dtype=torch.bool, device=ids.device)
+    cache = InferenceCache.for_model(model, b, total) if use_cache else None
+    pos = s  # position of the next token to produce
+    if pos < total:  # prefill; the logits have no padded ids, so none can be sampled
+        logits = model(ids, kv_cache=cache)[:, -1]  # [b, vocab]
+    while pos < total:
+        next_ids = pick(logits)  # [b]
+        if eos_id is not None:
+            next_ids = next_ids.masked_fill(finished, eos_id)
+            finished |= next_ids == eos_id
+        out[:, pos] = next_ids
+        pos += 1
+        if pos == total or (eos_id is not None and bool(finished.all())):
+            break
+        if cache is not None:
+            logits = model(out[:, pos - 1 : pos], kv_cache=cache, start_pos=pos - 1)[:, -1]
+        else:
+            logits = model(out[:, :pos])[:, -1]
+    return out[:, :pos]

@@ -168,8 +168,17 @@ class GPT(nn.Module):
         A pipeline stage other than the first takes its input activations as `hidden` (input_ids
         still give the shape); one other than the last returns its output activations [b, s, h].
         """
-        b, s = input_ids.shape
-        end = start_pos + s
+        self._check_inputs(input_ids, start_pos, kv_cache, position_ids, document_ids)
+        self._maybe_compile(input_ids.device)
+        rope = self._rope(input_ids, start_pos, position_ids)
+        if self.stage.first:
+            x = self.dropout(self._embed(input_ids, start_pos, position_ids))
+        else:  # the previous stage's activations (under SP [b, s / T, h])
+            x = hidden
+        return self._blocks_and_head(x, rope, labels, loss_mask, kv_cache, start_pos, document_ids)
+
+    def _check_inputs(self, input_ids, start_pos, kv_cache, position_ids, document_ids) -> None:
+        end = start_pos + input_ids.shape[1]
         if self.rope is None and end > self.cfg.seq_length:
             raise TriremeError(
                 f"positions up to {end} exceed model.seq_length = {self.cfg.seq_length} "
@@ -180,35 +189,33 @@ class GPT(nn.Module):
                 "generation with a KV cache under tensor parallelism is not implemented yet; "
                 "pass use_cache=False"
             )
-        self._maybe_compile(input_ids.device)
         if (position_ids is not None or document_ids is not None) and kv_cache is not None:
             raise TriremeError("position_ids / document_ids are for training, not a KV cache")
-        if not self.stage.first:  # the previous stage's activations (under SP [b, s / T, h])
-            x, rope = hidden, None
-            if self.rope is not None and position_ids is not None:
-                rope = self.rope(input_ids.device, position_ids=position_ids)  # 2 x [b, s, d]
-            elif self.rope is not None:
-                rope = self.rope(input_ids.device, offset=start_pos, length=s)
-            return self._blocks_and_head(
-                x, rope, labels, loss_mask, kv_cache, start_pos, document_ids
-            )
-        x = self.embedding(input_ids)  # [b, s, h] (under SP this rank's [b, s / T, h])
+
+    def _rope(self, input_ids: torch.Tensor, start_pos: int,
+              position_ids: torch.Tensor | None) -> Rope | None:
+        """cos, sin for the positions of `input_ids` (None with learned positions)."""
         if self.rope is None:
-            if position_ids is None:
-                positions = torch.arange(start_pos, end, device=input_ids.device)  # [s]
-                seq_dim = 0
-            else:
-                positions, seq_dim = position_ids, 1  # [b, s]
-            if self.tp is not None:
-                positions = self.tp.sequence_shard(positions, dim=seq_dim)  # [s / T] under SP
-            x = x + self.position_embedding(positions)  # [b, s, h] + [s, h] (or [b, s, h])
-            rope = None
-        elif position_ids is not None:
-            rope = self.rope(input_ids.device, position_ids=position_ids)  # 2 x [b, s, d]
+            return None
+        if position_ids is not None:
+            return self.rope(input_ids.device, position_ids=position_ids)  # 2 x [b, s, d]
+        return self.rope(input_ids.device, offset=start_pos, length=input_ids.shape[1])  # [s, d]
+
+    def _embed(self, input_ids: torch.Tensor, start_pos: int,
+               position_ids: torch.Tensor | None) -> torch.Tensor:
+        """[b, s, h] token (+ learned position) embeddings; under SP this rank's [b, s / T, h]."""
+        x = self.embedding(input_ids)
+        if self.rope is not None:
+            return x
+        if position_ids is None:
+            positions = torch.arange(start_pos, start_pos + input_ids.shape[1],
+                                     device=input_ids.device)  # [s]
+            seq_dim = 0
         else:
-            rope = self.rope(input_ids.device, offset=start_pos, length=s)  # 2 x [s, d]
-        x = self.dropout(x)
-        return self._blocks_and_head(x, rope, labels, loss_mask, kv_cache, start_pos, document_ids)
+            positions, seq_dim = position_ids, 1  # [b, s]
+        if self.tp is not None:
+            positions = self.tp.sequence_shard(positions, dim=seq_dim)  # [s / T] under SP
+        return x + self.position_embedding(positions)  # [b, s, h] + [s, h] (or [b, s, h])
 
     def _blocks_and_head(
         self,
