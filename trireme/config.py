@@ -420,48 +420,59 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         return [_coerce(key, v, item) for v in value]
     if origin in (types.UnionType, typing.Union):
         raise TypeError("config fields must not be unions")  # a design rule, not a user error
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
-            return True
-        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
-            return False
-        raise ConfigError(f"{key} = {value!r}: expected true or false")
-    if tp is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key} = {value!r}: expected an integer")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.replace("_", ""))
-            except ValueError:
-                try:
-                    f = float(value)
-                except ValueError:
-                    f = math.nan
-                if f.is_integer():
-                    return int(f)
-        raise ConfigError(f"{key} = {value!r}: expected an integer")
-    if tp is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key} = {value!r}: expected a number")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key} = {value!r}: expected a number")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{key} = {value!r}: expected a string")
+    scalar = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}.get(tp)
+    if scalar is not None:
+        return scalar(key, value)
     raise TypeError(f"unsupported config field type {tp!r} for {key}")
+
+
+def _to_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+        return False
+    raise ConfigError(f"{key} = {value!r}: expected true or false")
+
+
+def _to_int(key: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{key} = {value!r}: expected an integer")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.replace("_", ""))
+        except ValueError:
+            try:
+                f = float(value)
+            except ValueError:
+                f = math.nan
+            if f.is_integer():
+                return int(f)
+    raise ConfigError(f"{key} = {value!r}: expected an integer")
+
+
+def _to_float(key: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{key} = {value!r}: expected a number")
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    raise ConfigError(f"{key} = {value!r}: expected a number")
+
+
+def _to_str(key: str, value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    raise ConfigError(f"{key} = {value!r}: expected a string")
 
 
 def _suggest(name: str, choices: list[str]) -> str:
