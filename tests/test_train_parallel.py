@@ -13,6 +13,7 @@ import pytest
 from test_train import read_metrics, toy_data  # noqa: F401  (toy_data is a fixture)
 
 from trireme.config import load_config
+from trireme.inference.sample import print_sample
 from trireme.train import train
 
 ARGS = [
@@ -46,7 +47,9 @@ def assert_same(got, expected, what):
 
 
 def single_process(data, run_dir, *extra):
-    train(load_config("tiny", [f"data.path={data}", f"run.dir={run_dir}", *ARGS, *extra]))
+    """train(cfg) in this process, printing the end-of-training sample as `trireme train` does."""
+    cfg = load_config("tiny", [f"data.path={data}", f"run.dir={run_dir}", *ARGS, *extra])
+    train(cfg, on_finish=print_sample)
     return run_dir
 
 
