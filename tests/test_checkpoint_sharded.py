@@ -178,7 +178,7 @@ def test_inspect_describes_a_sharded_checkpoint(saved, capsys):
 
 @pytest.mark.parametrize("saved_as,loaded_as", [("bf16", "fp32"), ("fp32", "bf16")])
 def test_precision_change_keeps_the_fp32_weights(toy_data, tmp_path, saved_as, loaded_as):  # noqa: F811
-    from trireme.loop import maybe_resume
+    from trireme.checkpoint.training import maybe_resume
     from trireme.trainer import build_trainer
 
     ckpt = tmp_path / "ckpt"

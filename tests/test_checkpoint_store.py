@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+import trireme.checkpoint.directory as directory
 import trireme.checkpoint.store as store
 from trireme.checkpoint.store import (
     Checkpoint,
@@ -205,7 +206,7 @@ def test_latest_pointer(tmp_path: Path) -> None:
 @pytest.mark.parametrize("exchange", [True, False])
 def test_resave_same_step_replaces_it(tmp_path: Path, monkeypatch: Any, exchange: bool) -> None:
     if not exchange:  # file systems without renameat2(RENAME_EXCHANGE): rename aside, then in
-        monkeypatch.setattr(store, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(directory, "_exchange", lambda a, b: False)
     save(tmp_path, 4)
     save(tmp_path, 4, value=3.0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_0000004"]
@@ -232,6 +233,7 @@ def child(code: str, root: Path) -> list[str]:
     """The command line of a fresh Python process running `code` with `store`, `save`, `root`."""
     prelude = f"""
 import os, sys, torch
+import trireme.checkpoint.directory as directory
 import trireme.checkpoint.format as fmt
 import trireme.checkpoint.store as store
 sys.path.insert(0, {str(Path(__file__).parent)!r})
@@ -257,14 +259,14 @@ CRASHES = {
     "before-meta": """
         orig = fmt.write_json
         def crash(f, obj):
-            if isinstance(obj, dict) and obj.get('format') == store.FORMAT:
+            if isinstance(obj, dict) and obj.get('format') == directory.FORMAT:
                 os._exit(1)
             orig(f, obj)
         fmt.write_json = crash
         """,
     # the new directory renamed into place, the pointer not yet moved
     "before-latest": """
-        store._write_latest = lambda root, name: os._exit(1)
+        directory.write_latest = lambda root, name: os._exit(1)
         """,
 }
 

@@ -1,13 +1,21 @@
-"""KV-cache generation equals full recomputation; the samplers behave."""
+"""KV-cache generation equals full recomputation; the samplers behave; `trireme generate` loads
+the model with no random init, and generates what a fully initialized model does."""
 
 import pytest
 import torch
 
-from trireme.config import ModelConfig
+import trireme.models.gpt
+import trireme.models.init
+from trireme.checkpoint.model_state import model_from_state
+from trireme.checkpoint.store import load_model_state, save_checkpoint
+from trireme.config import Config, ModelConfig
+from trireme.data.tokenizer import load_tokenizer
 from trireme.errors import TriremeError
+from trireme.inference.cli import generate_from_checkpoint
 from trireme.inference.generate import generate, sample_next
 from trireme.models.cache import InferenceCache as KVCache
 from trireme.models.gpt import GPT
+from trireme.trainer import DTYPES
 
 VOCAB = 100
 
@@ -136,3 +144,68 @@ def test_prompt_checks():
     model.train()
     generate(model, [1], 2)
     assert model.training  # the mode is restored
+
+
+# --------------------------------------------------------------------------------------------
+# Loading a model for generation: built on the meta device, no random init
+
+
+def _forbid_init(monkeypatch) -> None:
+    """Make any random initialization fail (GPT(cfg) with a seed calls init_parameters, which
+    draws every value through draw_normal)."""
+    def no_init(*args, **kwargs):
+        raise AssertionError("a random init ran")
+
+    monkeypatch.setattr(trireme.models.gpt, "init_parameters", no_init)
+    monkeypatch.setattr(trireme.models.init, "draw_normal", no_init)
+
+
+def _fully_initialized(cfg: ModelConfig, state: dict, dtype: torch.dtype) -> GPT:
+    """The model as `trireme generate` built it before: a full init on the CPU, then the state."""
+    model = GPT(cfg)
+    load_model_state(model, state)
+    return model.to(device="cpu", dtype=dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", CONFIGS)
+def test_model_from_state_runs_no_init_and_equals_a_full_init(kind, dtype, monkeypatch):
+    cfg = CONFIGS[kind]
+    state = {n: t.clone() for n, t in _model(cfg, seed=5).state_dict().items()}
+    ref = _fully_initialized(cfg, state, dtype)
+    _forbid_init(monkeypatch)
+    with pytest.raises(AssertionError, match="random init"):
+        GPT(cfg)  # the guard works
+    model = model_from_state(cfg, state, "cpu", dtype).eval()
+    got, want = model.state_dict(), ref.state_dict()
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        assert t.dtype == got[name].dtype and torch.equal(t, got[name]), name
+    if cfg.position_embedding == "rope":  # not a parameter: computed when built, on the CPU
+        assert model.rope.inv_freq.device.type == "cpu"
+        assert torch.equal(model.rope.inv_freq, ref.rope.inv_freq)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(ids), ref(ids))
+    sample = dict(temperature=0.9, top_k=20, seed=3)
+    assert torch.equal(generate(model, [1, 2, 3], 12, **sample),
+                       generate(ref, [1, 2, 3], 12, **sample))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_trireme_generate_runs_no_init_and_writes_the_same_text(tmp_path, monkeypatch, precision):
+    cfg = Config()
+    cfg.model = llama_config(vocab_size=257, rope_scaling="llama3")
+    cfg.model.precision = precision
+    cfg.data.tokenizer = "bytes"
+    state = {n: t.clone() for n, t in _model(cfg.model, seed=7).state_dict().items()}
+    save_checkpoint(tmp_path, 0, model=state, optimizer={}, trainer={"step": 0},
+                    config_toml=cfg.to_toml())
+    tok = load_tokenizer("bytes")
+    sample = dict(temperature=0.9, top_k=20, seed=3)
+    ref = _fully_initialized(cfg.model, state, DTYPES[precision])
+    expected = tok.decode(generate(ref, tok.encode("def "), 16, eos_id=tok.eod, **sample).tolist())
+    _forbid_init(monkeypatch)
+    text = generate_from_checkpoint(str(tmp_path), "def ", max_new_tokens=16, device="cpu",
+                                    **sample)
+    assert text == expected and len(text) > len("def ")

@@ -10,91 +10,15 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from trireme.checkpoint import gathered as tp_ckpt
-from trireme.checkpoint import sharded
 from trireme.checkpoint.saver import Saver
-from trireme.checkpoint.store import (
-    capture_rng_state,
-    latest_checkpoint,
-    load_checkpoint,
-    load_model_state,
-    restore_rng_state,
-    save_checkpoint,
-)
+from trireme.checkpoint.training import maybe_resume, save_gathered
 from trireme.metrics import MetricsLogger
 from trireme.optim.schedules import lr_at
 from trireme.trainer import Trainer, log_line, now, step_metrics, write_run_config
-
-
-def save(trainer: Trainer) -> Path | None:
-    """Write a checkpoint in the single-process form (gathered from the tensor-parallel ranks,
-    written by rank 0); returns its path on rank 0."""
-    cfg, model, chunks = trainer.cfg, trainer.model, trainer.chunks
-    rows = cfg.model.padded_vocab_size  # the single-process padding: independent of the layout
-    pipeline = trainer.mesh.group("pipeline") if trainer.pipeline is not None else None
-    state = {n: t for chunk in chunks for n, t in chunk.state_dict().items()}
-    model_state = tp_ckpt.gather_stages(tp_ckpt.full_tensors(state, chunks, rows), pipeline)
-    optimizer_state = tp_ckpt.full_optimizer_state(trainer.optimizer.state_dict(), chunks, rows,
-                                                   pipeline)
-    trainer_state = {
-        "step": trainer.state.step,
-        "consumed_samples": trainer.state.consumed_samples,
-        "rng": capture_rng_state(),
-    }
-    tp_rng = tp_ckpt.gather_rng_states(model)
-    if tp_rng:
-        trainer_state["tensor_parallel_rng"] = tp_rng
-    path = None
-    if trainer.is_main:
-        path = save_checkpoint(
-            cfg.checkpoint.dir,
-            trainer.state.step,
-            model=model_state,
-            optimizer=optimizer_state,
-            trainer=trainer_state,
-            config_toml=cfg.to_toml(),
-            keep_last=cfg.checkpoint.keep_last,
-        )
-    if trainer.env.world_size > 1:
-        torch.distributed.barrier()  # the checkpoint is complete before any rank goes on
-    return path
-
-
-def maybe_resume(trainer: Trainer, saver: Saver | None = None) -> None:
-    """Load the newest checkpoint of checkpoint.dir, if any (either format). A sharded load
-    runs its collectives on `saver`'s gloo group (made here if no saver is given)."""
-    cfg = trainer.cfg
-    if not cfg.checkpoint.dir or cfg.checkpoint.resume == "never":
-        return
-    path = latest_checkpoint(cfg.checkpoint.dir)
-    if path is None:
-        return
-    if sharded.is_sharded(path):
-        # a gloo group: DCP's small collectives on CPU, whatever the training's backend
-        group = (saver or Saver(trainer, save)).group()
-        sharded.load(trainer, path, group)
-        if trainer.is_main:
-            print(f"trireme: resumed from {path} at step {trainer.state.step}", file=sys.stderr)
-        return
-    ckpt = load_checkpoint(path)
-    model, chunks = trainer.model, trainer.chunks
-    for chunk in chunks:  # each pipeline stage takes the global names it holds
-        names = chunk.state_dict().keys()
-        state = ckpt.model if len(chunks) == 1 and trainer.pipeline is None else {
-            n: t for n, t in ckpt.model.items() if n in names}
-        load_model_state(chunk, tp_ckpt.local_tensors(state, chunk))
-    trainer.optimizer.load_state_dict(tp_ckpt.local_optimizer_state(ckpt.optimizer, chunks))
-    trainer.state.step = int(ckpt.trainer["step"])
-    trainer.state.consumed_samples = int(ckpt.trainer["consumed_samples"])
-    restore_rng_state(ckpt.trainer["rng"])
-    tp_ckpt.restore_rng_states(model, ckpt.trainer.get("tensor_parallel_rng", {}))
-    if trainer.is_main:
-        print(f"trireme: resumed from {path} at step {trainer.state.step}", file=sys.stderr)
 
 
 def make_progress(trainer: Trainer, total: int, initial: int):
@@ -117,7 +41,7 @@ def run_loop(trainer: Trainer) -> bool:
     """Train until train.steps (or train.max_minutes), logging, evaluating and checkpointing.
     False when a stop signal ended the run early."""
     cfg = trainer.cfg
-    saver = Saver(trainer, save)  # also gives resume its gloo group
+    saver = Saver(trainer, save_gathered)  # also gives resume its gloo group
     maybe_resume(trainer, saver)
     main = trainer.is_main
     run_dir = write_run_config(cfg) if main else cfg.run_dir

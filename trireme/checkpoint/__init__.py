@@ -1,12 +1,20 @@
-"""Checkpoints: saving, loading and converting.
+"""Checkpoints: saving, loading and converting. Files, roughly in import order (each imports
+only files above it):
 
-    store.py             save / load / latest / retention of trireme checkpoints (the public API)
     format.py            nested state <-> JSON + flat tensors; the streaming safetensors writer
-    model_state.py       load_model_state: copy a state into a model, all or nothing
     rng.py               capture / restore every random generator
-    convert.py           `trireme convert`: readers and writers meet in one `Converted` model
+    safe_pickle.py       reading other tools' pickles without running code from them
+    directory.py         a checkpoint root: step directories, `latest`, atomic publish, retention
+    model_state.py       what GPT(cfg) holds; load_model_state (all or nothing); model_from_state
+    gathered.py          gathering TP / PP shards into the single-process form, and back
+    pieces.py, dcp_io.py local shards as pieces of global tensors; DCP planners, reader, writer
+    sharded.py           the sharded format (every rank writes what it holds, through DCP)
+    store.py             the gathered format, and load_checkpoint for both (the public API)
+    saver.py             the training loop's writer: either format, blocking or in the background
+    training.py          a run's gathered save, and its resume from either format
+    converted.py         the `Converted` model that every converter reads into and writes from
     convert_hf.py        Hugging Face Llama / Mistral / Qwen2 / Qwen3 / GPT-2, both ways
     convert_megatron.py  Megatron-Core legacy and torch_dist checkpoints, into trireme
-    safe_pickle.py       reading other tools' pickles without running code from them
+    convert.py           `trireme convert`: any reader paired with any writer
     describe.py, cli.py  `trireme inspect` and the two commands' argument parsing
 """

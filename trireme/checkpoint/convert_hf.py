@@ -28,14 +28,13 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from trireme.checkpoint.convert import (
+from trireme.checkpoint.converted import (
     Converted,
     atomic_output_dir,
     cast_state,
     copy_tokenizer_files,
-    expected_shapes,
-    listing,
 )
+from trireme.checkpoint.model_state import expected_shapes, listing
 from trireme.config import ModelConfig
 from trireme.errors import CheckpointError
 

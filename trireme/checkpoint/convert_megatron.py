@@ -37,7 +37,8 @@ from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
-from trireme.checkpoint.convert import Converted, listing
+from trireme.checkpoint.converted import Converted
+from trireme.checkpoint.model_state import listing
 from trireme.checkpoint.safe_pickle import (
     load_dcp_metadata,
     load_torch_bytes,

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.futures import Future
 
-from trireme.checkpoint import store
+from trireme.checkpoint.directory import step_dir_name
 from trireme.checkpoint.safe_pickle import load_dcp_metadata
 from trireme.errors import CheckpointError
 
@@ -148,7 +148,7 @@ class Writer(FileSystemWriter):
         # the data files this rank wrote (sharded.write records their sha256 in meta.json)
         self.written = sorted({r.storage_data.relative_path for r in future.wait()})
         step, _, seconds = os.environ.get("TRIREME_TEST_SAVE_DELAY", "").partition(":")
-        if seconds and store.step_dir_name(int(step)) in Path(self.path).name:
+        if seconds and step_dir_name(int(step)) in Path(self.path).name:
             time.sleep(float(seconds))
         return future
 

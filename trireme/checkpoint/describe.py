@@ -13,7 +13,11 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
-from trireme.checkpoint.convert import expected_shapes
+from trireme.checkpoint import convert_megatron as mg
+from trireme.checkpoint import directory
+from trireme.checkpoint.convert_hf import hf_model_config, read_json_file, safetensors_files
+from trireme.checkpoint.model_state import expected_shapes
+from trireme.checkpoint.safe_pickle import load_dcp_metadata
 from trireme.config import ModelConfig, config_from_toml
 from trireme.errors import CheckpointError
 
@@ -84,18 +88,16 @@ def _row(label: str, value: object) -> str:
 
 
 def describe_trireme(path: Path) -> list[str]:
-    from trireme.checkpoint import store
-
-    step_dir = path if (path / store.META_FILE).exists() else store.latest_checkpoint(path)
+    step_dir = path if (path / directory.META_FILE).exists() else directory.latest_checkpoint(path)
     if step_dir is None:
         raise CheckpointError(f"no complete trireme checkpoint in {path}")
-    meta = store.check_complete(step_dir)
+    meta = directory.check_complete(step_dir)
     if meta.get("checkpoint_format") == "sharded":
         return describe_sharded(path, step_dir, meta)
-    cfg = config_from_toml((step_dir / store.CONFIG_FILE).read_text(), str(step_dir))
-    trainer = json.loads((step_dir / store.TRAINER_JSON).read_text())
-    params, dtypes, _ = _header_params([step_dir / store.MODEL_FILE])
-    with safe_open(str(step_dir / store.OPTIMIZER_FILE), framework="pt") as f:
+    cfg = config_from_toml((step_dir / directory.CONFIG_FILE).read_text(), str(step_dir))
+    trainer = json.loads((step_dir / directory.TRAINER_JSON).read_text())
+    params, dtypes, _ = _header_params([step_dir / directory.MODEL_FILE])
+    with safe_open(str(step_dir / directory.OPTIMIZER_FILE), framework="pt") as f:
         optimizer_tensors = len(list(f.keys()))
     others = sorted(p.name for p in path.glob("step_*")) if path != step_dir else []
     lines = [
@@ -114,18 +116,15 @@ def describe_trireme(path: Path) -> list[str]:
         lines.append(_row("converted from", trainer["converted_from"]))
     if others:
         lines.append(_row("checkpoints here", ", ".join(others)))
-    files = [step_dir / f for f in meta["files"]] + [step_dir / store.META_FILE]
+    files = [step_dir / f for f in meta["files"]] + [step_dir / directory.META_FILE]
     return lines + _files(step_dir, files)
 
 
 def describe_sharded(path: Path, step_dir: Path, meta: dict) -> list[str]:
     """A sharded checkpoint: counts and dtypes from the DCP metadata (read by the restricted
     unpickler; no tensor data is read)."""
-    from trireme.checkpoint import store
-    from trireme.checkpoint.safe_pickle import load_dcp_metadata
-
-    cfg = config_from_toml((step_dir / store.CONFIG_FILE).read_text(), str(step_dir))
-    trainer = json.loads((step_dir / store.TRAINER_JSON).read_text())
+    cfg = config_from_toml((step_dir / directory.CONFIG_FILE).read_text(), str(step_dir))
+    trainer = json.loads((step_dir / directory.TRAINER_JSON).read_text())
     stored = load_dcp_metadata(step_dir / ".metadata").state_dict_metadata
     params, dtypes, optimizer_tensors = 0, {}, 0
     for key, md in stored.items():
@@ -155,13 +154,11 @@ def describe_sharded(path: Path, step_dir: Path, meta: dict) -> list[str]:
     ]
     if others:
         lines.append(_row("checkpoints here", ", ".join(others)))
-    files = [step_dir / f for f in meta["files"]] + [step_dir / store.META_FILE]
+    files = [step_dir / f for f in meta["files"]] + [step_dir / directory.META_FILE]
     return lines + _files(step_dir, files)
 
 
 def describe_hf(path: Path) -> list[str]:
-    from trireme.checkpoint.convert_hf import hf_model_config, read_json_file, safetensors_files
-
     hf = read_json_file(path / "config.json")
     files = sorted(set(safetensors_files(path).values()))
     params, dtypes, names = _header_params(files)
@@ -178,8 +175,6 @@ def describe_hf(path: Path) -> list[str]:
 
 
 def describe_megatron(path: Path) -> list[str]:
-    from trireme.checkpoint import convert_megatron as mg
-
     iter_dir, args, iteration, layout, rows = mg.megatron_summary(path)
     tp = args.get("tensor_model_parallel_size") or 1
     lines = [

@@ -1,4 +1,10 @@
-"""Copy a model state (name -> tensor) into a module: all or nothing, every problem in one error."""
+"""A model's state (name -> tensor): what `GPT(cfg)` holds, and copying a state into a model.
+
+`expected_shapes` / `check_state` compare a state with the model a config describes (built on the
+meta device: no memory, no init); `load_model_state` copies a state into a module, all or
+nothing, every problem in one error; `model_from_state` builds a model straight from a state
+(`trireme generate`), with no random init.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,9 @@ import torch
 from torch import Tensor, nn
 
 from trireme.checkpoint.format import tensor_identity
+from trireme.config import ModelConfig
 from trireme.errors import CheckpointError
+from trireme.models.gpt import GPT
 
 
 class LoadResult(NamedTuple):
@@ -18,9 +26,35 @@ class LoadResult(NamedTuple):
     unexpected: list[str]
 
 
-def _listing(label: str, items: list[str], limit: int = 8) -> str:
+def listing(label: str, items: list[str], limit: int = 6) -> str:
+    """"label: a, b, c, ... (N more)": the first `limit` items of a list for an error message."""
     more = f", ... ({len(items) - limit} more)" if len(items) > limit else ""
     return f"{label}: {', '.join(items[:limit])}{more}"
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in the state of `GPT(cfg)` (built on the meta device)."""
+    with torch.device("meta"):
+        model = GPT(cfg, seed=None)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def check_state(cfg: ModelConfig, state: dict[str, Tensor], source: str) -> None:
+    """Raise CheckpointError listing missing, unexpected and mis-shaped tensors of `state`."""
+    expected = expected_shapes(cfg)
+    missing = [n for n in expected if n not in state]
+    unexpected = [n for n in state if n not in expected]
+    mismatched = [f"{n}: {tuple(t.shape)} vs {expected[n]}" for n, t in state.items()
+                  if n in expected and tuple(t.shape) != expected[n]]
+    problems = []
+    if missing:
+        problems.append(listing("missing", missing))
+    if unexpected:
+        problems.append(listing("unexpected", unexpected))
+    if mismatched:
+        problems.append(listing("shapes (got vs config)", mismatched))
+    if problems:
+        raise CheckpointError(f"{source} does not fit its own config: " + "; ".join(problems))
 
 
 def load_model_state(model: nn.Module, state: dict[str, Tensor], strict: bool = True) -> LoadResult:
@@ -65,13 +99,14 @@ def load_model_state(model: nn.Module, state: dict[str, Tensor], strict: bool = 
     unexpected = [n for n in state if n not in targets]
     problems = []
     if strict and missing:
-        problems.append(_listing("missing keys", missing))
+        problems.append(listing("missing keys", missing, 8))
     if strict and unexpected:
-        problems.append(_listing("unexpected keys", unexpected))
+        problems.append(listing("unexpected keys", unexpected, 8))
     if mismatched:
-        problems.append(_listing("shape mismatches", mismatched))
+        problems.append(listing("shape mismatches", mismatched, 8))
     if conflicting:
-        problems.append(_listing("tied in the model but different in the checkpoint", conflicting))
+        problems.append(listing("tied in the model but different in the checkpoint", conflicting,
+                                8))
     if problems:
         raise CheckpointError(
             "checkpoint does not fit the model: " + "; ".join(problems)
@@ -81,3 +116,21 @@ def load_model_state(model: nn.Module, state: dict[str, Tensor], strict: bool = 
         for target, value in copies:
             target.copy_(value)
     return LoadResult(missing=missing, unexpected=unexpected)
+
+
+def model_from_state(cfg: ModelConfig, state: dict[str, Tensor], device: torch.device | str,
+                     dtype: torch.dtype | None = None) -> GPT:
+    """`GPT(cfg)` holding `state`, built without a random init: the modules are made on the meta
+    device, their storage allocated on `device` (fp32, uninitialized), every tensor filled from
+    `state` (`load_model_state`, strict: nothing is left uninitialized), then cast to `dtype`.
+
+    The rotary embedding's frequencies are no parameters: `RotaryEmbedding` computes them on the
+    CPU when built (under the meta device too) and its cos / sin table on first use, so they
+    equal a fully initialized model's."""
+    with torch.device("meta"):
+        model = GPT(cfg, seed=None)
+    model.to_empty(device=device)
+    load_model_state(model, state)
+    if dtype is not None:
+        model.to(dtype=dtype)
+    return model

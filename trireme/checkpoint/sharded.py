@@ -15,17 +15,18 @@ layout's pieces and DCP reads the overlapping parts of the stored chunks straigh
 
 Saving keeps the gathered format's protocol: all ranks write into root/.tmp-step_...-<token>,
 rank 0 adds trainer.json, config.toml and meta.json, renames the directory and moves `latest`
-last (store.py's helpers). DCP writes `.metadata` with pickle; torch's reader would unpickle it,
-so `SafeReader` reads it with the restricted unpickler of safe_pickle.py (only DCP's metadata
-classes and torch dtypes resolve), and tensors come back through torch.load(weights_only=True):
-loading never runs code from the checkpoint.
+last (directory.py's helpers, shared with the gathered format). The optimizer is read and
+written through its public state interface (`master_ranges`, `moments`, `scalar_state`,
+`load_moments`, `sync_params_from_master`, ...). DCP writes `.metadata` with pickle; torch's
+reader would unpickle it, so `SafeReader` reads it with the restricted unpickler of
+safe_pickle.py (only DCP's metadata classes and torch dtypes resolve), and tensors come back
+through torch.load(weights_only=True): loading never runs code from the checkpoint.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
-from trireme import __version__
+from trireme.checkpoint import directory
 from trireme.checkpoint import format as fmt
-from trireme.checkpoint import store
 from trireme.checkpoint.dcp_io import (
     DCP_METADATA,
     PieceLoadPlanner,
@@ -47,6 +47,7 @@ from trireme.checkpoint.dcp_io import (
     reason,
 )
 from trireme.checkpoint.gathered import VOCAB_TABLES
+from trireme.checkpoint.model_state import expected_shapes
 from trireme.checkpoint.pieces import Entry, Piece, dtensor_pieces, tensor_pieces
 from trireme.checkpoint.rng import capture_rng_state, restore_rng_state
 from trireme.checkpoint.safe_pickle import load_dcp_metadata
@@ -60,8 +61,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 FORMAT_NAME = "sharded"
 WRITER = Writer  # tests replace it with a failing one
 RNG_DIR = "rng"
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's moments: "optimizer/<moment>/<name>" keys
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,31 +101,21 @@ def state_entries(trainer, moments: bool) -> dict[str, Entry]:
         for name, t in chunk.state_dict().items():
             _add(entries, f"model/{name}", t, info[name])
     opt = trainer.optimizer
-    segments = getattr(opt, "_segments", None)  # the distributed optimizer: flat ranges
-    ranges = ({name: (lo, hi) for name, _, lo, hi in segments} if segments is not None else
-              {name: None for name in opt.names})
-    for name, flat_range in ranges.items():
-        master = opt.masters[name]
-        tensors = {}
-        if moments:
-            state = opt.inner.state[master]
-            tensors = {key: state[key] for key in MOMENTS}
+    for name, flat_range in opt.master_ranges().items():  # ranges: the distributed optimizer
+        tensors = opt.moments(name) if moments else {}
+        if moments and not tensors:
+            raise KeyError(f"the optimizer has no moments of {name}")
         if opt.low_precision:
-            tensors["master"] = master
+            tensors["master"] = opt.masters[name]
         for key, t in tensors.items():
             _add(entries, f"optimizer/{key}/{name}", t, info[name], flat_range)
     return entries
 
 
-def optimizer_stepped(opt) -> bool:
-    return any(opt.inner.state.get(m) for m in opt.masters.values())
-
-
 def optimizer_scalars(opt) -> dict[str, Any]:
-    steps = [int(st["step"].item()) for st in opt.inner.state.values() if "step" in st]
-    return {"step": max(steps, default=0), "loss_scale": float(opt.loss_scale.item()),
-            "good_steps": int(opt._good_steps.item()), "precision": opt.precision,
-            "moments": bool(steps), "masters": opt.low_precision}
+    """trainer.json's "optimizer": the optimizer's numbers, and whether the checkpoint holds
+    moments and fp32 masters."""
+    return {**opt.scalar_state(), "moments": opt.has_moments(), "masters": opt.low_precision}
 
 
 def layout_of(trainer) -> dict[str, Any]:
@@ -196,7 +186,7 @@ def prepare(trainer, root: Path, group) -> dict[str, Any]:
     distributed = trainer.env.world_size > 1
     step = trainer.state.step
     token = _token(group if distributed else None)
-    tmp = root / f"{store._TMP_PREFIX}{store.step_dir_name(step)}-{token:08x}"
+    tmp = directory.temporary_dir(root, step, f"{token:08x}")
     if trainer.is_main:
         tmp.mkdir(parents=True, exist_ok=True)
     if distributed:
@@ -211,7 +201,7 @@ def prepare(trainer, root: Path, group) -> dict[str, Any]:
     return {"tmp": tmp, "root": root, "step": step, "main": trainer.is_main,
             "trainer": trainer_state, "config": trainer.cfg.to_toml(),
             "keep_last": trainer.cfg.checkpoint.keep_last, "distributed": distributed,
-            "group": group, "entries": state_entries(trainer, optimizer_stepped(opt))}
+            "group": group, "entries": state_entries(trainer, opt.has_moments())}
 
 
 def write(job: dict[str, Any]) -> Path | None:
@@ -236,7 +226,7 @@ def write(job: dict[str, Any]) -> Path | None:
         dist.gather_object(digests, every, dst=0, group=group)  # between our own ranks
         if job["main"]:
             digests = {k: v for d in every for k, v in d.items()}
-    final = job["root"] / store.step_dir_name(job["step"])
+    final = job["root"] / directory.step_dir_name(job["step"])
     if job["main"] and error is None:
         try:
             _finish(job, tmp, final, digests)
@@ -253,32 +243,27 @@ def write(job: dict[str, Any]) -> Path | None:
                               "and permissions") from error
     if not job["main"]:
         return None
-    store._remove_old(job["root"], keep=final, keep_last=job["keep_last"])
+    directory.remove_old(job["root"], keep=final, keep_last=job["keep_last"])
     return final
 
 
 def _finish(job: dict[str, Any], tmp: Path, final: Path, digests: dict[str, str]) -> None:
     """Rank 0: the small files, meta.json (every file's size and sha256) last, then the rename
     and `latest`."""
-    fmt.write_file(tmp / store.TRAINER_JSON, lambda f: fmt.write_json(f, job["trainer"]))
-    fmt.write_file(tmp / store.CONFIG_FILE, lambda f: f.write(job["config"].encode()))
+    fmt.write_file(tmp / directory.TRAINER_JSON, lambda f: fmt.write_json(f, job["trainer"]))
+    fmt.write_file(tmp / directory.CONFIG_FILE, lambda f: f.write(job["config"].encode()))
     files = {}
     for p in sorted(tmp.rglob("*")):
         if p.is_file():
             name = str(p.relative_to(tmp))  # the data files were hashed by their writers
             digest = digests.get(name) or fmt.sha256_file(p)
             files[name] = {"size": p.stat().st_size, "sha256": digest}
-    meta = {
-        "format": store.FORMAT, "format_version": store.FORMAT_VERSION,
-        "checkpoint_format": FORMAT_NAME, "step": job["step"],
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "unix_time": time.time(),
-        "trireme_version": __version__, "torch_version": torch.__version__, "files": files,
-    }
-    fmt.write_file(tmp / store.META_FILE, lambda f: fmt.write_json(f, meta))
+    meta = directory.meta_record(job["step"], files, FORMAT_NAME)
+    fmt.write_file(tmp / directory.META_FILE, lambda f: fmt.write_json(f, meta))
     for d in (tmp / RNG_DIR, tmp):
-        store._fsync_dir(d)
-    store._publish(tmp, final)
-    store._write_latest(job["root"], final.name)
+        directory.fsync_dir(d)
+    directory.publish(tmp, final)
+    directory.write_latest(job["root"], final.name)
 
 
 # --------------------------------------------------------------------------------------------
@@ -286,7 +271,7 @@ def _finish(job: dict[str, Any], tmp: Path, final: Path, digests: dict[str, str]
 
 
 def is_sharded(path: Path) -> bool:
-    meta = path / store.META_FILE
+    meta = path / directory.META_FILE
     try:
         return fmt.read_json(meta).get("checkpoint_format") == FORMAT_NAME
     except (CheckpointError, AttributeError):
@@ -296,8 +281,6 @@ def is_sharded(path: Path) -> bool:
 def check_shapes(entries: dict[str, Entry], metadata, path: Path, model_cfg) -> None:
     """Every key this model needs is in the checkpoint, with this model's global shape, and the
     checkpoint holds no model tensor that this model (all stages of it) lacks."""
-    from trireme.checkpoint.convert import expected_shapes
-
     stored = metadata.state_dict_metadata
     expected = expected_shapes(model_cfg)
     unexpected = sorted(k for k in stored if k.startswith("model/") and k[6:] not in expected)
@@ -334,18 +317,16 @@ def _prepare_optimizer(opt, scalars: dict[str, Any]) -> None:
     """Create AdamW's state tensors (zeros) so the load can fill them in place."""
     if scalars["moments"]:
         zeros = {n: torch.zeros_like(opt.masters[n]) for n in opt.names if n in opt.masters}
-        opt._load_moments(zeros, zeros, scalars["step"])
-    opt._load_loss_scale(scalars)
+        opt.load_moments(zeros, zeros, scalars["step"])
+    opt.load_scalar_state(scalars)
 
 
 def _finish_optimizer(opt, masters_loaded: bool) -> None:
-    """The parameters from the loaded masters (or the masters from the loaded parameters)."""
+    """The parameters from the loaded masters (or the masters from the loaded parameters); the
+    distributed optimizer gathers its masters into the parameters (collective over DP)."""
     if not masters_loaded:
         opt.sync_master_from_params()
-    if hasattr(opt, "_copy_back") and getattr(opt, "_segments", None) is not None:
-        opt._copy_back()  # the distributed optimizer: gather the masters into the parameters
-    elif opt.low_precision:
-        torch._foreach_copy_(opt.params, opt._master_list)
+    opt.sync_params_from_master()
 
 
 def _master_source(entries: dict[str, Entry], opt, stored: bool) -> dict[str, Entry]:
@@ -385,15 +366,15 @@ def verify_digests(path: Path, meta: dict[str, Any], group=None, world: int = 1,
     if bad:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         raise CheckpointError(f"{path / bad[0]}{more} is corrupted: its sha256 does not match "
-                              f"{store.META_FILE}; load an earlier step")
+                              f"{directory.META_FILE}; load an earlier step")
 
 
 def load(trainer, path: Path, group) -> None:
     """Load a sharded checkpoint into the trainer's model, optimizer and state (collective)."""
-    meta = store.check_complete(path)
+    meta = directory.check_complete(path)
     world = trainer.env.world_size
     verify_digests(path, meta, group, world, dist.get_rank() if world > 1 else 0)
-    saved = fmt.read_json(path / store.TRAINER_JSON)
+    saved = fmt.read_json(path / directory.TRAINER_JSON)
     scalars = saved["optimizer"]
     opt = trainer.optimizer
     _prepare_optimizer(opt, scalars)
@@ -431,7 +412,7 @@ def load(trainer, path: Path, group) -> None:
 def load_full_tensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
     """Every stored tensor whose key starts with `prefix`, whole, in this process (no process
     group needed). Sizes of all files are checked first."""
-    store.check_complete(path)
+    directory.check_complete(path)
     metadata = load_dcp_metadata(path / DCP_METADATA)
     entries = {}
     for key, md in metadata.state_dict_metadata.items():
@@ -451,12 +432,13 @@ def load_model_tensors(path: Path) -> dict[str, torch.Tensor]:
     return {k[len("model/"):]: t for k, t in load_full_tensors(path, "model/").items()}
 
 
-def load_checkpoint(path: Path, meta: dict[str, Any], verify: bool = True) -> store.Checkpoint:
+def load_checkpoint(path: Path, meta: dict[str, Any], verify: bool = True
+                    ) -> directory.Checkpoint:
     """A sharded checkpoint in the gathered form of `store.load_checkpoint`."""
     if verify:
         verify_digests(path, meta)
     tensors = load_full_tensors(path)
-    saved = fmt.read_json(path / store.TRAINER_JSON)
+    saved = fmt.read_json(path / directory.TRAINER_JSON)
     scalars = saved["optimizer"]
     optimizer: dict[str, Any] = {k: scalars[k] for k in ("step", "loss_scale", "good_steps",
                                                           "precision")}
@@ -470,6 +452,6 @@ def load_checkpoint(path: Path, meta: dict[str, Any], verify: bool = True) -> st
     rng = _read_rng(path, 0)
     if rng is not None:
         trainer["rng"] = rng["rng"]
-    return store.Checkpoint(step=int(meta["step"]), model=model, optimizer=optimizer,
-                            trainer=trainer, config_toml=(path / store.CONFIG_FILE).read_text(),
-                            path=path, meta=meta)
+    config_toml = (path / directory.CONFIG_FILE).read_text()
+    return directory.Checkpoint(step=int(meta["step"]), model=model, optimizer=optimizer,
+                                trainer=trainer, config_toml=config_toml, path=path, meta=meta)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from trireme.checkpoint.store import load_checkpoint, load_model_state
+from trireme.checkpoint.model_state import model_from_state
+from trireme.checkpoint.store import load_checkpoint
 from trireme.config import config_from_toml
 from trireme.data.tokenizer import load_tokenizer
 from trireme.errors import ConfigError
 from trireme.inference.generate import generate
-from trireme.models.gpt import GPT
 from trireme.trainer import DTYPES, pick_device
 
 
@@ -37,9 +37,8 @@ def generate_from_checkpoint(
     dtype = DTYPES[cfg.model.precision]
     if dev.type == "cpu" and dtype == torch.float16:
         dtype = torch.float32  # fp16 matmuls are slow or missing on CPU
-    model = GPT(cfg.model)
-    load_model_state(model, ckpt.model)
-    model.to(device=dev, dtype=dtype).eval()
+    # built on the meta device and filled from the checkpoint: no random init, no CPU copy
+    model = model_from_state(cfg.model, ckpt.model, dev, dtype).eval()
     ids = tok.encode(prompt) or [tok.eod]
     out = generate(model, ids, max_new_tokens, temperature=temperature, top_k=top_k,
                    top_p=top_p, greedy=greedy, seed=seed, eos_id=tok.eod)

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from trireme.config import OptimizerConfig
 from trireme.optim.layout import GradLayout
-from trireme.optim.optimizer import MixedPrecisionOptimizer, Precision
+from trireme.optim.optimizer import MOMENTS, MixedPrecisionOptimizer, Precision
 from trireme.parallel.comm import _all_gather_single
 
 _EMPTY = "<empty shard>"  # AdamW's stand-in parameter on a replica whose chunks hold no parameter
@@ -119,7 +119,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for bucket, chunk in zip(self.layout.buckets, self._chunks(flat_shard)):
             _all_gather_single(out[bucket.start : bucket.end], chunk, group=self.dp_group)
 
-    def _copy_back(self) -> None:
+    @torch.no_grad()
+    def sync_params_from_master(self) -> None:
+        """All-gather every replica's updated master shard into the full parameters (collective
+        over DP: every replica calls it, after each update and after a load)."""
         # The gradient buffer is free until the next zero_grad: the parameters are gathered into
         # it, in the parameters' dtype (a bf16 view of its first half under bf16: half the
         # traffic of gathering fp32 masters, and no extra memory).
@@ -133,8 +136,14 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     @torch.no_grad()
     def sync_master_from_params(self) -> None:
+        """Copy this replica's ranges of the parameters into its master shard."""
         for name, i, lo, hi in self._segments:
             self.masters[name].copy_(self.params[i].detach().reshape(-1)[lo:hi])
+
+    def master_ranges(self) -> dict[str, tuple[int, int] | None]:
+        """name -> (first, last + 1): the flattened elements of each parameter whose master and
+        moments this replica holds (parameters it holds nothing of are absent). Shard order."""
+        return {name: (lo, hi) for name, _, lo, hi in self._segments}
 
     def state_bytes(self) -> int:
         moments = sum(t.numel() * t.element_size() for st in self.inner.state.values()
@@ -161,19 +170,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """The single-process form of `MixedPrecisionOptimizer.state_dict` (collective over DP:
         every replica must call it)."""
         stepped = len(self.inner.state) > 0  # the same on every replica
-        steps = [int(st["step"].item()) for st in self.inner.state.values()]
-        out: dict[str, Any] = {
-            "exp_avg": {},
-            "exp_avg_sq": {},
-            "step": max(steps, default=0),
-            "loss_scale": float(self._scale.item()),
-            "good_steps": int(self._good_steps.item()),
-            "precision": self.precision,
-        }
+        out: dict[str, Any] = {"exp_avg": {}, "exp_avg_sq": {}, **self.scalar_state()}
         if stepped:
-            for key in ("exp_avg", "exp_avg_sq"):
-                out[key] = self._full({n: self.inner.state[self.masters[n]][key]
-                                       for n, _, _, _ in self._segments})
+            for key in MOMENTS:
+                out[key] = self._full({n: self.moments(n)[key] for n in self.master_ranges()})
         if self.low_precision:
             out["master"] = self._full({n: self.masters[n] for n, _, _, _ in self._segments})
         return out
@@ -187,12 +187,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             return {n: tensors[n].reshape(-1)[lo:hi] for n, _, lo, hi in self._segments
                     if n in tensors}
 
-        self._load_moments(mine(exp_avg), mine(exp_avg_sq), step)
+        self.load_moments(mine(exp_avg), mine(exp_avg_sq), step)
         masters = mine(state.get("master") or {})
         if masters:
             for name, t in masters.items():
                 self.masters[name].copy_(t)
         else:
             self.sync_master_from_params()
-        self._copy_back()
-        self._load_loss_scale(state)
+        self.sync_params_from_master()
+        self.load_scalar_state(state)

@@ -41,6 +41,7 @@ from trireme.optim.layout import GradLayout, grad_layout
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]  # fp8: bf16 parameters
 # (name, gradient) of every optimized parameter -> the global L2 norm (a device scalar)
 GradNormFn = Callable[[list[tuple[str, torch.Tensor]]], torch.Tensor]
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state tensors
 
 def is_no_decay(name: str, kinds: Sequence[str]) -> bool:
     """Whether the parameter `name` is excluded from weight decay by the kinds in `kinds`."""
@@ -252,7 +253,7 @@ class MixedPrecisionOptimizer:
             if updated:
                 self.inner.step()
         if updated:
-            self._copy_back()
+            self.sync_params_from_master()
         if self.precision == "fp16":
             self._update_loss_scale(found_inf.bool())
         return {"grad_norm": grad_norm, "skipped": found_inf, "loss_scale": self._scale.clone()}
@@ -264,11 +265,6 @@ class MixedPrecisionOptimizer:
         if grads:
             return torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         return torch.zeros((), device=self._scale.device)
-
-    def _copy_back(self) -> None:
-        """Put the updated master weights into the model's parameters."""
-        if self.low_precision:
-            torch._foreach_copy_(self.params, self._master_list)  # fp32 -> bf16/fp16
 
     def _update_loss_scale(self, found_inf: torch.Tensor) -> None:
         # All on the device: halve on overflow (not below min_loss_scale); double after
@@ -291,21 +287,13 @@ class MixedPrecisionOptimizer:
         are the live ones (master tensors are views of the flat buffer): move or clone them before
         the next step if they are written asynchronously.
         """
-        exp_avg, exp_avg_sq, steps = {}, {}, []
-        for name, t in self.masters.items():
-            state = self.inner.state.get(t)
-            if state:
-                exp_avg[name] = state["exp_avg"]
-                exp_avg_sq[name] = state["exp_avg_sq"]
-                steps.append(state["step"].to(torch.float32))
-        out: dict[str, Any] = {
-            "exp_avg": exp_avg,
-            "exp_avg_sq": exp_avg_sq,
-            "step": int(torch.stack(steps).max().item()) if steps else 0,
-            "loss_scale": float(self._scale.item()),
-            "good_steps": int(self._good_steps.item()),
-            "precision": self.precision,
-        }
+        exp_avg, exp_avg_sq = {}, {}
+        for name in self.masters:
+            moments = self.moments(name)
+            if moments:
+                exp_avg[name] = moments["exp_avg"]
+                exp_avg_sq[name] = moments["exp_avg_sq"]
+        out: dict[str, Any] = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, **self.scalar_state()}
         if self.low_precision:
             out["master"] = dict(self.masters)
         return out
@@ -320,7 +308,7 @@ class MixedPrecisionOptimizer:
         master weights are taken from the model's current parameters.
         """
         exp_avg, exp_avg_sq, step = self._check_state(state)
-        self._load_moments(exp_avg, exp_avg_sq, step)
+        self.load_moments(exp_avg, exp_avg_sq, step)
         masters = state.get("master") or {}
         for name, t in self.masters.items():
             if name in masters:
@@ -328,8 +316,8 @@ class MixedPrecisionOptimizer:
         if self.low_precision:
             if len(masters) == 0:
                 self.sync_master_from_params()
-            torch._foreach_copy_(self.params, self._master_list)
-        self._load_loss_scale(state)
+            self.sync_params_from_master()
+        self.load_scalar_state(state)
 
     def _check_state(self, state: dict[str, Any]) -> tuple[dict, dict, int]:
         """(exp_avg, exp_avg_sq, step) of a state_dict, checked against this model."""
@@ -353,8 +341,51 @@ class MixedPrecisionOptimizer:
                     )
         return exp_avg, exp_avg_sq, step
 
-    def _load_moments(self, exp_avg: dict, exp_avg_sq: dict, step: int) -> None:
-        """Set AdamW's state of each master tensor from name -> tensor of its shape."""
+    # ------------------------------------------------------------------------------------------
+    # The state interface both checkpoint formats use (trireme/checkpoint/): per-name master
+    # tensors (`masters`), their AdamW moments, the optimizer's numbers, and the copies between
+    # masters and parameters. No checkpoint code reads a private field.
+
+    def master_ranges(self) -> dict[str, tuple[int, int] | None]:
+        """name -> which part of the parameter `masters[name]` (and its moments) holds here: a
+        range (first, last + 1) of the parameter's flattened elements, or None for all of it
+        (always None here; the distributed optimizer holds ranges). In buffer order."""
+        return {name: None for name in self.names}
+
+    def moments(self, name: str) -> dict[str, torch.Tensor]:
+        """AdamW's live moments of `masters[name]`, {"exp_avg": t, "exp_avg_sq": t} (fp32, the
+        master's shape); {} before the first step or `load_moments`."""
+        state = self.inner.state.get(self.masters[name])
+        return {key: state[key] for key in MOMENTS} if state else {}
+
+    def has_moments(self) -> bool:
+        """Whether AdamW holds moments (after a step, or `load_moments`)."""
+        return any(self.inner.state.get(m) for m in self.masters.values())
+
+    def scalar_state(self) -> dict[str, Any]:
+        """The optimizer's numbers: {"step": AdamW's step count, "loss_scale": float,
+        "good_steps": fp16's good steps since the last scale change, "precision": str}."""
+        steps = [st["step"].to(torch.float32) for st in self.inner.state.values() if "step" in st]
+        return {
+            "step": int(torch.stack(steps).max().item()) if steps else 0,
+            "loss_scale": float(self._scale.item()),
+            "good_steps": int(self._good_steps.item()),
+            "precision": self.precision,
+        }
+
+    def load_scalar_state(self, state: dict[str, Any]) -> None:
+        """Restore the loss scale and good-step count of a `scalar_state()` (fp16 saved and
+        loaded only; otherwise the scale stays as built)."""
+        if self.precision == "fp16" and state.get("precision") == "fp16":
+            self._scale.fill_(float(state["loss_scale"]))
+            self._good_steps.fill_(int(state["good_steps"]))
+
+    @torch.no_grad()
+    def load_moments(self, exp_avg: dict[str, torch.Tensor], exp_avg_sq: dict[str, torch.Tensor],
+                     step: int) -> None:
+        """Set AdamW's state of each master named in `exp_avg` from name -> tensor of the
+        master's shape (copied; the state never aliases the caller's tensors), all at `step`.
+        Masters not named get no state."""
         torch_state = self.inner.state_dict()
         index = {}  # id(tensor) -> torch's integer key of the parameter
         for group_sd, group in zip(torch_state["param_groups"], self.inner.param_groups):
@@ -371,16 +402,18 @@ class MixedPrecisionOptimizer:
         torch_state["state"] = new_state
         self.inner.load_state_dict(torch_state)
 
-    def _load_loss_scale(self, state: dict[str, Any]) -> None:
-        if self.precision == "fp16" and state.get("precision") == "fp16":
-            self._scale.fill_(float(state["loss_scale"]))
-            self._good_steps.fill_(int(state["good_steps"]))
-
     @torch.no_grad()
     def sync_master_from_params(self) -> None:
         """Copy the model's parameters into the master weights (after loading model weights)."""
         if self.low_precision:
             torch._foreach_copy_(self._master_list, [p.detach() for p in self.params])
+
+    @torch.no_grad()
+    def sync_params_from_master(self) -> None:
+        """Copy the master weights into the model's parameters (after each update, and after
+        loading masters); fp32 -> bf16 / fp16. A no-op in fp32, where they are the same tensors."""
+        if self.low_precision:
+            torch._foreach_copy_(self.params, self._master_list)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this process: fp32 masters kept apart from the

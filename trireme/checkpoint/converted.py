@@ -1,0 +1,87 @@
+"""The model on its way between formats (`Converted`), and the file helpers both converters use.
+
+Every reader (Hugging Face, Megatron, trireme) produces a `Converted` and every writer takes one
+(convert.py pairs them); the checks of a state against its config are model_state.py's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from trireme.config import ModelConfig
+from trireme.errors import CheckpointError
+
+# Files of a Hugging Face tokenizer (and generation defaults) carried along by conversions.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "generation_config.json",
+)
+
+
+@dataclass
+class Converted:
+    """A model on its way between formats: config and state in trireme's names and layouts."""
+
+    model: ModelConfig
+    state: dict[str, Tensor]
+    source: str  # what it was read from, e.g. "hf llama" or "megatron legacy TP=2 PP=1"
+    step: int = 0
+    consumed_samples: int = 0
+    notes: list[str] = field(default_factory=list)  # what the user should know (approximations)
+    tokenizer_dir: Path | None = None  # a folder holding TOKENIZER_FILES to carry along
+
+    def num_parameters(self) -> int:
+        return sum(t.numel() for t in self.state.values())
+
+
+def cast_state(state: dict[str, Tensor], dtype: torch.dtype | None) -> dict[str, Tensor]:
+    """Floating tensors cast to `dtype` (None: unchanged), all contiguous on CPU."""
+    out = {}
+    for name, t in state.items():
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        out[name] = t.detach().to("cpu").contiguous()
+    return out
+
+
+@contextlib.contextmanager
+def atomic_output_dir(output: Path) -> Iterator[Path]:
+    """Yield a temporary directory that becomes `output` when the block completes.
+
+    `output` must not exist, or be an empty directory. On an error the temporary one is removed.
+    """
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise CheckpointError(
+            f"output {output} already exists and is not an empty directory; choose a new path"
+        )
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.parent / f".{output.name}.tmp-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        if output.exists():
+            output.rmdir()
+        tmp.rename(output)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def copy_tokenizer_files(source: Path | None, target: Path) -> list[str]:
+    """Copy the TOKENIZER_FILES found in `source` into `target`; returns the names copied."""
+    if source is None or not source.is_dir():
+        return []
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, target / name)
+            copied.append(name)
+    return copied

@@ -1,0 +1,101 @@
+"""A training run's checkpoints: write the gathered format, resume from either format.
+
+The training loop (loop.py) calls `maybe_resume` once before its first step and hands
+`save_gathered` to the `Saver` (saver.py), which also writes the sharded format. Both take the
+run's `Trainer` (trainer.py, a floor above this one, so it is only named in annotations); what
+they read of it: `cfg`, `model`, `chunks` (the model chunks of this rank), `mesh` and `pipeline`
+(the pipeline group, under pipeline parallelism), `optimizer` (its `state_dict` /
+`load_state_dict`), `state` (step, consumed samples), `env.world_size` and `is_main`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from trireme.checkpoint import gathered, sharded
+from trireme.checkpoint.saver import Saver
+from trireme.checkpoint.store import (
+    capture_rng_state,
+    latest_checkpoint,
+    load_checkpoint,
+    load_model_state,
+    restore_rng_state,
+    save_checkpoint,
+)
+
+if TYPE_CHECKING:
+    from trireme.trainer import Trainer
+
+
+def save_gathered(trainer: Trainer) -> Path | None:
+    """Write a checkpoint in the single-process form (gathered from the tensor-parallel ranks,
+    written by rank 0); returns its path on rank 0."""
+    cfg, model, chunks = trainer.cfg, trainer.model, trainer.chunks
+    rows = cfg.model.padded_vocab_size  # the single-process padding: independent of the layout
+    pipeline = trainer.mesh.group("pipeline") if trainer.pipeline is not None else None
+    state = {n: t for chunk in chunks for n, t in chunk.state_dict().items()}
+    model_state = gathered.gather_stages(gathered.full_tensors(state, chunks, rows), pipeline)
+    optimizer_state = gathered.full_optimizer_state(trainer.optimizer.state_dict(), chunks, rows,
+                                                    pipeline)
+    trainer_state = {
+        "step": trainer.state.step,
+        "consumed_samples": trainer.state.consumed_samples,
+        "rng": capture_rng_state(),
+    }
+    tp_rng = gathered.gather_rng_states(model)
+    if tp_rng:
+        trainer_state["tensor_parallel_rng"] = tp_rng
+    path = None
+    if trainer.is_main:
+        path = save_checkpoint(
+            cfg.checkpoint.dir,
+            trainer.state.step,
+            model=model_state,
+            optimizer=optimizer_state,
+            trainer=trainer_state,
+            config_toml=cfg.to_toml(),
+            keep_last=cfg.checkpoint.keep_last,
+        )
+    if trainer.env.world_size > 1:
+        torch.distributed.barrier()  # the checkpoint is complete before any rank goes on
+    return path
+
+
+def maybe_resume(trainer: Trainer, saver: Saver | None = None) -> None:
+    """Load the newest checkpoint of checkpoint.dir, if any (either format). A sharded load
+    runs its collectives on `saver`'s gloo group (made here if no saver is given)."""
+    cfg = trainer.cfg
+    if not cfg.checkpoint.dir or cfg.checkpoint.resume == "never":
+        return
+    path = latest_checkpoint(cfg.checkpoint.dir)
+    if path is None:
+        return
+    if sharded.is_sharded(path):
+        # a gloo group: DCP's small collectives on CPU, whatever the training's backend
+        group = (saver or Saver(trainer, save_gathered)).group()
+        sharded.load(trainer, path, group)
+    else:
+        _load_gathered(trainer, path)
+    if trainer.is_main:
+        print(f"trireme: resumed from {path} at step {trainer.state.step}", file=sys.stderr)
+
+
+def _load_gathered(trainer: Trainer, path: Path) -> None:
+    """Load a gathered checkpoint: each pipeline stage takes the global names it holds, each
+    tensor-parallel rank its slices."""
+    ckpt = load_checkpoint(path)
+    chunks = trainer.chunks
+    for chunk in chunks:
+        names = chunk.state_dict().keys()
+        state = ckpt.model if len(chunks) == 1 and trainer.pipeline is None else {
+            n: t for n, t in ckpt.model.items() if n in names}
+        load_model_state(chunk, gathered.local_tensors(state, chunk))
+    trainer.optimizer.load_state_dict(gathered.local_optimizer_state(ckpt.optimizer, chunks))
+    trainer.state.step = int(ckpt.trainer["step"])
+    trainer.state.consumed_samples = int(ckpt.trainer["consumed_samples"])
+    restore_rng_state(ckpt.trainer["rng"])
+    gathered.restore_rng_states(trainer.model, ckpt.trainer.get("tensor_parallel_rng", {}))
