@@ -10,11 +10,12 @@ One spawn of 4 gloo processes (starting them is most of the time on 2 cores) run
 2. PP 2 x DP 2, distributed optimizer: 3 steps, a sharded checkpoint at step 3 (D);
 3. PP 2 x DP 2, FSDP: 3 steps, a sharded checkpoint at step 3 (F);
 4. DP 4, distributed optimizer, resumes F (saved PP 2 x DP 2 FSDP) up to step 6;
-5. PP 2 x DP 2, FSDP, resumes D (saved PP 2 x DP 2 distributed optimizer) up to step 6.
+5. PP 2 x DP 2, FSDP, resumes D (saved PP 2 x DP 2 distributed optimizer) up to step 6;
+6. PP 2 x DP 2, distributed optimizer: 3 steps, a gathered (single-process form) checkpoint.
 
 All with a tied embedding (its two pipeline copies summed after the DP reduction) and a constant
 LR, so the 6-step single-process reference gives every expected number. Then one process resumes
-D's step 3 and continues the same curve.
+D's step 3, and the gathered checkpoint, and continues the same curve.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ PP = "parallel.pipeline=2"
 DISTOPT = "parallel.distributed_optimizer=true"
 FSDP = "parallel.data_parallel_mode=fsdp"
 TIED = ("model.tie_embeddings=true", "model.make_vocab_size_divisible_by=1")
-BASE = (*TIED, "schedule.decay_style=constant", "checkpoint.format=sharded",
-        "train.eval_interval=3")
+COMMON = (*TIED, "schedule.decay_style=constant", "train.eval_interval=3")
+BASE = (*COMMON, "checkpoint.format=sharded")
 OVERLAP = (PP, "parallel.virtual_pipeline=2", "model.num_layers=4", DISTOPT, *TIED,
            "parallel.bucket_size=1500")
 
@@ -102,7 +103,7 @@ def worker(rank: int, world: int, data: str, tmp: str, runs: list) -> None:
 
 
 def test_pipeline_with_distributed_optimizer_and_fsdp(toy_data, tmp_path):  # noqa: F811
-    d_ckpt, f_ckpt = tmp_path / "ckpt-distopt", tmp_path / "ckpt-fsdp"
+    d_ckpt, f_ckpt, g_ckpt = (tmp_path / f"ckpt-{n}" for n in ("distopt", "fsdp", "gathered"))
     distopt = (PP, DISTOPT, f"checkpoint.dir={d_ckpt}")
     fsdp = (PP, FSDP, f"checkpoint.dir={f_ckpt}")
     runs = [
@@ -112,6 +113,8 @@ def test_pipeline_with_distributed_optimizer_and_fsdp(toy_data, tmp_path):  # no
                                            "train.steps=6")),
         (str(tmp_path / "fsdp-from-distopt"), (*BASE, PP, FSDP, f"checkpoint.dir={d_ckpt}",
                                                "train.steps=6")),
+        (str(tmp_path / "gathered"), (*COMMON, PP, DISTOPT, f"checkpoint.dir={g_ckpt}",
+                                      "checkpoint.format=gathered", "train.steps=3")),
     ]
     run_ranks(worker, 4, tmp_path, toy_data, str(tmp_path), runs)
     print("\n" + " | ".join(json.loads((tmp_path / "events.json").read_text())))
@@ -135,3 +138,8 @@ def test_pipeline_with_distributed_optimizer_and_fsdp(toy_data, tmp_path):  # no
     (one / "latest").unlink()  # resume from step 3
     train(config(toy_data, tmp_path / "one", *BASE, "train.steps=6", f"checkpoint.dir={one}"))
     assert_same(losses(tmp_path / "one"), expected[3:], "saved PP2 x DP2 distopt, resumed 1 proc")
+    # the gathered (single-process) format from PP 2 x DP 2 with the distributed optimizer
+    assert_same(losses(tmp_path / "gathered"), expected[:3], "PP2 x DP2 distopt, gathered save")
+    train(config(toy_data, tmp_path / "gathered", *COMMON, "train.steps=6",
+                 f"checkpoint.dir={g_ckpt}"))
+    assert_same(losses(tmp_path / "gathered"), expected, "gathered PP2 x DP2 distopt, resumed")
