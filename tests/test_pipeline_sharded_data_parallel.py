@@ -11,7 +11,8 @@ One spawn of 4 gloo processes (starting them is most of the time on 2 cores) run
 3. PP 2 x DP 2, FSDP: 3 steps, a sharded checkpoint at step 3 (F);
 4. DP 4, distributed optimizer, resumes F (saved PP 2 x DP 2 FSDP) up to step 6;
 5. PP 2 x DP 2, FSDP, resumes D (saved PP 2 x DP 2 distributed optimizer) up to step 6;
-6. PP 2 x DP 2, distributed optimizer: 3 steps, a gathered (single-process form) checkpoint.
+6. PP 2 x DP 2, distributed optimizer: 3 steps, a gathered (single-process form) checkpoint;
+7. PP 2 x VP 2 x DP 2, FSDP (two FSDP roots per rank): 3 steps.
 
 All with a tied embedding (its two pipeline copies summed after the DP reduction) and a constant
 LR, so the 6-step single-process reference gives every expected number. Then one process resumes
@@ -39,8 +40,8 @@ FSDP = "parallel.data_parallel_mode=fsdp"
 TIED = ("model.tie_embeddings=true", "model.make_vocab_size_divisible_by=1")
 COMMON = (*TIED, "schedule.decay_style=constant", "train.eval_interval=3")
 BASE = (*COMMON, "checkpoint.format=sharded")
-OVERLAP = (PP, "parallel.virtual_pipeline=2", "model.num_layers=4", DISTOPT, *TIED,
-           "parallel.bucket_size=1500")
+INTERLEAVED = (PP, "parallel.virtual_pipeline=2", "model.num_layers=4")
+OVERLAP = (*INTERLEAVED, DISTOPT, *TIED, "parallel.bucket_size=1500")
 
 
 def overlap_events(data: str, run_dir: str) -> list[str]:
@@ -115,6 +116,7 @@ def test_pipeline_with_distributed_optimizer_and_fsdp(toy_data, tmp_path):  # no
                                                "train.steps=6")),
         (str(tmp_path / "gathered"), (*COMMON, PP, DISTOPT, f"checkpoint.dir={g_ckpt}",
                                       "checkpoint.format=gathered", "train.steps=3")),
+        (str(tmp_path / "pp2-vp2-dp2-fsdp"), (*COMMON, *INTERLEAVED, FSDP, "train.steps=3")),
     ]
     run_ranks(worker, 4, tmp_path, toy_data, str(tmp_path), runs)
     print("\n" + " | ".join(json.loads((tmp_path / "events.json").read_text())))
@@ -138,6 +140,9 @@ def test_pipeline_with_distributed_optimizer_and_fsdp(toy_data, tmp_path):  # no
     (one / "latest").unlink()  # resume from step 3
     train(config(toy_data, tmp_path / "one", *BASE, "train.steps=6", f"checkpoint.dir={one}"))
     assert_same(losses(tmp_path / "one"), expected[3:], "saved PP2 x DP2 distopt, resumed 1 proc")
+    ref4 = tmp_path / "ref-4-layers"  # the interleaved schedule with FSDP (two roots per rank)
+    train(config(toy_data, ref4, *COMMON, "model.num_layers=4", "train.steps=3"))
+    assert_same(losses(tmp_path / "pp2-vp2-dp2-fsdp"), losses(ref4), "PP2 x VP2 x DP2 FSDP")
     # the gathered (single-process) format from PP 2 x DP 2 with the distributed optimizer
     assert_same(losses(tmp_path / "gathered"), expected[:3], "PP2 x DP2 distopt, gathered save")
     train(config(toy_data, tmp_path / "gathered", *COMMON, "train.steps=6",
