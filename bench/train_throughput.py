@@ -48,6 +48,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from trireme.config import Config, ModelConfig, load_config  # noqa: E402
+from trireme.data.batch import Batch  # noqa: E402
 
 # the HF baseline of an fp8 run is its bf16 autocast run (HF has no fp8 training path here)
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None, "fp8": torch.bfloat16}
@@ -136,7 +137,8 @@ def pick_device(name: str) -> torch.device:
 
 
 def make_batches(cfg: Config, device: torch.device, seed: int, steps: int) -> list[list]:
-    """Fresh random (tokens, labels) micro batches for each of `steps` steps, all made up front.
+    """Fresh random micro batches (`Batch`: tokens, labels) for each of `steps` steps, all made
+    up front.
 
     Random tokens cannot be learned, so the loss should stay near ln(vocab): a cheap check that
     the step trains what it should.
@@ -145,7 +147,7 @@ def make_batches(cfg: Config, device: torch.device, seed: int, steps: int) -> li
     mbs, seq = cfg.train.micro_batch_size, cfg.model.seq_length
     shape = (steps, cfg.train.global_batch_size // mbs, mbs, seq + 1)
     x = torch.randint(0, cfg.model.vocab_size, shape, generator=gen).to(device)
-    return [[(m[:, :-1].contiguous(), m[:, 1:].contiguous()) for m in step] for step in x]
+    return [[Batch(m[:, :-1].contiguous(), m[:, 1:].contiguous()) for m in step] for step in x]
 
 
 def metrics_funcs():
@@ -296,22 +298,17 @@ def close_process_group() -> None:
 
 def build_dp_path_trainer(cfg: Config, dp_path: str, device: torch.device):
     """(config, trainer) for one --dp-path. `none` is plain build_trainer. `ddp` / `distopt` build
-    the same trainer with trireme.trainer.build_data_parallel_optimizer(force=True): the DP > 1 code
-    (bucket layout by parallel.bucket_size, BucketReducer, DistributedOptimizer for distopt) over
-    a one-rank process group."""
-    import trireme.train as train
+    the same trainer with build_trainer(force_data_parallel=True): the DP > 1 code (bucket layout
+    by parallel.bucket_size, BucketReducer, DistributedOptimizer for distopt) over a one-rank
+    process group."""
+    from trireme.trainer import build_trainer
 
     if dp_path == "none":
-        return cfg, train.build_trainer(cfg, with_data=False)
+        return cfg, build_trainer(cfg, with_data=False)
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(
         cfg.parallel, data_parallel_mode="ddp", distributed_optimizer=dp_path == "distopt"))
     init_single_process_group(device)
-    plain = train.build_data_parallel_optimizer
-    train.build_data_parallel_optimizer = functools.partial(plain, force=True)
-    try:
-        trainer = train.build_trainer(cfg, with_data=False)
-    finally:
-        train.build_data_parallel_optimizer = plain
+    trainer = build_trainer(cfg, with_data=False, force_data_parallel=True)
     if trainer.grad_reducer is None:
         raise RuntimeError(f"--dp-path {dp_path}: the trainer was built without a reducer")
     return cfg, trainer
@@ -423,7 +420,8 @@ def measure_hf(cfg: Config, args: argparse.Namespace, device: torch.device,
 
     def step(i):
         loss_sum = torch.zeros((), device=device)
-        for tokens, _labels in batches[i]:  # HF shifts the labels itself
+        for batch in batches[i]:  # HF shifts the labels itself
+            tokens = batch.tokens
             with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
                 loss = fwd(input_ids=tokens, labels=tokens).loss
             scaled = loss / n

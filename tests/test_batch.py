@@ -155,8 +155,8 @@ def test_training_with_reset_options(two_datasets, tmp_path):
                   "data.reset_attention_mask=true", "train.steps=2")
     trainer = build_trainer(cfg)
     batch = trainer.next_micro_batches()[0]
-    assert set(batch[2]) == {"position_ids", "document_ids"}
-    assert (batch[2]["position_ids"][:, 1:] == 0).any()  # positions restart after an eod
+    assert set(batch.model_kwargs()) == {"position_ids", "document_ids"}
+    assert (batch.position_ids[:, 1:] == 0).any()  # positions restart after an eod
     train(cfg)
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().split("\n")
                if x]

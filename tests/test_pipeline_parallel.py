@@ -21,8 +21,9 @@ import torch.distributed as dist
 from distributed import run_ranks
 
 from trireme.config import ModelConfig, OptimizerConfig, ParallelConfig
+from trireme.data.batch import Batch
 from trireme.engine.grads import PartialGradSync, parallel_grad_norm
-from trireme.engine.pipeline import PipelineRunner, TiedEmbeddingSync
+from trireme.engine.pipeline import PipelineSchedule, TiedEmbeddingSync
 from trireme.models.gpt import GPT, build_stage_chunks
 from trireme.optim.optimizer import build_optimizer
 from trireme.parallel.context import ParallelContext
@@ -79,7 +80,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def micro_batches(cfg: ModelConfig, step: int, count: int):
     gen = torch.Generator().manual_seed(1000 + step)
     ids = torch.randint(0, cfg.vocab_size, (count, MBS, cfg.seq_length + 1), generator=gen)
-    return [(b[:, :-1], b[:, 1:]) for b in ids]
+    return [Batch(b[:, :-1], b[:, 1:]) for b in ids]
 
 
 def opt_config() -> OptimizerConfig:
@@ -94,8 +95,8 @@ def reference(cfg: ModelConfig, count: int):
     for step in range(STEPS):
         optimizer.zero_grad()
         total = 0.0
-        for tokens, labels in micro_batches(cfg, step, count):
-            loss = model(tokens, labels)
+        for batch in micro_batches(cfg, step, count):
+            loss = model(batch.tokens, batch.labels)
             (loss / count).backward()
             total += loss.item()
         if step == 0:
@@ -116,7 +117,7 @@ def run_case(cfg: ModelConfig, pcfg: ParallelConfig, count: int, world: int,
     for chunk in chunks:
         chunk.set_recompute(*recompute)
     seq = cfg.seq_length // pcfg.tensor if pcfg.sequence_parallel else cfg.seq_length
-    runner = PipelineRunner(chunks, mesh, (MBS, seq, cfg.hidden_size), torch.float32,
+    runner = PipelineSchedule(chunks, mesh, (MBS, seq, cfg.hidden_size), torch.float32,
                             torch.device("cpu"))
     tied = TiedEmbeddingSync(chunks, mesh) if cfg.tie_embeddings else None
     skip = frozenset({"embedding.weight"}) if tied and not chunks[0].stage.first else frozenset()
@@ -128,7 +129,7 @@ def run_case(cfg: ModelConfig, pcfg: ParallelConfig, count: int, world: int,
     losses, grads, norm = [], None, None
     for step in range(STEPS):
         optimizer.zero_grad()
-        losses.append(runner.train_step(micro_batches(cfg, step, count)).item())
+        losses.append(runner.forward_backward(micro_batches(cfg, step, count)).item())
         for sync in partial:
             sync()
         if tied is not None:
@@ -195,7 +196,7 @@ def live_activations_check() -> dict[str, float]:
     mesh = ParallelMesh.build(ParallelDims(pipeline=4), "cpu")
     rank = mesh.coordinate("pipeline")
     (chunk,) = build_stage_chunks(cfg, pcfg, rank, None, SEED)
-    runner = PipelineRunner([chunk], mesh, (MBS, cfg.seq_length, cfg.hidden_size),
+    runner = PipelineSchedule([chunk], mesh, (MBS, cfg.seq_length, cfg.hidden_size),
                             torch.float32, torch.device("cpu"))
     outputs: list[weakref.ref] = []
     most = [0]
@@ -206,7 +207,7 @@ def live_activations_check() -> dict[str, float]:
 
     chunk.register_forward_pre_hook(count_live, with_kwargs=True)
     chunk.register_forward_hook(lambda m, a, out: outputs.append(weakref.ref(out)))
-    runner.train_step(micro_batches(cfg, 0, count))
+    runner.forward_backward(micro_batches(cfg, 0, count))
     assert most[0] == 4 - rank, (rank, most[0])
     assert all(ref() is None for ref in outputs)  # everything freed after the step
     return {"first_stage_max_live": float(most[0]) if rank == 0 else 0.0,

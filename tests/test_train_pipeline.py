@@ -62,8 +62,10 @@ def test_pipeline_tensor_training_matches_one_process(toy_data, tmp_path, capsys
       "train.global_batch_size=12", "train.micro_batch_size=4"], 2,
      "to be a multiple of parallel.pipeline = 2"),
     (["parallel.virtual_pipeline=2"], 1, "needs parallel.pipeline > 1"),
-    (["parallel.pipeline=2", "model.num_layers=2", "parallel.distributed_optimizer=true"], 4,
-     "distributed optimizer or FSDP: not implemented yet"),
+    (["parallel.pipeline=2", "model.num_layers=2", "parallel.distributed_optimizer=true",
+      "train.micro_batch_size=4"], 4, None),  # PP x DP with the distributed optimizer
+    (["parallel.pipeline=2", "model.num_layers=2", "parallel.data_parallel_mode=fsdp",
+      "model.precision=fp32", "train.micro_batch_size=4"], 4, None),  # PP x DP with FSDP
     (["parallel.pipeline=2", "parallel.virtual_pipeline=2", "model.num_layers=4",
       "train.global_batch_size=16", "train.micro_batch_size=4"], 4,  # 2 per DP replica: fine
      None),

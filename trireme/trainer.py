@@ -1,9 +1,9 @@
 """Everything a run needs, built from one config: the parallel grid, data, model, optimizer and
 step runner (`build_trainer`), and the per-step numbers the loop logs.
 
-One step is: for each micro batch, forward + backward (gradients accumulate in fp32 main
-gradients), then one optimizer step. Nothing in the step waits for the GPU; the host reads
-numbers back only at log intervals.
+One step is the step runner's (trireme.engine.runners): for each micro batch, forward + backward
+(gradients accumulate in fp32 main gradients), the data-parallel reduction, then one optimizer
+step. Nothing in the step waits for the GPU; the host reads numbers back only at log intervals.
 """
 
 from __future__ import annotations
@@ -14,36 +14,31 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from trireme.config import Config, validate
-from trireme.data.batch import BatchOptions, get_micro_batch
+from trireme.data.batch import Batch, BatchOptions, get_micro_batch
 from trireme.data.cache import index_cache_dir
 from trireme.data.corpus import default_corpus
-from trireme.data.gpt_dataset import GPTDataset, get_batch
+from trireme.data.gpt_dataset import GPTDataset
 from trireme.data.sources import DataSources, build_split_datasets, open_sources
 from trireme.data.tokenizer import Tokenizer, load_tokenizer
-from trireme.engine.data_parallel import BucketReducer, data_parallel_loss
-from trireme.engine.fsdp import FSDPOptimizer, GradientSyncSwitch, check_fsdp, shard_model
-from trireme.engine.grads import PartialGradSync, inverse_replicas, parallel_grad_norm
-from trireme.engine.pipeline import PipelineRunner, TiedEmbeddingSync
+from trireme.engine.build import DTYPES, build_schedule, build_step_runner
+from trireme.engine.data_parallel import BucketReducer
+from trireme.engine.fsdp import GradientSyncSwitch, check_fsdp
+from trireme.engine.pipeline import PipelineSchedule
+from trireme.engine.runners import PipelineRunner, PlainRunner, StepRunner
 from trireme.errors import ConfigError, DataError
 from trireme.metrics import flops_per_token, memory_gib, peak_flops
 from trireme.models.gpt import GPT
 from trireme.models.init import init_parameters
 from trireme.models.stages import StageSpec, bubble_fraction, check_pipeline, rank_stages
 from trireme.ops.fp8 import fp8_targets, to_fp8_training
-from trireme.optim.distributed import DistributedOptimizer
-from trireme.optim.layout import grad_layout
-from trireme.optim.optimizer import (
-    MixedPrecisionOptimizer,
-    build_optimizer,
-    named_trainable_parameters,
-)
+from trireme.optim.optimizer import MixedPrecisionOptimizer
 from trireme.parallel.context import ParallelContext, build_parallel_context
 from trireme.parallel.mesh import (
     DistributedEnv,
@@ -53,10 +48,6 @@ from trireme.parallel.mesh import (
     launched_world_size,
 )
 from trireme.parallel.tensor import check_tensor_parallel
-
-# fp8 is bf16 everywhere except the transformer blocks' matmuls (trireme.ops.fp8)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-          "fp8": torch.bfloat16}
 
 
 @dataclass
@@ -69,7 +60,8 @@ class TrainState:
 
 @dataclass
 class Trainer:
-    """Everything a run needs, built from the config by `build_trainer`."""
+    """Everything a run needs, built from the config by `build_trainer`. A step is the step
+    runner's (`runner.step`); the trainer reads the micro batches and keeps the run's state."""
 
     cfg: Config
     device: torch.device
@@ -81,15 +73,24 @@ class Trainer:
     state: TrainState = field(default_factory=TrainState)
     mesh: ParallelMesh = field(default_factory=lambda: ParallelMesh(ParallelDims()))
     env: DistributedEnv = field(default_factory=DistributedEnv)
-    grad_sync: Callable[[], None] | None = None  # sums partial (TP) and tied (PP) gradients
     chunks: list[GPT] = field(default_factory=list)  # this rank's pipeline stages ([model])
-    pipeline: PipelineRunner | None = None  # runs the micro batches through the stages (PP > 1)
-    # averages the gradients over the DP replicas (FSDP: switches its reduction on and off)
-    grad_reducer: BucketReducer | GradientSyncSwitch | None = None
+    runner: StepRunner | None = None  # runs a step (PlainRunner or PipelineRunner)
 
     def __post_init__(self) -> None:
         if not self.chunks:
             self.chunks = [self.model]
+        if self.runner is None:
+            self.runner = PlainRunner(self.chunks, self.optimizer, self.device)
+
+    @property
+    def pipeline(self) -> PipelineSchedule | None:
+        """The pipeline schedule (PP > 1), None otherwise."""
+        return self.runner.schedule if isinstance(self.runner, PipelineRunner) else None
+
+    @property
+    def grad_reducer(self) -> BucketReducer | GradientSyncSwitch | None:
+        """What averages the gradients over the DP replicas (None at DP = 1)."""
+        return self.runner.reducer
 
     @property
     def data_parallel(self) -> int:
@@ -106,86 +107,34 @@ class Trainer:
         train = self.cfg.train
         return train.global_batch_size // (train.micro_batch_size * self.data_parallel)
 
-    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> dict:
+    def train_step(self, micro_batches: list[Batch], lr: float) -> dict:
         """One optimizer step over the given micro batches; returns tensors (no host sync)."""
-        for chunk in self.chunks:
-            chunk.train()
-        self.optimizer.zero_grad()
-        if self.pipeline is not None:
-            loss = self.pipeline.train_step(micro_batches, self.optimizer.scale_loss)
-            if self.data_parallel > 1:  # PP x DP: mean over the replicas after the whole step
-                # (one all-reduce of the flat buffer, not overlapped with the backward yet)
-                grads = self.optimizer.grad_buffer
-                grads.div_(self.data_parallel)
-                torch.distributed.all_reduce(grads, group=self.mesh.group("data"))
-            if self.grad_sync is not None:  # after the DP mean: both are sums, so they commute
-                self.grad_sync()
-            result = self.optimizer.step(lr)
-            result["loss"] = data_parallel_loss(loss, self.mesh.group("data"), self.data_parallel)
-            return result
-        reducer = self.grad_reducer
-        if reducer is not None:
-            reducer.start_step()
-        loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
-        for i, (tokens, labels, *extra) in enumerate(micro_batches):
-            if reducer is not None:  # the DP buckets reduce during the last backward only
-                reducer.last_micro_batch = i == len(micro_batches) - 1
-            loss = self.model(tokens, labels, **(extra[0] if extra else {}))
-            self.optimizer.scale_loss(loss / len(micro_batches)).backward()
-            loss_sum += loss.detach()
-        if reducer is not None:
-            reducer.finish()
-        if self.grad_sync is not None:  # after the DP mean: both are sums, so they commute
-            self.grad_sync()
-        result = self.optimizer.step(lr)
-        loss = loss_sum / len(micro_batches)
-        result["loss"] = data_parallel_loss(loss, self.mesh.group("data"), self.data_parallel)
-        return result
+        return self.runner.step(micro_batches, lr)
 
-    def next_micro_batches(self) -> list[tuple]:
-        """This step's micro batches: (tokens, labels) or (tokens, labels, model kwargs) with
-        packed-document position / document ids, on the device."""
+    def next_micro_batches(self) -> list[Batch]:
+        """This step's micro batches of this DP replica, on the device."""
         mbs = self.cfg.train.micro_batch_size
         # DP replica d reads its own consecutive run of micro batches of the global batch
         replica = self.mesh.coordinate("data") if self.data_parallel > 1 else 0
         start = self.state.consumed_samples + replica * self.num_micro_batches * mbs
         batches = []
         for i in range(self.num_micro_batches):
-            tokens, labels, extra = self._micro_batch(self.train_data, start + i * mbs, mbs)
-            for ids in (tokens, labels):
+            batch = self._micro_batch(self.train_data, start + i * mbs, mbs)
+            for ids in (batch.tokens, batch.labels):
                 check_token_ids(ids, self.cfg.model.vocab_size, self.cfg.data.path)
-            batches.append((tokens, labels, extra) if extra else (tokens, labels))
+            batches.append(batch)
         return batches
 
-    def _micro_batch(self, data, consumed: int, size: int) -> tuple:
-        batch = get_micro_batch(data, consumed, size)  # the samples are read once
-        dev = self.device
-        extra = {name: value.to(dev, non_blocking=True)
-                 for name in ("position_ids", "document_ids")
-                 if (value := getattr(batch, name)) is not None}
-        tokens, labels = batch.tokens, batch.masked_labels()
-        return tokens.to(dev, non_blocking=True), labels.to(dev, non_blocking=True), extra
+    def _micro_batch(self, data, consumed: int, size: int) -> Batch:
+        # the samples are read once; labels masked (-100) where the loss does not count
+        return get_micro_batch(data, consumed, size).for_training(self.device)
 
-    @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over the first `train.eval_steps` micro batches of the validation split."""
-        self.model.eval()
         mbs = self.cfg.train.micro_batch_size
-        if self.pipeline is not None:
-            for chunk in self.chunks:
-                chunk.eval()
-            batches = [tuple(t.to(self.device) for t in get_batch(self.valid_data, i * mbs, mbs))
-                       for i in range(self.cfg.train.eval_steps)]
-            loss = self.pipeline.evaluate(batches).item()
-            for chunk in self.chunks:
-                chunk.train()
-            return loss
-        total = torch.zeros((), device=self.device)
-        for i in range(self.cfg.train.eval_steps):
-            tokens, labels, extra = self._micro_batch(self.valid_data, i * mbs, mbs)
-            total += self.model(tokens, labels, **extra).float()
-        self.model.train()
-        return (total / self.cfg.train.eval_steps).item()
+        batches = [self._micro_batch(self.valid_data, i * mbs, mbs)
+                   for i in range(self.cfg.train.eval_steps)]
+        return self.runner.evaluate(batches).item()
 
 
 def check_token_ids(labels: torch.Tensor, vocab_size: int, path: str) -> None:
@@ -210,8 +159,8 @@ def pick_device(name: str) -> torch.device:
 def check_parallel(cfg: Config, world_size: int | None = None) -> ParallelDims:
     """The parallel degrees for this launch, checked before any process group exists (so a bad
     layout stops every rank with the same one-line error). Tensor (+ sequence), pipeline and
-    data parallelism are implemented; the other kinds arrive with their own issues, and say so
-    plainly until then."""
+    data parallelism (DDP, distributed optimizer, FSDP) are implemented, in any combination;
+    the other kinds arrive with their own issues, and say so plainly until then."""
     p = cfg.parallel
     world = launched_world_size() if world_size is None else world_size
     degrees = {"context": p.context, "expert": p.expert}
@@ -231,12 +180,6 @@ def check_parallel(cfg: Config, world_size: int | None = None) -> ParallelDims:
         check_fsdp(cfg)
     check_tensor_parallel(cfg.model, p.tensor, p.sequence_parallel)
     dims = ParallelDims.from_config(p, world)
-    if dims.pipeline > 1 and dims.data > 1 and (p.distributed_optimizer
-                                                or p.data_parallel_mode == "fsdp"):
-        raise ConfigError(
-            "parallel.pipeline > 1 with the distributed optimizer or FSDP: not implemented yet; "
-            "use parallel.data_parallel_mode = 'ddp' without parallel.distributed_optimizer"
-        )
     t = cfg.train
     if t.global_batch_size % (t.micro_batch_size * dims.data):
         raise ConfigError(
@@ -315,8 +258,10 @@ def build_model(
     return model
 
 
-def build_trainer(cfg: Config, with_data: bool = True) -> Trainer:
-    """Build model, optimizer and data from the config (data optional, e.g. for benchmarks).
+def build_trainer(cfg: Config, with_data: bool = True, force_data_parallel: bool = False
+                  ) -> Trainer:
+    """Build model, optimizer, step runner and data from the config (data optional, e.g. for
+    benchmarks; `force_data_parallel`: see `build_step_runner`).
 
     Under torchrun this starts torch.distributed (unless a process group exists already) and
     builds this rank's part of the parallel grid; the data is read the same on every rank.
@@ -344,87 +289,15 @@ def build_trainer(cfg: Config, with_data: bool = True) -> Trainer:
     else:
         stages = rank_stages(cfg.model, cfg.parallel, mesh.coordinate("pipeline"))
         chunks = [build_model(cfg, device, ctx, stage) for stage in stages]
-    syncs: list[Callable[[], None]] = [PartialGradSync(c, tp) for c in chunks if tp is not None]
-    pipeline, skip, pipeline_group = None, frozenset(), None
-    if dims.pipeline > 1:
-        pipeline = build_runner(cfg, chunks, mesh, device)
-        pipeline_group = mesh.group("pipeline")
-        if cfg.model.tie_embeddings:  # the last stage's copy: summed with the first's, counted once
-            syncs.append(TiedEmbeddingSync(chunks, mesh))
-            if not chunks[0].stage.first:
-                skip = frozenset({"embedding.weight"})
-    grad_norm = None
-    if tp is not None or pipeline is not None:
-        grad_norm = parallel_grad_norm(chunks, tp, pipeline_group, skip)
-    reducer = None
-    if pipeline is not None:
-        layout = None  # PP x DP: a flat gradient buffer (one bucket) to all-reduce after the step
-        if dims.data > 1:
-            layout = grad_layout([p.numel() for _, p in named_trainable_parameters(chunks)])
-        optimizer = build_optimizer(chunks, cfg.optimizer, cfg.model.precision, device, grad_norm,
-                                    layout)
-    else:
-        optimizer, reducer = build_data_parallel_optimizer(cfg, chunks[0], mesh, device,
-                                                           grad_norm)
-    return Trainer(cfg, device, chunks[0], optimizer, tokenizer, train_data, valid_data,
-                   mesh=mesh, env=env, grad_sync=run_all([s for s in syncs if s]),
-                   chunks=chunks, pipeline=pipeline, grad_reducer=reducer)
+    runner = build_step_runner(cfg, chunks, tp, mesh, device, force_data_parallel)
+    return Trainer(cfg, device, chunks[0], runner.optimizer, tokenizer, train_data, valid_data,
+                   mesh=mesh, env=env, chunks=chunks, runner=runner)
 
 
 def build_runner(cfg: Config, chunks: list[GPT], mesh: ParallelMesh, device: torch.device,
-                 micro_batch_size: int = 0) -> PipelineRunner:
-    """The pipeline runner; activations between stages are [micro batch, seq, hidden] (the
-    sequence split over the TP ranks under sequence parallelism)."""
-    seq = cfg.model.seq_length
-    if cfg.parallel.sequence_parallel and cfg.parallel.tensor > 1:
-        seq //= cfg.parallel.tensor
-    shape = (micro_batch_size or cfg.train.micro_batch_size, seq, cfg.model.hidden_size)
-    return PipelineRunner(chunks, mesh, shape, DTYPES[cfg.model.precision], device)
-
-
-def run_all(calls: list[Callable[[], None]]) -> Callable[[], None] | None:
-    """One callable running `calls` in order (None if there are none)."""
-    if not calls:
-        return None
-
-    def run() -> None:
-        for call in calls:
-            call()
-
-    return run
-
-
-def build_data_parallel_optimizer(
-    cfg: Config, model: GPT, mesh: ParallelMesh, device: torch.device, grad_norm,
-    force: bool = False,
-) -> tuple[MixedPrecisionOptimizer, BucketReducer | GradientSyncSwitch | None]:
-    """The optimizer and, under data parallelism, the bucketed gradient reduction over its flat
-    gradient buffer. At DP = 1 this is the plain optimizer and no reducer (no cost at all).
-
-    `force` builds the DP > 1 path (buckets, reducer, distributed optimizer) even at DP = 1, over
-    the default process group of one rank (which must exist): benchmarks use it to measure what
-    that path costs (bench/train_throughput.py --dp-path)."""
-    precision = cfg.model.precision
-    if mesh.size("data") == 1 and not force:
-        return build_optimizer(model, cfg.optimizer, precision, device, grad_norm), None
-    if cfg.parallel.data_parallel_mode == "fsdp":
-        shard_model(model, mesh)
-        optimizer = FSDPOptimizer(model, cfg, device, mesh.group("data"))
-        return optimizer, GradientSyncSwitch(model)
-    named = named_trainable_parameters(model)
-    layout = grad_layout([p.numel() for _, p in named], cfg.parallel.bucket_size, mesh.size("data"))
-    sharded = cfg.parallel.distributed_optimizer
-    if sharded:
-        tp = model.tp
-        weights = None if tp is None else inverse_replicas(model, tp, named, layout.offsets,
-                                                           layout.total)
-        optimizer = DistributedOptimizer(named, cfg.optimizer, precision, device, layout,
-                                         mesh.group("data"), tp.group if tp else None, weights)
-    else:
-        optimizer = build_optimizer(model, cfg.optimizer, precision, device, grad_norm, layout)
-    reducer = BucketReducer(optimizer.params, layout, optimizer.grad_buffer, mesh.group("data"),
-                            scatter=sharded)
-    return optimizer, reducer
+                 micro_batch_size: int = 0) -> PipelineSchedule:
+    """The pipeline schedule over `chunks` (the end-of-training sample runs through it)."""
+    return build_schedule(cfg, chunks, mesh, device, micro_batch_size)
 
 
 @contextlib.contextmanager

@@ -2,7 +2,9 @@
 
 `get_batch(dataset, consumed_samples, size)` gives (tokens, labels); `get_micro_batch` gives a
 `Batch` that also carries the loss mask and, when asked for, per-document position ids and
-document ids. Any dataset with `get_samples(indices) -> int64[n, seq_length + 1]` and an
+document ids. A `Batch` is what travels from here to the model call (trainer, step runners,
+pipeline stages); `Batch.for_training` is the form they use. Any dataset with
+`get_samples(indices) -> int64[n, seq_length + 1]` and an
 `options: BatchOptions` attribute works: GPTDataset, BlendedDataset, MockGPTDataset.
 
 The options, all keyed on the end-of-document id `eod` (as in Megatron):
@@ -37,16 +39,38 @@ DEFAULT_OPTIONS = BatchOptions()
 
 @dataclass
 class Batch:
+    """One micro batch, from the data to the model call: the only form a batch takes in the
+    trainer, the step runners and the pipeline schedule (`model(batch.tokens, batch.labels,
+    **batch.model_kwargs())`)."""
+
     tokens: torch.Tensor  # int64 [b, s]
-    labels: torch.Tensor  # int64 [b, s]: tokens shifted left by one
-    loss_mask: torch.Tensor  # float32 [b, s]: 1 where the loss counts
+    labels: torch.Tensor | None  # int64 [b, s]: tokens shifted left by one (None: no loss)
+    loss_mask: torch.Tensor | None = None  # float32 [b, s]: 1 where the loss counts (None: all)
     position_ids: torch.Tensor | None = None  # int64 [b, s], with reset_position_ids
     document_ids: torch.Tensor | None = None  # int64 [b, s], with reset_attention_mask
 
     def masked_labels(self) -> torch.Tensor:
         """labels with -100 (ignored by the loss) where loss_mask is 0 (only eod_mask_loss sets
         zeros there)."""
+        if self.loss_mask is None:
+            return self.labels
         return self.labels.masked_fill(self.loss_mask == 0, IGNORE_INDEX)
+
+    def for_training(self, device: torch.device | str) -> Batch:
+        """The batch the trainer feeds the model, on `device`: the loss mask folded into the
+        labels as -100 (what the loss ignores; no mask tensor travels), the ids copied without
+        waiting for the host."""
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return Batch(move(self.tokens), move(self.masked_labels()), None,
+                     move(self.position_ids), move(self.document_ids))
+
+    def model_kwargs(self) -> dict[str, torch.Tensor]:
+        """The model's keyword inputs this batch has (loss_mask, position_ids, document_ids)."""
+        names = ("loss_mask", "position_ids", "document_ids")
+        return {n: t for n in names if (t := getattr(self, n)) is not None}
 
 
 def make_batch(samples: np.ndarray, options: BatchOptions) -> Batch:

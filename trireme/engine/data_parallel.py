@@ -12,6 +12,12 @@ bucket; when a bucket's last gradient has been added, its reduction starts async
 while autograd computes the earlier layers. Earlier micro batches only accumulate (no traffic).
 The gradient is divided by the DP degree before the sum, so the collective yields the mean.
 
+Under pipeline parallelism a rank holds model chunks (stages) whose last backwards come at
+different times of the schedule (interleaved 1F1B: chunk V-1's last backward, then more backwards
+of the other chunks, then chunk V-2's last one ...). So "last" is kept per chunk: the step runner
+says before each backward whether it is its chunk's last one (`set_last_backward`), and a
+parameter counts only in its own chunk's last backward.
+
 Two reductions:
 
 - all-reduce (plain DDP): every replica ends with the whole mean gradient;
@@ -24,13 +30,13 @@ At DP = 1 none of this exists: no buckets, no hooks beyond the optimizer's own.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from trireme.optim.layout import GradLayout
+from trireme.optim.layout import Bucket, GradLayout, grad_layout
 from trireme.parallel.comm import _reduce_scatter_single
 
 
@@ -38,9 +44,11 @@ class BucketReducer:
     """Reduces the flat gradient buffer over the DP group, bucket by bucket, overlapped with the
     last micro batch's backward (module docstring).
 
-    Usage per step: `start_step()`; set `last_micro_batch = True` before the last backward;
-    `finish()` before the optimizer step (waits for every reduction). `events`, when a list,
-    records "reduce <bucket>" as each reduction starts (tests use it to see the overlap).
+    Usage per step: `start_step()`; before each backward say whether it is the last one of its
+    model chunk (`set_last_backward(chunk, last)`, or `last_micro_batch = True` for every chunk);
+    `finish()` before the optimizer step (waits for every reduction). `chunk_of[i]` is the chunk
+    of `params[i]` (default: one chunk). `events`, when a list, records "reduce <bucket>" as each
+    reduction starts (tests use it to see the overlap).
     """
 
     def __init__(
@@ -50,6 +58,7 @@ class BucketReducer:
         grad_flat: Tensor,
         group: dist.ProcessGroup,
         scatter: bool = False,
+        chunk_of: Sequence[int] | None = None,
     ) -> None:
         self.layout = layout
         self.grad_flat = grad_flat
@@ -57,8 +66,11 @@ class BucketReducer:
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.scatter = scatter
-        self.last_micro_batch = False
         self.events: list[str] | None = None
+        chunk_of = list(chunk_of) if chunk_of is not None else [0] * len(params)
+        self._last = [False] * (max(chunk_of, default=0) + 1)  # per chunk: in its last backward
+        self._chunk_of = {id(p): c for p, c in zip(params, chunk_of)}
+        self._index_of = {id(p): i for i, p in enumerate(params)}
         self._bucket_of = {}
         for b, bucket in enumerate(layout.buckets):
             for i in bucket.params:
@@ -68,6 +80,19 @@ class BucketReducer:
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
         self.start_step()
 
+    @property
+    def last_micro_batch(self) -> bool:
+        """True while every chunk is in its last backward (the one-chunk case's flag)."""
+        return all(self._last)
+
+    @last_micro_batch.setter
+    def last_micro_batch(self, value: bool) -> None:
+        self._last = [value] * len(self._last)
+
+    def set_last_backward(self, chunk: int, last: bool) -> None:
+        """Whether the next backward of `chunk` is its last one this step (its buckets reduce)."""
+        self._last[chunk] = last
+
     def start_step(self) -> None:
         self.last_micro_batch = False
         self._pending = [len(b.params) for b in self.layout.buckets]
@@ -75,7 +100,7 @@ class BucketReducer:
 
     def _on_grad_ready(self, param: Tensor) -> None:
         # Runs after the optimizer's hook has added this micro batch's gradient into main_grad.
-        if not self.last_micro_batch:
+        if not self._last[self._chunk_of[id(param)]]:
             return
         b = self._bucket_of[id(param)]
         self._pending[b] -= 1
@@ -112,6 +137,18 @@ class BucketReducer:
         self._works = []
         self.last_micro_batch = False
 
+    def reduced_part(self, param: nn.Parameter) -> Tensor:
+        """The flat part of `param`'s gradient that holds the DP mean on this rank after `finish`:
+        all of it (all-reduce), or the part inside this rank's chunk of its bucket
+        (reduce-scatter; possibly empty)."""
+        i, b = self._index_of[id(param)], self._bucket_of[id(param)]
+        start = self.layout.offsets[i]
+        end = start + param.numel()
+        if self.scatter:
+            lo, hi = self.layout.shard_ranges(self.rank)[b]
+            start, end = max(start, lo), min(end, hi)
+        return self.grad_flat[start : max(start, end)]
+
     def remove_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()
@@ -125,3 +162,28 @@ def data_parallel_loss(loss: Tensor, group: dist.ProcessGroup | None, size: int)
     loss = loss.clone()
     dist.all_reduce(loss, group=group)
     return loss / size
+
+
+def data_parallel_layout(
+    numels: Sequence[int], bucket_size: int, data_parallel: int, alone: Collection[int] = ()
+) -> GradLayout:
+    """`grad_layout` of the parameters with `numels` elements, except that each parameter in
+    `alone` gets a bucket of its own, placed after the others.
+
+    Why: the two copies of a tied embedding (first and last pipeline stage) must be cut the same
+    way into DP chunks on both stages, so that after a reduce-scatter rank d of each stage holds
+    the same rows (their gradients are then summed chunk to chunk, and a sharded checkpoint sees
+    one piece, not two overlapping ones). Alone in a bucket starting at the bucket's start, a
+    parameter is cut by its own size only, whatever else the stage holds."""
+    rest = [i for i in range(len(numels)) if i not in alone]
+    parts = [(rest, grad_layout([numels[i] for i in rest], bucket_size, data_parallel))]
+    parts += [([i], grad_layout([numels[i]], 0, data_parallel)) for i in sorted(alone)]
+    offsets, buckets, total = [0] * len(numels), [], 0
+    for indices, part in parts:
+        for i, offset in zip(indices, part.offsets):
+            offsets[i] = total + offset
+        for bucket in part.buckets:
+            buckets.append(Bucket(total + bucket.start, total + bucket.end,
+                                  tuple(indices[j] for j in bucket.params)))
+        total += part.total
+    return GradLayout(tuple(offsets), total, tuple(buckets), data_parallel)

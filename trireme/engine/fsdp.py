@@ -8,7 +8,11 @@ backward by construction. Only the last micro batch of a step reduces: the earli
 gradient sync off and accumulate unsharded gradients.
 
 The optimizer is the fp32 AdamW of `trireme.optim.optimizer` over the sharded parameters; the
-gradient norm sums the squares of each rank's shards over the DP group.
+gradient norm sums the squares of each rank's shards over the DP group (and the pipeline stages).
+
+Under pipeline parallelism each model chunk (stage) is sharded the same way and is its own FSDP
+root; its reduction runs in its own last backward of the step. A tied embedding's two copies are
+sharded alike on the first and last stage, so their gradient shards are summed shard to shard.
 
 Limits of this first version (each a one-line ConfigError in `check_fsdp`): fp32 only (bf16 wants
 fully_shard's MixedPrecisionPolicy and fp32 sharded parameters), no tensor parallelism, and
@@ -59,12 +63,24 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-class FSDPOptimizer(MixedPrecisionOptimizer):
-    """fp32 AdamW over FSDP-sharded parameters: norm and clipping act on the local shards."""
+def local_grad(param: nn.Parameter) -> Tensor:
+    """This rank's shard of an FSDP parameter's (DP-averaged) gradient."""
+    return _local(param.grad)
 
-    def __init__(self, model: nn.Module, cfg: Config, device: torch.device,
-                 group: dist.ProcessGroup) -> None:
+
+class FSDPOptimizer(MixedPrecisionOptimizer):
+    """fp32 AdamW over FSDP-sharded parameters: norm and clipping act on the local shards.
+
+    Under pipeline parallelism `model` is this rank's chunks; the squares of the norm are also
+    summed over `pipeline_group`, leaving out the names in `skip` (the last stage's copy of a
+    tied embedding, which the first stage counts)."""
+
+    def __init__(self, model: nn.Module | list[nn.Module], cfg: Config, device: torch.device,
+                 group: dist.ProcessGroup, pipeline_group: dist.ProcessGroup | None = None,
+                 skip: frozenset[str] = frozenset()) -> None:
         self.dp_group = group
+        self.pipeline_group = pipeline_group
+        self.skip = skip
         super().__init__(named_trainable_parameters(model), cfg.optimizer, "fp32", device)
 
     def _grads(self) -> list[Tensor]:
@@ -73,18 +89,22 @@ class FSDPOptimizer(MixedPrecisionOptimizer):
 
     def _global_grad_norm(self, grads: list[Tensor]) -> Tensor:
         total = torch.zeros((), dtype=torch.float32, device=self._scale.device)
-        for g in grads:
-            total += g.float().square().sum()
+        for name, p in zip(self.names, self.params):
+            if p.grad is not None and name not in self.skip:
+                total += _local(p.grad).float().square().sum()
         dist.all_reduce(total, group=self.dp_group)
+        if self.pipeline_group is not None:
+            dist.all_reduce(total, group=self.pipeline_group)
         return total.sqrt()
 
 
 class GradientSyncSwitch:
-    """The trainer's reducer interface for FSDP: gradients are reduced (by FSDP's own hooks) only
-    in the backward of the last micro batch."""
+    """The step runners' reducer interface for FSDP: gradients are reduced (by FSDP's own hooks)
+    only in the last backward of each model chunk (each chunk is its own FSDP root)."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module | list[nn.Module]) -> None:
+        self.chunks = [model] if isinstance(model, nn.Module) else list(model)
+        self._last = False
 
     def start_step(self) -> None:
         self.last_micro_batch = False
@@ -96,7 +116,12 @@ class GradientSyncSwitch:
     @last_micro_batch.setter
     def last_micro_batch(self, value: bool) -> None:
         self._last = value
-        self.model.set_requires_gradient_sync(value)
+        for chunk in self.chunks:
+            chunk.set_requires_gradient_sync(value)
+
+    def set_last_backward(self, chunk: int, last: bool) -> None:
+        """Whether the next backward of `chunk` is its last one this step (FSDP reduces then)."""
+        self.chunks[chunk].set_requires_gradient_sync(last)
 
     def finish(self) -> None:
         pass  # FSDP waits for its reduce-scatters at the end of the backward

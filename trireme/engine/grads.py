@@ -133,13 +133,29 @@ def inverse_replicas(
     """A flat fp32 tensor in the gradient-buffer layout (`offsets`, `total`): 1 / (TP ranks
     holding the same numbers) for each element (0 on padding), so that sum(g^2 * w) over the TP
     ranks counts each element of the full model once (the distributed optimizer's norm)."""
-    shardings = parameter_shardings(model)
+    return norm_weights([model], tp, named_params, offsets, total)
+
+
+def norm_weights(
+    chunks: list[nn.Module], tp: TensorParallel | None,
+    named_params: list[tuple[str, nn.Parameter]], offsets: tuple[int, ...], total: int,
+    skip: frozenset[str] = frozenset(),
+) -> Tensor:
+    """`inverse_replicas` for a rank's model chunks (pipeline stages), with 0 for the names in
+    `skip` (the last stage's copy of a tied embedding, counted by the first stage) and 1 for
+    everything else when there is no tensor parallelism."""
+    shardings: dict[str, Sharding] = {}
+    for chunk in chunks:
+        shardings.update(parameter_shardings(chunk))
+    tp_size = tp.size if tp is not None else 1
     weights = torch.zeros(total, dtype=torch.float32, device=named_params[0][1].device)
     for (name, p), offset in zip(named_params, offsets):
+        if name in skip:
+            continue
         view = weights[offset : offset + p.numel()].view(p.shape)
         sharding = shardings.get(name)
         if sharding is None:
-            view.fill_(1.0 / tp.size)
+            view.fill_(1.0 / tp_size)
         else:
             for part, replicas in sharding.views(view):
                 part.fill_(1.0 / replicas)
