@@ -40,80 +40,109 @@ def print_line(progress, text: str, main: bool = True) -> None:
 def run_loop(trainer: Trainer) -> bool:
     """Train until train.steps (or train.max_minutes), logging, evaluating and checkpointing.
     False when a stop signal ended the run early."""
-    cfg = trainer.cfg
     saver = Saver(trainer, save_gathered)  # also gives resume its gloo group
     maybe_resume(trainer, saver)
-    main = trainer.is_main
-    run_dir = write_run_config(cfg) if main else cfg.run_dir
-    logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard) if main else None
-    progress = make_progress(trainer, cfg.train.steps, trainer.state.step)
-    num_parameters = sum(chunk.num_parameters() for chunk in trainer.chunks)
-    print_line(progress, f"trireme: {num_parameters / 1e6:.2f}M parameters"
-               f"{layout_note(trainer)}, {cfg.train.steps} steps on {trainer.device}, "
-               f"run dir {run_dir}", main)
-    started = time.monotonic()
-    pending: list[dict] = []
-    last_log = now()
+    run = RunOutput.open(trainer)
     stop = StopRequest()
     try:
-        while trainer.state.step < cfg.train.steps:
-            saver.check()  # an asynchronous save that failed stops the run here
-            lr = lr_at(trainer.state.step, cfg.optimizer, cfg.schedule, cfg.train.steps)
-            pending.append(trainer.train_step(trainer.next_micro_batches(), lr))
-            trainer.state.step += 1
-            trainer.state.consumed_samples += cfg.train.global_batch_size
-            step = trainer.state.step
-            out_of_time = cfg.train.max_minutes and agree(
-                trainer, time.monotonic() - started > 60 * cfg.train.max_minutes
-            )
-            # SIGTERM / SIGINT: finish this step, save, stop. Ranks agree at log steps (where
-            # they synchronize anyway), so they all stop at the same step.
-            if trainer.env.world_size == 1:
-                signalled = stop.signal is not None
-            else:
-                signalled = step % cfg.train.log_interval == 0 and agree(
-                    trainer, stop.signal is not None
-                )
-            out_of_time = out_of_time or signalled
-            last = step == cfg.train.steps or out_of_time
-            do_eval = trainer.valid_data is not None and cfg.train.eval_interval and (
-                step % cfg.train.eval_interval == 0 or last
-            )
-            if step % cfg.train.log_interval == 0 or last or do_eval:
-                if trainer.device.type == "cuda":
-                    torch.cuda.synchronize(trainer.device)
-                record = step_metrics(trainer, pending, lr, now() - last_log)
-                pending = []
-                if do_eval:
-                    record["eval_loss"] = trainer.evaluate()
-                if logger is not None:
-                    logger.log(record)
-                print_line(progress, log_line(record), main)
-                if progress is not None:
-                    progress.set_postfix(loss=f"{record['loss']:.3f}",
-                                         tok_s=f"{record['tokens_per_s']:,.0f}",
-                                         mfu=f"{100 * record['mfu']:.1f}%")
-                last_log = now()
-            if progress is not None:
-                progress.update(1)
-            if cfg.checkpoint.dir and (
-                last or (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0)
-            ):
-                saver.save()
-            if out_of_time:
-                why = "a stop signal" if signalled else "train.max_minutes"
-                saved = " (checkpoint saved)" if cfg.checkpoint.dir else ""
-                print_line(progress, f"trireme: stopped by {why} at step {step}{saved}", main)
+        while trainer.state.step < trainer.cfg.train.steps:
+            if not one_step(trainer, saver, run, stop):
                 break
         saver.wait()  # the last save is complete before training returns
     finally:
         saver.close()  # on an error too: a checkpoint being written is completed, not lost
         stop.restore()
-        if progress is not None:
-            progress.close()
-        if logger is not None:
-            logger.close()
+        run.close()
     return stop.signal is None
+
+
+class RunOutput:
+    """What the loop writes (metrics.jsonl, TensorBoard, the progress bar, log lines; on global
+    rank 0 only) and the steps whose numbers are not read back yet."""
+
+    def __init__(self, trainer: Trainer, logger: MetricsLogger | None, progress) -> None:
+        self.trainer, self.logger, self.progress = trainer, logger, progress
+        self.main = trainer.is_main
+        self.pending: list[dict] = []  # step results still on the device
+        self.started = time.monotonic()
+        self.last_log = now()
+
+    @classmethod
+    def open(cls, trainer: Trainer) -> RunOutput:
+        cfg = trainer.cfg
+        run_dir = write_run_config(cfg) if trainer.is_main else cfg.run_dir
+        logger = (MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard)
+                  if trainer.is_main else None)
+        run = cls(trainer, logger, make_progress(trainer, cfg.train.steps, trainer.state.step))
+        num_parameters = sum(chunk.num_parameters() for chunk in trainer.chunks)
+        run.print(f"trireme: {num_parameters / 1e6:.2f}M parameters{layout_note(trainer)}, "
+                  f"{cfg.train.steps} steps on {trainer.device}, run dir {run_dir}")
+        return run
+
+    def print(self, text: str) -> None:
+        print_line(self.progress, text, self.main)
+
+    def log(self, lr: float, evaluate: bool) -> None:
+        """Read back the pending steps' numbers (the one host sync), evaluate, write them."""
+        trainer = self.trainer
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize(trainer.device)
+        record = step_metrics(trainer, self.pending, lr, now() - self.last_log)
+        self.pending = []
+        if evaluate:
+            record["eval_loss"] = trainer.evaluate()
+        if self.logger is not None:
+            self.logger.log(record)
+        self.print(log_line(record))
+        if self.progress is not None:
+            self.progress.set_postfix(loss=f"{record['loss']:.3f}",
+                                      tok_s=f"{record['tokens_per_s']:,.0f}",
+                                      mfu=f"{100 * record['mfu']:.1f}%")
+        self.last_log = now()
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+        if self.logger is not None:
+            self.logger.close()
+
+
+def one_step(trainer: Trainer, saver: Saver, run: RunOutput, stop: StopRequest) -> bool:
+    """One optimizer step, then its logging, evaluation and checkpoint; False to stop here."""
+    cfg = trainer.cfg
+    saver.check()  # an asynchronous save that failed stops the run here
+    lr = lr_at(trainer.state.step, cfg.optimizer, cfg.schedule, cfg.train.steps)
+    run.pending.append(trainer.train_step(trainer.next_micro_batches(), lr))
+    trainer.state.step += 1
+    trainer.state.consumed_samples += cfg.train.global_batch_size
+    step = trainer.state.step
+    out_of_time = cfg.train.max_minutes and agree(
+        trainer, time.monotonic() - run.started > 60 * cfg.train.max_minutes)
+    signalled = stop_signalled(trainer, stop, step)
+    out_of_time = out_of_time or signalled
+    last = step == cfg.train.steps or out_of_time
+    do_eval = trainer.valid_data is not None and cfg.train.eval_interval and (
+        step % cfg.train.eval_interval == 0 or last)
+    if step % cfg.train.log_interval == 0 or last or do_eval:
+        run.log(lr, bool(do_eval))
+    if run.progress is not None:
+        run.progress.update(1)
+    if cfg.checkpoint.dir and (
+            last or (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0)):
+        saver.save()
+    if out_of_time:
+        why = "a stop signal" if signalled else "train.max_minutes"
+        saved = " (checkpoint saved)" if cfg.checkpoint.dir else ""
+        run.print(f"trireme: stopped by {why} at step {step}{saved}")
+    return not out_of_time
+
+
+def stop_signalled(trainer: Trainer, stop: StopRequest, step: int) -> bool:
+    """SIGTERM / SIGINT: finish this step, save, stop. Ranks agree at log steps (where they
+    synchronize anyway), so they all stop at the same step."""
+    if trainer.env.world_size == 1:
+        return stop.signal is not None
+    return step % trainer.cfg.train.log_interval == 0 and agree(trainer, stop.signal is not None)
 
 
 class StopRequest:

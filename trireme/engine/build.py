@@ -42,6 +42,10 @@ from trireme.optim.optimizer import (
 from trireme.parallel.mesh import ParallelMesh
 from trireme.parallel.tensor import TensorParallel
 
+# Gradients and the loss are averaged over the data x context ranks: context-parallel ranks hold
+# the same parameters and see other tokens of the same samples (the data group at context = 1).
+REDUCE_AXIS = "data_context"
+
 # fp8 is bf16 everywhere except the transformer blocks' matmuls (trireme.ops.fp8)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp8": torch.bfloat16}
@@ -72,7 +76,7 @@ def build_step_runner(
     if tied:  # the two copies summed after the DP mean (both sums: they commute)
         syncs.append(TiedEmbeddingSync(chunks, mesh, tied_grad_part(reducer)))
     parts = dict(reducer=reducer, grad_sync=run_all([s for s in syncs if s]),
-                 dp_group=mesh.group("data"), dp_size=mesh.size("data"))
+                 dp_group=mesh.group(REDUCE_AXIS), dp_size=mesh.size(REDUCE_AXIS))
     if schedule is not None:
         return PipelineRunner(schedule, optimizer, device, **parts)
     return PlainRunner(chunks, optimizer, device, **parts)
@@ -106,7 +110,7 @@ def build_data_parallel_optimizer(
     the DP replicas. At DP = 1 (unless `force`) this is the plain optimizer and no reducer: no
     cost at all. `skip`: names the gradient norm leaves out (module docstring)."""
     precision = cfg.model.precision
-    if mesh.size("data") == 1 and not force:
+    if mesh.size(REDUCE_AXIS) == 1 and not force:
         return build_optimizer(chunks, cfg.optimizer, precision, device, grad_norm), None
     pipeline_group = mesh.group("pipeline") if mesh.size("pipeline") > 1 else None
     if cfg.parallel.data_parallel_mode == "fsdp":
@@ -118,7 +122,7 @@ def build_data_parallel_optimizer(
     tied = cfg.model.tie_embeddings and pipeline_group is not None
     alone = [i for i, (name, _) in enumerate(named) if name == TIED] if tied else []
     layout = data_parallel_layout([p.numel() for _, p in named], cfg.parallel.bucket_size,
-                                  mesh.size("data"), alone)
+                                  mesh.size(REDUCE_AXIS), alone)
     sharded = cfg.parallel.distributed_optimizer
     if sharded:
         tp = chunks[0].tp
@@ -128,12 +132,13 @@ def build_data_parallel_optimizer(
         if pipeline_group is not None:  # the squares summed over the stages too
             norm_group = pipeline_group if tp is None else model_replica_group(mesh)
         optimizer = DistributedOptimizer(named, cfg.optimizer, precision, device, layout,
-                                         mesh.group("data"), norm_group, weights)
+                                         mesh.group(REDUCE_AXIS), norm_group, weights)
     else:
         optimizer = build_optimizer(chunks, cfg.optimizer, precision, device, grad_norm, layout)
     owner = {id(p): c for c, chunk in enumerate(chunks) for p in chunk.parameters()}
     chunk_of = [owner[id(p)] for p in optimizer.params]
-    reducer = BucketReducer(optimizer.params, layout, optimizer.grad_buffer, mesh.group("data"),
+    reducer = BucketReducer(optimizer.params, layout, optimizer.grad_buffer,
+                            mesh.group(REDUCE_AXIS),
                             scatter=sharded, chunk_of=chunk_of)
     return optimizer, reducer
 

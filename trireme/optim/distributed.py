@@ -42,9 +42,10 @@ _EMPTY = "<empty shard>"  # AdamW's stand-in parameter on a replica whose chunks
 class DistributedOptimizer(MixedPrecisionOptimizer):
     """AdamW over this DP replica's shard of the fp32 masters (module docstring).
 
-    `tp_group` and `norm_weights` (a flat tensor in the buffer layout holding 1 / replicas of each
-    element over the TP ranks) make the gradient norm count every element of the full model once
-    under tensor parallelism.
+    `norm_group` and `norm_weights` (a flat tensor in the buffer layout holding 1 / replicas of each
+    element over the TP ranks, 0 where another rank counts it) make the gradient norm count every
+    element of the full model once: `norm_group` is the model-parallel group the squares are
+    summed over besides DP (tensor, pipeline, or pipeline x tensor).
     """
 
     def __init__(
@@ -55,13 +56,13 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         device: torch.device | str,
         layout: GradLayout,
         group: dist.ProcessGroup,
-        tp_group: dist.ProcessGroup | None = None,
+        norm_group: dist.ProcessGroup | None = None,
         norm_weights: Tensor | None = None,
     ) -> None:
         self.dp_group = group
         self.dp_rank = dist.get_rank(group)
         self.dp_size = dist.get_world_size(group)
-        self.tp_group = tp_group
+        self.norm_group = norm_group
         self.shard_ranges = layout.shard_ranges(self.dp_rank)
         self._norm_weights = None
         if norm_weights is not None:
@@ -105,8 +106,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             squares = squares * self._norm_weights
         total = squares.sum()
         dist.all_reduce(total, group=self.dp_group)
-        if self.tp_group is not None:
-            dist.all_reduce(total, group=self.tp_group)
+        if self.norm_group is not None:
+            dist.all_reduce(total, group=self.norm_group)
         return total.sqrt()
 
     def _chunks(self, flat_shard: Tensor) -> list[Tensor]:
