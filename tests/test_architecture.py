@@ -24,7 +24,7 @@ FLOORS = [
     ("trireme.metrics", "trireme.trainer", "trireme.loop", "trireme.train"),
     ("trireme.inference",),
     ("trireme.plan",),
-    ("trireme.cli", "trireme.__main__"),
+    ("trireme.cli", "trireme.commands", "trireme.__main__"),
 ]
 
 # Third-party or platform modules that may be missing, so they are imported where used.

@@ -13,19 +13,15 @@ Errors the user can fix are printed as one line on stderr with exit status 2, ne
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from trireme import __version__
-from trireme.checkpoint.cli import convert_main, inspect_main
 from trireme.config import load_config, reference_markdown
-from trireme.data.cli import data_main, preprocess_main, tokenizer_main
 from trireme.errors import TriremeError
-from trireme.inference.cli import generate_from_checkpoint
-from trireme.inference.sample import print_sample
-from trireme.train import train
 
 
-def _split_overrides(argv: list[str], known: set[str]) -> tuple[list[str], list[str]]:
+def split_overrides(argv: list[str], known: set[str]) -> tuple[list[str], list[str]]:
     """Separate `--section.key=value` overrides from the subcommand's own options."""
     own: list[str] = []
     overrides: list[str] = []
@@ -44,23 +40,8 @@ def _split_overrides(argv: list[str], known: set[str]) -> tuple[list[str], list[
     return own, overrides
 
 
-def _cmd_train(argv: list[str]) -> int:
-    own, overrides = _split_overrides(argv, set())
-    parser = argparse.ArgumentParser(
-        prog="trireme train",
-        description="Train a model. Any config key can be overridden as --section.key=value.",
-    )
-    parser.add_argument(
-        "--config", default="tiny", help="preset name (see configs/) or a .toml path"
-    )
-    args = parser.parse_args(own)
-    cfg = load_config(args.config, overrides)
-    train(cfg, on_finish=print_sample)
-    return 0
-
-
 def _cmd_config(argv: list[str]) -> int:
-    own, overrides = _split_overrides(argv, set())
+    own, overrides = split_overrides(argv, set())
     parser = argparse.ArgumentParser(
         prog="trireme config", description="Print the resolved config."
     )
@@ -76,46 +57,31 @@ def _cmd_config_doc(argv: list[str]) -> int:
     return 0
 
 
-def _cmd_generate(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="trireme generate", description="Generate text.")
-    parser.add_argument("--checkpoint", required=True, help="checkpoint dir (or its parent)")
-    parser.add_argument("--prompt", required=True, help="text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=100)
-    parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--greedy", action="store_true")
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--tokenizer", default="", help="override the checkpoint's tokenizer")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    args = parser.parse_args(argv)
-    text = generate_from_checkpoint(
-        args.checkpoint,
-        args.prompt,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        greedy=args.greedy,
-        seed=args.seed,
-        tokenizer=args.tokenizer,
-        device=args.device,
-    )
-    print(text)
-    return 0
-
-
 COMMANDS = {
-    "train": _cmd_train,
-    "generate": _cmd_generate,
     "config": _cmd_config,
     "config-doc": _cmd_config_doc,
-    "preprocess": preprocess_main,
-    "data": data_main,
-    "tokenizer": tokenizer_main,
-    "convert": convert_main,
-    "inspect": inspect_main,
 }
+
+# The commands that need torch live beside the code they drive, as "module:function", imported
+# when called: `trireme --help`, `config` and `config-doc` answer in a fraction of a second
+# instead of the seconds torch takes to import. Each function takes the remaining argv and
+# returns an exit status.
+HEAVY_COMMANDS = {
+    "train": "trireme.commands:train_main",
+    "generate": "trireme.commands:generate_main",
+    "preprocess": "trireme.data.cli:preprocess_main",
+    "data": "trireme.data.cli:data_main",
+    "tokenizer": "trireme.data.cli:tokenizer_main",
+    "convert": "trireme.checkpoint.cli:convert_main",
+    "inspect": "trireme.checkpoint.cli:inspect_main",
+}
+
+
+def _resolve(command: str):
+    if command in COMMANDS:
+        return COMMANDS[command]
+    module_name, func = HEAVY_COMMANDS[command].split(":")
+    return getattr(importlib.import_module(module_name), func)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,12 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # No subcommand (or only overrides): train, the main job.
     command = argv.pop(0) if argv and not argv[0].startswith("-") else "train"
-    if command not in COMMANDS:
-        names = ", ".join(COMMANDS)
+    if command not in COMMANDS and command not in HEAVY_COMMANDS:
+        names = ", ".join([*HEAVY_COMMANDS, *COMMANDS])
         print(f"trireme: unknown command {command!r}; commands: {names}", file=sys.stderr)
         return 2
     try:
-        return COMMANDS[command](argv)
+        return _resolve(command)(argv)
     except TriremeError as e:
         print(f"trireme: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,56 @@
+"""`trireme train` and `trireme generate`: the commands that build models (and so import torch);
+trireme.cli dispatches to them."""
+
+from __future__ import annotations
+
+import argparse
+
+from trireme.cli import split_overrides
+from trireme.config import load_config
+from trireme.inference.cli import generate_from_checkpoint
+from trireme.inference.sample import print_sample
+from trireme.train import train
+
+
+def train_main(argv: list[str]) -> int:
+    own, overrides = split_overrides(argv, set())
+    parser = argparse.ArgumentParser(
+        prog="trireme train",
+        description="Train a model. Any config key can be overridden as --section.key=value.",
+    )
+    parser.add_argument(
+        "--config", default="tiny", help="preset name (see configs/) or a .toml path"
+    )
+    args = parser.parse_args(own)
+    cfg = load_config(args.config, overrides)
+    train(cfg, on_finish=print_sample)
+    return 0
+
+
+def generate_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="trireme generate", description="Generate text.")
+    parser.add_argument("--checkpoint", required=True, help="checkpoint dir (or its parent)")
+    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=100)
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--greedy", action="store_true")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--tokenizer", default="", help="override the checkpoint's tokenizer")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    args = parser.parse_args(argv)
+    text = generate_from_checkpoint(
+        args.checkpoint,
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        greedy=args.greedy,
+        seed=args.seed,
+        tokenizer=args.tokenizer,
+        device=args.device,
+    )
+    print(text)
+    return 0
