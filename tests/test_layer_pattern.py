@@ -36,7 +36,6 @@ def test_pattern_cut_into_layers_at_each_mixer():
     ("*-*-", "2 mixer(s)"),  # tiny has 4 layers
     ("-*-*-*-*", "must start with a mixer"),
     ("*x*-*-*-", "unknown symbol"),
-    ("*E*E*E*E", "'E' (mixture-of-experts MLP) is not implemented yet"),
     ("M-M-M-M-", "'M' (Mamba-2 mixer) is not implemented yet"),
 ])
 def test_bad_patterns_are_one_line_errors(pattern, words):

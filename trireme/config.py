@@ -32,7 +32,7 @@ def doc(default: Any, help: str, **kwargs: Any) -> Any:
 
 MIXERS = "*M"  # sublayers that mix across positions; each starts a layer
 SYMBOLS = {"*": "self-attention", "-": "MLP", "E": "mixture-of-experts MLP", "M": "Mamba-2 mixer"}
-NOT_YET = {"E": "issue 15", "M": "issue 18"}  # symbols whose sublayer has not landed
+NOT_YET = {"M": "issue 18"}  # symbols whose sublayer has not landed
 
 
 def parse_layer_pattern(pattern: str, num_layers: int) -> list[str]:
@@ -148,6 +148,41 @@ class ModelConfig:
         4096, "fused_cross_entropy: tokens per chunk; each chunk holds a few [chunk, vocab] "
         "tensors (bf16 logits and their gradient, fp32 temporaries unless compiled)."
     )
+    moe_num_experts: int = doc(8, "MoE (E in layer_pattern): routed experts per MoE sublayer.")
+    moe_top_k: int = doc(2, "MoE: experts each token is sent to.")
+    moe_ffn_hidden_size: int = doc(
+        0, "MoE: hidden width of each expert's SwiGLU (0: ffn_hidden_size).")
+    moe_shared_ffn_hidden_size: int = doc(
+        0, "MoE: hidden width of a shared expert every token goes through (0: none).")
+    moe_router: Literal["softmax", "topk_softmax", "sigmoid"] = doc(
+        "topk_softmax", "MoE router: softmax = softmax over all experts, then the top-k "
+        "probabilities as weights (Qwen-MoE); topk_softmax = top-k logits, softmax over those k "
+        "(Mixtral); sigmoid = sigmoid scores, top-k, weights normalized over the k (DeepSeek-V3).")
+    moe_num_groups: int = doc(
+        1, "MoE group-limited routing: experts form this many groups (1: off).")
+    moe_top_groups: int = doc(
+        1, "MoE group-limited routing: each token picks its experts from the best this many "
+        "groups (a group scores the sum of its two best experts).")
+    moe_score_scale: float = doc(1.0, "MoE: the routing weights are multiplied by this.")
+    moe_aux_loss_coeff: float = doc(
+        0.0, "MoE: Switch/GShard load-balancing loss per micro batch, E * sum_e f_e * P_e.")
+    moe_seq_aux_loss_coeff: float = doc(
+        0.0, "MoE: the same load-balancing loss per sequence, averaged (DeepSeek-V3).")
+    moe_z_loss_coeff: float = doc(0.0, "MoE: router z-loss, mean(logsumexp(logits)^2).")
+    moe_bias_update_rate: float = doc(
+        0.0, "MoE auxiliary-loss-free balancing: after each step every expert's selection bias "
+        "moves by this toward the mean load (0: off). The bias only picks experts, never weighs.")
+    moe_capacity_factor: float = doc(
+        0.0, "MoE: 0 is dropless; else each expert takes at most capacity_factor * tokens * "
+        "top_k / experts tokens per micro batch and drops the rest (they skip the experts).")
+    moe_drop_policy: Literal["probs", "position"] = doc(
+        "probs", "MoE with a capacity: an expert keeps its highest-weight tokens (probs) or its "
+        "first tokens in sequence order (position).")
+    moe_pad_to_capacity: bool = doc(
+        False, "MoE with a capacity: pad every expert to exactly its capacity (static shapes).")
+    moe_grouped_gemm: bool = doc(
+        True, "MoE: all experts in one torch._grouped_mm where it runs (CUDA bf16, CPU fp32), "
+        "else a loop over the experts (the reference path).")
 
     @property
     def layer_symbols(self) -> list[str]:
@@ -165,6 +200,10 @@ class ModelConfig:
     @property
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def moe_ffn_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_size
 
     @property
     def padded_vocab_size(self) -> int:
@@ -632,7 +671,9 @@ def _check_model(cfg: Config, need_vocab: bool) -> None:
     if pending:
         symbol = pending[0]
         raise ConfigError(f"model.layer_pattern: {symbol!r} ({SYMBOLS[symbol]}) is not "
-                          f"implemented yet ({NOT_YET[symbol]}); use * and -")
+                          f"implemented yet ({NOT_YET[symbol]}); use *, - and E")
+    if "E" in m.layer_pattern:
+        _check_moe(m, p)
     if m.head_dim == 0 and m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"model.hidden_size = {m.hidden_size} is not divisible by model.num_attention_heads = "
@@ -661,6 +702,30 @@ def _check_model(cfg: Config, need_vocab: bool) -> None:
             f"model.loss_chunk_size = {m.loss_chunk_size} must be at least 1 with "
             "model.fused_cross_entropy = true"
         )
+
+
+def _check_moe(m: ModelConfig, p: ParallelConfig) -> None:
+    """The mixture-of-experts keys, when the pattern has an E."""
+    if m.moe_num_experts < 1 or not 1 <= m.moe_top_k <= m.moe_num_experts:
+        raise ConfigError(f"model.moe_top_k = {m.moe_top_k} must be between 1 and "
+                          f"model.moe_num_experts = {m.moe_num_experts}")
+    if m.moe_num_groups < 1 or m.moe_num_experts % m.moe_num_groups:
+        raise ConfigError(f"model.moe_num_groups = {m.moe_num_groups} must divide "
+                          f"model.moe_num_experts = {m.moe_num_experts}")
+    per_group = m.moe_num_experts // m.moe_num_groups
+    if not 1 <= m.moe_top_groups <= m.moe_num_groups or m.moe_top_k > m.moe_top_groups * per_group:
+        raise ConfigError(f"model.moe_top_groups = {m.moe_top_groups} must be between 1 and "
+                          f"model.moe_num_groups = {m.moe_num_groups} and hold model.moe_top_k = "
+                          f"{m.moe_top_k} experts")
+    if m.moe_capacity_factor < 0:
+        raise ConfigError(f"model.moe_capacity_factor = {m.moe_capacity_factor} must be > 0 "
+                          "(or 0: dropless)")
+    if p.tensor > 1:
+        raise ConfigError("model.layer_pattern with E (mixture of experts) and parallel.tensor > "
+                          "1: not implemented yet; use parallel.tensor = 1")
+    if m.moe_num_experts % p.expert:
+        raise ConfigError(f"model.moe_num_experts = {m.moe_num_experts} is not divisible by "
+                          f"parallel.expert = {p.expert}")
 
 
 def _check_train(cfg: Config) -> None:

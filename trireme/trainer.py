@@ -351,10 +351,23 @@ def step_metrics(trainer: Trainer, results: list[dict], lr: float, seconds: floa
                                                     trainer.num_micro_batches)
     if cfg.model.precision == "fp16":
         record["loss_scale"] = float(last["loss_scale"])
+    if "moe" in last:
+        record.update(moe_metrics(last["moe"]))
     if not math.isfinite(record["loss"]) and trainer.is_main:
         print(f"trireme: warning: loss is {record['loss']} at step {record['step']}",
               file=sys.stderr)
     return record
+
+
+def moe_metrics(layers: dict[str, dict[str, torch.Tensor]]) -> dict:
+    """The routing of the last micro batch: each balancing loss summed over this rank's MoE
+    sublayers, and each sublayer's tokens-per-expert imbalance (max / mean load)."""
+    values = {name: {k: float(v) for k, v in stats.items()} for name, stats in layers.items()}
+    out = {f"moe_{k}": sum(v[k] for v in values.values())
+           for k in ("aux_loss", "seq_aux_loss", "z_loss")}
+    out["moe_imbalance"] = {name: v["imbalance"] for name, v in values.items()}
+    out["moe_imbalance_max"] = max(out["moe_imbalance"].values())
+    return out
 
 
 def now() -> float:

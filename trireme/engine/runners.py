@@ -68,12 +68,16 @@ class StepRunner:
     def evaluate(self, batches: list[Batch]) -> Tensor:
         raise NotImplementedError
 
-    def _start(self) -> None:
+    def _start(self, num_micro_batches: int) -> None:
         for chunk in self.chunks:
             chunk.train()
         self.optimizer.zero_grad()
         if self.reducer is not None:
             self.reducer.start_step()
+        # mixture-of-experts balancing losses: their gradient is d(step loss) / d(their value)
+        scale = self.optimizer.scale_loss(torch.ones((), device=self.device)) / num_micro_batches
+        for chunk in self.chunks:
+            chunk.set_moe_loss_scale(scale)
 
     def _mark_backward(self, chunk: int, micro_batch: int, num_micro_batches: int) -> None:
         """Before a backward: its chunk's gradients reduce over DP if it is the chunk's last."""
@@ -89,6 +93,9 @@ class StepRunner:
             self.grad_sync()
         result = self.optimizer.step(lr)
         result["loss"] = data_parallel_loss(loss, self.dp_group, self.dp_size)
+        moe = {name: stats for chunk in self.chunks for name, stats in chunk.after_step().items()}
+        if moe:
+            result["moe"] = moe
         return result
 
 
@@ -97,8 +104,8 @@ class PlainRunner(StepRunner):
 
     def step(self, batches: list[Batch], lr: float) -> dict[str, Tensor]:
         """One optimizer step over `batches` (module docstring)."""
-        self._start()
         model, n = self.chunks[0], len(batches)
+        self._start(n)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         for i, batch in enumerate(batches):
             self._mark_backward(0, i, n)  # the DP buckets reduce during the last backward only
@@ -131,7 +138,7 @@ class PipelineRunner(StepRunner):
     def step(self, batches: list[Batch], lr: float) -> dict[str, Tensor]:
         """One optimizer step over `batches` (module docstring); the loss comes from the last
         stage, broadcast to every stage."""
-        self._start()
+        self._start(len(batches))
         self._num_micro_batches = len(batches)
         loss = self.schedule.forward_backward(batches, self.optimizer.scale_loss,
                                               self._before_backward)

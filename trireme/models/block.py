@@ -26,6 +26,7 @@ from trireme.config import NOT_YET, SYMBOLS, ModelConfig
 from trireme.errors import ConfigError
 from trireme.models.attention import Attention, Rope
 from trireme.models.mlp import MLP
+from trireme.models.moe import MoE
 from trireme.ops.norms import build_norm
 from trireme.ops.recompute import recompute
 from trireme.parallel.context import ParallelContext
@@ -34,6 +35,7 @@ from trireme.parallel.context import ParallelContext
 SUBLAYERS: dict[str, tuple[str, type[nn.Module]]] = {
     "*": ("attention", Attention),
     "-": ("mlp", MLP),
+    "E": ("moe", MoE),
 }
 
 

@@ -41,6 +41,7 @@ from trireme.errors import TriremeError
 from trireme.models.attention import Rope
 from trireme.models.block import Block
 from trireme.models.init import InitRule, init_parameters
+from trireme.models.moe import MoE
 from trireme.models.stages import StageSpec, rank_stages
 from trireme.ops.cross_entropy import cross_entropy
 from trireme.ops.fused_cross_entropy import fused_linear_cross_entropy
@@ -122,6 +123,19 @@ class GPT(nn.Module):
         """The vocabulary tables: only the real rows are drawn, the padding stays 0."""
         table = InitRule(vocab_rows=self.cfg.vocab_size)
         return {f"{name}.weight": table for name in ("embedding", "output") if hasattr(self, name)}
+
+    def set_moe_loss_scale(self, scale: torch.Tensor) -> None:
+        """The gradient the MoE balancing losses get (trireme.models.moe; the step runner sets it
+        to the loss scale over the micro batches)."""
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.set_loss_scale(scale)
+
+    def after_step(self) -> dict[str, dict[str, torch.Tensor]]:
+        """After each optimizer step: the MoE sublayers move their selection bias and report
+        their routing (module name -> device scalars); {} without MoE."""
+        return {name: module.after_step() for name, module in self.named_modules()
+                if isinstance(module, MoE)}
 
     def output_weight(self) -> torch.Tensor:
         """[padded_vocab, h]: the output layer's weight, the embedding's when tied."""

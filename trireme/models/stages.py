@@ -49,7 +49,10 @@ def sublayer_flops(cfg: ModelConfig, symbol: str, seq_length: int | None = None)
     mlp = h * cfg.ffn_size * (3 if cfg.activation == "swiglu" else 2)
     if symbol == "*":
         return h * (q + 2 * kv) + q * h + q * s  # projections, scores and values (causal)
-    return mlp  # "-"; the sublayers still to come ("E", "M") bring their own
+    if symbol == "E":  # the active parameters: router, top-k experts, the shared expert
+        experts = cfg.moe_top_k * cfg.moe_ffn_size + cfg.moe_shared_ffn_hidden_size
+        return h * cfg.moe_num_experts + 3 * h * experts
+    return mlp  # "-"; the sublayer still to come ("M") brings its own
 
 
 def layer_costs(cfg: ModelConfig) -> list[float]:

@@ -1,0 +1,149 @@
+"""Mixture of experts (the `E` sublayer): routers, balancing losses and their gradients, the
+grouped and loop expert paths, capacity dropping, auxiliary-loss-free balancing, training."""
+
+import json
+
+import pytest
+import torch
+from test_train import tiny_cfg, toy_data  # noqa: F401  (toy_data is a fixture)
+
+from trireme.config import ModelConfig, load_config
+from trireme.errors import ConfigError
+from trireme.models.moe import MoE
+from trireme.ops.moe import attach_aux_loss, balance_losses, dispatch_order, route
+from trireme.parallel.context import ParallelContext
+from trireme.train import train
+
+
+def moe_config(**overrides) -> ModelConfig:
+    values = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
+                  seq_length=16, layer_pattern="*E*-", moe_num_experts=4, moe_top_k=2,
+                  moe_ffn_hidden_size=24)
+    return ModelConfig(**{**values, **overrides})
+
+
+def moe_layer(seed: int = 0, **overrides) -> MoE:
+    torch.manual_seed(seed)
+    layer = MoE(moe_config(**overrides), ParallelContext())
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.3)
+    return layer
+
+
+def test_routers_pick_and_weigh_as_documented():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 1.0, 2.0]])
+    w, e, p = route(logits, 2, "topk_softmax")
+    assert e.tolist() == [[0, 1], [1, 3]]
+    assert torch.allclose(w, torch.softmax(logits.gather(1, e), -1))
+    w, e, p = route(logits, 2, "softmax", scale=2.0)
+    assert torch.allclose(w, 2.0 * torch.softmax(logits, -1).gather(1, e))
+    w, e, p = route(logits, 2, "sigmoid")
+    assert torch.allclose(w.sum(-1), torch.ones(2)) and torch.allclose(p.sum(-1), torch.ones(2))
+    # a bias changes the choice, never the weights of the chosen
+    w, e, _ = route(logits, 1, "softmax", bias=torch.tensor([0.0, 0.0, 0.0, 5.0]))
+    assert e.flatten().tolist() == [3, 3]
+    assert torch.allclose(w.flatten(), torch.softmax(logits, -1)[:, 3])
+    # group-limited: 2 groups {0,1} {2,3} scored by their two best; token 0's best group is
+    # {0,1} (though expert 2 beats expert 1), token 1's {2,3} (though expert 1 is the best)
+    logits = torch.tensor([[5.0, 4.0, 4.5, 0.0], [0.0, 6.0, 5.5, 5.5]])
+    _, e, _ = route(logits, 2, "softmax", num_groups=2, top_groups=1)
+    assert sorted(e[0].tolist()) == [0, 1] and sorted(e[1].tolist()) == [2, 3]
+
+
+def test_balance_losses_at_perfect_balance_equal_one():
+    logits = torch.zeros(8, 4)  # uniform probabilities
+    experts = torch.arange(8).remainder(4).view(8, 1)  # every expert twice
+    losses = balance_losses(logits, torch.softmax(logits, -1), experts, 4, batch_size=2)
+    assert losses["aux_loss"].item() == pytest.approx(1.0)
+    assert losses["seq_aux_loss"].item() == pytest.approx(1.0)
+    assert losses["z_loss"].item() == pytest.approx(torch.log(torch.tensor(4.0)).item() ** 2)
+
+
+def test_attached_aux_loss_gets_its_gradient_without_changing_the_output():
+    w = torch.tensor([1.5, -0.5], requires_grad=True)
+    x = torch.randn(3, requires_grad=True)
+    aux = (w ** 2).sum()
+    y = attach_aux_loss(x, aux, torch.tensor(0.25))
+    assert torch.equal(y, x)
+    y.sum().backward()
+    assert torch.allclose(w.grad, 0.25 * 2 * w.detach())
+    assert torch.allclose(x.grad, torch.ones(3))
+
+
+@pytest.mark.parametrize("capacity_factor, pad", [(0.0, False), (1.0, False), (1.0, True)])
+def test_grouped_path_equals_the_loop(capacity_factor, pad):
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
+    outs, grads = [], []
+    for grouped in (True, False):
+        layer = moe_layer(moe_grouped_gemm=grouped, moe_capacity_factor=capacity_factor,
+                          moe_pad_to_capacity=pad, moe_shared_ffn_hidden_size=16)
+        xi = x.clone().requires_grad_(True)
+        y = layer(xi)
+        y.square().sum().backward()
+        outs.append(y.detach())
+        grads.append([xi.grad] + [p.grad for p in layer.parameters()])
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_capacity_keeps_the_best_or_the_first_deterministically():
+    experts = torch.tensor([[0], [0], [0], [1]])
+    weights = torch.tensor([[0.2], [0.9], [0.5], [0.7]])
+    order, counts = dispatch_order(experts, weights, 2, capacity=2, drop_policy="probs")
+    assert order.tolist() == [1, 2, 3] and counts.tolist() == [2, 1]
+    order, counts = dispatch_order(experts, weights, 2, capacity=2, drop_policy="position")
+    assert order.tolist() == [0, 1, 3] and counts.tolist() == [2, 1]
+
+
+def test_dropped_tokens_skip_the_expert_and_padding_changes_nothing():
+    x = torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(2))
+    dropless = moe_layer()(x)
+    dropped = moe_layer(moe_capacity_factor=0.5)(x)
+    padded = moe_layer(moe_capacity_factor=0.5, moe_pad_to_capacity=True)(x)
+    assert not torch.allclose(dropless, dropped)  # some assignments were dropped
+    torch.testing.assert_close(dropped, padded, atol=1e-6, rtol=1e-6)
+    again = moe_layer(moe_capacity_factor=0.5)(x)
+    assert torch.equal(dropped, again)
+
+
+def test_loss_free_bias_moves_the_load_toward_balance():
+    layer = moe_layer(moe_router="sigmoid", moe_top_k=1, moe_bias_update_rate=0.05)
+    with torch.no_grad():
+        layer.router.weight[0] += 1.0  # expert 0 wins most tokens
+    x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(3)).abs()
+    layer.train()
+    imbalance = []
+    for _ in range(40):
+        with torch.enable_grad():
+            layer(x)
+        imbalance.append(float(layer.after_step()["imbalance"]))
+    assert imbalance[0] > 2.0 and imbalance[-1] < 0.6 * imbalance[0]
+    assert layer.expert_bias[0] < 0 and layer.expert_bias.dtype == torch.float32
+
+
+def test_bad_moe_settings_are_one_line_errors():
+    pattern = "model.layer_pattern=*E*E*E*E"
+    for extra, words in [(["model.moe_top_k=9"], "moe_top_k = 9"),
+                         (["model.moe_capacity_factor=-1"], "moe_capacity_factor"),
+                         (["parallel.expert=3"], "not divisible by parallel.expert = 3"),
+                         (["model.moe_num_groups=3"], "moe_num_groups = 3")]:
+        with pytest.raises(ConfigError, match=words) as err:
+            load_config("tiny", [pattern, *extra])
+        assert "\n" not in str(err.value)
+
+
+def test_a_moe_model_trains_and_logs_its_routing(toy_data, tmp_path):  # noqa: F811
+    cfg = tiny_cfg(toy_data, tmp_path, "model.layer_pattern=*E*E", "model.moe_num_experts=4",
+                   "model.moe_ffn_hidden_size=64", "model.moe_aux_loss_coeff=0.01",
+                   "model.moe_z_loss_coeff=0.001", "model.moe_bias_update_rate=0.001",
+                   "train.steps=20")
+    train(cfg)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert records[-1]["loss"] < records[0]["loss"] - 1.0
+    last = records[-1]
+    assert {"moe_aux_loss", "moe_seq_aux_loss", "moe_z_loss", "moe_imbalance_max"} <= last.keys()
+    assert set(last["moe_imbalance"]) == {"layers.0.moe", "layers.1.moe"}
+    assert 0.0 < last["moe_aux_loss"] < 2 * 4 and last["moe_z_loss"] > 0.0
+    assert last["moe_imbalance_max"] == max(last["moe_imbalance"].values()) >= 1.0

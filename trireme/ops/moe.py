@@ -1,0 +1,171 @@
+"""Mixture-of-experts building blocks: routing, load-balancing losses, token permutation and the
+experts' matmuls. Plain functions of tensors; trireme.models.moe puts them together.
+
+Routing, for T tokens and E experts (logits [T, E] in fp32):
+
+    softmax        p = softmax(logits); the top-k experts by p + bias; weights = their p
+    topk_softmax   the top-k experts by logits + bias; weights = softmax over those k logits
+    sigmoid        s = sigmoid(logits); the top-k by s + bias; weights = their s / sum of those s
+
+`bias` (auxiliary-loss-free balancing) only changes which experts are picked, never the weights.
+Group-limited routing cuts the experts into G groups, scores each group by the sum of its two best
+scores, and picks the top-k only inside each token's best `top_groups` groups. The weights are
+finally multiplied by `scale`.
+
+Load-balancing losses (each times its coefficient; P = the routing probabilities, normalized per
+token; f_e = the share of the T * k assignments that went to expert e):
+
+    aux      E * sum_e f_e * mean_t P_te            over the micro batch (Switch / GShard)
+    seq_aux  the same per sequence, averaged        (DeepSeek-V3)
+    z        mean_t logsumexp(logits_t)^2           (ST-MoE)
+
+They reach the gradients without changing the model's loss value: `attach_aux_loss` returns its
+input unchanged and, in the backward, hands the aux loss the gradient `scale` (the loss scale of
+the step over its micro batches), as if it had been added to the loss.
+
+Token flow: the (token, expert) assignments are sorted by expert (`dispatch_order`), the tokens
+gathered in that order, each expert's run multiplied by its weights (`expert_swiglu`: one
+torch._grouped_mm for all experts, or a loop, the reference), and the outputs, times the routing
+weights, added back to their tokens. With a capacity, an expert keeps at most `capacity`
+assignments (by weight or by position) and the others are dropped: those tokens skip that expert.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+ROUTERS = ("softmax", "topk_softmax", "sigmoid")
+
+
+def route(
+    logits: Tensor, top_k: int, router: str, bias: Tensor | None = None, num_groups: int = 1,
+    top_groups: int = 1, scale: float = 1.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(weights [T, k], experts [T, k] int64, probs [T, E]): see the module docstring. `probs`
+    are the per-token normalized scores the balancing losses use."""
+    if router == "sigmoid":
+        scores = torch.sigmoid(logits)
+        probs = scores / scores.sum(dim=-1, keepdim=True)
+    else:
+        scores = probs = torch.softmax(logits, dim=-1)
+    select = (logits if router == "topk_softmax" else scores)
+    if bias is not None:
+        select = select + bias
+    if num_groups > 1:
+        select = _limit_groups(select, num_groups, top_groups)
+    experts = select.topk(top_k, dim=-1).indices  # [T, k]
+    if router == "topk_softmax":
+        weights = torch.softmax(logits.gather(-1, experts), dim=-1)
+    elif router == "sigmoid":
+        picked = scores.gather(-1, experts)
+        weights = picked / picked.sum(dim=-1, keepdim=True)
+    else:
+        weights = scores.gather(-1, experts)
+    return weights * scale, experts, probs
+
+
+def _limit_groups(select: Tensor, num_groups: int, top_groups: int) -> Tensor:
+    """`select` with every expert outside each token's best `top_groups` groups at -inf."""
+    t, e = select.shape
+    grouped = select.view(t, num_groups, e // num_groups)
+    best_two = grouped.topk(min(2, e // num_groups), dim=-1).values.sum(dim=-1)  # [T, G]
+    keep = torch.zeros_like(best_two, dtype=torch.bool)
+    keep.scatter_(1, best_two.topk(top_groups, dim=-1).indices, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(t, e)
+
+
+def balance_losses(
+    logits: Tensor, probs: Tensor, experts: Tensor, num_experts: int, batch_size: int,
+) -> dict[str, Tensor]:
+    """The three balancing losses (module docstring), unweighted, as fp32 scalars."""
+    t, k = experts.shape
+    counts = torch.zeros(num_experts, device=probs.device, dtype=torch.float32)
+    counts.index_add_(0, experts.flatten(), torch.ones(t * k, device=probs.device))
+    aux = num_experts * (counts / (t * k) * probs.mean(dim=0)).sum()
+    s = t // batch_size  # tokens are [b, s] flattened, sequence-major per row
+    per_seq = torch.zeros(batch_size, num_experts, device=probs.device, dtype=torch.float32)
+    rows = torch.arange(t, device=probs.device).div(s, rounding_mode="floor")
+    per_seq.index_put_((rows.repeat_interleave(k), experts.flatten()),
+                       torch.ones(t * k, device=probs.device), accumulate=True)
+    seq_probs = probs.view(batch_size, s, num_experts).mean(dim=1)  # [b, E]
+    seq_aux = num_experts * (per_seq / (s * k) * seq_probs).sum(dim=-1).mean()
+    z = torch.logsumexp(logits, dim=-1).square().mean()
+    return {"aux_loss": aux, "seq_aux_loss": seq_aux, "z_loss": z}
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """y = x; in the backward the aux loss gets gradient `scale` (and x its own gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, aux: Tensor, scale: Tensor) -> Tensor:
+        ctx.save_for_backward(scale)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        (scale,) = ctx.saved_tensors
+        return grad, scale.to(torch.float32).reshape(()), None
+
+
+def attach_aux_loss(x: Tensor, aux: Tensor, scale: Tensor) -> Tensor:
+    """`x` unchanged; the backward through it also differentiates `aux` (times `scale`)."""
+    if not aux.requires_grad:
+        return x
+    return _AttachAuxLoss.apply(x, aux, scale)
+
+
+def dispatch_order(
+    experts: Tensor, weights: Tensor, num_experts: int, capacity: int = 0,
+    drop_policy: str = "probs",
+) -> tuple[Tensor, Tensor]:
+    """(order, counts): the flat assignment indices (into experts.flatten()) sorted by expert,
+    dropped ones left out, and the assignments each expert keeps [E]. Without a capacity every
+    assignment is kept; with one, each expert keeps its `capacity` best by weight ("probs") or
+    its first in token order ("position"). Stable sorts: the same on every rank and run."""
+    flat = experts.flatten()
+    if capacity <= 0:
+        order = torch.argsort(flat, stable=True)
+        return order, torch.bincount(flat, minlength=num_experts)
+    priority = -weights.flatten() if drop_policy == "probs" else torch.arange(
+        flat.numel(), device=flat.device)
+    by_priority = torch.argsort(priority, stable=True)
+    order = by_priority[torch.argsort(flat[by_priority], stable=True)]
+    counts = torch.bincount(flat, minlength=num_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(order.numel(), device=flat.device) - starts[flat[order]]
+    order = order[rank < capacity]
+    return order, torch.bincount(flat[order], minlength=num_experts)
+
+
+def capacity_of(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:
+    """Assignments one expert may take: ceil(factor * T * k / E) (0: no limit)."""
+    return 0 if factor <= 0 else math.ceil(factor * num_tokens * top_k / num_experts)
+
+
+def grouped_mm_runs(x: Tensor) -> bool:
+    """Whether torch._grouped_mm takes `x`: CUDA in bf16, the CPU in fp32."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    return (x.is_cuda and x.dtype == torch.bfloat16) or (x.device.type == "cpu"
+                                                         and x.dtype == torch.float32)
+
+
+def expert_swiglu(x: Tensor, counts: Tensor, fc1: Tensor, fc2: Tensor, grouped: bool) -> Tensor:
+    """[N, h] -> [N, h]: rows sorted by expert, `counts` [E] rows each, through expert e's
+    SwiGLU fc2[e]^T (silu(gate) * up) with [gate; up] = x fc1[e] (fc1 [E, h, 2F], fc2 [E, F, h])."""
+    if grouped:
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        h = torch._grouped_mm(x, fc1, offs=offsets)  # [N, 2F]
+        gate, up = h.chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, fc2, offs=offsets)  # [N, h]
+    outputs, start = [], 0
+    for e, n in enumerate(counts.tolist()):  # the reference: one expert at a time
+        h = x[start : start + n] @ fc1[e]
+        gate, up = h.chunk(2, dim=-1)
+        outputs.append((F.silu(gate) * up) @ fc2[e])
+        start += n
+    return torch.cat(outputs) if outputs else x[:0]
