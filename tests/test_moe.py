@@ -147,3 +147,27 @@ def test_a_moe_model_trains_and_logs_its_routing(toy_data, tmp_path):  # noqa: F
     assert set(last["moe_imbalance"]) == {"layers.0.moe", "layers.1.moe"}
     assert 0.0 < last["moe_aux_loss"] < 2 * 4 and last["moe_z_loss"] > 0.0
     assert last["moe_imbalance_max"] == max(last["moe_imbalance"].values()) >= 1.0
+
+
+def moe_tiny(data, run_dir, *extra):
+    """The moe-tiny preset, shrunk, on the toy corpus."""
+    return load_config("moe-tiny", [
+        f"data.path={data}", "data.tokenizer=bytes", f"run.dir={run_dir}", "model.seq_length=32",
+        "model.hidden_size=64", "model.num_attention_heads=4", "model.moe_ffn_hidden_size=32",
+        "train.global_batch_size=8", "train.micro_batch_size=4", "train.log_interval=1",
+        "train.eval_interval=0", "train.sample_tokens=0", "logging.progress=false",
+        "logging.tensorboard=false", "schedule.warmup_steps=2", "optimizer.lr=1e-2",
+        "model.moe_bias_update_rate=0.01", *extra])
+
+
+@pytest.mark.parametrize("fmt", ["gathered", "sharded"])
+def test_moe_resume_continues_the_same_curve(toy_data, tmp_path, fmt):  # noqa: F811
+    train(moe_tiny(toy_data, tmp_path / "full", "train.steps=6"))
+    ref = [json.loads(line)["loss"] for line in (tmp_path / "full" / "metrics.jsonl").open()]
+    ckpt = [f"checkpoint.dir={tmp_path / 'ckpt'}", f"checkpoint.format={fmt}"]
+    train(moe_tiny(toy_data, tmp_path / "part", "train.steps=3", *ckpt))
+    trainer = train(moe_tiny(toy_data, tmp_path / "part", "train.steps=6", *ckpt))
+    got = [json.loads(line)["loss"] for line in (tmp_path / "part" / "metrics.jsonl").open()]
+    assert got == ref  # the selection bias (a buffer) came back too
+    bias = trainer.model.layers["1"].moe.expert_bias
+    assert bias.abs().sum() > 0 and bias.dtype == torch.float32

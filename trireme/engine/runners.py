@@ -77,7 +77,7 @@ class StepRunner:
         # mixture-of-experts balancing losses: their gradient is d(step loss) / d(their value)
         scale = self.optimizer.scale_loss(torch.ones((), device=self.device)) / num_micro_batches
         for chunk in self.chunks:
-            chunk.set_moe_loss_scale(scale)
+            chunk.start_step(scale)
 
     def _mark_backward(self, chunk: int, micro_batch: int, num_micro_batches: int) -> None:
         """Before a backward: its chunk's gradients reduce over DP if it is the chunk's last."""

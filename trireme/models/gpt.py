@@ -124,12 +124,13 @@ class GPT(nn.Module):
         table = InitRule(vocab_rows=self.cfg.vocab_size)
         return {f"{name}.weight": table for name in ("embedding", "output") if hasattr(self, name)}
 
-    def set_moe_loss_scale(self, scale: torch.Tensor) -> None:
-        """The gradient the MoE balancing losses get (trireme.models.moe; the step runner sets it
-        to the loss scale over the micro batches)."""
+    def start_step(self, loss_scale: torch.Tensor) -> None:
+        """Before a training step (the step runner calls it): the MoE sublayers take the loss
+        scale over the micro batches, the gradient their balancing losses get
+        (trireme.models.moe), and start counting their load afresh."""
         for module in self.modules():
             if isinstance(module, MoE):
-                module.set_loss_scale(scale)
+                module.start_step(loss_scale)
 
     def after_step(self) -> dict[str, dict[str, torch.Tensor]]:
         """After each optimizer step: the MoE sublayers move their selection bias and report

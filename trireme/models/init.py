@@ -112,3 +112,5 @@ def init_parameters(model: nn.Module, seed: int) -> None:
             else:
                 param.copy_(_weight_value(cfg, rule, seed, name, tuple(param.shape),
                                           param.device))
+        if hasattr(module, "reset_buffers"):  # state that is not a parameter (e.g. MoE's bias)
+            module.reset_buffers()

@@ -10,8 +10,8 @@ ffn_hidden_size). The buffer `expert_bias` [E] is the auxiliary-loss-free select
 toward balance after every optimizer step (`after_step`) from the load the step's micro batches
 put on each expert (summed over the data-parallel replicas, so every replica moves it alike).
 
-The balancing losses reach the gradients through `attach_aux_loss`; `set_loss_scale` tells the
-layer the step's loss scale over its micro batches (the runner sets it), which their gradient
+The balancing losses reach the gradients through `attach_aux_loss`; before every step the runner
+gives the layer the step's loss scale over its micro batches (`start_step`), which their gradient
 needs. What the last forward routed (tokens per expert, the three losses) is kept, detached, for
 the metrics; `after_step` returns it.
 
@@ -91,9 +91,19 @@ class MoE(nn.Module):
                   dtype: torch.dtype) -> None:
         return None
 
-    def set_loss_scale(self, scale: Tensor) -> None:
-        """d(step loss) / d(one micro batch's loss): the balancing losses' gradient."""
-        self.loss_scale = scale.detach().to(self.loss_scale.device, torch.float32).reshape(())
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Fresh state (trireme.models.init calls this: a model built on the meta device holds
+        no values until then)."""
+        self.expert_bias.zero_()
+        self.load.zero_()
+        self.loss_scale.fill_(1.0)
+
+    def start_step(self, loss_scale: Tensor) -> None:
+        """Before a training step: `loss_scale` = d(step loss) / d(one micro batch's loss), the
+        balancing losses' gradient; the load count starts from zero."""
+        self.loss_scale = loss_scale.detach().to(self.loss_scale.device, torch.float32).reshape(())
+        self.load.zero_()
 
     def forward(self, x: Tensor) -> Tensor:
         b, s, h = x.shape
