@@ -51,7 +51,7 @@ from trireme.checkpoint.model_state import expected_shapes
 from trireme.checkpoint.pieces import Entry, Piece, dtensor_pieces, tensor_pieces
 from trireme.checkpoint.rng import capture_rng_state, restore_rng_state
 from trireme.checkpoint.safe_pickle import load_dcp_metadata
-from trireme.errors import CheckpointError
+from trireme.errors import CheckpointDamageError, CheckpointError
 from trireme.parallel.sharding import parameter_shardings
 
 # one process without a process group is a normal case here, not worth DCP's warning
@@ -365,8 +365,8 @@ def verify_digests(path: Path, meta: dict[str, Any], group=None, world: int = 1,
         bad = sorted(n for part in every for n in part)
     if bad:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        raise CheckpointError(f"{path / bad[0]}{more} is corrupted: its sha256 does not match "
-                              f"{directory.META_FILE}; load an earlier step")
+        raise CheckpointDamageError(path, f"{bad[0]}{more} is corrupted: its sha256 does not "
+                                    f"match {directory.META_FILE}")
 
 
 def load(trainer, path: Path, group) -> None:

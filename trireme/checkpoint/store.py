@@ -170,12 +170,7 @@ def load_checkpoint(path: str | Path, *, verify: bool = True) -> Checkpoint:
     if meta.get("checkpoint_format") == sharded.FORMAT_NAME:  # every rank's shards
         return sharded.load_checkpoint(path, meta, verify)
     if verify:
-        for fname, info in meta["files"].items():
-            if "sha256" in info and fmt.sha256_file(path / fname) != info["sha256"]:
-                raise CheckpointError(
-                    f"{path / fname} does not match the sha256 in {META_FILE}: it is corrupted; "
-                    "load an earlier step"
-                )
+        directory.check_complete(path, hashes=True)
     model = fmt.read_model(path / MODEL_FILE)
     opt_tensors, _ = fmt.read_safetensors(path / OPTIMIZER_FILE)
     optimizer = fmt.decode(fmt.read_json(path / OPTIMIZER_JSON), opt_tensors, path / OPTIMIZER_JSON)
