@@ -46,6 +46,7 @@ from trireme.checkpoint.dcp_io import (
     Writer,
     reason,
 )
+from trireme.checkpoint.finite import describe_key, first_nonfinite, nonfinite_error
 from trireme.checkpoint.gathered import VOCAB_TABLES
 from trireme.checkpoint.model_state import expected_shapes
 from trireme.checkpoint.pieces import Entry, Piece, dtensor_pieces, tensor_pieces
@@ -180,11 +181,26 @@ def rank_rng_state(trainer) -> dict[str, Any]:
     return state
 
 
+def _check_finite(entries: dict[str, Entry], step: int, group) -> None:
+    """Each rank checks the pieces it holds; the ranks agree (over `group`, None in one process)
+    and all raise the same error, naming the first tensor holding NaN or Inf."""
+    bad = first_nonfinite((key, p.data) for key, e in entries.items() for p in e.pieces)
+    if group is not None:
+        every: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, bad, group=group)  # between our own ranks
+        bad = next((b for b in every if b is not None), None)
+    if bad is not None:
+        raise nonfinite_error(describe_key(bad), step)
+
+
 def prepare(trainer, root: Path, group) -> dict[str, Any]:
     """The foreground part of a save (collective): the temporary directory, this rank's RNG file
     and everything rank 0 writes at the end. Returns the job for `write`."""
     distributed = trainer.env.world_size > 1
     step = trainer.state.step
+    opt = trainer.optimizer
+    entries = state_entries(trainer, opt.has_moments())
+    _check_finite(entries, step, group if distributed else None)
     token = _token(group if distributed else None)
     tmp = directory.temporary_dir(root, step, f"{token:08x}")
     if trainer.is_main:
@@ -193,7 +209,6 @@ def prepare(trainer, root: Path, group) -> dict[str, Any]:
         dist.barrier(group=group)
     rank = dist.get_rank() if distributed else 0
     _write_rng(tmp, rank, rank_rng_state(trainer))
-    opt = trainer.optimizer
     trainer_state = {
         "step": step, "consumed_samples": trainer.state.consumed_samples,
         "optimizer": optimizer_scalars(opt), "layout": layout_of(trainer),
@@ -201,7 +216,7 @@ def prepare(trainer, root: Path, group) -> dict[str, Any]:
     return {"tmp": tmp, "root": root, "step": step, "main": trainer.is_main,
             "trainer": trainer_state, "config": trainer.cfg.to_toml(),
             "keep_last": trainer.cfg.checkpoint.keep_last, "distributed": distributed,
-            "group": group, "entries": state_entries(trainer, opt.has_moments())}
+            "group": group, "entries": entries}
 
 
 def write(job: dict[str, Any]) -> Path | None:

@@ -53,6 +53,7 @@ from trireme.checkpoint.directory import (
     latest_checkpoint,
     step_dir_name,
 )
+from trireme.checkpoint.finite import first_nonfinite, nonfinite_error
 from trireme.checkpoint.model_state import LoadResult, load_model_state
 from trireme.checkpoint.rng import capture_rng_state, restore_rng_state
 from trireme.errors import CheckpointError
@@ -70,14 +71,20 @@ __all__ = [
 Writer = Callable[[fmt.HashingWriter], None]
 
 
-def _writers(model: dict[str, Tensor], optimizer: dict[str, Any], trainer: dict[str, Any],
-             config_toml: str) -> list[tuple[str, Writer]]:
+def _writers(step: int, model: dict[str, Tensor], optimizer: dict[str, Any],
+             trainer: dict[str, Any], config_toml: str) -> list[tuple[str, Writer]]:
     """(file name, what writes it) of every file but meta.json, in the order they are written.
-    Everything is checked and flattened here, before the disk is touched, so a bad value leaves
-    nothing behind."""
+    Everything is checked (finite tensors too) and flattened here, before the disk is touched,
+    so a bad value leaves nothing behind."""
     model_tensors, model_names = fmt.dedupe_model(model)
     opt = fmt.Flattener("optimizer")
     opt_structure = opt.encode(optimizer)
+    bad = first_nonfinite(model_tensors.items())
+    if bad is not None:
+        raise nonfinite_error(f"model tensor {bad}", step)
+    bad = first_nonfinite(opt.tensors.items())
+    if bad is not None:
+        raise nonfinite_error(f"optimizer tensor {bad}", step)
     tr = fmt.Flattener("trainer")
     trainer_structure = tr.encode(trainer)
     model_meta = {fmt.NAMES_KEY: json.dumps(model_names)}
@@ -114,7 +121,7 @@ def save_checkpoint(
     root = Path(root)
     name = step_dir_name(step)
     final = root / name
-    writers = _writers(model, optimizer, trainer, config_toml)
+    writers = _writers(step, model, optimizer, trainer, config_toml)
     tmp = directory.temporary_dir(root, step, secrets.token_hex(4))
     try:
         root.mkdir(parents=True, exist_ok=True)

@@ -49,19 +49,22 @@ def save_gathered(trainer: Trainer) -> Path | None:
     tp_rng = gathered.gather_rng_states(model)
     if tp_rng:
         trainer_state["tensor_parallel_rng"] = tp_rng
-    path = None
+    path, error = None, None
     if trainer.is_main:
-        path = save_checkpoint(
-            cfg.checkpoint.dir,
-            trainer.state.step,
-            model=model_state,
-            optimizer=optimizer_state,
-            trainer=trainer_state,
-            config_toml=cfg.to_toml(),
-            keep_last=cfg.checkpoint.keep_last,
-        )
-    if trainer.env.world_size > 1:
-        torch.distributed.barrier()  # the checkpoint is complete before any rank goes on
+        try:
+            path = save_checkpoint(cfg.checkpoint.dir, trainer.state.step, model=model_state,
+                                   optimizer=optimizer_state, trainer=trainer_state,
+                                   config_toml=cfg.to_toml(), keep_last=cfg.checkpoint.keep_last)
+        except CheckpointError as e:  # every rank must learn of it, or they wait for rank 0
+            error = e
+    if trainer.env.world_size > 1:  # the checkpoint is complete before any rank goes on
+        failed = torch.tensor([int(error is not None)], device=trainer.device)
+        torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+        if failed.item() and error is None:
+            raise CheckpointError(f"checkpoint of step {trainer.state.step} not saved: rank 0 "
+                                  "failed to write it (its error says why)")
+    if error is not None:
+        raise error
     return path
 
 
