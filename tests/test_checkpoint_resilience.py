@@ -180,3 +180,68 @@ def test_gathered_save_refuses_inf_in_the_optimizer(tmp_path):
                         optimizer={"exp_avg": {"w": torch.full((2, 2), float("inf"))}},
                         trainer={"step": 7}, config_toml="")
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_unwritable_checkpoint_dir_fails_before_training(toy_data, tmp_path, fmt_name):  # noqa: F811
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    ckpt = blocker / "ckpt"  # cannot be created, whoever runs the test (root too)
+    with pytest.raises(CheckpointError, match=f"checkpoint.dir {ckpt} is not writable") as e:
+        run(toy_data, tmp_path, ckpt, fmt_name, "train.steps=3")
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "run" / "run" / "metrics.jsonl").exists()  # no step was taken
+
+
+class FullDiskWriter(sharded.Writer):
+    def write_data(self, plan, planner):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+@pytest.mark.parametrize("async_save", ["false", "true"])
+def test_full_disk_is_one_line_naming_the_path_and_leaves_nothing(
+        toy_data, tmp_path, monkeypatch, fmt_name, async_save):  # noqa: F811
+    if fmt_name == "gathered" and async_save == "true":
+        pytest.skip("async saves are sharded only")
+    real_write_file = fmt.write_file
+
+    def full_disk(path, write):
+        if path.name == "model.safetensors":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write_file(path, write)
+
+    monkeypatch.setattr(sharded, "WRITER", FullDiskWriter)
+    monkeypatch.setattr(fmt, "write_file", full_disk)
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(CheckpointError, match=f"{ckpt / 'step_0000002'}.*No space left on "
+                       "device") as e:
+        run(toy_data, tmp_path, ckpt, fmt_name, "train.steps=4", "checkpoint.interval=2",
+            f"checkpoint.async_save={async_save}")
+    assert "\n" not in str(e.value)
+    assert list(ckpt.iterdir()) == []  # the temporary directory was removed
+
+
+def test_tampered_dcp_metadata_is_a_checkpoint_error(toy_data, tmp_path):  # noqa: F811
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from trireme.checkpoint.safe_pickle import RestrictedUnpickler, _dcp_allowed
+
+    ckpt = tmp_path / "ckpt"
+    run(toy_data, tmp_path, ckpt, "sharded", "train.steps=2")
+    step = latest_checkpoint(ckpt)
+    with open(step / ".metadata", "rb") as f:
+        metadata = RestrictedUnpickler(f, _dcp_allowed()).load()
+    key = "model/layers.0.mlp.fc1.weight"
+    metadata.state_dict_metadata[key] = BytesStorageMetadata()  # another storage type
+    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+    meta = fmt.read_json(step / "meta.json")  # a careful tamperer fixes the size and sha256
+    meta["files"][".metadata"] = {"size": (step / ".metadata").stat().st_size,
+                                  "sha256": fmt.sha256_file(step / ".metadata")}
+    (step / "meta.json").write_text(__import__("json").dumps(meta))
+    needle = f"is corrupted or tampered with: entry '{key}' is stored as BytesStorageMetadata"
+    with pytest.raises(CheckpointError, match=needle):
+        sharded.load_model_tensors(step)
+    with pytest.raises(CheckpointError, match=needle):
+        run(toy_data, tmp_path, ckpt, "sharded", "train.steps=3")
+    assert cli.main(["inspect", str(ckpt)]) == 2

@@ -133,6 +133,20 @@ def publish(tmp: Path, final: Path) -> None:
     fsync_dir(final.parent)
 
 
+def check_writable(root: Path) -> None:
+    """Create `root` if needed and a file in it, so that a run whose checkpoint directory cannot
+    be written fails at start-up, not at its first save."""
+    probe = root / f"{TMP_PREFIX}probe-{secrets.token_hex(4)}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(
+            f"checkpoint.dir {root} is not writable ({e.strerror or e}); give a directory this "
+            "process can create and write, or fix its permissions") from None
+
+
 def write_latest(root: Path, name: str) -> None:
     """Point `root/latest` at the checkpoint directory `name` (atomically: a temporary file and
     a rename), the last step of a save."""
