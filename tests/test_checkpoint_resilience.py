@@ -178,7 +178,7 @@ def test_gathered_save_refuses_inf_in_the_optimizer(tmp_path):
                        "step 7"):
         save_checkpoint(tmp_path / "ckpt", 7, model={"w": w},
                         optimizer={"exp_avg": {"w": torch.full((2, 2), float("inf"))}},
-                        trainer={"step": 7}, config_toml="")
+                        trainer={"step": 7}, config_toml="", require_finite=True)
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
 
 
@@ -245,3 +245,48 @@ def test_tampered_dcp_metadata_is_a_checkpoint_error(toy_data, tmp_path):  # noq
     with pytest.raises(CheckpointError, match=needle):
         run(toy_data, tmp_path, ckpt, "sharded", "train.steps=3")
     assert cli.main(["inspect", str(ckpt)]) == 2
+
+
+def test_inspect_verify_names_damage_and_exits_nonzero(two_steps, capsys):
+    ckpt, _ = two_steps
+    assert cli.main(["inspect", "--verify", str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    assert out.count(": ok (") == 2 and "all finite" in out and "sha256" in out
+    victim = big_file(ckpt / "step_0000004")
+    flip_bytes(victim)
+    assert cli.main(["inspect", "--verify", str(ckpt)]) == 1
+    out = capsys.readouterr().out
+    assert "step_0000004: DAMAGED" in out and "step_0000002: ok" in out
+    assert f"{victim.name} is corrupted: its sha256 does not match meta.json" in out
+    truncate(victim)
+    (ckpt / "step_0000002" / "meta.json").unlink()
+    assert cli.main(["inspect", "--verify", str(ckpt / "step_0000004")]) == 1
+    assert f"{victim.name} has" in capsys.readouterr().out
+    assert cli.main(["inspect", "--verify", str(ckpt)]) == 1
+    assert "step_0000002: DAMAGED\n  meta.json is missing" in capsys.readouterr().out
+
+
+def test_inspect_verify_finds_nan_in_either_format(toy_data, tmp_path, monkeypatch, capsys):  # noqa: F811
+    from trireme.checkpoint.store import save_checkpoint
+    from trireme.trainer import Trainer
+
+    w = torch.tensor([[1.0, float("inf")], [0.0, 1.0]])
+    save_checkpoint(tmp_path / "g", 1, model={"w": w}, optimizer={}, trainer={"step": 1},
+                    config_toml="")
+    assert cli.main(["inspect", "--verify", str(tmp_path / "g")]) == 1
+    assert "model.safetensors: tensor w holds NaN/Inf" in capsys.readouterr().out
+
+    real_step = Trainer.train_step
+
+    def poisoning_step(self, micro_batches, lr):
+        out = real_step(self, micro_batches, lr)
+        with torch.no_grad():
+            dict(self.chunks[0].named_parameters())["final_norm.weight"][1] = float("nan")
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", poisoning_step)
+    monkeypatch.setattr(sharded, "_check_finite", lambda *args: None)  # a save before the guard
+    ckpt = tmp_path / "s"
+    run(toy_data, tmp_path, ckpt, "sharded", "train.steps=1")
+    assert cli.main(["inspect", "--verify", str(ckpt)]) == 1
+    assert "tensor model/final_norm.weight holds NaN/Inf" in capsys.readouterr().out

@@ -448,14 +448,15 @@ def load(trainer, path: Path, group) -> None:
 # Whole tensors in one process (trireme inspect / generate / convert, tests)
 
 
-def load_full_tensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Every stored tensor whose key starts with `prefix`, whole, in this process (no process
-    group needed). Sizes of all files are checked first."""
+def load_full_tensors(path: Path, prefix: str = "", keys: list[str] | None = None
+                      ) -> dict[str, torch.Tensor]:
+    """Every stored tensor whose key starts with `prefix` (and is in `keys`, if given), whole,
+    in this process (no process group needed). Sizes of all files are checked first."""
     directory.check_complete(path)
     metadata = load_dcp_metadata(path / DCP_METADATA, tensors_only=True)
     entries = {}
     for key, md in metadata.state_dict_metadata.items():
-        if key.startswith(prefix) and hasattr(md, "chunks"):
+        if key.startswith(prefix) and (keys is None or key in keys):
             t = torch.empty(tuple(md.size), dtype=md.properties.dtype)
             entries[key] = Entry(tuple(md.size), t.dtype, [Piece(t, (0,) * t.dim())])
     try:
