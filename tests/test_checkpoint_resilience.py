@@ -11,8 +11,8 @@ import torch
 from test_train import tiny_cfg, toy_data  # noqa: F401  (toy_data is a fixture)
 
 from trireme import cli
-from trireme.checkpoint import sharded
 from trireme.checkpoint import format as fmt
+from trireme.checkpoint import sharded
 from trireme.checkpoint.store import latest_checkpoint
 from trireme.errors import CheckpointError
 from trireme.train import train

@@ -110,7 +110,7 @@ def _exact(root: Path, step: int) -> list[Path]:
 def candidates(root: str | Path, choice: str) -> list[Path]:
     """The checkpoints to try, in order (the caller loads the first that loads; for "latest" and
     N there is one, and damage found by its sha256 check is reported with `damaged`). [] means
-    there is nothing to resume from. Raises CheckpointDamageError for damage found here."""
+    there is nothing to resume from. Raises CheckpointError for damage found here."""
     root = Path(root)
     if choice == LATEST:
         return _latest(root)
