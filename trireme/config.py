@@ -30,6 +30,12 @@ def doc(default: Any, help: str, **kwargs: Any) -> Any:
     return field(default=default, metadata={"help": help}, **kwargs)
 
 
+class ResumeStep(str):
+    """A field type: a step number, or the word "latest" or "latest-intact" (stored as a str)."""
+
+    WORDS = ("latest", "latest-intact")
+
+
 MIXERS = "*M"  # sublayers that mix across positions; each starts a layer
 SYMBOLS = {"*": "self-attention", "-": "MLP", "E": "mixture-of-experts MLP", "M": "Mamba-2 mixer"}
 NOT_YET = {"M": "issue 18"}  # symbols whose sublayer has not landed
@@ -369,6 +375,12 @@ class CheckpointConfig:
     resume: Literal["auto", "never"] = doc(
         "auto", "auto: resume from the latest checkpoint in dir if there is one."
     )
+    resume_step: ResumeStep = doc(
+        "latest", "Which checkpoint to resume from. latest: the one `latest` names; if it (or a "
+        "newer step directory) is damaged (a file missing, of the wrong size or sha256), the "
+        "run stops and names the damage and the newest intact step. latest-intact: the newest "
+        "intact checkpoint, naming every damaged one it skips. N (an integer): step_N exactly."
+    )
     keep_last: int = doc(0, "Keep only this many most recent checkpoints; 0 keeps all.")
     format: Literal["sharded", "gathered"] = doc(
         "sharded", "sharded: every rank writes its own shards (torch.distributed.checkpoint) "
@@ -431,7 +443,25 @@ _SECTION_TYPES = typing.get_type_hints(Config)
 # Coercion and type checking of values
 
 
+def _to_resume_step(key: str, value: Any) -> str:
+    if isinstance(value, str) and value in ResumeStep.WORDS:
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        step = -1
+    else:
+        try:
+            step = int(value)
+        except ValueError:
+            step = -1
+    if step < 0:
+        raise ConfigError(f"{key} = {value!r} must be latest, latest-intact or a step number "
+                          "(an integer, at least 0)")
+    return str(step)
+
+
 def _type_name(tp: Any) -> str:
+    if tp is ResumeStep:
+        return "latest | latest-intact | int"
     if get_origin(tp) is Literal:
         return " | ".join(str(a) for a in get_args(tp))
     if get_origin(tp) is list:
@@ -459,7 +489,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         return [_coerce(key, v, item) for v in value]
     if origin in (types.UnionType, typing.Union):
         raise TypeError("config fields must not be unions")  # a design rule, not a user error
-    scalar = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}.get(tp)
+    scalar = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str,
+              ResumeStep: _to_resume_step}.get(tp)
     if scalar is not None:
         return scalar(key, value)
     raise TypeError(f"unsupported config field type {tp!r} for {key}")

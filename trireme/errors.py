@@ -21,3 +21,12 @@ class DataError(TriremeError):
 
 class CheckpointError(TriremeError):
     """A missing, incomplete or mismatched checkpoint."""
+
+
+class CheckpointDamageError(CheckpointError):
+    """A checkpoint directory whose files are missing, of the wrong size or do not match their
+    sha256: `step_dir` is the directory, `problem` says which file and how (one short clause)."""
+
+    def __init__(self, step_dir: object, problem: str, advice: str = "load an earlier step"):
+        self.step_dir, self.problem = step_dir, problem
+        super().__init__(f"{step_dir}/{problem}; {advice}")

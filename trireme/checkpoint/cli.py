@@ -7,6 +7,7 @@ import sys
 
 from trireme.checkpoint.convert import DTYPES, FORMATS_IN, FORMATS_OUT, convert
 from trireme.checkpoint.describe import describe
+from trireme.checkpoint.verify import verify
 
 
 def convert_main(argv: list[str]) -> int:
@@ -44,7 +45,15 @@ def inspect_main(argv: list[str]) -> int:
         description="Describe a checkpoint: trireme, Hugging Face folder or Megatron-Core.",
     )
     parser.add_argument("path")
+    parser.add_argument("--verify", action="store_true",
+                        help="check every file's size and sha256 and that every tensor is "
+                             "finite (of each step of a root); exit 1 if anything is damaged")
     args = parser.parse_args(argv)
-
+    if args.verify:
+        lines, damaged = verify(args.path)
+        print("\n".join(lines))
+        if damaged:
+            print(f"trireme: {args.path}: damaged checkpoint (see above)", file=sys.stderr)
+        return 1 if damaged else 0
     print("\n".join(describe(args.path)))
     return 0

@@ -114,7 +114,7 @@ class SafeReader(FileSystemReader):
     """DCP's file reader, with `.metadata` read by the restricted unpickler (no code runs)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any):
-        metadata = load_dcp_metadata(Path(self.path) / DCP_METADATA)
+        metadata = load_dcp_metadata(Path(self.path) / DCP_METADATA, tensors_only=True)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

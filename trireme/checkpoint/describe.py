@@ -125,7 +125,7 @@ def describe_sharded(path: Path, step_dir: Path, meta: dict) -> list[str]:
     unpickler; no tensor data is read)."""
     cfg = config_from_toml((step_dir / directory.CONFIG_FILE).read_text(), str(step_dir))
     trainer = json.loads((step_dir / directory.TRAINER_JSON).read_text())
-    stored = load_dcp_metadata(step_dir / ".metadata").state_dict_metadata
+    stored = load_dcp_metadata(step_dir / ".metadata", tensors_only=True).state_dict_metadata
     params, dtypes, optimizer_tensors = 0, {}, 0
     for key, md in stored.items():
         if key.startswith("model/") and hasattr(md, "size"):

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from trireme import __version__
 from trireme.checkpoint import format as fmt
-from trireme.errors import CheckpointError
+from trireme.errors import CheckpointDamageError, CheckpointError
 
 FORMAT = "trireme-checkpoint"
 FORMAT_VERSION = 1
@@ -133,6 +133,20 @@ def publish(tmp: Path, final: Path) -> None:
     fsync_dir(final.parent)
 
 
+def check_writable(root: Path) -> None:
+    """Create `root` if needed and a file in it, so that a run whose checkpoint directory cannot
+    be written fails at start-up, not at its first save."""
+    probe = root / f"{TMP_PREFIX}probe-{secrets.token_hex(4)}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(
+            f"checkpoint.dir {root} is not writable ({e.strerror or e}); give a directory this "
+            "process can create and write, or fix its permissions") from None
+
+
 def write_latest(root: Path, name: str) -> None:
     """Point `root/latest` at the checkpoint directory `name` (atomically: a temporary file and
     a rename), the last step of a save."""
@@ -179,52 +193,71 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
     return out
 
 
-def _check_files(path: Path, meta: dict[str, Any]) -> None:
-    """Every file meta.json lists is present with its recorded size (and a safe name)."""
-    meta_path = path / META_FILE
+def _file_problem(path: Path, fname: str, info: Any, sharded: bool, hashes: bool) -> str | None:
+    """What is wrong with one file meta.json lists (a short clause naming it), or None."""
+    parts = Path(fname).parts
+    nested_ok = sharded and len(parts) == 2 and parts[0] == "rng"
+    if (Path(fname).name != fname and not nested_ok) or ".." in parts or not isinstance(info, dict):
+        return f"{META_FILE} has a bad file entry {fname!r} (the file is corrupted)"
+    file = path / fname
+    if not file.is_file():
+        return f"{fname} is missing"
+    size = file.stat().st_size
+    if size != info.get("size"):
+        return (f"{fname} has {size} bytes but {META_FILE} records {info.get('size')} "
+                "(truncated or corrupted)")
+    if hashes and "sha256" in info and fmt.sha256_file(file) != info["sha256"]:
+        return f"{fname} is corrupted: its sha256 does not match {META_FILE}"
+    return None
+
+
+def file_problems(path: Path, meta: dict[str, Any], hashes: bool = False) -> list[str]:
+    """What is wrong with the files of a checkpoint directory whose meta.json is `meta`: a file
+    missing, of another size than recorded or (with `hashes`) of another sha256; [] if none."""
     files = meta["files"]
     sharded = meta.get("checkpoint_format") == "sharded"  # sharded.py: DCP files + rng/*
-    for fname in SHARDED_REQUIRED_FILES if sharded else REQUIRED_FILES:
-        if fname not in files:
-            raise CheckpointError(f"{meta_path} does not list {fname}; the checkpoint is corrupted")
+    problems = [f"{META_FILE} does not list {fname} (the checkpoint is corrupted)"
+                for fname in (SHARDED_REQUIRED_FILES if sharded else REQUIRED_FILES)
+                if fname not in files]
     for fname, info in files.items():
-        file = path / fname
-        parts = Path(fname).parts
-        nested_ok = sharded and len(parts) == 2 and parts[0] == "rng"
-        if (Path(fname).name != fname and not nested_ok) or ".." in parts \
-                or not isinstance(info, dict):
-            raise CheckpointError(f"{meta_path}: bad file entry {fname!r}; the file is corrupted")
-        if not file.is_file():
-            raise CheckpointError(
-                f"{file} is missing; the checkpoint is incomplete, load an earlier step"
-            )
-        size = file.stat().st_size
-        if size != info.get("size"):
-            raise CheckpointError(
-                f"{file} has {size} bytes but {META_FILE} records {info.get('size')}: it is "
-                "truncated or corrupted; load an earlier step"
-            )
+        problem = _file_problem(path, fname, info, sharded, hashes)
+        if problem is not None:
+            problems.append(problem)
+    return problems
 
 
-def check_complete(path: Path) -> dict[str, Any]:
-    """Return the meta.json of a complete checkpoint directory; raise CheckpointError if not."""
+def read_meta(path: Path) -> dict[str, Any]:
+    """The meta.json of a checkpoint directory; CheckpointDamageError if missing or malformed."""
     meta_path = path / META_FILE
     if not meta_path.is_file():
-        raise CheckpointError(
-            f"{path} is incomplete: {META_FILE} is missing (was the save interrupted?); "
-            "load an earlier step_* directory or the checkpoint root"
-        )
-    meta = fmt.read_json(meta_path)
+        raise CheckpointDamageError(
+            path, f"{META_FILE} is missing (the save did not finish, or the file was removed)",
+            "load an earlier step_* directory or the checkpoint root")
+    try:
+        meta = fmt.read_json(meta_path)
+    except CheckpointError:
+        raise CheckpointDamageError(path, f"{META_FILE} is unreadable or corrupted") from None
     if not (isinstance(meta, dict) and meta.get("format") == FORMAT
             and isinstance(meta.get("step"), int) and isinstance(meta.get("files"), dict)):
-        raise CheckpointError(f"{meta_path} is not a trireme checkpoint meta file")
+        raise CheckpointDamageError(path, f"{META_FILE} is not a trireme checkpoint meta file")
+    return meta
+
+
+def check_complete(path: Path, hashes: bool = False) -> dict[str, Any]:
+    """Return the meta.json of a complete checkpoint directory (every file present with its
+    recorded size, and with `hashes` its sha256); raise CheckpointDamageError naming the first
+    damaged file if not."""
+    meta = read_meta(path)
     version = meta.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise CheckpointError(
-            f"{meta_path}: checkpoint format version {version!r} is newer than this trireme reads "
-            f"({FORMAT_VERSION}); upgrade trireme"
+            f"{path / META_FILE}: checkpoint format version {version!r} is newer than this "
+            f"trireme reads ({FORMAT_VERSION}); upgrade trireme"
         )
-    _check_files(path, meta)
+    problems = file_problems(path, meta, hashes)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CheckpointDamageError(path, problems[0] + more)
     return meta
 
 

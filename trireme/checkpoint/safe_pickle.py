@@ -180,8 +180,11 @@ class RestrictedUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("persistent ids are not allowed")
 
 
-def load_dcp_metadata(path: Path) -> Any:
-    """torch.distributed.checkpoint's `Metadata` from a `.metadata` file, without running code."""
+def load_dcp_metadata(path: Path, tensors_only: bool = False) -> Any:
+    """torch.distributed.checkpoint's `Metadata` from a `.metadata` file, without running code,
+    checked to have the shape DCP's own code relies on (a tampered file that builds the allowed
+    classes with other contents is a CheckpointError, not an AttributeError later). With
+    `tensors_only` (trireme's checkpoints hold tensors only) a non-tensor entry is refused too."""
     if not path.is_file():
         raise CheckpointError(f"{path} is missing; the torch_dist checkpoint is incomplete")
     try:
@@ -191,4 +194,60 @@ def load_dcp_metadata(path: Path) -> Any:
         raise CheckpointError(f"{path} is truncated, corrupted or not dcp metadata ({e})") from None
     if type(metadata).__name__ != "Metadata":
         raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not dcp Metadata")
+    problem = _metadata_problem(metadata, tensors_only)
+    if problem is not None:
+        raise CheckpointError(f"{path} is corrupted or tampered with: {problem}")
     return metadata
+
+
+def _dims(value: Any) -> bool:
+    return isinstance(value, tuple) and all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value)
+
+
+def _tensor_problem(key: str, md: Any) -> str | None:
+    """What is wrong with one TensorStorageMetadata (its size, dtype and chunks), or None."""
+    dcp_md = importlib.import_module("torch.distributed.checkpoint.metadata")
+    size = getattr(md, "size", None)
+    if not _dims(size):
+        return f"{key!r} has no valid size"
+    if not isinstance(getattr(getattr(md, "properties", None), "dtype", None), torch.dtype):
+        return f"{key!r} has no valid dtype"
+    chunks = getattr(md, "chunks", None)
+    if not isinstance(chunks, list):
+        return f"{key!r} has no chunk list"
+    for chunk in chunks:
+        offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+        if not (isinstance(chunk, dcp_md.ChunkStorageMetadata) and _dims(offsets)
+                and _dims(sizes) and len(offsets) == len(sizes) == len(size)
+                and all(o + n <= d for o, n, d in zip(offsets, sizes, size))):
+            return f"{key!r} has a chunk outside its shape {tuple(size)}"
+    return None
+
+
+def _metadata_problem(metadata: Any, tensors_only: bool) -> str | None:
+    dcp_md = importlib.import_module("torch.distributed.checkpoint.metadata")
+    entries = getattr(metadata, "state_dict_metadata", None)
+    if not isinstance(entries, dict):
+        return "it has no table of entries"
+    for key, md in entries.items():
+        if not isinstance(key, str):
+            return f"an entry is named by a {type(key).__name__}"
+        if isinstance(md, dcp_md.BytesStorageMetadata) and not tensors_only:
+            continue
+        if not isinstance(md, dcp_md.TensorStorageMetadata):
+            return f"entry {key!r} is stored as {type(md).__name__}, not as a tensor"
+        problem = _tensor_problem(key, md)
+        if problem is not None:
+            return problem
+    storage = getattr(metadata, "storage_data", None)
+    if storage is None:
+        return None
+    if not isinstance(storage, dict):
+        return "its storage table is not a dict"
+    for info in storage.values():
+        name = getattr(info, "relative_path", None)
+        if not (isinstance(name, str) and name and Path(name).name == name and name != ".."
+                and _dims((getattr(info, "offset", None), getattr(info, "length", None)))):
+            return f"a storage record names {name!r}, not a data file beside it"
+    return None

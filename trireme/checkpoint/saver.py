@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trireme.checkpoint import sharded
+from trireme.checkpoint import directory, sharded
 from trireme.errors import CheckpointError, ConfigError
 
 
@@ -30,6 +30,8 @@ class Saver:
         c = trainer.cfg.checkpoint
         if c.async_save and c.format != "sharded":
             raise ConfigError("checkpoint.async_save = true needs checkpoint.format = 'sharded'")
+        if c.dir and (trainer.is_main or c.format == "sharded"):  # the ranks that will write
+            directory.check_writable(Path(c.dir))
         self.trainer = trainer
         self.save_gathered = save_gathered
         self._group = None

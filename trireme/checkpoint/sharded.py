@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -46,12 +47,13 @@ from trireme.checkpoint.dcp_io import (
     Writer,
     reason,
 )
+from trireme.checkpoint.finite import describe_key, first_nonfinite, nonfinite_error
 from trireme.checkpoint.gathered import VOCAB_TABLES
 from trireme.checkpoint.model_state import expected_shapes
 from trireme.checkpoint.pieces import Entry, Piece, dtensor_pieces, tensor_pieces
 from trireme.checkpoint.rng import capture_rng_state, restore_rng_state
 from trireme.checkpoint.safe_pickle import load_dcp_metadata
-from trireme.errors import CheckpointError
+from trireme.errors import CheckpointDamageError, CheckpointError
 from trireme.parallel.sharding import parameter_shardings
 
 # one process without a process group is a normal case here, not worth DCP's warning
@@ -180,20 +182,38 @@ def rank_rng_state(trainer) -> dict[str, Any]:
     return state
 
 
+def _check_finite(entries: dict[str, Entry], step: int, group) -> None:
+    """Each rank checks the pieces it holds; the ranks agree (over `group`, None in one process)
+    and all raise the same error, naming the first tensor holding NaN or Inf."""
+    bad = first_nonfinite((key, p.data) for key, e in entries.items() for p in e.pieces)
+    if group is not None:
+        every: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, bad, group=group)  # between our own ranks
+        bad = next((b for b in every if b is not None), None)
+    if bad is not None:
+        raise nonfinite_error(describe_key(bad), step)
+
+
 def prepare(trainer, root: Path, group) -> dict[str, Any]:
     """The foreground part of a save (collective): the temporary directory, this rank's RNG file
     and everything rank 0 writes at the end. Returns the job for `write`."""
     distributed = trainer.env.world_size > 1
     step = trainer.state.step
+    opt = trainer.optimizer
+    entries = state_entries(trainer, opt.has_moments())
+    _check_finite(entries, step, group if distributed else None)
     token = _token(group if distributed else None)
     tmp = directory.temporary_dir(root, step, f"{token:08x}")
+    final = root / directory.step_dir_name(step)
+    error = None
     if trainer.is_main:
-        tmp.mkdir(parents=True, exist_ok=True)
+        error = _attempt(lambda: tmp.mkdir(parents=True, exist_ok=True))
     if distributed:
         dist.barrier(group=group)
     rank = dist.get_rank() if distributed else 0
-    _write_rng(tmp, rank, rank_rng_state(trainer))
-    opt = trainer.optimizer
+    if error is None:
+        error = _attempt(lambda: _write_rng(tmp, rank, rank_rng_state(trainer)))
+    _fail_together(error, tmp, final, trainer.is_main, group if distributed else None)
     trainer_state = {
         "step": step, "consumed_samples": trainer.state.consumed_samples,
         "optimizer": optimizer_scalars(opt), "layout": layout_of(trainer),
@@ -201,46 +221,65 @@ def prepare(trainer, root: Path, group) -> dict[str, Any]:
     return {"tmp": tmp, "root": root, "step": step, "main": trainer.is_main,
             "trainer": trainer_state, "config": trainer.cfg.to_toml(),
             "keep_last": trainer.cfg.checkpoint.keep_last, "distributed": distributed,
-            "group": group, "entries": state_entries(trainer, opt.has_moments())}
+            "group": group, "entries": entries}
+
+
+def _attempt(action) -> OSError | None:
+    """Run `action`; return the OSError it raised (a full disk, no permission), or None."""
+    try:
+        action()
+    except OSError as e:
+        return e
+    return None
+
+
+def _fail_together(error: BaseException | None, tmp: Path, final: Path, main: bool,
+                   group) -> None:
+    """Every rank learns whether any rank failed (over `group`; None in one process); if one
+    did, rank 0 removes the temporary directory and every rank raises a CheckpointError."""
+    failed = error is not None
+    if group is not None:
+        flag = torch.tensor([int(failed)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        failed = bool(flag.item())
+    if not failed:
+        return
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if error is None:
+        raise CheckpointError(f"checkpoint {final} not saved: another rank failed (its error "
+                              "says why)")
+    raise CheckpointError(f"could not save checkpoint {final}: {reason(error)}; check free "
+                          "space and permissions (nothing of it was kept)") from error
 
 
 def write(job: dict[str, Any]) -> Path | None:
     """Write the tensors (collective over the job's group), then on rank 0 finish, rename and
     point `latest` at the new checkpoint. Safe to run in a background thread."""
-    tmp = job["tmp"]
+    tmp, main = job["tmp"], job["main"]
+    group = job["group"] if job["distributed"] else None
+    final = job["root"] / directory.step_dir_name(job["step"])
     writer = WRITER(tmp)
+    error: BaseException | None = None
     try:
         dcp.save(job["entries"], storage_writer=writer, planner=PieceSavePlanner(),
                  process_group=job["group"], no_dist=not job["distributed"])
     except (Exception, CheckpointException) as e:  # DCP wraps the failing rank's error
-        raise CheckpointError(f"could not save checkpoint into {tmp}: {reason(e)}") from e
+        error = e
+    _fail_together(error, tmp, final, main, group)
     # each rank hashes the data files it wrote; rank 0 records them all in meta.json
-    error: Exception | None = None
     try:
         digests = {name: fmt.sha256_file(tmp / name) for name in getattr(writer, "written", [])}
     except OSError as e:
         error, digests = e, {}
-    distributed, group = job["distributed"], job["group"]
-    if distributed:
-        every = [None] * dist.get_world_size(group) if job["main"] else None
+    if group is not None:
+        every = [None] * dist.get_world_size(group) if main else None
         dist.gather_object(digests, every, dst=0, group=group)  # between our own ranks
-        if job["main"]:
+        if main:
             digests = {k: v for d in every for k, v in d.items()}
-    final = job["root"] / directory.step_dir_name(job["step"])
-    if job["main"] and error is None:
-        try:
-            _finish(job, tmp, final, digests)
-        except OSError as e:
-            error = e
-    if distributed:  # every rank learns whether the checkpoint is complete
-        failed = torch.tensor([int(error is not None)])
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
-        if failed.item() and error is None:
-            raise CheckpointError(f"checkpoint {final} was not completed: another rank failed "
-                                  "(its error says why)")
-    if error is not None:
-        raise CheckpointError(f"could not save checkpoint {final}: {error}; check free space "
-                              "and permissions") from error
+    if main and error is None:
+        error = _attempt(lambda: _finish(job, tmp, final, digests))
+    _fail_together(error, tmp, final, main, group)
     if not job["main"]:
         return None
     directory.remove_old(job["root"], keep=final, keep_last=job["keep_last"])
@@ -365,8 +404,8 @@ def verify_digests(path: Path, meta: dict[str, Any], group=None, world: int = 1,
         bad = sorted(n for part in every for n in part)
     if bad:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        raise CheckpointError(f"{path / bad[0]}{more} is corrupted: its sha256 does not match "
-                              f"{directory.META_FILE}; load an earlier step")
+        raise CheckpointDamageError(path, f"{bad[0]}{more} is corrupted: its sha256 does not "
+                                    f"match {directory.META_FILE}")
 
 
 def load(trainer, path: Path, group) -> None:
@@ -379,7 +418,7 @@ def load(trainer, path: Path, group) -> None:
     opt = trainer.optimizer
     _prepare_optimizer(opt, scalars)
     entries = _master_source(state_entries(trainer, scalars["moments"]), opt, scalars["masters"])
-    metadata = load_dcp_metadata(path / DCP_METADATA)
+    metadata = load_dcp_metadata(path / DCP_METADATA, tensors_only=True)
     check_shapes(entries, metadata, path, trainer.cfg.model)
     with torch.no_grad():
         _zero_vocab_tables(trainer)
@@ -409,14 +448,15 @@ def load(trainer, path: Path, group) -> None:
 # Whole tensors in one process (trireme inspect / generate / convert, tests)
 
 
-def load_full_tensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Every stored tensor whose key starts with `prefix`, whole, in this process (no process
-    group needed). Sizes of all files are checked first."""
+def load_full_tensors(path: Path, prefix: str = "", keys: list[str] | None = None
+                      ) -> dict[str, torch.Tensor]:
+    """Every stored tensor whose key starts with `prefix` (and is in `keys`, if given), whole,
+    in this process (no process group needed). Sizes of all files are checked first."""
     directory.check_complete(path)
-    metadata = load_dcp_metadata(path / DCP_METADATA)
+    metadata = load_dcp_metadata(path / DCP_METADATA, tensors_only=True)
     entries = {}
     for key, md in metadata.state_dict_metadata.items():
-        if key.startswith(prefix) and hasattr(md, "chunks"):
+        if key.startswith(prefix) and (keys is None or key in keys):
             t = torch.empty(tuple(md.size), dtype=md.properties.dtype)
             entries[key] = Entry(tuple(md.size), t.dtype, [Piece(t, (0,) * t.dim())])
     try:

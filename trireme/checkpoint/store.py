@@ -53,6 +53,7 @@ from trireme.checkpoint.directory import (
     latest_checkpoint,
     step_dir_name,
 )
+from trireme.checkpoint.finite import first_nonfinite, nonfinite_error
 from trireme.checkpoint.model_state import LoadResult, load_model_state
 from trireme.checkpoint.rng import capture_rng_state, restore_rng_state
 from trireme.errors import CheckpointError
@@ -70,14 +71,19 @@ __all__ = [
 Writer = Callable[[fmt.HashingWriter], None]
 
 
-def _writers(model: dict[str, Tensor], optimizer: dict[str, Any], trainer: dict[str, Any],
-             config_toml: str) -> list[tuple[str, Writer]]:
+def _writers(step: int, model: dict[str, Tensor], optimizer: dict[str, Any],
+             trainer: dict[str, Any], config_toml: str, finite: bool
+             ) -> list[tuple[str, Writer]]:
     """(file name, what writes it) of every file but meta.json, in the order they are written.
-    Everything is checked and flattened here, before the disk is touched, so a bad value leaves
-    nothing behind."""
+    Everything is checked (with `finite`, that no model or optimizer tensor holds NaN / Inf) and
+    flattened here, before the disk is touched, so a bad value leaves nothing behind."""
     model_tensors, model_names = fmt.dedupe_model(model)
     opt = fmt.Flattener("optimizer")
     opt_structure = opt.encode(optimizer)
+    for kind, tensors in (("model", model_tensors), ("optimizer", opt.tensors)):
+        bad = first_nonfinite(tensors.items()) if finite else None
+        if bad is not None:
+            raise nonfinite_error(f"{kind} tensor {bad}", step)
     tr = fmt.Flattener("trainer")
     trainer_structure = tr.encode(trainer)
     model_meta = {fmt.NAMES_KEY: json.dumps(model_names)}
@@ -100,12 +106,15 @@ def save_checkpoint(
     trainer: dict[str, Any],
     config_toml: str,
     keep_last: int = 0,
+    require_finite: bool = False,
 ) -> Path:
     """Save a checkpoint atomically to `root/step_XXXXXXX/` and point `root/latest` at it.
 
     `model` maps global parameter names to tensors; `optimizer` and `trainer` are nested dicts,
     lists and tuples of tensors and plain values. With `keep_last > 0`, only that many most recent
-    complete checkpoints are kept (never deleting the one just written). Leftover `.tmp-*` entries
+    complete checkpoints are kept (never deleting the one just written). With `require_finite`
+    (a training run's saves), a model or optimizer tensor holding NaN / Inf is refused with a
+    CheckpointError naming it, before anything is written. Leftover `.tmp-*` entries
     of interrupted saves are removed, so only one process may save into a root at a time.
     Returns the checkpoint directory.
     """
@@ -114,7 +123,7 @@ def save_checkpoint(
     root = Path(root)
     name = step_dir_name(step)
     final = root / name
-    writers = _writers(model, optimizer, trainer, config_toml)
+    writers = _writers(step, model, optimizer, trainer, config_toml, require_finite)
     tmp = directory.temporary_dir(root, step, secrets.token_hex(4))
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -170,12 +179,7 @@ def load_checkpoint(path: str | Path, *, verify: bool = True) -> Checkpoint:
     if meta.get("checkpoint_format") == sharded.FORMAT_NAME:  # every rank's shards
         return sharded.load_checkpoint(path, meta, verify)
     if verify:
-        for fname, info in meta["files"].items():
-            if "sha256" in info and fmt.sha256_file(path / fname) != info["sha256"]:
-                raise CheckpointError(
-                    f"{path / fname} does not match the sha256 in {META_FILE}: it is corrupted; "
-                    "load an earlier step"
-                )
+        directory.check_complete(path, hashes=True)
     model = fmt.read_model(path / MODEL_FILE)
     opt_tensors, _ = fmt.read_safetensors(path / OPTIMIZER_FILE)
     optimizer = fmt.decode(fmt.read_json(path / OPTIMIZER_JSON), opt_tensors, path / OPTIMIZER_JSON)

@@ -16,16 +16,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trireme.checkpoint import gathered, sharded
+from trireme.checkpoint import gathered, resume, sharded
 from trireme.checkpoint.saver import Saver
 from trireme.checkpoint.store import (
     capture_rng_state,
-    latest_checkpoint,
     load_checkpoint,
     load_model_state,
     restore_rng_state,
     save_checkpoint,
 )
+from trireme.errors import CheckpointDamageError, CheckpointError
 
 if TYPE_CHECKING:
     from trireme.trainer import Trainer
@@ -49,39 +49,66 @@ def save_gathered(trainer: Trainer) -> Path | None:
     tp_rng = gathered.gather_rng_states(model)
     if tp_rng:
         trainer_state["tensor_parallel_rng"] = tp_rng
-    path = None
+    path, error = None, None
     if trainer.is_main:
-        path = save_checkpoint(
-            cfg.checkpoint.dir,
-            trainer.state.step,
-            model=model_state,
-            optimizer=optimizer_state,
-            trainer=trainer_state,
-            config_toml=cfg.to_toml(),
-            keep_last=cfg.checkpoint.keep_last,
-        )
-    if trainer.env.world_size > 1:
-        torch.distributed.barrier()  # the checkpoint is complete before any rank goes on
+        try:
+            path = save_checkpoint(cfg.checkpoint.dir, trainer.state.step, model=model_state,
+                                   optimizer=optimizer_state, trainer=trainer_state,
+                                   config_toml=cfg.to_toml(), keep_last=cfg.checkpoint.keep_last,
+                                   require_finite=True)
+        except CheckpointError as e:  # every rank must learn of it, or they wait for rank 0
+            error = e
+    if trainer.env.world_size > 1:  # the checkpoint is complete before any rank goes on
+        failed = torch.tensor([int(error is not None)], device=trainer.device)
+        torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+        if failed.item() and error is None:
+            raise CheckpointError(f"checkpoint of step {trainer.state.step} not saved: rank 0 "
+                                  "failed to write it (its error says why)")
+    if error is not None:
+        raise error
     return path
 
 
 def maybe_resume(trainer: Trainer, saver: Saver | None = None) -> None:
-    """Load the newest checkpoint of checkpoint.dir, if any (either format). A sharded load
-    runs its collectives on `saver`'s gloo group (made here if no saver is given)."""
+    """Load the checkpoint `checkpoint.resume_step` picks in checkpoint.dir, if any (either
+    format; resume.py says which and never skips a damaged one silently). A sharded load runs
+    its collectives on `saver`'s gloo group (made here if no saver is given)."""
     cfg = trainer.cfg
     if not cfg.checkpoint.dir or cfg.checkpoint.resume == "never":
         return
-    path = latest_checkpoint(cfg.checkpoint.dir)
-    if path is None:
+    root, choice = Path(cfg.checkpoint.dir), cfg.checkpoint.resume_step
+    paths = resume.candidates(root, choice)
+    skipped: list[str] = []
+    for path in paths:
+        what = resume.problem(path) if choice == resume.LATEST_INTACT else None
+        if what is None:
+            try:
+                _load(trainer, path, saver)
+                break
+            except CheckpointDamageError as e:  # its sha256 check; nothing was loaded yet
+                if choice != resume.LATEST_INTACT:
+                    raise resume.damaged(root, path, e.problem) from None
+                what = e.problem
+        skipped.append(f"{path.name} ({what})")
+        if trainer.is_main:
+            print(f"trireme: skipping damaged checkpoint {path}: {what}", file=sys.stderr)
+    else:
+        if paths:
+            raise CheckpointError(f"no intact checkpoint in {root} to resume from (damaged: "
+                                  f"{'; '.join(skipped)}); start fresh with "
+                                  "--checkpoint.resume=never")
         return
+    if trainer.is_main:
+        print(f"trireme: resumed from {path} at step {trainer.state.step}", file=sys.stderr)
+
+
+def _load(trainer: Trainer, path: Path, saver: Saver | None) -> None:
     if sharded.is_sharded(path):
         # a gloo group: DCP's small collectives on CPU, whatever the training's backend
         group = (saver or Saver(trainer, save_gathered)).group()
         sharded.load(trainer, path, group)
     else:
         _load_gathered(trainer, path)
-    if trainer.is_main:
-        print(f"trireme: resumed from {path} at step {trainer.state.step}", file=sys.stderr)
 
 
 def _load_gathered(trainer: Trainer, path: Path) -> None:
