@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from trireme.data.cuts import MAX_PIECE_CHARS, PIECE_CHARS, cut_bounds
 from trireme.data.indexed import CODE_OF_DTYPE, IndexedDataset, IndexedDatasetWriter, best_dtype
 from trireme.data.jsonl import Block, Piece, parse_lines, read_blocks, split_pieces
 from trireme.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
@@ -55,6 +56,8 @@ class PreprocessOptions:
     skip_bad_lines: bool = False
     engine: str = "auto"  # auto: tiktoken for a qualifying byte-level BPE; hf: tokenizers only
     block_bytes: int = 1 << 20
+    piece_chars: int = PIECE_CHARS  # longer texts are tokenized in pieces (cuts.py)
+    max_piece_chars: int = MAX_PIECE_CHARS  # a longer piece, or uncuttable text, is refused
     progress: bool = True
 
 
@@ -107,42 +110,91 @@ def _check_fast_engine(tokenizer: Tokenizer, texts: list[str]) -> str | None:
     """Compare the fast engine with `tokenizers` on some documents; turn it off on a difference."""
     if not isinstance(tokenizer, HFTokenizer) or not tokenizer.fast:
         return None
-    sample = texts[:FAST_CHECK_DOCUMENTS]
+    sample = [t[:PIECE_CHARS] for t in texts[:FAST_CHECK_DOCUMENTS]]  # the engines, not cuts
     if tokenizer.encode_batch(sample) == tokenizer.encode_reference(sample):
         return None
     tokenizer.disable_fast()
     return "the tiktoken engine disagreed with tokenizers on a document; using tokenizers"
 
 
-def _encode(tokenizer: Tokenizer, texts: list[str], block: Block) -> list[list[int]]:
+def _encode_long(tokenizer: Tokenizer, text: str, options: PreprocessOptions,
+                 dtype: np.dtype) -> np.ndarray:
+    """Ids of a long text, tokenized piece by piece where the tokenizer may be cut (cuts.py), so
+    that memory stays near the size of the text rather than many times it."""
+    bounds = cut_bounds(text, tokenizer.cut_at, options.piece_chars, options.max_piece_chars)
+    parts = [np.asarray(tokenizer.encode(text[a:b]), dtype=dtype) for a, b in bounds]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+
+def _encode(tokenizer: Tokenizer, texts: list[str], block, options: PreprocessOptions,
+            dtype: np.dtype) -> list:
+    """Ids of each text: a list, or a numpy array for a text longer than `options.piece_chars`."""
+    is_long = [len(t) > options.piece_chars for t in texts]
     try:
-        return tokenizer.encode_batch(texts)
+        short = iter(tokenizer.encode_batch([t for t, x in zip(texts, is_long) if not x]))
+        return [_encode_long(tokenizer, t, options, dtype) if x else next(short)
+                for t, x in zip(texts, is_long)]
     except ValueError as e:  # e.g. the null tokenizer on a non-integer
-        raise DataError(f"{block.path} (lines from {block.first_line}): {e}") from None
+        raise DataError(f"{block.where()}: {e}") from None
 
 
-def _tokenize_column(texts: list[str], block: Block, options: PreprocessOptions, dtype: np.dtype):
+def _length_problem(text: str) -> str | None:
+    """Why a text cannot be tokenized in pieces of bounded size, or None (see cuts.py)."""
+    options: PreprocessOptions = _worker["options"]
+    if len(text) <= options.piece_chars:
+        return None
+    for part in split_sentences(text) if options.split_sentences else [text]:
+        try:
+            cut_bounds(part, _worker["tokenizer"].cut_at, options.piece_chars,
+                       options.max_piece_chars)
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+def _flatten(sequences: list, dtype: np.dtype, total: int) -> np.ndarray:
+    """All sequences (lists or arrays) back to back as one array."""
+    out = np.empty(total, dtype=dtype)
+    position, run = 0, []
+    for sequence in [*sequences, None]:
+        if isinstance(sequence, list):
+            run.append(sequence)
+            continue
+        size = sum(map(len, run))
+        out[position : position + size] = np.fromiter(
+            itertools.chain.from_iterable(run), dtype=dtype, count=size)
+        position, run = position + size, []
+        if sequence is not None:
+            out[position : position + sequence.size] = sequence
+            position += sequence.size
+    return out
+
+
+def _tokenize_column(texts: list[str], block, options: PreprocessOptions, dtype: np.dtype):
     """(tokens, sequence lengths, sequences per document) of one key's texts, as arrays."""
     tokenizer: Tokenizer = _worker["tokenizer"]
     if options.split_sentences:
         sentences = [split_sentences(t) for t in texts]
         per_doc = [len(s) for s in sentences]
-        ids = _encode(tokenizer, list(itertools.chain.from_iterable(sentences)), block)
+        ids = _encode(tokenizer, list(itertools.chain.from_iterable(sentences)), block, options,
+                      dtype)
         docs = []
         start = 0
         for n in per_doc:
-            docs.append([s for s in ids[start : start + n] if s])  # empty sentences dropped
+            docs.append([s for s in ids[start : start + n] if len(s)])  # empty sentences dropped
             start += n
     else:
-        docs = [[ids] if ids else [] for ids in _encode(tokenizer, texts, block)]
+        docs = [[ids] if len(ids) else [] for ids in _encode(tokenizer, texts, block, options,
+                                                            dtype)]
     if options.append_eod:
         for doc in docs:
-            if doc:
+            if doc and isinstance(doc[-1], list):
                 doc[-1].append(tokenizer.eod)
+            elif doc:
+                doc[-1] = np.append(doc[-1], np.asarray(tokenizer.eod, dtype=dtype))
     sequences = list(itertools.chain.from_iterable(docs))
     lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
-    total = int(lengths.sum())
-    tokens = np.fromiter(itertools.chain.from_iterable(sequences), dtype=dtype, count=total)
+    tokens = _flatten(sequences, dtype, int(lengths.sum()))
     counts = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
     return tokens, lengths, counts
 
@@ -153,7 +205,8 @@ def _process_block(block: Block) -> dict:
     skipped: Counter = Counter()
     result: dict = {"disk_bytes": block.disk_bytes, "json_bytes": len(block.data)}
     try:
-        texts = parse_lines(block, options.json_keys, options.skip_bad_lines, skipped)
+        texts = parse_lines(block, options.json_keys, options.skip_bad_lines, skipped,
+                            _length_problem)
         if not _worker["checked"] and texts[0]:
             _worker["checked"] = True
             result["warning"] = _check_fast_engine(_worker["tokenizer"], texts[0])
