@@ -2,7 +2,7 @@
 
 Tokenizing one 50 MB document in one call costs gigabytes (the `tokenizers` library keeps
 offsets, strings and more per token) and is slower than tokenizing it in parts. Preprocessing cuts
-a text longer than about a megabyte into pieces, at places where the tokenizer is known to split
+a text longer than a quarter of a million characters into pieces, at places where the tokenizer is known to split
 anyway, tokenizes the pieces one at a time, and concatenates their ids. Each tokenizer says where
 it may be cut (`Tokenizer.cut_at`):
 
@@ -41,7 +41,7 @@ O200K_PATTERN = "|".join([
 ])
 SAFE_SPLIT_PATTERNS = (GPT2_PATTERN, CL100K_PATTERN, QWEN2_PATTERN, O200K_PATTERN)
 
-PIECE_CHARS = 1 << 20  # texts longer than this are tokenized in pieces of about this size
+PIECE_CHARS = 1 << 18  # texts longer than this are tokenized in pieces of about this size
 MAX_PIECE_CHARS = 1 << 24  # no piece, and no uncuttable text, is longer than this
 
 _CUT_PATTERNS = {

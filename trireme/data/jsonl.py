@@ -202,7 +202,7 @@ def parse_lines(
                     reason, detail = MISSING_KEY, repr(key)
                 elif not isinstance(value, str):
                     reason, detail = NOT_STRING, f"{type(value).__name__} for {key!r}"
-                elif "\\ud" in line.lower() and not _utf8_clean(value):
+                elif ("\\ud" in line or "\\uD" in line) and not _utf8_clean(value):
                     reason, detail = BAD_UTF8, f"lone surrogate escape in {key!r}"
                 elif check is not None and (problem := check(value)):
                     reason, detail = TOO_LONG, f"{key!r}: {problem}"
