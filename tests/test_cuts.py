@@ -118,7 +118,7 @@ def test_preprocess_long_documents_in_pieces_is_byte_identical(tmp_path, tokeniz
             outputs.append([open(f"{prefix}_text_{level}{ext}", "rb").read()
                             for ext in (".bin", ".idx")])
     assert outputs[0] == outputs[2] and outputs[1] == outputs[3]
-    assert IndexedDataset(tmp_path / f"out50False_text_document").num_documents == len(texts)
+    assert IndexedDataset(tmp_path / "out50False_text_document").num_documents == len(texts)
 
 
 def test_too_long_for_the_tokenizer_is_one_line_and_skippable(tmp_path, tokenizers, capsys):

@@ -1,10 +1,10 @@
-"""Cutting a long text into pieces that tokenize to exactly the ids of the whole.
+r"""Cutting a long text into pieces that tokenize to exactly the ids of the whole.
 
 Tokenizing one 50 MB document in one call costs gigabytes (the `tokenizers` library keeps
-offsets, strings and more per token) and is slower than tokenizing it in parts. Preprocessing cuts
-a text longer than a quarter of a million characters into pieces, at places where the tokenizer is known to split
-anyway, tokenizes the pieces one at a time, and concatenates their ids. Each tokenizer says where
-it may be cut (`Tokenizer.cut_at`):
+offsets, strings and more per token) and is slower than tokenizing it in parts. Preprocessing
+cuts a text longer than a quarter of a million characters into pieces, at places where the
+tokenizer is known to split anyway, tokenizes the pieces one at a time and concatenates their
+ids. Each tokenizer says where it may be cut (`Tokenizer.cut_at`):
 
     "char"        anywhere (the bytes tokenizer: one character's ids never depend on its neighbours)
     "whitespace"  before any whitespace character (the null tokenizer splits at whitespace)
@@ -13,15 +13,18 @@ it may be cut (`Tokenizer.cut_at`):
                   tokenizer.json this module cannot vouch for)
 
 Why "space" is safe for the byte-level BPE regexes in `SAFE_SPLIT_PATTERNS` (GPT-2, cl100k /
-Llama 3, Qwen 2, o200k): the text is first split by the regex, left to right, and BPE then runs on
-each regex match alone, so two texts give the same ids when they give the same matches. In each of
-these regexes a space can only be the first character of a match (` ?\\p{L}+`, ` ?[^\\s...]+`,
-`[^\\r\\n\\p{L}\\p{N}]?\\p{L}+`) or part of an all-whitespace match; no alternative has a space after
-a non-whitespace character, and none looks behind. So at a space between two non-whitespace
-characters a match always ends just before the space, and the matching that resumes there sees
-the same characters whether or not the text before it is present. The only lookahead, in
-`\\s+(?!\\S)`, belongs to whitespace runs, and a lone space between non-whitespace characters is no
-run that reaches the cut. tests/test_cuts.py checks the identity on awkward text.
+Llama 3, Qwen 2, o200k): the text is first split by the regex, left to right, and BPE then runs
+on each regex match alone, so two texts give the same ids when they give the same matches. In
+each of these regexes a space can only be the first character of a match (` ?\p{L}+`,
+` ?[^\s\p{L}\p{N}]+`, `[^\r\n\p{L}\p{N}]?\p{L}+`) or part of an all-whitespace match; no
+alternative has a space after a non-whitespace character, and none looks behind. So at a space
+between two non-whitespace characters a match always ends just before the space, and the
+matching that resumes there sees the same characters whether or not the text before it is
+present. The only lookahead, in `\s+(?!\S)`, belongs to whitespace runs, and no whitespace run
+ends at the cut. Python's `\s` (used to find the cuts) covers all of Unicode's White_Space, so
+"non-whitespace" here is never whitespace to the tokenizer's regex engine. Added (special)
+tokens are matched before the regex; a tokenizer.json qualifies only when none holds whitespace
+or strips it on the right. tests/test_cuts.py checks the identity on awkward text.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ MISSING_KEY = "missing key"
 NOT_STRING = "non-string value"
 BAD_UTF8 = "invalid UTF-8"
 TOO_LONG = "document too long"
+TABLE_SUFFIXES = (".parquet", ".pq", ".arrow")  # read by trireme.data.tables, not as lines
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,10 @@ class Block:
 
     def where(self) -> str:
         return f"{self.path} (lines from {self.first_line})"
+
+    @property
+    def input_bytes(self) -> int:
+        return len(self.data)
 
 
 def is_compressed(path: str) -> bool:
@@ -146,7 +151,7 @@ def split_pieces(paths: list[str], partitions: int) -> list[list[Piece]]:
         per_file = -(-partitions // len(paths))
         pieces = []
         for p in paths:
-            if is_compressed(p) or sizes[p] == 0:
+            if is_compressed(p) or p.endswith(TABLE_SUFFIXES) or sizes[p] == 0:
                 pieces.append(Piece(p))
                 continue
             bounds = [sizes[p] * i // per_file for i in range(per_file + 1)]

@@ -32,8 +32,22 @@ import numpy as np
 from tqdm import tqdm
 
 from trireme.data.cuts import MAX_PIECE_CHARS, PIECE_CHARS, cut_bounds
-from trireme.data.indexed import CODE_OF_DTYPE, IndexedDataset, IndexedDatasetWriter, best_dtype
+from trireme.data.indexed import (
+    CODE_OF_DTYPE,
+    IndexedDataset,
+    IndexedDatasetWriter,
+    best_dtype,
+    check_writable,
+)
 from trireme.data.jsonl import Block, Piece, parse_lines, read_blocks, split_pieces
+from trireme.data.tables import (
+    TableBlock,
+    check_columns,
+    dataset_folder_files,
+    is_table,
+    parse_rows,
+    read_table_blocks,
+)
 from trireme.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from trireme.errors import ConfigError, DataError
 
@@ -77,7 +91,7 @@ class PreprocessReport:
         rate = self.json_bytes / max(self.seconds, 1e-9)
         lines = [
             f"trireme: {self.documents:,} documents, {self.sequences:,} sequences, "
-            f"{self.tokens:,} tokens from {self.json_bytes / 1e6:,.1f} MB of JSON in "
+            f"{self.tokens:,} tokens from {self.json_bytes / 1e6:,.1f} MB of input in "
             f"{self.seconds:.1f} s ({self.documents / max(self.seconds, 1e-9):,.0f} documents/s, "
             f"{rate / 1e6:.2f} MB/s; {self.engine})",
             *(f"trireme: wrote {p}.bin / .idx" for p in self.outputs),
@@ -203,10 +217,10 @@ def _process_block(block: Block) -> dict:
     """Worker: one block of lines -> arrays per key, counts, and any error as a message."""
     options: PreprocessOptions = _worker["options"]
     skipped: Counter = Counter()
-    result: dict = {"disk_bytes": block.disk_bytes, "json_bytes": len(block.data)}
+    result: dict = {"disk_bytes": block.disk_bytes, "json_bytes": block.input_bytes}
+    parse = parse_rows if isinstance(block, TableBlock) else parse_lines
     try:
-        texts = parse_lines(block, options.json_keys, options.skip_bad_lines, skipped,
-                            _length_problem)
+        texts = parse(block, options.json_keys, options.skip_bad_lines, skipped, _length_problem)
         if not _worker["checked"] and texts[0]:
             _worker["checked"] = True
             result["warning"] = _check_fast_engine(_worker["tokenizer"], texts[0])
@@ -252,12 +266,32 @@ def output_prefixes(options: PreprocessOptions) -> list[str]:
     return [f"{options.output_prefix}_{key}_{level}" for key in options.json_keys]
 
 
+def _read(piece: Piece, options: PreprocessOptions):
+    if is_table(piece.path):
+        return read_table_blocks(piece.path, options.json_keys, options.block_bytes)
+    return read_blocks(piece, options.block_bytes)
+
+
+def _check_not_empty(counts: list[tuple[int, int]], options: PreprocessOptions,
+                     report: PreprocessReport) -> None:
+    """DataError when the output would be empty: (documents, tokens) per key."""
+    if counts[0][0] == 0:
+        skipped = sum(report.skipped.values())
+        why = f"all {skipped:,} were bad and skipped" if skipped else "the input is empty"
+        raise DataError(f"preprocess: no documents in {', '.join(options.inputs)}: {why}; "
+                        "nothing written")
+    for key, (documents, tokens) in zip(options.json_keys, counts):
+        if tokens == 0:
+            raise DataError(f"preprocess: all {documents:,} documents have an empty "
+                            f"{key!r}; nothing written")
+
+
 def _write_part(pieces: list[Piece], prefixes: list[str], options: PreprocessOptions,
-                dtype: np.dtype, report: PreprocessReport, bar) -> None:
+                dtype: np.dtype, report: PreprocessReport, bar, whole: bool = True) -> None:
     """Tokenize the pieces into one dataset per key, finished atomically (or not at all)."""
     writers = [IndexedDatasetWriter(p, dtype) for p in prefixes]
     try:
-        blocks = (b for piece in pieces for b in read_blocks(piece, options.block_bytes))
+        blocks = (b for piece in pieces for b in _read(piece, options))
         for result in _ordered_results(blocks, options, dtype):
             if "error" in result:
                 raise DataError(result["error"])
@@ -277,6 +311,8 @@ def _write_part(pieces: list[Piece], prefixes: list[str], options: PreprocessOpt
                 seconds = max(time.perf_counter() - report.started, 1e-9)
                 bar.set_postfix_str(f"{report.documents / seconds:,.0f} docs/s, "
                                     f"{report.json_bytes / seconds / 1e6:.2f} MB/s")
+        if whole:
+            _check_not_empty([(w.num_documents, w.num_tokens) for w in writers], options, report)
     except BaseException:
         for writer in writers:
             writer.abort()
@@ -285,15 +321,36 @@ def _write_part(pieces: list[Piece], prefixes: list[str], options: PreprocessOpt
         writer.finalize()
 
 
+def resolve_inputs(paths: list[str], keys: list[str]) -> list[str]:
+    """The input files, checked: a `datasets` folder becomes its Arrow shards; Parquet and Arrow
+    files must hold the key columns as strings. A one-line DataError names what is wrong."""
+    if not paths:
+        raise ConfigError("preprocess: no --input files")
+    files = []
+    for path in paths:
+        if os.path.isdir(path):
+            if not os.path.isfile(os.path.join(path, "state.json")):
+                raise DataError(
+                    f"input {path!r} is a directory; give JSONL files (.jsonl, .jsonl.gz, "
+                    ".jsonl.zst), Parquet files, or a folder written by datasets' save_to_disk"
+                )
+            files += dataset_folder_files(path)
+        elif not os.path.isfile(path):
+            raise DataError(f"input file {path!r} not found")
+        else:
+            files.append(path)
+    for path in files:
+        if is_table(path):
+            check_columns(path, keys)
+    return files
+
+
 def preprocess(options: PreprocessOptions) -> PreprocessReport:
     """Run the whole preprocessing; returns counts and timings (printing is the caller's)."""
-    if not options.inputs:
-        raise ConfigError("preprocess: no --input files")
-    for path in options.inputs:
-        if not os.path.isfile(path):
-            raise DataError(f"input file {path!r} not found")
+    inputs = resolve_inputs(options.inputs, options.json_keys)
     if options.partitions < 1 or options.workers < 0:
         raise ConfigError("preprocess: --partitions must be >= 1 and --workers >= 0")
+    created = check_writable(options.output_prefix, "--output-prefix")
     tokenizer = load_tokenizer(options.tokenizer, fast=options.engine == "auto")
     dtype = best_dtype(tokenizer.vocab_size)
     fast = isinstance(tokenizer, HFTokenizer) and tokenizer.fast
@@ -302,14 +359,19 @@ def preprocess(options: PreprocessOptions) -> PreprocessReport:
         engine += f" (fast engine off: {tokenizer.fast_reason})"
     prefixes = output_prefixes(options)
     report = PreprocessReport(prefixes, engine=f"{engine}, {max(options.workers, 1)} workers")
-    bar = _progress(options, sum(os.path.getsize(p) for p in options.inputs))
+    bar = _progress(options, sum(os.path.getsize(p) for p in inputs))
     report.started = start = time.perf_counter()
     try:
-        groups = split_pieces(options.inputs, options.partitions)
+        groups = split_pieces(inputs, options.partitions)
         if len(groups) == 1:
             _write_part(groups[0], prefixes, options, dtype, report, bar)
         else:
             _write_partitioned(groups, prefixes, options, dtype, report, bar)
+    except BaseException:
+        for directory in reversed(created):  # the run made them; empty now, unless parts wait
+            if os.path.isdir(directory) and not os.listdir(directory):
+                os.rmdir(directory)
+        raise
     finally:
         if bar is not None:
             bar.close()
@@ -333,10 +395,13 @@ def _write_partitioned(groups, prefixes, options, dtype, report, bar) -> None:
                 bar.update(sum(os.path.getsize(p.path) if p.end is None else p.end - p.start
                                for p in pieces))
             continue  # finished by an earlier, interrupted run
-        _write_part(pieces, names, options, dtype, report, bar)
+        _write_part(pieces, names, options, dtype, report, bar, False)  # whole=False
         with open(marker + ".tmp", "w") as f:
             f.write(description)
         os.replace(marker + ".tmp", marker)
+    parts = [[IndexedDataset(name) for name in names] for names in part_prefixes]
+    _check_not_empty([(sum(p[k].num_documents for p in parts), sum(p[k].num_tokens for p in parts))
+                      for k in range(len(prefixes))], options, report)
     for k, prefix in enumerate(prefixes):
         merge_datasets([names[k] for names in part_prefixes], prefix)
     shutil.rmtree(parts_dir)
