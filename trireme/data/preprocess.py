@@ -329,7 +329,8 @@ def resolve_inputs(paths: list[str], keys: list[str]) -> list[str]:
     files = []
     for path in paths:
         if os.path.isdir(path):
-            if not os.path.isfile(os.path.join(path, "state.json")):
+            if not any(os.path.isfile(os.path.join(path, name))
+                       for name in ("state.json", "dataset_dict.json")):
                 raise DataError(
                     f"input {path!r} is a directory; give JSONL files (.jsonl, .jsonl.gz, "
                     ".jsonl.zst), Parquet files, or a folder written by datasets' save_to_disk"
@@ -400,8 +401,13 @@ def _write_partitioned(groups, prefixes, options, dtype, report, bar) -> None:
             f.write(description)
         os.replace(marker + ".tmp", marker)
     parts = [[IndexedDataset(name) for name in names] for names in part_prefixes]
-    _check_not_empty([(sum(p[k].num_documents for p in parts), sum(p[k].num_tokens for p in parts))
-                      for k in range(len(prefixes))], options, report)
+    try:
+        _check_not_empty([(sum(p[k].num_documents for p in parts),
+                           sum(p[k].num_tokens for p in parts)) for k in range(len(prefixes))],
+                         options, report)
+    except DataError:
+        shutil.rmtree(parts_dir)  # finished parts of an input that cannot give a dataset
+        raise
     for k, prefix in enumerate(prefixes):
         merge_datasets([names[k] for names in part_prefixes], prefix)
     shutil.rmtree(parts_dir)
