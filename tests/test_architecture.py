@@ -29,7 +29,7 @@ FLOORS = [
 
 # Third-party or platform modules that may be missing, so they are imported where used.
 OPTIONAL = ("torchao", "triton", "torch.utils.tensorboard", "tensorboard", "tiktoken",
-            "sentencepiece", "zstandard", "resource", "fcntl", "megatron",
+            "sentencepiece", "zstandard", "pyarrow", "resource", "fcntl", "megatron",
             "trireme.ops.swiglu_triton")  # the last imports Triton at its top
 
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from trireme.data.indexed import IndexedDataset
+from trireme.data.indexed import IndexedDataset, check_writable
 from trireme.data.jsonl import Piece, parse_lines, read_blocks
 from trireme.data.preprocess import PreprocessOptions, merge_datasets, preprocess
 from trireme.data.tokenizer import load_tokenizer, train_bpe
@@ -25,14 +25,16 @@ def preprocess_main(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(
         prog="trireme preprocess",
-        description="Tokenize JSONL (plain, .gz, .zst) into Megatron .bin/.idx datasets, "
-        "one per JSON key: {prefix}_{key}_document (or _sentence).",
+        description="Tokenize JSONL (plain, .gz, .zst), Parquet, or datasets save_to_disk folders "
+        "into Megatron .bin/.idx datasets, one per key: {prefix}_{key}_document (or _sentence).",
     )
-    parser.add_argument("--input", nargs="+", required=True, metavar="PATH", help="JSONL files")
+    parser.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                        help="JSONL or Parquet files, or datasets save_to_disk folders")
     parser.add_argument("--output-prefix", required=True, metavar="P")
     parser.add_argument("--tokenizer", required=True, metavar="TOK",
                         help="a tokenizer path (kind inferred), kind:path, bytes or null:N")
-    parser.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY")
+    parser.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
+                        help="JSON keys, or Parquet / Arrow columns, holding the text")
     parser.add_argument("--append-eod", action="store_true",
                         help="end every non-empty document with the end-of-document id")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
@@ -72,6 +74,7 @@ def data_main(argv: list[str]) -> int:
     inspect.add_argument("--chars", type=int, default=500, help="characters of the sample")
     args = parser.parse_args(argv)
     if args.command == "merge":
+        check_writable(args.output_prefix, "--output-prefix")
 
         merged = merge_datasets(args.input, args.output_prefix)
         print(f"trireme: wrote {merged.prefix}.bin / .idx: {merged.num_documents:,} documents, "
@@ -130,12 +133,18 @@ def inspect_dataset(prefix: str, tokenizer: str = "", document: int = 0, chars: 
     return "\n".join(lines)
 
 
+def _check_text_inputs(paths: list[str]) -> None:
+    for path in paths:
+        if os.path.isdir(path):
+            raise DataError(f"input {path!r} is a directory; give JSONL or plain text files")
+        if not os.path.isfile(path):
+            raise DataError(f"input file {path!r} not found")
+
+
 def _training_texts(paths: list[str], key: str) -> Iterator[str]:
     """Texts from JSONL files (the `key` of each line, bad lines skipped) or plain text lines."""
 
     for path in paths:
-        if not os.path.isfile(path):
-            raise DataError(f"input file {path!r} not found")
         stem = path.removesuffix(".gz").removesuffix(".zst").removesuffix(".zstd")
         is_json = stem.endswith((".jsonl", ".json", ".ndjson"))
         for block in read_blocks(Piece(path)):
@@ -159,6 +168,8 @@ def tokenizer_main(argv: list[str]) -> int:
     if args.vocab_size < 1:
         raise ConfigError(f"--vocab-size {args.vocab_size} must be positive")
     path = os.path.join(args.output, "tokenizer.json")
+    check_writable(path, "--output")
+    _check_text_inputs(args.input)
     tok = train_bpe(_training_texts(args.input, args.json_key), args.vocab_size, path)
     print(f"trireme: wrote {path} ({tok.vocab_size:,} tokens, end-of-document id {tok.eod})",
           file=sys.stdout)

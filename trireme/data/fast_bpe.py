@@ -17,6 +17,12 @@ import json
 
 # The pre-tokenizer regex `tokenizers` uses for ByteLevel(use_regex=True): GPT-2's.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# The split regex of cl100k-style encodings (also Llama 3's): words with their leading space,
+# numbers of up to 3 digits, punctuation runs, newlines, other whitespace.
+CL100K_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def byte_to_symbol() -> dict[int, str]:
@@ -32,7 +38,7 @@ def byte_to_symbol() -> dict[int, str]:
     return table
 
 
-def _pattern(pre: dict | None) -> str | None:
+def split_pattern(pre: dict | None) -> str | None:
     """The split regex of a byte-level pre-tokenizer, or None when it is something else."""
     if not pre:
         return None
@@ -70,7 +76,7 @@ def tiktoken_engine(tokenizer_json: str):
         return None, "BPE with dropout, subword prefix/suffix or byte fallback"
     if spec.get("normalizer"):
         return None, "a normalizer is set"
-    pattern = _pattern(spec.get("pre_tokenizer"))
+    pattern = split_pattern(spec.get("pre_tokenizer"))
     if pattern is None:
         return None, "the pre-tokenizer is not a plain byte-level split"
     added = spec.get("added_tokens") or []

@@ -62,6 +62,28 @@ def temporary_path(path: str | os.PathLike[str]) -> str:
     return os.path.join(directory, f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
 
 
+def check_writable(path: str, flag: str) -> list[str]:
+    """DataError (one line, naming `path`) unless files can be created at `path`; call before any
+    work. Returns the directories that do not exist yet (deepest last), which the writer will
+    create, so that a failed run can remove them again."""
+    if path.endswith(os.sep) or os.path.isdir(path):
+        raise DataError(f"{flag} {path!r} is a directory; give a path prefix inside it, e.g. "
+                        f"{os.path.join(path, 'name')!r}")
+    existing, missing = os.path.dirname(os.path.abspath(path)), []
+    while not os.path.exists(existing):
+        existing, missing = os.path.dirname(existing), [existing, *missing]
+    if not os.path.isdir(existing):
+        raise DataError(f"{flag} {path!r}: {existing!r} is a file, not a directory")
+    probe = temporary_path(os.path.join(existing, "probe"))
+    try:
+        open(probe, "xb").close()
+        os.remove(probe)
+    except OSError as e:
+        raise DataError(f"{flag} {path!r}: cannot write in {existing!r} ({e.strerror or e}); "
+                        "give a writable location") from None
+    return missing
+
+
 class IndexedDatasetWriter:
     """Write a `.bin/.idx` pair, one document at a time or many at once, in constant memory.
 
@@ -79,14 +101,24 @@ class IndexedDatasetWriter:
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODE_OF_DTYPE:
             raise ValueError(f"dtype {self.dtype} has no Megatron dtype code")
-        os.makedirs(os.path.dirname(os.path.abspath(self.prefix)), exist_ok=True)
         self._bin_tmp = temporary_path(self.prefix + ".bin")
         self._lengths_tmp = temporary_path(self.prefix + ".lengths")
         self._ends_tmp = temporary_path(self.prefix + ".documents")
         self._idx_tmp: str | None = None
-        self._bin_file = open(self._bin_tmp, "xb", buffering=1 << 22)
-        self._lengths_file = open(self._lengths_tmp, "xb", buffering=1 << 20)  # int32 per sequence
-        self._ends_file = open(self._ends_tmp, "xb", buffering=1 << 20)  # int64 per document
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(self.prefix)), exist_ok=True)
+            self._bin_file = open(self._bin_tmp, "xb", buffering=1 << 22)
+            self._lengths_file = open(self._lengths_tmp, "xb", buffering=1 << 20)  # int32 each
+            self._ends_file = open(self._ends_tmp, "xb", buffering=1 << 20)  # int64 per document
+        except OSError as e:
+            for f in ("_bin_file", "_lengths_file"):
+                if hasattr(self, f):
+                    getattr(self, f).close()
+            self._remove_spools()
+            for path in (self._bin_tmp,):
+                if os.path.exists(path):
+                    os.remove(path)
+            raise DataError(f"cannot write {self.prefix}.bin / .idx ({e.strerror or e})") from None
         self.num_sequences = 0
         self.num_documents = 0
         self.num_tokens = 0
@@ -306,11 +338,26 @@ class IndexedDataset:
                 f"{self._num_tokens} {self._dtype} tokens ({need} bytes); truncated, or the two "
                 f"files are from different datasets"
             )
-        ends = self._pointers + self._lengths.astype(np.int64) * self._dtype.itemsize
-        misaligned = n and np.any(self._pointers % self._dtype.itemsize)
-        if n and (self._pointers.min() < 0 or ends.max() > need or misaligned):
-            raise self._error(f"{name} points outside {os.path.basename(bin_path)}; corrupted")
+        self._check_pointers(name)
         self._tokens = data.view(self._dtype)
+
+    def _check_pointers(self, name: str, chunk: int = 1 << 22) -> None:
+        """Sequence i must start where sequence i-1 ends: pointers are the running sum of the
+        lengths times the token size (as Megatron writes them); anything else would read tokens
+        shifted or from another sequence, silently."""
+        offset, itemsize = 0, self._dtype.itemsize
+        for start in range(0, len(self._lengths), chunk):
+            sizes = self._lengths[start : start + chunk].astype(np.int64) * itemsize
+            expected = np.cumsum(sizes) - sizes + offset
+            wrong = np.flatnonzero(self._pointers[start : start + chunk] != expected)
+            if wrong.size:
+                i = int(wrong[0])
+                raise self._error(
+                    f"{name}: sequence {start + i} starts at byte "
+                    f"{int(self._pointers[start + i])} of the .bin, but the lengths before it "
+                    f"put it at {int(expected[i])}; corrupted index"
+                )
+            offset = int(expected[-1] + sizes[-1])
 
     # Memory maps do not pickle; a DataLoader worker reopens the files instead.
     def __getstate__(self) -> dict[str, str]:

@@ -12,7 +12,7 @@ import io
 import json
 import os
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -24,6 +24,8 @@ NOT_OBJECT = "not a JSON object"
 MISSING_KEY = "missing key"
 NOT_STRING = "non-string value"
 BAD_UTF8 = "invalid UTF-8"
+TOO_LONG = "document too long"
+TABLE_SUFFIXES = (".parquet", ".pq", ".arrow")  # read by trireme.data.tables, not as lines
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,13 @@ class Block:
     first_line: int  # 1-based number of the block's first line in its file
     data: bytes  # whole lines, each ending in a newline (the last one may not)
     disk_bytes: int  # bytes of the file on disk this block accounts for (for progress)
+
+    def where(self) -> str:
+        return f"{self.path} (lines from {self.first_line})"
+
+    @property
+    def input_bytes(self) -> int:
+        return len(self.data)
 
 
 def is_compressed(path: str) -> bool:
@@ -101,13 +110,14 @@ def read_blocks(piece: Piece, block_bytes: int = 1 << 20) -> Iterator[Block]:
             if source.raw.read(1) != b"\n":  # inside a line: it belongs to the previous piece
                 line += source.raw.readline().count(b"\n")
         limit = None if piece.end is None else piece.end
-        carry = b""
+        carry: list[bytes] = []  # the start of an unfinished line, in chunks (joined once)
         position = source.disk_position()
         while True:
             if limit is not None and source.raw.tell() >= limit:
                 # finish the line that began before the limit, then stop
-                data = carry + (source.raw.readline() if carry and not carry.endswith(b"\n")
-                                else b"")
+                data = b"".join(carry)
+                if data and not data.endswith(b"\n"):
+                    data += source.raw.readline()
                 if data:
                     yield Block(piece.path, line, data, limit - position)
                 return
@@ -115,14 +125,15 @@ def read_blocks(piece: Piece, block_bytes: int = 1 << 20) -> Iterator[Block]:
             chunk = source.stream.read(size)
             if not chunk:
                 if carry:
-                    yield Block(piece.path, line, carry, source.disk_position() - position)
+                    yield Block(piece.path, line, b"".join(carry),
+                                source.disk_position() - position)
                 return
-            data = carry + chunk
-            cut = data.rfind(b"\n") + 1
-            if cut == 0:
-                carry = data
+            if b"\n" not in chunk:  # a line longer than a block: no quadratic re-joining
+                carry.append(chunk)
                 continue
-            block, carry = data[:cut], data[cut:]
+            data = b"".join([*carry, chunk])
+            cut = data.rfind(b"\n") + 1
+            block, carry = data[:cut], [data[cut:]] if cut < len(data) else []
             now = source.disk_position()
             yield Block(piece.path, line, block, now - position)
             position = now
@@ -140,7 +151,7 @@ def split_pieces(paths: list[str], partitions: int) -> list[list[Piece]]:
         per_file = -(-partitions // len(paths))
         pieces = []
         for p in paths:
-            if is_compressed(p) or sizes[p] == 0:
+            if is_compressed(p) or p.endswith(TABLE_SUFFIXES) or sizes[p] == 0:
                 pieces.append(Piece(p))
                 continue
             bounds = [sizes[p] * i // per_file for i in range(per_file + 1)]
@@ -165,12 +176,14 @@ def _utf8_clean(text: str) -> bool:
 
 
 def parse_lines(
-    block: Block, keys: list[str], skip_bad: bool, skipped: Counter
+    block: Block, keys: list[str], skip_bad: bool, skipped: Counter,
+    check: Callable[[str], str | None] | None = None,
 ) -> list[list[str]]:
     """The texts of `keys` for each good line of the block: [key][document].
 
     A bad line raises DataError naming file and line, or with `skip_bad` is counted in `skipped`
-    by reason and left out. Blank lines are ignored.
+    by reason and left out. Blank lines are ignored. `check(text)`, when given, says why a text
+    cannot be tokenized (TOO_LONG), or None.
     """
     texts: list[list[str]] = [[] for _ in keys]
     for number, raw in enumerate(io.BytesIO(block.data), block.first_line):
@@ -194,8 +207,10 @@ def parse_lines(
                     reason, detail = MISSING_KEY, repr(key)
                 elif not isinstance(value, str):
                     reason, detail = NOT_STRING, f"{type(value).__name__} for {key!r}"
-                elif "\\ud" in line.lower() and not _utf8_clean(value):
+                elif ("\\ud" in line or "\\uD" in line) and not _utf8_clean(value):
                     reason, detail = BAD_UTF8, f"lone surrogate escape in {key!r}"
+                elif check is not None and (problem := check(value)):
+                    reason, detail = TOO_LONG, f"{key!r}: {problem}"
                 if reason:
                     break
                 values.append(value)

@@ -31,8 +31,23 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from trireme.data.indexed import CODE_OF_DTYPE, IndexedDataset, IndexedDatasetWriter, best_dtype
+from trireme.data.cuts import MAX_PIECE_CHARS, PIECE_CHARS, cut_bounds
+from trireme.data.indexed import (
+    CODE_OF_DTYPE,
+    IndexedDataset,
+    IndexedDatasetWriter,
+    best_dtype,
+    check_writable,
+)
 from trireme.data.jsonl import Block, Piece, parse_lines, read_blocks, split_pieces
+from trireme.data.tables import (
+    TableBlock,
+    check_columns,
+    dataset_folder_files,
+    is_table,
+    parse_rows,
+    read_table_blocks,
+)
 from trireme.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from trireme.errors import ConfigError, DataError
 
@@ -55,6 +70,8 @@ class PreprocessOptions:
     skip_bad_lines: bool = False
     engine: str = "auto"  # auto: tiktoken for a qualifying byte-level BPE; hf: tokenizers only
     block_bytes: int = 1 << 20
+    piece_chars: int = PIECE_CHARS  # longer texts are tokenized in pieces (cuts.py)
+    max_piece_chars: int = MAX_PIECE_CHARS  # a longer piece, or uncuttable text, is refused
     progress: bool = True
 
 
@@ -74,7 +91,7 @@ class PreprocessReport:
         rate = self.json_bytes / max(self.seconds, 1e-9)
         lines = [
             f"trireme: {self.documents:,} documents, {self.sequences:,} sequences, "
-            f"{self.tokens:,} tokens from {self.json_bytes / 1e6:,.1f} MB of JSON in "
+            f"{self.tokens:,} tokens from {self.json_bytes / 1e6:,.1f} MB of input in "
             f"{self.seconds:.1f} s ({self.documents / max(self.seconds, 1e-9):,.0f} documents/s, "
             f"{rate / 1e6:.2f} MB/s; {self.engine})",
             *(f"trireme: wrote {p}.bin / .idx" for p in self.outputs),
@@ -107,42 +124,91 @@ def _check_fast_engine(tokenizer: Tokenizer, texts: list[str]) -> str | None:
     """Compare the fast engine with `tokenizers` on some documents; turn it off on a difference."""
     if not isinstance(tokenizer, HFTokenizer) or not tokenizer.fast:
         return None
-    sample = texts[:FAST_CHECK_DOCUMENTS]
+    sample = [t[:PIECE_CHARS] for t in texts[:FAST_CHECK_DOCUMENTS]]  # the engines, not cuts
     if tokenizer.encode_batch(sample) == tokenizer.encode_reference(sample):
         return None
     tokenizer.disable_fast()
     return "the tiktoken engine disagreed with tokenizers on a document; using tokenizers"
 
 
-def _encode(tokenizer: Tokenizer, texts: list[str], block: Block) -> list[list[int]]:
+def _encode_long(tokenizer: Tokenizer, text: str, options: PreprocessOptions,
+                 dtype: np.dtype) -> np.ndarray:
+    """Ids of a long text, tokenized piece by piece where the tokenizer may be cut (cuts.py), so
+    that memory stays near the size of the text rather than many times it."""
+    bounds = cut_bounds(text, tokenizer.cut_at, options.piece_chars, options.max_piece_chars)
+    parts = [np.asarray(tokenizer.encode(text[a:b]), dtype=dtype) for a, b in bounds]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+
+def _encode(tokenizer: Tokenizer, texts: list[str], block, options: PreprocessOptions,
+            dtype: np.dtype) -> list:
+    """Ids of each text: a list, or a numpy array for a text longer than `options.piece_chars`."""
+    is_long = [len(t) > options.piece_chars for t in texts]
     try:
-        return tokenizer.encode_batch(texts)
+        short = iter(tokenizer.encode_batch([t for t, x in zip(texts, is_long) if not x]))
+        return [_encode_long(tokenizer, t, options, dtype) if x else next(short)
+                for t, x in zip(texts, is_long)]
     except ValueError as e:  # e.g. the null tokenizer on a non-integer
-        raise DataError(f"{block.path} (lines from {block.first_line}): {e}") from None
+        raise DataError(f"{block.where()}: {e}") from None
 
 
-def _tokenize_column(texts: list[str], block: Block, options: PreprocessOptions, dtype: np.dtype):
+def _length_problem(text: str) -> str | None:
+    """Why a text cannot be tokenized in pieces of bounded size, or None (see cuts.py)."""
+    options: PreprocessOptions = _worker["options"]
+    if len(text) <= options.piece_chars:
+        return None
+    for part in split_sentences(text) if options.split_sentences else [text]:
+        try:
+            cut_bounds(part, _worker["tokenizer"].cut_at, options.piece_chars,
+                       options.max_piece_chars)
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+def _flatten(sequences: list, dtype: np.dtype, total: int) -> np.ndarray:
+    """All sequences (lists or arrays) back to back as one array."""
+    out = np.empty(total, dtype=dtype)
+    position, run = 0, []
+    for sequence in [*sequences, None]:
+        if isinstance(sequence, list):
+            run.append(sequence)
+            continue
+        size = sum(map(len, run))
+        out[position : position + size] = np.fromiter(
+            itertools.chain.from_iterable(run), dtype=dtype, count=size)
+        position, run = position + size, []
+        if sequence is not None:
+            out[position : position + sequence.size] = sequence
+            position += sequence.size
+    return out
+
+
+def _tokenize_column(texts: list[str], block, options: PreprocessOptions, dtype: np.dtype):
     """(tokens, sequence lengths, sequences per document) of one key's texts, as arrays."""
     tokenizer: Tokenizer = _worker["tokenizer"]
     if options.split_sentences:
         sentences = [split_sentences(t) for t in texts]
         per_doc = [len(s) for s in sentences]
-        ids = _encode(tokenizer, list(itertools.chain.from_iterable(sentences)), block)
+        ids = _encode(tokenizer, list(itertools.chain.from_iterable(sentences)), block, options,
+                      dtype)
         docs = []
         start = 0
         for n in per_doc:
-            docs.append([s for s in ids[start : start + n] if s])  # empty sentences dropped
+            docs.append([s for s in ids[start : start + n] if len(s)])  # empty sentences dropped
             start += n
     else:
-        docs = [[ids] if ids else [] for ids in _encode(tokenizer, texts, block)]
+        docs = [[ids] if len(ids) else [] for ids in _encode(tokenizer, texts, block, options,
+                                                            dtype)]
     if options.append_eod:
         for doc in docs:
-            if doc:
+            if doc and isinstance(doc[-1], list):
                 doc[-1].append(tokenizer.eod)
+            elif doc:
+                doc[-1] = np.append(doc[-1], np.asarray(tokenizer.eod, dtype=dtype))
     sequences = list(itertools.chain.from_iterable(docs))
     lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
-    total = int(lengths.sum())
-    tokens = np.fromiter(itertools.chain.from_iterable(sequences), dtype=dtype, count=total)
+    tokens = _flatten(sequences, dtype, int(lengths.sum()))
     counts = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
     return tokens, lengths, counts
 
@@ -151,9 +217,10 @@ def _process_block(block: Block) -> dict:
     """Worker: one block of lines -> arrays per key, counts, and any error as a message."""
     options: PreprocessOptions = _worker["options"]
     skipped: Counter = Counter()
-    result: dict = {"disk_bytes": block.disk_bytes, "json_bytes": len(block.data)}
+    result: dict = {"disk_bytes": block.disk_bytes, "json_bytes": block.input_bytes}
+    parse = parse_rows if isinstance(block, TableBlock) else parse_lines
     try:
-        texts = parse_lines(block, options.json_keys, options.skip_bad_lines, skipped)
+        texts = parse(block, options.json_keys, options.skip_bad_lines, skipped, _length_problem)
         if not _worker["checked"] and texts[0]:
             _worker["checked"] = True
             result["warning"] = _check_fast_engine(_worker["tokenizer"], texts[0])
@@ -199,12 +266,32 @@ def output_prefixes(options: PreprocessOptions) -> list[str]:
     return [f"{options.output_prefix}_{key}_{level}" for key in options.json_keys]
 
 
+def _read(piece: Piece, options: PreprocessOptions):
+    if is_table(piece.path):
+        return read_table_blocks(piece.path, options.json_keys, options.block_bytes)
+    return read_blocks(piece, options.block_bytes)
+
+
+def _check_not_empty(counts: list[tuple[int, int]], options: PreprocessOptions,
+                     report: PreprocessReport) -> None:
+    """DataError when the output would be empty: (documents, tokens) per key."""
+    if counts[0][0] == 0:
+        skipped = sum(report.skipped.values())
+        why = f"all {skipped:,} were bad and skipped" if skipped else "the input is empty"
+        raise DataError(f"preprocess: no documents in {', '.join(options.inputs)}: {why}; "
+                        "nothing written")
+    for key, (documents, tokens) in zip(options.json_keys, counts):
+        if tokens == 0:
+            raise DataError(f"preprocess: all {documents:,} documents have an empty "
+                            f"{key!r}; nothing written")
+
+
 def _write_part(pieces: list[Piece], prefixes: list[str], options: PreprocessOptions,
-                dtype: np.dtype, report: PreprocessReport, bar) -> None:
+                dtype: np.dtype, report: PreprocessReport, bar, whole: bool = True) -> None:
     """Tokenize the pieces into one dataset per key, finished atomically (or not at all)."""
     writers = [IndexedDatasetWriter(p, dtype) for p in prefixes]
     try:
-        blocks = (b for piece in pieces for b in read_blocks(piece, options.block_bytes))
+        blocks = (b for piece in pieces for b in _read(piece, options))
         for result in _ordered_results(blocks, options, dtype):
             if "error" in result:
                 raise DataError(result["error"])
@@ -224,6 +311,8 @@ def _write_part(pieces: list[Piece], prefixes: list[str], options: PreprocessOpt
                 seconds = max(time.perf_counter() - report.started, 1e-9)
                 bar.set_postfix_str(f"{report.documents / seconds:,.0f} docs/s, "
                                     f"{report.json_bytes / seconds / 1e6:.2f} MB/s")
+        if whole:
+            _check_not_empty([(w.num_documents, w.num_tokens) for w in writers], options, report)
     except BaseException:
         for writer in writers:
             writer.abort()
@@ -232,15 +321,37 @@ def _write_part(pieces: list[Piece], prefixes: list[str], options: PreprocessOpt
         writer.finalize()
 
 
+def resolve_inputs(paths: list[str], keys: list[str]) -> list[str]:
+    """The input files, checked: a `datasets` folder becomes its Arrow shards; Parquet and Arrow
+    files must hold the key columns as strings. A one-line DataError names what is wrong."""
+    if not paths:
+        raise ConfigError("preprocess: no --input files")
+    files = []
+    for path in paths:
+        if os.path.isdir(path):
+            if not any(os.path.isfile(os.path.join(path, name))
+                       for name in ("state.json", "dataset_dict.json")):
+                raise DataError(
+                    f"input {path!r} is a directory; give JSONL files (.jsonl, .jsonl.gz, "
+                    ".jsonl.zst), Parquet files, or a folder written by datasets' save_to_disk"
+                )
+            files += dataset_folder_files(path)
+        elif not os.path.isfile(path):
+            raise DataError(f"input file {path!r} not found")
+        else:
+            files.append(path)
+    for path in files:
+        if is_table(path):
+            check_columns(path, keys)
+    return files
+
+
 def preprocess(options: PreprocessOptions) -> PreprocessReport:
     """Run the whole preprocessing; returns counts and timings (printing is the caller's)."""
-    if not options.inputs:
-        raise ConfigError("preprocess: no --input files")
-    for path in options.inputs:
-        if not os.path.isfile(path):
-            raise DataError(f"input file {path!r} not found")
+    inputs = resolve_inputs(options.inputs, options.json_keys)
     if options.partitions < 1 or options.workers < 0:
         raise ConfigError("preprocess: --partitions must be >= 1 and --workers >= 0")
+    created = check_writable(options.output_prefix, "--output-prefix")
     tokenizer = load_tokenizer(options.tokenizer, fast=options.engine == "auto")
     dtype = best_dtype(tokenizer.vocab_size)
     fast = isinstance(tokenizer, HFTokenizer) and tokenizer.fast
@@ -249,14 +360,19 @@ def preprocess(options: PreprocessOptions) -> PreprocessReport:
         engine += f" (fast engine off: {tokenizer.fast_reason})"
     prefixes = output_prefixes(options)
     report = PreprocessReport(prefixes, engine=f"{engine}, {max(options.workers, 1)} workers")
-    bar = _progress(options, sum(os.path.getsize(p) for p in options.inputs))
+    bar = _progress(options, sum(os.path.getsize(p) for p in inputs))
     report.started = start = time.perf_counter()
     try:
-        groups = split_pieces(options.inputs, options.partitions)
+        groups = split_pieces(inputs, options.partitions)
         if len(groups) == 1:
             _write_part(groups[0], prefixes, options, dtype, report, bar)
         else:
             _write_partitioned(groups, prefixes, options, dtype, report, bar)
+    except BaseException:
+        for directory in reversed(created):  # the run made them; empty now, unless parts wait
+            if os.path.isdir(directory) and not os.listdir(directory):
+                os.rmdir(directory)
+        raise
     finally:
         if bar is not None:
             bar.close()
@@ -280,10 +396,18 @@ def _write_partitioned(groups, prefixes, options, dtype, report, bar) -> None:
                 bar.update(sum(os.path.getsize(p.path) if p.end is None else p.end - p.start
                                for p in pieces))
             continue  # finished by an earlier, interrupted run
-        _write_part(pieces, names, options, dtype, report, bar)
+        _write_part(pieces, names, options, dtype, report, bar, False)  # whole=False
         with open(marker + ".tmp", "w") as f:
             f.write(description)
         os.replace(marker + ".tmp", marker)
+    parts = [[IndexedDataset(name) for name in names] for names in part_prefixes]
+    try:
+        _check_not_empty([(sum(p[k].num_documents for p in parts),
+                           sum(p[k].num_tokens for p in parts)) for k in range(len(prefixes))],
+                         options, report)
+    except DataError:
+        shutil.rmtree(parts_dir)  # finished parts of an input that cannot give a dataset
+        raise
     for k, prefix in enumerate(prefixes):
         merge_datasets([names[k] for names in part_prefixes], prefix)
     shutil.rmtree(parts_dir)

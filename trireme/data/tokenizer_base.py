@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from tokenizers import Tokenizer as _RustTokenizer
 
+from trireme.data.cuts import hf_cut_at
 from trireme.data.fast_bpe import tiktoken_engine
 from trireme.errors import ConfigError, DataError
 
@@ -23,6 +24,9 @@ class Tokenizer(ABC):
 
     vocab_size: int
     eod: int
+    # Where a long text may be cut so that its pieces tokenize to the ids of the whole (see
+    # trireme/data/cuts.py): "char", "whitespace", "space", or "" (nowhere).
+    cut_at: str = ""
 
     @abstractmethod
     def encode(self, text: str) -> list[int]:
@@ -42,6 +46,7 @@ class ByteTokenizer(Tokenizer):
 
     vocab_size = 257
     eod = 256
+    cut_at = "char"
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -58,6 +63,8 @@ class NullTokenizer(Tokenizer):
 
     Ids 0..num_ids-1 are allowed; `eod` is num_ids, so `vocab_size` is num_ids + 1.
     """
+
+    cut_at = "whitespace"
 
     def __init__(self, num_ids: int) -> None:
         if num_ids < 1:
@@ -128,6 +135,12 @@ class HFTokenizer(Tokenizer):
     def fast(self) -> bool:
         """Whether encoding runs on the tiktoken engine."""
         return self._fast is not None
+
+    @property
+    def cut_at(self) -> str:  # type: ignore[override]
+        if not hasattr(self, "_cut_at"):
+            self._cut_at, self.cut_reason = hf_cut_at(self._tok.to_str())
+        return self._cut_at
 
     def disable_fast(self) -> None:
         self._fast, self.fast_reason = None, "turned off"

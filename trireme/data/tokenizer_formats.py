@@ -15,15 +15,11 @@ from pathlib import Path
 from tokenizers import Tokenizer as _RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
+from trireme.data.fast_bpe import CL100K_PATTERN
 from trireme.data.tokenizer_base import EOD_TOKEN, HFTokenizer, Tokenizer
 from trireme.errors import DataError
 
-# The split regex of cl100k-style tiktoken encodings (also Llama 3's): words with their leading
-# space, numbers of up to 3 digits, punctuation runs, newlines, other whitespace.
-TIKTOKEN_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+TIKTOKEN_PATTERN = CL100K_PATTERN
 LLAMA3_BASE_TOKENS = 128_000  # a tiktoken file of this size gets Llama 3's 256 special tokens
 LLAMA3_NAMED = {
     0: "<|begin_of_text|>", 1: "<|end_of_text|>", 6: "<|start_header_id|>",
@@ -121,6 +117,8 @@ class TiktokenTokenizer(Tokenizer):
     `<|end_of_text|>`, 128001); any other gets one, `<|endoftext|>`, as eod. Text is encoded as
     ordinary text: special-token strings inside it are not turned into special ids.
     """
+
+    cut_at = "space"  # the cl100k regex: see trireme/data/cuts.py
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         tiktoken = _require("tiktoken", "a tiktoken tokenizer")
