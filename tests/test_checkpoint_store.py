@@ -327,7 +327,8 @@ def test_corrupted_files_name_the_file(tmp_path: Path) -> None:
     garbled = bytearray(data)
     garbled[12] ^= 0xFF  # same size, broken header
     opt.write_bytes(bytes(garbled))
-    with pytest.raises(CheckpointError, match="optimizer.safetensors is corrupted: its sha256 does not match"):
+    with pytest.raises(CheckpointError,
+                       match="optimizer.safetensors is corrupted: its sha256 does not match"):
         load_checkpoint(path)
     with pytest.raises(CheckpointError, match="optimizer.safetensors is truncated or corrupted"):
         load_checkpoint(path, verify=False)  # the library's error, naming the file
