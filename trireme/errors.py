@@ -21,3 +21,8 @@ class DataError(TriremeError):
 
 class CheckpointError(TriremeError):
     """A missing, incomplete or mismatched checkpoint."""
+
+
+class TrainingError(TriremeError):
+    """A run that cannot usefully go on: e.g. too many steps in a row skipped for a non-finite
+    loss or gradient norm (the run diverged), or a model whose weights are not finite."""

@@ -71,17 +71,25 @@ def maybe_resume(trainer: Trainer, saver: Saver | None = None) -> None:
     cfg = trainer.cfg
     if not cfg.checkpoint.dir or cfg.checkpoint.resume == "never":
         return
-    path = latest_checkpoint(cfg.checkpoint.dir)
+    path = load_latest(trainer, saver)
+    if path is not None and trainer.is_main:
+        print(f"trireme: resumed from {path} at step {trainer.state.step}", file=sys.stderr)
+
+
+def load_latest(trainer: Trainer, saver: Saver | None = None) -> Path | None:
+    """Load the newest checkpoint of checkpoint.dir (either format) into the trainer: model,
+    optimizer, step, consumed samples, RNG. Its path, or None (nothing loaded) if there is none.
+    Also the loss-spike rollback's loader (trireme/health.py)."""
+    path = latest_checkpoint(trainer.cfg.checkpoint.dir)
     if path is None:
-        return
+        return None
     if sharded.is_sharded(path):
         # a gloo group: DCP's small collectives on CPU, whatever the training's backend
         group = (saver or Saver(trainer, save_gathered)).group()
         sharded.load(trainer, path, group)
     else:
         _load_gathered(trainer, path)
-    if trainer.is_main:
-        print(f"trireme: resumed from {path} at step {trainer.state.step}", file=sys.stderr)
+    return path
 
 
 def _load_gathered(trainer: Trainer, path: Path) -> None:

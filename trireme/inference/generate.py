@@ -44,6 +44,19 @@ def sample_next(
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
 
+def first_non_finite(modules) -> str | None:
+    """The name of the first parameter of `modules` (a module or a list of model chunks) that
+    holds a NaN or an infinity in this process's part of it (an FSDP parameter's local shard),
+    or None. Sampling from such a model fails (or samples noise)."""
+    modules = [modules] if isinstance(modules, torch.nn.Module) else modules
+    for module in modules:
+        for name, p in module.named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if not bool(torch.isfinite(local).all()):
+                return name
+    return None
+
+
 def _as_batch(prompt_ids: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
     ids = torch.as_tensor(prompt_ids, dtype=torch.long)
     if ids.dim() == 1:

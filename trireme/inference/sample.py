@@ -3,10 +3,22 @@ any layout (every rank takes part; under pipeline parallelism through the stages
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
-from trireme.inference.generate import generate, sample_next
+from trireme.inference.generate import first_non_finite, generate, sample_next
 from trireme.trainer import Trainer, build_runner
+
+
+def weights_finite(trainer: Trainer) -> bool:
+    """Whether every rank's parameters are finite (all ranks agree: the sample is collective)."""
+    finite = first_non_finite(trainer.chunks) is None
+    if trainer.env.world_size == 1:
+        return finite
+    flag = torch.tensor(float(finite), device=trainer.device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def sample_through_stages(trainer: Trainer, prompt_ids: list[int]) -> list[int]:
@@ -31,6 +43,11 @@ def sample_through_stages(trainer: Trainer, prompt_ids: list[int]) -> list[int]:
 def print_sample(trainer: Trainer) -> None:
     cfg = trainer.cfg
     if not cfg.train.sample_tokens or trainer.tokenizer is None:
+        return
+    if not weights_finite(trainer):
+        if trainer.is_main:
+            print("trireme: warning: the trained weights are not finite (NaN or inf): no sample",
+                  file=sys.stderr, flush=True)
         return
     tok = trainer.tokenizer
     prompt_ids = tok.encode(cfg.train.sample_prompt) or [tok.eod]
