@@ -5,6 +5,8 @@ diverged model is a warning, not a traceback."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import subprocess
 import sys
 
@@ -286,3 +288,46 @@ def test_sample_next_refuses_non_finite_logits(greedy):
     logits[0, 3] = float("nan")
     with pytest.raises(TrainingError, match="logits are not finite"):
         sample_next(logits, greedy=greedy)
+
+
+def _pipeline_skip_and_sample(rank, world_size, data, run_dir):
+    """PP = 2: the last stage's non-finite loss skips the step on both stages; the sample of NaN
+    weights (on the first stage only) is a warning on rank 0 and no hang."""
+    bad_calls = {3, 4}  # step 2's micro batches (the loss exists on the last stage)
+    forward, count = GPT.forward, [0]
+
+    def patched(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        if self.stage.last:  # the chunk whose output is the loss
+            count[0] += 1
+            if count[0] in bad_calls:
+                out = out + float("inf")
+        return out
+
+    GPT.forward = patched
+    cfg = tiny_cfg(data, run_dir, "parallel.pipeline=2", "train.sample_tokens=3")
+    trainer = build_trainer(cfg)
+    trainer.train_step(trainer.next_micro_batches(), 1e-2)
+    before = state_of_chunks(trainer)
+    result = trainer.train_step(trainer.next_micro_batches(), 1e-2)
+    assert result["skipped"].item() == 1.0, rank
+    after = state_of_chunks(trainer)
+    assert all(torch.equal(before[k], after[k]) for k in before), rank
+    if rank == 0:
+        with torch.no_grad():
+            for p in trainer.chunks[0].parameters():
+                p.fill_(float("nan"))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()) as out:
+        print_sample(trainer)  # must return on both ranks, not hang or raise
+    if rank == 0:
+        assert "outputs are not finite" in err.getvalue()
+        assert "----- sample -----" not in out.getvalue()
+
+
+def state_of_chunks(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for c in trainer.chunks for n, p in c.named_parameters()}
+
+
+def test_pipeline_skip_and_nan_sample(toy_data, tmp_path):
+    run_ranks(_pipeline_skip_and_sample, 2, tmp_path, toy_data, tmp_path)
