@@ -12,9 +12,9 @@ import sys
 
 import pytest
 import torch
-
 from distributed import run_ranks
 from test_train import read_metrics, tiny_cfg, write_toy_data
+
 from trireme.config import load_config
 from trireme.errors import ConfigError, TrainingError
 from trireme.health import RunHealth
