@@ -21,7 +21,7 @@ FLOORS = [
     ("trireme.optim",),
     ("trireme.engine",),
     ("trireme.checkpoint",),
-    ("trireme.metrics", "trireme.trainer", "trireme.loop", "trireme.train"),
+    ("trireme.metrics", "trireme.health", "trireme.trainer", "trireme.loop", "trireme.train"),
     ("trireme.inference",),
     ("trireme.plan",),
     ("trireme.cli", "trireme.commands", "trireme.__main__"),

@@ -360,6 +360,25 @@ class TrainConfig:
         0, "recompute = full: recompute only the first this many blocks of each pipeline stage "
         "(of the model without pipelining); 0: all of them."
     )
+    max_skipped_steps: int = doc(
+        10, "Stop the run (a one-line error naming the steps) after this many optimizer steps in "
+        "a row were skipped for a non-finite loss or gradient norm; 0: never stop. Skips are "
+        "counted at log steps, so the run stops at the first log step after the limit."
+    )
+    spike_window: int = doc(
+        20, "Loss-spike detection: the z-score of each logged loss is taken over this many "
+        "previous logged losses (the window must be full first); 0 disables it."
+    )
+    spike_zscore: float = doc(
+        6.0, "A logged loss more than this many standard deviations above the mean of the "
+        "window is a spike: warned and written to metrics.jsonl as loss_spike = true. The "
+        "deviation is at least 0.1% of the mean (a flat window is not a hair trigger). 0 disables "
+        "detection."
+    )
+    spike_rollback: bool = doc(
+        False, "On a loss spike, reload the latest checkpoint of checkpoint.dir (needs it set) "
+        "and go on with the data after the spike, so the batches before it are not seen again."
+    )
     sample_prompt: str = doc("def ", "Prompt for the text sample printed at the end of training.")
     sample_tokens: int = doc(64, "Tokens to generate for the final sample; 0 disables it.")
 
@@ -529,14 +548,19 @@ def _to_int(key: str, value: Any) -> int:
 def _to_float(key: str, value: Any) -> float:
     if isinstance(value, bool):
         raise ConfigError(f"{key} = {value!r}: expected a number")
+    number = None
     if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
+        number = float(value)
+    elif isinstance(value, str):
         try:
-            return float(value)
+            number = float(value)
         except ValueError:
             pass
-    raise ConfigError(f"{key} = {value!r}: expected a number")
+    if number is None:
+        raise ConfigError(f"{key} = {value!r}: expected a number")
+    if not math.isfinite(number):  # nan, inf, or a literal too large for a float (1e400)
+        raise ConfigError(f"{key} = {value!r}: expected a finite number")
+    return number
 
 
 def _to_str(key: str, value: Any) -> str:
@@ -689,6 +713,9 @@ def _check_ranges(cfg: Config) -> None:
         ("checkpoint.keep_last", cfg.checkpoint.keep_last),
         ("schedule.warmup_steps", cfg.schedule.warmup_steps),
         ("schedule.decay_steps", cfg.schedule.decay_steps),
+        ("train.max_skipped_steps", t.max_skipped_steps),
+        ("train.spike_window", t.spike_window),
+        ("train.spike_zscore", t.spike_zscore),
     ]:
         if v < 0:
             raise ConfigError(f"{name} = {v} must not be negative")
@@ -777,6 +804,10 @@ def _check_train(cfg: Config) -> None:
             f"train.global_batch_size = {t.global_batch_size} is not divisible by "
             f"train.micro_batch_size = {t.micro_batch_size} (times the data-parallel degree)"
         )
+    if t.spike_rollback and not (cfg.checkpoint.dir and t.spike_window and t.spike_zscore):
+        raise ConfigError("train.spike_rollback = true needs checkpoint.dir (the checkpoint to "
+                          "roll back to) and spike detection on (train.spike_window > 0, "
+                          "train.spike_zscore > 0)")
 
 
 def _check_optimizer_and_data(cfg: Config) -> None:

@@ -30,3 +30,8 @@ class CheckpointDamageError(CheckpointError):
     def __init__(self, step_dir: object, problem: str, advice: str = "load an earlier step"):
         self.step_dir, self.problem = step_dir, problem
         super().__init__(f"{step_dir}/{problem}; {advice}")
+
+
+class TrainingError(TriremeError):
+    """A run that cannot usefully go on: e.g. too many steps in a row skipped for a non-finite
+    loss or gradient norm (the run diverged), or a model whose weights are not finite."""

@@ -15,7 +15,8 @@ import torch
 from tqdm import tqdm
 
 from trireme.checkpoint.saver import Saver
-from trireme.checkpoint.training import maybe_resume, save_gathered
+from trireme.checkpoint.training import load_latest, maybe_resume, save_gathered
+from trireme.health import RunHealth
 from trireme.metrics import MetricsLogger
 from trireme.optim.schedules import lr_at
 from trireme.trainer import Trainer, log_line, now, step_metrics, write_run_config
@@ -64,6 +65,8 @@ class RunOutput:
         self.trainer, self.logger, self.progress = trainer, logger, progress
         self.main = trainer.is_main
         self.pending: list[dict] = []  # step results still on the device
+        self.health = RunHealth(trainer.cfg.train)  # skipped steps, loss spikes
+        self.spiked = False  # whether the last logged loss was a spike
         self.started = time.monotonic()
         self.last_log = now()
 
@@ -82,18 +85,40 @@ class RunOutput:
     def print(self, text: str) -> None:
         print_line(self.progress, text, self.main)
 
+    def warn(self, text: str) -> None:
+        if not self.main:
+            return
+        if self.progress is not None:
+            self.progress.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
     def log(self, lr: float, evaluate: bool) -> None:
-        """Read back the pending steps' numbers (the one host sync), evaluate, write them."""
+        """Read back the pending steps' numbers (the one host sync), evaluate, write them; warn
+        of skipped steps and loss spikes, and stop a run that only skips (trireme/health.py)."""
         trainer = self.trainer
         if trainer.device.type == "cuda":
             torch.cuda.synchronize(trainer.device)
+        first_step = trainer.state.step - len(self.pending) + 1
+        warnings, stop = self.health.check_skips(first_step, self.pending)
         record = step_metrics(trainer, self.pending, lr, now() - self.last_log)
         self.pending = []
         if evaluate:
             record["eval_loss"] = trainer.evaluate()
+        z = self.health.spike_zscore(record["loss"])
+        self.spiked = z is not None
+        if self.spiked:
+            record["loss_spike"] = True
+            warnings.append(f"trireme: warning: loss spike at step {record['step']}: "
+                            f"{record['loss']:.4f} is {z:.1f} standard deviations above the "
+                            "recent logged losses")
         if self.logger is not None:
             self.logger.log(record)
         self.print(log_line(record))
+        for text in warnings:
+            self.warn(text)
+        if stop is not None:
+            raise stop
         if self.progress is not None:
             self.progress.set_postfix(loss=f"{record['loss']:.3f}",
                                       tok_s=f"{record['tokens_per_s']:,.0f}",
@@ -123,10 +148,14 @@ def one_step(trainer: Trainer, saver: Saver, run: RunOutput, stop: StopRequest) 
     last = step == cfg.train.steps or out_of_time
     do_eval = trainer.valid_data is not None and cfg.train.eval_interval and (
         step % cfg.train.eval_interval == 0 or last)
-    if step % cfg.train.log_interval == 0 or last or do_eval:
-        run.log(lr, bool(do_eval))
     if run.progress is not None:
         run.progress.update(1)
+    if step % cfg.train.log_interval == 0 or last or do_eval:
+        run.log(lr, bool(do_eval))
+        # all ranks saw the same losses; agree anyway, since the rollback is collective
+        if (cfg.train.spike_rollback and not out_of_time and agree(trainer, run.spiked)
+                and roll_back(trainer, saver, run)):
+            return True  # and no checkpoint of the spiked state
     if cfg.checkpoint.dir and (
             last or (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0)):
         saver.save()
@@ -135,6 +164,29 @@ def one_step(trainer: Trainer, saver: Saver, run: RunOutput, stop: StopRequest) 
         saved = " (checkpoint saved)" if cfg.checkpoint.dir else ""
         run.print(f"trireme: stopped by {why} at step {step}{saved}")
     return not out_of_time
+
+
+def roll_back(trainer: Trainer, saver: Saver, run: RunOutput) -> bool:
+    """train.spike_rollback after a loss spike: reload the latest checkpoint but keep the data
+    position of the spike, so the batches since the checkpoint are not seen again. False (and a
+    warning) when there is no checkpoint to go back to."""
+    spike_step, consumed = trainer.state.step, trainer.state.consumed_samples
+    saver.wait()  # a save in flight is the latest checkpoint once complete
+    path = load_latest(trainer, saver)
+    if path is None:
+        run.warn(f"trireme: warning: no checkpoint in {trainer.cfg.checkpoint.dir} to roll back "
+                 f"to after the loss spike at step {spike_step}; going on")
+        return False
+    skipped_from = trainer.state.consumed_samples
+    trainer.state.consumed_samples = consumed
+    run.health.forget_losses()
+    if run.progress is not None:
+        run.progress.n = trainer.state.step
+        run.progress.refresh()
+    run.print(f"trireme: loss spike at step {spike_step}: rolled back to step "
+              f"{trainer.state.step} ({path}); samples {skipped_from}-{consumed - 1} skipped")
+    run.last_log = now()
+    return True
 
 
 def stop_signalled(trainer: Trainer, stop: StopRequest, step: int) -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -328,6 +327,7 @@ def step_metrics(trainer: Trainer, results: list[dict], lr: float, seconds: floa
     """Read back the numbers of the steps since the last log (the one host sync)."""
     cfg = trainer.cfg
     losses = torch.stack([r["loss"] for r in results]).float().cpu()
+    losses = losses[torch.isfinite(losses)]  # a skipped step's NaN is warned, not averaged in
     last = results[-1]
     tokens = tokens_per_step(cfg) * len(results)
     tps = tokens / max(seconds, 1e-9)
@@ -335,7 +335,7 @@ def step_metrics(trainer: Trainer, results: list[dict], lr: float, seconds: floa
     skipped = int(torch.stack([r["skipped"] for r in results]).sum().item())
     record = {
         "step": trainer.state.step,
-        "loss": float(losses.mean()),
+        "loss": float(losses.mean()) if losses.numel() else math.nan,
         "lr": lr,
         "grad_norm": float(last["grad_norm"]),
         "tokens_per_s": tps,
@@ -353,9 +353,6 @@ def step_metrics(trainer: Trainer, results: list[dict], lr: float, seconds: floa
         record["loss_scale"] = float(last["loss_scale"])
     if "moe" in last:
         record.update(moe_metrics(last["moe"]))
-    if not math.isfinite(record["loss"]) and trainer.is_main:
-        print(f"trireme: warning: loss is {record['loss']} at step {record['step']}",
-              file=sys.stderr)
     return record
 
 

@@ -76,7 +76,23 @@ def maybe_resume(trainer: Trainer, saver: Saver | None = None) -> None:
     cfg = trainer.cfg
     if not cfg.checkpoint.dir or cfg.checkpoint.resume == "never":
         return
-    root, choice = Path(cfg.checkpoint.dir), cfg.checkpoint.resume_step
+    path = load_chosen(trainer, cfg.checkpoint.resume_step, saver)
+    if path is not None and trainer.is_main:
+        print(f"trireme: resumed from {path} at step {trainer.state.step}", file=sys.stderr)
+
+
+def load_latest(trainer: Trainer, saver: Saver | None = None) -> Path | None:
+    """Load the newest intact checkpoint of checkpoint.dir into the trainer (model, optimizer,
+    step, consumed samples, RNG); its path, or None if there is none. The loss-spike rollback's
+    loader (trireme/health.py)."""
+    return load_chosen(trainer, resume.LATEST_INTACT, saver)
+
+
+def load_chosen(trainer: Trainer, choice: str | int, saver: Saver | None) -> Path | None:
+    """Load the checkpoint `choice` (a checkpoint.resume_step value) picks; its path, or None
+    when checkpoint.dir holds none. A damaged one is an error, or skipped (and named) under
+    "latest-intact"."""
+    root = Path(trainer.cfg.checkpoint.dir)
     paths = resume.candidates(root, choice)
     skipped: list[str] = []
     for path in paths:
@@ -84,7 +100,7 @@ def maybe_resume(trainer: Trainer, saver: Saver | None = None) -> None:
         if what is None:
             try:
                 _load(trainer, path, saver)
-                break
+                return path
             except CheckpointDamageError as e:  # its sha256 check; nothing was loaded yet
                 if choice != resume.LATEST_INTACT:
                     raise resume.damaged(root, path, e.problem) from None
@@ -92,14 +108,11 @@ def maybe_resume(trainer: Trainer, saver: Saver | None = None) -> None:
         skipped.append(f"{path.name} ({what})")
         if trainer.is_main:
             print(f"trireme: skipping damaged checkpoint {path}: {what}", file=sys.stderr)
-    else:
-        if paths:
-            raise CheckpointError(f"no intact checkpoint in {root} to resume from (damaged: "
-                                  f"{'; '.join(skipped)}); start fresh with "
-                                  "--checkpoint.resume=never")
-        return
-    if trainer.is_main:
-        print(f"trireme: resumed from {path} at step {trainer.state.step}", file=sys.stderr)
+    if paths:
+        raise CheckpointError(f"no intact checkpoint in {root} to resume from (damaged: "
+                              f"{'; '.join(skipped)}); start fresh with "
+                              "--checkpoint.resume=never")
+    return None
 
 
 def _load(trainer: Trainer, path: Path, saver: Saver | None) -> None:

@@ -86,13 +86,15 @@ class StepRunner:
 
     def _finish(self, loss: Tensor, lr: float) -> dict[str, Tensor]:
         """Wait for the DP reduction, sum the partial gradients, step; the loss averaged over
-        the DP replicas."""
+        the DP replicas. A non-finite loss (on any replica: the mean is then non-finite too)
+        skips the update on every rank, as a non-finite gradient norm does."""
         if self.reducer is not None:
             self.reducer.finish()
         if self.grad_sync is not None:
             self.grad_sync()
-        result = self.optimizer.step(lr)
-        result["loss"] = data_parallel_loss(loss, self.dp_group, self.dp_size)
+        loss = data_parallel_loss(loss, self.dp_group, self.dp_size)
+        result = self.optimizer.step(lr, loss)
+        result["loss"] = loss
         moe = {name: stats for chunk in self.chunks for name, stats in chunk.after_step().items()}
         if moe:
             result["moe"] = moe

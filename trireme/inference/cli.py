@@ -8,8 +8,8 @@ from trireme.checkpoint.model_state import model_from_state
 from trireme.checkpoint.store import load_checkpoint
 from trireme.config import config_from_toml
 from trireme.data.tokenizer import load_tokenizer
-from trireme.errors import ConfigError
-from trireme.inference.generate import generate
+from trireme.errors import CheckpointError, ConfigError
+from trireme.inference.generate import first_non_finite, generate
 from trireme.trainer import DTYPES, pick_device
 
 
@@ -39,6 +39,11 @@ def generate_from_checkpoint(
         dtype = torch.float32  # fp16 matmuls are slow or missing on CPU
     # built on the meta device and filled from the checkpoint: no random init, no CPU copy
     model = model_from_state(cfg.model, ckpt.model, dev, dtype).eval()
+    bad = first_non_finite(model)
+    if bad is not None:
+        raise CheckpointError(f"checkpoint {ckpt.path} holds non-finite weights ({bad!r} has a "
+                              "NaN or inf): the run diverged before it was saved; use an "
+                              "earlier checkpoint")
     ids = tok.encode(prompt) or [tok.eod]
     out = generate(model, ids, max_new_tokens, temperature=temperature, top_k=top_k,
                    top_p=top_p, greedy=greedy, seed=seed, eos_id=tok.eod)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from trireme.errors import TriremeError
+from trireme.errors import TrainingError, TriremeError
 from trireme.models.cache import InferenceCache
 from trireme.models.gpt import GPT
 
@@ -25,7 +25,11 @@ def sample_next(
 ) -> torch.Tensor:
     """Next token ids [b] from logits [b, vocab]: greedy (or temperature <= 0), else a sample of
     softmax(logits / temperature) restricted to the top_k tokens (0: all) and to the smallest set
-    whose probability reaches top_p (nucleus; 1.0: all)."""
+    whose probability reaches top_p (nucleus; 1.0: all). Non-finite logits (a model whose
+    weights diverged) raise a one-line TrainingError."""
+    if not bool(torch.isfinite(logits).all()):
+        raise TrainingError("the model's logits are not finite (NaN or inf): its weights "
+                            "diverged in training; nothing to sample")
     if greedy or temperature <= 0.0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
@@ -42,6 +46,19 @@ def sample_next(
         logits = logits.masked_fill(drop, float("-inf"))
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+def first_non_finite(modules) -> str | None:
+    """The name of the first parameter of `modules` (a module or a list of model chunks) that
+    holds a NaN or an infinity in this process's part of it (an FSDP parameter's local shard),
+    or None. Sampling from such a model fails (or samples noise)."""
+    modules = [modules] if isinstance(modules, torch.nn.Module) else modules
+    for module in modules:
+        for name, p in module.named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if not bool(torch.isfinite(local).all()):
+                return name
+    return None
 
 
 def _as_batch(prompt_ids: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -3,29 +3,41 @@ any layout (every rank takes part; under pipeline parallelism through the stages
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
+from trireme.errors import TrainingError
 from trireme.inference.generate import generate, sample_next
 from trireme.trainer import Trainer, build_runner
 
 
-def sample_through_stages(trainer: Trainer, prompt_ids: list[int]) -> list[int]:
+def sample_through_stages(trainer: Trainer, prompt_ids: list[int]) -> list[int] | None:
     """The end-of-training sample under pipeline parallelism: every rank runs its stages for each
-    token, the last stage samples (same settings as the one-process sample, no KV cache)."""
+    token, the last stage samples (same settings as the one-process sample, no KV cache). None
+    on every rank if the logits were not finite (the last stage then picks token 0 so that the
+    stages stay in step, and tells the others at the end)."""
     cfg = trainer.cfg
     prompt_ids = prompt_ids[: cfg.model.seq_length - 1]
     generator = torch.Generator(device=trainer.device).manual_seed(cfg.train.seed)
     runner = build_runner(cfg, trainer.chunks, trainer.mesh, trainer.device, micro_batch_size=1)
+    not_finite = torch.zeros((), device=trainer.device)
+
+    def pick(logits: torch.Tensor) -> torch.Tensor:  # [1, vocab] -> [1]
+        if not bool(torch.isfinite(logits).all()):
+            not_finite.fill_(1.0)
+            return torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+        return sample_next(logits, temperature=0.8, top_k=40, generator=generator)
+
     for chunk in trainer.chunks:
         chunk.eval()
     try:
-        return runner.generate(
-            prompt_ids, len(prompt_ids) + cfg.train.sample_tokens,
-            lambda logits: sample_next(logits, temperature=0.8, top_k=40, generator=generator),
-        )
+        ids = runner.generate(prompt_ids, len(prompt_ids) + cfg.train.sample_tokens, pick)
     finally:
         for chunk in trainer.chunks:
             chunk.train()
+    torch.distributed.all_reduce(not_finite, op=torch.distributed.ReduceOp.MAX)
+    return None if not_finite.item() else ids
 
 
 def print_sample(trainer: Trainer) -> None:
@@ -36,11 +48,25 @@ def print_sample(trainer: Trainer) -> None:
     prompt_ids = tok.encode(cfg.train.sample_prompt) or [tok.eod]
     if trainer.pipeline is not None:
         ids = sample_through_stages(trainer, prompt_ids)
-        if trainer.is_main:
-            print("----- sample -----")
-            print(tok.decode(ids))
-            print("------------------")
+    else:
+        try:  # TP ranks see the same gathered logits, so they all raise or none does
+            ids = sample_one_model(trainer, prompt_ids)
+        except TrainingError:
+            ids = None
+    if not trainer.is_main:
         return
+    if ids is None:
+        print("trireme: warning: the model's outputs are not finite (NaN or inf; the weights "
+              "diverged): no sample", file=sys.stderr, flush=True)
+        return
+    print("----- sample -----")
+    print(tok.decode(ids))
+    print("------------------")
+
+
+def sample_one_model(trainer: Trainer, prompt_ids: list[int]) -> list[int]:
+    """The end-of-training sample of one model (maybe tensor-parallel: every rank takes part)."""
+    cfg = trainer.cfg
     tp = trainer.model.tp
     if tp is None:
         out = generate(trainer.model, prompt_ids, cfg.train.sample_tokens, temperature=0.8,
@@ -55,9 +81,4 @@ def print_sample(trainer: Trainer) -> None:
                            top_k=40, seed=cfg.train.seed, use_cache=False)
         finally:
             tp.sequence_parallel = sequence_parallel
-    if not trainer.is_main:
-        return
-    ids = out[0].tolist() if out.dim() == 2 else out.tolist()
-    print("----- sample -----")
-    print(tok.decode(ids))
-    print("------------------")
+    return out[0].tolist() if out.dim() == 2 else out.tolist()

@@ -220,13 +220,15 @@ class MixedPrecisionOptimizer:
                 for n, p in zip(self.names, self.params)]
 
     @torch.no_grad()
-    def step(self, lr: float) -> dict[str, torch.Tensor]:
+    def step(self, lr: float, loss: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Unscale, measure and clip the gradients, update (unless non-finite), copy back.
 
         Returns device scalars: `grad_norm` (global L2 norm before clipping, unscaled), `skipped`
-        (1.0 if the update was skipped for a non-finite gradient) and `loss_scale` (the scale for
-        the next step). With the fused kernel (default on CUDA) the skip happens on the device and
-        nothing synchronises with the host; with the foreach kernel one `.item()` decides the skip.
+        (1.0 if the update was skipped for a non-finite gradient norm, or a non-finite `loss`
+        when one is given: it must be the same on every rank) and `loss_scale` (the scale for
+        the next step). A skipped step leaves the weights and AdamW's moments as they were.
+        With the fused kernel (default on CUDA) the skip happens on the device and nothing
+        synchronises with the host; with the foreach kernel one `.item()` decides the skip.
         """
         grads = self._grads()
         if self.precision == "fp16":
@@ -234,6 +236,9 @@ class MixedPrecisionOptimizer:
         grad_norm = self._global_grad_norm(grads)
         grad_norm = grad_norm.to(device=self._scale.device, dtype=torch.float32)
         found_inf = (~torch.isfinite(grad_norm)).float()
+        if loss is not None:  # on the device: no host sync
+            bad_loss = ~torch.isfinite(loss.to(device=found_inf.device, dtype=torch.float32))
+            found_inf = torch.maximum(found_inf, bad_loss.float())
         if self.opt.clip_grad > 0 and grads:
             # The same arithmetic as torch.nn.utils.clip_grad_norm_, applied to our grad tensors.
             clip_coef = (self.opt.clip_grad / (grad_norm + 1e-6)).clamp(max=1.0)
