@@ -5,7 +5,9 @@ import json
 
 import pytest
 import torch
+from distributed import run_ranks
 from test_train import tiny_cfg, toy_data  # noqa: F401  (toy_data is a fixture)
+from test_train_parallel import assert_same, losses
 
 from trireme.config import ModelConfig, load_config
 from trireme.errors import ConfigError
@@ -171,3 +173,24 @@ def test_moe_resume_continues_the_same_curve(toy_data, tmp_path, fmt):  # noqa: 
     assert got == ref  # the selection bias (a buffer) came back too
     bias = trainer.model.layers["1"].moe.expert_bias
     assert bias.abs().sum() > 0 and bias.dtype == torch.float32
+
+
+def _moe_layouts(rank: int, world: int, data: str, root: str) -> None:
+    for name, extra in LAYOUTS.items():
+        train(moe_tiny(data, f"{root}/{name}", "train.steps=6", *extra))
+
+
+LAYOUTS = {"dp2": (), "dp2-distopt": ("parallel.distributed_optimizer=true",),
+           "pp2": ("parallel.pipeline=2",)}
+
+
+def test_moe_layouts_match_one_process(toy_data, tmp_path):  # noqa: F811
+    """DP = 2 (the selection-bias load summed over the replicas), the distributed optimizer and
+    PP = 2 give the one-process losses; full recomputation too, in one process."""
+    train(moe_tiny(toy_data, tmp_path / "ref", "train.steps=6"))
+    ref = losses(tmp_path / "ref")
+    train(moe_tiny(toy_data, tmp_path / "full", "train.steps=6", "train.recompute=full"))
+    assert_same(losses(tmp_path / "full"), ref, "MoE full recomputation")
+    run_ranks(_moe_layouts, 2, tmp_path, toy_data, str(tmp_path))
+    for name in LAYOUTS:
+        assert_same(losses(tmp_path / name), ref, f"MoE {name}")
