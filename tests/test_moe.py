@@ -181,12 +181,12 @@ def _moe_layouts(rank: int, world: int, data: str, root: str) -> None:
 
 
 LAYOUTS = {"dp2": (), "dp2-distopt": ("parallel.distributed_optimizer=true",),
-           "pp2": ("parallel.pipeline=2",)}
+           "dp2-fsdp": ("parallel.data_parallel_mode=fsdp",), "pp2": ("parallel.pipeline=2",)}
 
 
 def test_moe_layouts_match_one_process(toy_data, tmp_path):  # noqa: F811
-    """DP = 2 (the selection-bias load summed over the replicas), the distributed optimizer and
-    PP = 2 give the one-process losses; full recomputation too, in one process."""
+    """DP = 2 (the selection-bias load summed over the replicas), the distributed optimizer,
+    FSDP and PP = 2 give the one-process losses; full recomputation too, in one process."""
     train(moe_tiny(toy_data, tmp_path / "ref", "train.steps=6"))
     ref = losses(tmp_path / "ref")
     train(moe_tiny(toy_data, tmp_path / "full", "train.steps=6", "train.recompute=full"))
