@@ -19,7 +19,7 @@ from trireme import __version__
 from trireme.checkpoint.cli import convert_main, inspect_main
 from trireme.config import load_config, reference_markdown
 from trireme.data.cli import data_main, preprocess_main, tokenizer_main
-from trireme.errors import TriremeError
+from trireme.errors import TriremeError, prints_here
 from trireme.inference.cli import generate_from_checkpoint
 from trireme.inference.sample import print_sample
 from trireme.train import train
@@ -134,9 +134,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return COMMANDS[command](argv)
-    except TriremeError as e:
-        print(f"trireme: error: {e}", file=sys.stderr)
-        return 2
+    except TriremeError as e:  # under torchrun printed by one rank only (errors.prints_here)
+        if prints_here(e):
+            print(f"trireme: error: {e}", file=sys.stderr)
+        return getattr(e, "exit_code", 2)
     except KeyboardInterrupt:
         print("trireme: interrupted", file=sys.stderr)
         return 130
