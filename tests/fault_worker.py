@@ -6,7 +6,8 @@ FAULT is `stop` (the rank SIGSTOPs itself), `kill` (it exits at once, status 9),
 steps take SECONDS longer: STEP is the delay in seconds then) or `none`. The fault fires on global
 rank RANK when it starts step STEP, once per MARKER file: the file is written just before, so a
 run restarted by `torchrun --max-restarts` does not fault again. Nothing of this is in trireme
-itself: the hook wraps `Trainer.train_step` from outside.
+itself: the hook wraps `Trainer.train_step` from outside. Each rank writes its process id to
+pid.RANK next to MARKER.
 """
 
 import os
@@ -21,6 +22,7 @@ from trireme.trainer import Trainer
 
 
 def install(fault: str, rank: int, step: float, marker: Path) -> None:
+    (marker.parent / f"pid.{os.environ['RANK']}").write_text(f"{os.getpid()}\n")
     if fault == "none" or int(os.environ["RANK"]) != rank:
         return
     if fault == "slow":  # inside the step, before the wait for the other ranks
@@ -36,7 +38,7 @@ def install(fault: str, rank: int, step: float, marker: Path) -> None:
 
     def faulty_step(self, batches, lr):
         if self.state.step + 1 == int(step) and not marker.exists():
-            marker.write_text(f"{time.time()}\n")
+            marker.write_text(f"{time.time()} {os.getpid()}\n")
             if fault == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
             else:

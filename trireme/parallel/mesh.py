@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import math
 import os
-from datetime import timedelta
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist

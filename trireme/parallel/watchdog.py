@@ -109,9 +109,14 @@ class Watchdog:
         self.interval = min(max(timeout_minutes * 60 / 6, 0.2), 10.0)
         self.progress = progress
         self.beats = 0
+        self.terminated = False  # a SIGTERM arrived outside the loop
         self._failing = threading.Lock()
         self._stop = threading.Event()
         self._main = threading.main_thread().ident
+        self._sigterm = signal.getsignal(signal.SIGTERM)
+        main = threading.current_thread() is threading.main_thread()
+        if main and self._sigterm is signal.SIG_DFL:  # the loop handles SIGTERM on its own
+            signal.signal(signal.SIGTERM, self._on_sigterm)
         self._beat()
         self._thread = threading.Thread(target=self._run, name="trireme-watchdog", daemon=True)
         self._thread.start()
@@ -119,6 +124,14 @@ class Watchdog:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2 * self.interval)
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGTERM) == self._on_sigterm):
+            signal.signal(signal.SIGTERM, self._sigterm)
+
+    def _on_sigterm(self, signum: int, frame) -> None:
+        """torchrun stops every rank when one fails: the survivors finish their report first
+        (the loop, while it runs, turns SIGTERM into a stop request of its own)."""
+        self.terminated = True
 
     def post_error(self, message: str) -> None:
         """Leave this rank's user error for the rank that reports (it is not printed here)."""
@@ -161,12 +174,8 @@ class Watchdog:
         when every rank still answers (then `error` is something else; keep its traceback)."""
         if not is_comm_error(error) or not self._failing.acquire(blocking=False):
             return None
-        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun stops the survivors
-        try:
-            frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
-            return self.report(frames)
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+        frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
+        return self.report(frames)
 
     def report(self, frames: list[FrameType]) -> RankFailure | None:
         failed, errors = self.diagnose()
