@@ -295,6 +295,10 @@ def init_distributed(device_type: str = "cpu", timeout_minutes: float = 10.0) ->
     timeout = timedelta(minutes=timeout_minutes)
     # our own rendezvous, so that the watchdog can keep the store
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    # torchrun --max-restarts keeps its store across restarts: without a fresh prefix a restarted
+    # rank reads the dead attempt's gloo addresses and the restart fails to connect
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"trireme/attempt-{attempt}", store)
     if device_type == "cuda":
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
         if max(per_node - 1, local_rank) >= torch.cuda.device_count():  # alike on every rank
