@@ -18,7 +18,7 @@ import sys
 
 from trireme import __version__
 from trireme.config import load_config, reference_markdown
-from trireme.errors import TriremeError
+from trireme.errors import TriremeError, prints_here
 
 
 def split_overrides(argv: list[str], known: set[str]) -> tuple[list[str], list[str]]:
@@ -100,9 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return _resolve(command)(argv)
-    except TriremeError as e:
-        print(f"trireme: error: {e}", file=sys.stderr)
-        return 2
+    except TriremeError as e:  # under torchrun printed by one rank only (errors.prints_here)
+        if prints_here(e):
+            print(f"trireme: error: {e}", file=sys.stderr)
+        return getattr(e, "exit_code", 2)
     except KeyboardInterrupt:
         print("trireme: interrupted", file=sys.stderr)
         return 130

@@ -248,6 +248,11 @@ class ParallelConfig:
         "gradients averaged in buckets, optionally with the distributed optimizer) or 'fsdp' "
         "(torch's fully_shard: parameters sharded too)."
     )
+    timeout_minutes: float = doc(
+        10.0, "How long a collective waits for a rank that does not answer (frozen, dead) before "
+        "the run stops with one line naming that rank and the operation; the process group's "
+        "timeout (docs/parallelism.md, 'When a rank fails')."
+    )
 
 
 @dataclass
@@ -419,6 +424,11 @@ class LoggingConfig:
 
     progress: bool = doc(True, "Show a progress bar on the console.")
     tensorboard: bool = doc(True, "Write TensorBoard events to <run.dir>/tb when installed.")
+    straggler_factor: float = doc(
+        1.2, "Under torchrun, at each log step: name the ranks whose own step time (compute and "
+        "data wait, not the wait for other ranks) exceeds this factor x the median over ranks. "
+        "0: no per-rank timing gather."
+    )
 
 
 @dataclass
@@ -700,6 +710,11 @@ def _check_ranges(cfg: Config) -> None:
     ]:
         if v < 1:
             raise ConfigError(f"{name} = {v} must be at least 1")
+    if not p.timeout_minutes > 0:
+        raise ConfigError(f"parallel.timeout_minutes = {p.timeout_minutes} must be > 0, e.g. 10")
+    if cfg.logging.straggler_factor < 0 or 0 < cfg.logging.straggler_factor <= 1:
+        raise ConfigError(f"logging.straggler_factor = {cfg.logging.straggler_factor} must be > 1 "
+                          "(e.g. 1.2), or 0 to turn the per-rank timing off")
     for name, v in [
         ("model.num_query_groups", m.num_query_groups),
         ("model.head_dim", m.head_dim),

@@ -6,6 +6,8 @@ stderr and exits with status 2, with no traceback. Anything else is a bug in tri
 traceback.
 """
 
+import os
+
 
 class TriremeError(Exception):
     """A problem the user can fix; the message names the value and the fix."""
@@ -35,3 +37,23 @@ class CheckpointDamageError(CheckpointError):
 class TrainingError(TriremeError):
     """A run that cannot usefully go on: e.g. too many steps in a row skipped for a non-finite
     loss or gradient norm (the run diverged), or a model whose weights are not finite."""
+
+
+class RankFailure(TriremeError):
+    """Another rank stopped answering (frozen, dead, or failed). Exit status 3; only the rank
+    chosen to report it (`report`) prints the line."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, report: bool = True) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+def prints_here(error: TriremeError) -> bool:
+    """Whether this process prints `error`: under torchrun every rank usually meets the same user
+    error, so only global rank 0 prints it (another rank's own failure reaches the user through
+    the survivors' RankFailure); a RankFailure says itself which rank reports."""
+    if isinstance(error, RankFailure):
+        return error.report
+    return os.environ.get("RANK", "0") == "0"

@@ -215,8 +215,8 @@ class StopRequest:
             self.restore()
             raise KeyboardInterrupt
         self.signal = signum
-        print(f"trireme: got {signal.Signals(signum).name}; stopping after this step",
-              file=sys.stderr, flush=True)
+        if signum == signal.SIGINT:  # a person at the console; SIGTERM comes from a launcher
+            print("trireme: got SIGINT; stopping after this step", file=sys.stderr, flush=True)
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():

@@ -1,13 +1,20 @@
 """`train(cfg)`: build everything from the config (trireme.trainer), run the loop (trireme.loop),
 close the process group. `trireme train` passes `on_finish` to print a sample from the trained model
-(trireme.inference.sample) while the ranks can still talk to each other."""
+(trireme.inference.sample) while the ranks can still talk to each other.
+
+Under torchrun a watchdog (trireme/parallel/watchdog.py) runs beside the loop: a collective that a
+frozen or dead rank never joins ends the run with one line naming that rank (a `RankFailure`),
+instead of a backend traceback after the default 10 to 30 minutes.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from trireme.config import Config
+from trireme.errors import TriremeError
 from trireme.loop import run_loop
+from trireme.parallel.watchdog import Watchdog
 from trireme.trainer import Trainer, build_trainer
 
 
@@ -16,9 +23,30 @@ def train(cfg: Config, on_finish: Callable[[Trainer], None] | None = None) -> Tr
 
     `on_finish(trainer)` runs after the last step unless a stop signal ended the run early."""
     trainer = build_trainer(cfg)
+    watchdog = start_watchdog(trainer)
     try:
         if run_loop(trainer) and on_finish is not None:
             on_finish(trainer)
+    except TriremeError as e:
+        if watchdog is not None:
+            watchdog.post_error(str(e))  # the survivors' report quotes it
+        raise
+    except Exception as e:
+        failure = watchdog.failure(e) if watchdog is not None else None
+        if failure is None:
+            raise
+        raise failure from None  # one line: which rank stopped answering, in what
     finally:
+        if watchdog is not None:
+            watchdog.close()
         trainer.env.close()  # destroys the process group if build_trainer started it
     return trainer
+
+
+def start_watchdog(trainer: Trainer) -> Watchdog | None:
+    """The watchdog of a torchrun launch (None in one process, or when a test made the group)."""
+    env = trainer.env
+    if env.store is None or env.world_size == 1:
+        return None
+    return Watchdog(env.store, env.rank, env.world_size, trainer.cfg.parallel.timeout_minutes,
+                    trainer.state)

@@ -31,6 +31,7 @@ from trireme.engine.data_parallel import BucketReducer
 from trireme.engine.fsdp import GradientSyncSwitch, check_fsdp
 from trireme.engine.pipeline import PipelineSchedule
 from trireme.engine.runners import PipelineRunner, PlainRunner, StepRunner
+from trireme.engine.stragglers import straggler_note, straggler_report
 from trireme.errors import ConfigError, DataError
 from trireme.metrics import flops_per_token, memory_gib, peak_flops
 from trireme.models.gpt import GPT
@@ -112,6 +113,7 @@ class Trainer:
 
     def next_micro_batches(self) -> list[Batch]:
         """This step's micro batches of this DP replica, on the device."""
+        started = now()
         mbs = self.cfg.train.micro_batch_size
         # DP replica d reads its own consecutive run of micro batches of the global batch
         replica = self.mesh.coordinate("data") if self.data_parallel > 1 else 0
@@ -122,6 +124,7 @@ class Trainer:
             for ids in (batch.tokens, batch.labels):
                 check_token_ids(ids, self.cfg.model.vocab_size, self.cfg.data.path)
             batches.append(batch)
+        self.runner.times.add_data_wait(now() - started)
         return batches
 
     def _micro_batch(self, data, consumed: int, size: int) -> Batch:
@@ -267,7 +270,7 @@ def build_trainer(cfg: Config, with_data: bool = True, force_data_parallel: bool
     """
     dims = check_parallel(cfg)
     device = pick_device(cfg.train.device)
-    env = init_distributed(device.type)
+    env = init_distributed(device.type, cfg.parallel.timeout_minutes)
     if device.type == "cuda" and env.world_size > 1:
         device = torch.device("cuda", env.local_rank)
     mesh = ParallelMesh.build(dims, device.type)
@@ -320,6 +323,8 @@ def log_line(record: dict) -> str:
         parts.append(f"eval {record['eval_loss']:.4f}")
     parts += [f"lr {record['lr']:.2e}", f"gnorm {record['grad_norm']:.3f}",
               f"{record['tokens_per_s']:,.0f} tok/s", f"MFU {100 * record['mfu']:.1f}%"]
+    if record.get("stragglers"):
+        parts.append(straggler_note(record))
     return " | ".join(parts)
 
 
@@ -349,6 +354,9 @@ def step_metrics(trainer: Trainer, results: list[dict], lr: float, seconds: floa
     if p.pipeline > 1:
         record["pipeline_bubble"] = bubble_fraction(p.pipeline, p.virtual_pipeline,
                                                     trainer.num_micro_batches)
+    if trainer.env.world_size > 1 and cfg.logging.straggler_factor:  # one small all_gather
+        record.update(straggler_report(trainer.runner.times, cfg.logging.straggler_factor,
+                                       trainer.device))
     if cfg.model.precision == "fp16":
         record["loss_scale"] = float(last["loss_scale"])
     if "moe" in last:

@@ -36,6 +36,7 @@ from trireme.data.batch import Batch
 from trireme.engine.data_parallel import BucketReducer, data_parallel_loss
 from trireme.engine.fsdp import GradientSyncSwitch
 from trireme.engine.pipeline import PipelineSchedule
+from trireme.engine.stragglers import RankTimes
 from trireme.optim.optimizer import MixedPrecisionOptimizer
 
 Reducer = BucketReducer | GradientSyncSwitch
@@ -61,6 +62,7 @@ class StepRunner:
         self.reducer = reducer
         self.grad_sync = grad_sync
         self.dp_group, self.dp_size = dp_group, dp_size
+        self.times = RankTimes(device)  # this rank's own time per step (engine/stragglers.py)
 
     def step(self, batches: list[Batch], lr: float) -> dict[str, Tensor]:
         raise NotImplementedError
@@ -69,6 +71,7 @@ class StepRunner:
         raise NotImplementedError
 
     def _start(self, num_micro_batches: int) -> None:
+        self.times.step_started()
         for chunk in self.chunks:
             chunk.train()
         self.optimizer.zero_grad()
@@ -88,6 +91,7 @@ class StepRunner:
         """Wait for the DP reduction, sum the partial gradients, step; the loss averaged over
         the DP replicas. A non-finite loss (on any replica: the mean is then non-finite too)
         skips the update on every rank, as a non-finite gradient norm does."""
+        self.times.compute_done()  # from here on this rank waits for the others
         if self.reducer is not None:
             self.reducer.finish()
         if self.grad_sync is not None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -246,6 +247,7 @@ class DistributedEnv:
     world_size: int = 1
     local_rank: int = 0
     created: bool = False
+    store: dist.Store | None = None  # the rendezvous store (the watchdog's heartbeats)
 
     @property
     def is_main(self) -> bool:
@@ -264,12 +266,14 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(device_type: str = "cpu") -> DistributedEnv:
+def init_distributed(device_type: str = "cpu", timeout_minutes: float = 10.0) -> DistributedEnv:
     """Start torch.distributed from torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK).
 
     One process (no WORLD_SIZE, or 1): nothing is started. On CUDA each process takes GPU
-    LOCAL_RANK and the NCCL backend; on the CPU gloo. An already initialized process group (a test
-    that started its own) is used as it is.
+    LOCAL_RANK and the NCCL backend; on the CPU gloo. A collective waits `timeout_minutes` for a
+    rank that does not answer (gloo then raises; NCCL gets a little longer, so that the watchdog
+    names the rank first). An already initialized process group (a test that started its own) is
+    used as it is.
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if dist.is_available() and dist.is_initialized():
@@ -288,16 +292,26 @@ def init_distributed(device_type: str = "cpu") -> DistributedEnv:
             "this torch build has no NCCL, which multi-GPU training needs; install a CUDA build "
             "of torch, or set train.device=cpu to use gloo"
         )
+    timeout = timedelta(minutes=timeout_minutes)
+    # our own rendezvous, so that the watchdog can keep the store
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    # torchrun --max-restarts keeps its store across restarts: without a fresh prefix a restarted
+    # rank reads the dead attempt's gloo addresses and the restart fails to connect
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"trireme/attempt-{attempt}", store)
     if device_type == "cuda":
-        if local_rank >= torch.cuda.device_count():
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+        if max(per_node - 1, local_rank) >= torch.cuda.device_count():  # alike on every rank
             raise ConfigError(
-                f"process LOCAL_RANK = {local_rank} has no GPU: {torch.cuda.device_count()} "
-                "visible on this node; launch at most that many processes per node "
-                "(torchrun --nproc_per_node) or set train.device=cpu"
+                f"{per_node} processes on a node with {torch.cuda.device_count()} GPUs visible; "
+                "launch at most that many processes per node (torchrun --nproc_per_node) or set "
+                "train.device=cpu"
             )
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size,
+                                timeout=timeout * 1.2 + timedelta(seconds=30), device_id=device)
     else:
-        dist.init_process_group("gloo")
-    return DistributedEnv(dist.get_rank(), dist.get_world_size(), local_rank, created=True)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
+    return DistributedEnv(rank, world_size, local_rank, created=True, store=store)
