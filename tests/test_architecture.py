@@ -21,7 +21,8 @@ FLOORS = [
     ("trireme.optim",),
     ("trireme.engine",),
     ("trireme.checkpoint",),
-    ("trireme.metrics", "trireme.health", "trireme.trainer", "trireme.loop", "trireme.train"),
+    ("trireme.metrics", "trireme.health", "trireme.oom", "trireme.trainer", "trireme.loop",
+     "trireme.train"),
     ("trireme.inference",),
     ("trireme.plan",),
     ("trireme.cli", "trireme.commands", "trireme.__main__"),
@@ -30,7 +31,7 @@ FLOORS = [
 # Third-party or platform modules that may be missing, so they are imported where used.
 OPTIONAL = ("torchao", "triton", "torch.utils.tensorboard", "tensorboard", "tiktoken",
             "sentencepiece", "zstandard", "pyarrow", "resource", "fcntl", "megatron",
-            "trireme.ops.swiglu_triton")  # the last imports Triton at its top
+            "trireme.ops.swiglu_triton", "wandb")  # swiglu_triton imports Triton at its top
 
 
 def module_files() -> dict[str, Path]:

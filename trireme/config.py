@@ -424,6 +424,12 @@ class LoggingConfig:
 
     progress: bool = doc(True, "Show a progress bar on the console.")
     tensorboard: bool = doc(True, "Write TensorBoard events to <run.dir>/tb when installed.")
+    wandb_project: str = doc(
+        "", "Also log to Weights & Biases under this project (needs `pip install wandb`); empty: "
+        "off. The run is named run.name and gets the resolved config.")
+    wandb_mode: Literal["online", "offline"] = doc(
+        "online", "wandb_project: online, or offline (written under <run.dir>/wandb with no "
+        "network; `wandb sync` uploads it later).")
     straggler_factor: float = doc(
         1.2, "Under torchrun, at each log step: name the ranks whose own step time (compute and "
         "data wait, not the wait for other ranks) exceeds this factor x the median over ranks. "

@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -17,7 +18,8 @@ from tqdm import tqdm
 from trireme.checkpoint.saver import Saver
 from trireme.checkpoint.training import load_latest, maybe_resume, save_gathered
 from trireme.health import RunHealth
-from trireme.metrics import MetricsLogger
+from trireme.metrics import MetricsLogger, WandbRun
+from trireme.oom import out_of_memory
 from trireme.optim.schedules import lr_at
 from trireme.trainer import Trainer, log_line, now, step_metrics, write_run_config
 
@@ -50,6 +52,9 @@ def run_loop(trainer: Trainer) -> bool:
             if not one_step(trainer, saver, run, stop):
                 break
         saver.wait()  # the last save is complete before training returns
+    except torch.OutOfMemoryError as e:  # a one-line error and the allocator's snapshot
+        raise out_of_memory(e, trainer.state.step + 1, trainer.device, trainer.cfg.run_dir,
+                            trainer.mesh.rank) from None
     finally:
         saver.close()  # on an error too: a checkpoint being written is completed, not lost
         stop.restore()
@@ -74,8 +79,13 @@ class RunOutput:
     def open(cls, trainer: Trainer) -> RunOutput:
         cfg = trainer.cfg
         run_dir = write_run_config(cfg) if trainer.is_main else cfg.run_dir
-        logger = (MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard)
-                  if trainer.is_main else None)
+        logger = None
+        if trainer.is_main:
+            wandb = None
+            if cfg.logging.wandb_project:
+                wandb = WandbRun(cfg.logging.wandb_project, cfg.run.name, cfg.logging.wandb_mode,
+                                 Path(run_dir), cfg.to_dict())
+            logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, wandb=wandb)
         run = cls(trainer, logger, make_progress(trainer, cfg.train.steps, trainer.state.step))
         num_parameters = sum(chunk.num_parameters() for chunk in trainer.chunks)
         run.print(f"trireme: {num_parameters / 1e6:.2f}M parameters{layout_note(trainer)}, "

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from trireme.config import ModelConfig
+from trireme.errors import ConfigError
 from trireme.models.stages import sublayer_flops
 
 # Dense bf16 tensor-core peak per GPU, FLOP/s, from the vendor datasheets. Matched in order against
@@ -142,6 +143,29 @@ def _plain(value: Any) -> Any:
     return value
 
 
+class WandbRun:
+    """A Weights & Biases run (logging.wandb_project): each metrics record logged at its step.
+    `wandb` is an optional package, imported here only when asked for."""
+
+    def __init__(self, project: str, name: str, mode: str, run_dir: Path, config: dict) -> None:
+        try:
+            import wandb
+        except ImportError:
+            raise ConfigError(f"logging.wandb_project = {project!r} needs the wandb package: "
+                              "pip install wandb (or leave logging.wandb_project empty)") from None
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(project=project, name=name, mode=mode, dir=str(run_dir),
+                              config=config)
+
+    def log(self, record: dict[str, Any]) -> None:
+        numbers = {k: v for k, v in record.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        self.run.log(numbers, step=int(record.get("step", 0)))
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
 class MetricsLogger:
     """Appends one JSON object per `log()` to `<run_dir>/metrics.jsonl`, mirrored to TensorBoard.
 
@@ -151,12 +175,14 @@ class MetricsLogger:
     should log. The file is opened for appending, so a resumed run continues it.
     """
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True,
+                 wandb: WandbRun | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
         self._file = self.path.open("a", encoding="utf-8")
         self._writer = None
+        self._wandb = wandb
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -175,11 +201,16 @@ class MetricsLogger:
                 is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
                 if key != "step" and is_number:
                     self._writer.add_scalar(key, value, global_step=step)
+        if self._wandb is not None:
+            self._wandb.log(plain)
 
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
         if not self._file.closed:
             self._file.close()
 

@@ -45,6 +45,7 @@ from trireme.parallel.mesh import (
     ParallelDims,
     ParallelMesh,
     init_distributed,
+    launched_rank,
     launched_world_size,
 )
 from trireme.parallel.tensor import check_tensor_parallel
@@ -268,6 +269,8 @@ def build_trainer(cfg: Config, with_data: bool = True, force_data_parallel: bool
     Under torchrun this starts torch.distributed (unless a process group exists already) and
     builds this rank's part of the parallel grid; the data is read the same on every rank.
     """
+    if launched_rank() == 0:  # before any work: the run directory must be writable
+        check_run_dir(cfg)
     dims = check_parallel(cfg)
     device = pick_device(cfg.train.device)
     env = init_distributed(device.type, cfg.parallel.timeout_minutes)
@@ -379,10 +382,27 @@ def now() -> float:
     return time.perf_counter()
 
 
+def check_run_dir(cfg: Config) -> None:
+    """A one-line error now, not after training, if nothing can be written in run.dir."""
+    probe = cfg.run_dir / f".probe-{os.getpid()}"
+    try:
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"run.dir {str(cfg.run_dir)!r} is not writable ({e.strerror or e}); "
+                          "give a directory you can write with --run.dir") from None
+
+
 def write_run_config(cfg: Config) -> Path:
+    """<run.dir>/config.toml (written whole, then renamed); a one-line error if it cannot be."""
     run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / ".config.toml.tmp"
-    tmp.write_text(cfg.to_toml())
-    os.replace(tmp, run_dir / "config.toml")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = run_dir / ".config.toml.tmp"
+        tmp.write_text(cfg.to_toml())
+        os.replace(tmp, run_dir / "config.toml")
+    except OSError as e:
+        raise ConfigError(f"run.dir {str(run_dir)!r} is not writable ({e.strerror or e}); give "
+                          "a directory you can write with --run.dir") from None
     return run_dir

@@ -259,6 +259,13 @@ class DistributedEnv:
             dist.destroy_process_group()
 
 
+def launched_rank() -> int:
+    """This process's global rank: the process group's, else torchrun's RANK, else 0."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
 def launched_world_size() -> int:
     """Processes in the run: the process group's size, else torchrun's WORLD_SIZE, else 1."""
     if dist.is_available() and dist.is_initialized():

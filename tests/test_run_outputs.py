@@ -1,0 +1,87 @@
+"""What a run writes besides checkpoints: an unwritable run.dir fails before training, running out
+of GPU memory is one line with the allocator's snapshot, and the optional Weights & Biases sink."""
+
+import pickle
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+from test_train import read_metrics, tiny_cfg, toy_data  # noqa: F401  (toy_data is a fixture)
+
+from trireme.errors import ConfigError, TrainingError
+from trireme.oom import write_memory_snapshot
+from trireme.train import train
+from trireme.trainer import Trainer
+
+
+def test_an_unwritable_run_dir_fails_before_training(toy_data, tmp_path):  # noqa: F811
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    r = subprocess.run([sys.executable, "-m", "trireme", "train", f"--data.path={toy_data}",
+                        "--data.tokenizer=bytes", f"--run.dir={blocker}/run", "--train.steps=2",
+                        "--logging.progress=false"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "run.dir" in lines[0] and str(blocker) in lines[0]
+    assert "step" not in r.stdout  # nothing trained
+
+
+def test_out_of_memory_is_one_line_naming_the_step(toy_data, tmp_path, monkeypatch):  # noqa: F811
+    calls = {"n": 0}
+    real = Trainer.train_step
+
+    def fail_at_step_3(self, batches, lr):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
+        return real(self, batches, lr)
+
+    monkeypatch.setattr(Trainer, "train_step", fail_at_step_3)
+    with pytest.raises(TrainingError, match="out of memory at step 3 on cpu") as err:
+        train(tiny_cfg(toy_data, tmp_path, "train.steps=5"))
+    assert "Tried to allocate 2.00 GiB" in str(err.value) and "micro_batch_size" in str(err.value)
+    assert "\n" not in str(err.value)
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
+
+
+def test_the_memory_snapshot_is_written_whole(tmp_path):
+    path = write_memory_snapshot(tmp_path / "snap.pickle", lambda: {"segments": [1, 2]})
+    assert pickle.loads(path.read_bytes()) == {"segments": [1, 2]}  # our own test data
+    assert write_memory_snapshot(tmp_path / "no" / "snap.pickle", lambda: {}) is None
+
+    def broken():
+        raise RuntimeError("no CUDA")
+
+    assert write_memory_snapshot(tmp_path / "b.pickle", broken) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["snap.pickle"]
+
+
+def test_wandb_without_the_package_is_one_line(toy_data, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    with pytest.raises(ConfigError, match="pip install wandb"):
+        train(tiny_cfg(toy_data, tmp_path, "logging.wandb_project=demo", "train.steps=1"))
+
+
+def test_wandb_gets_every_record_at_its_step(toy_data, tmp_path, monkeypatch):  # noqa: F811
+    seen = {"init": None, "logs": [], "finished": False}
+
+    class FakeRun:
+        def log(self, values, step):
+            seen["logs"].append((step, values))
+
+        def finish(self):
+            seen["finished"] = True
+
+    def init(**kwargs):
+        seen["init"] = kwargs
+        return FakeRun()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    train(tiny_cfg(toy_data, tmp_path, "logging.wandb_project=demo", "logging.wandb_mode=offline",
+                   "train.steps=3"))
+    assert seen["init"]["project"] == "demo" and seen["init"]["mode"] == "offline"
+    assert seen["init"]["config"]["model"]["num_layers"] == 2
+    assert [step for step, _ in seen["logs"]] == [1, 2, 3] and seen["finished"]
+    assert {"loss", "lr", "tokens_per_s"} <= seen["logs"][-1][1].keys()
