@@ -96,6 +96,8 @@ def variant_config(args: argparse.Namespace, overrides: list[str]) -> tuple[Conf
     every = [f"train.device={args.device}", f"train.steps={args.steps}", *args.override,
              *overrides]
     cfg = load_config(args.preset, every)
+    if cfg.train.micro_batch_size == 0:  # derived (one process: the whole global batch)
+        cfg.train.micro_batch_size = cfg.train.global_batch_size
     sched = cfg.schedule
     if sched.warmup_steps > args.steps // 2:  # e.g. llama3-1b's 2,000: the run would not learn
         sched.warmup_steps = max(args.steps // 10, 1)

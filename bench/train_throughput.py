@@ -127,6 +127,9 @@ def build_config(args: argparse.Namespace) -> tuple[Config, list[str]]:
     if cfg.model.vocab_size == 0:  # presets that take the vocabulary from their tokenizer
         cfg.model.vocab_size = cfg.data.embedded_vocab_size
         overrides.append(f"model.vocab_size={cfg.model.vocab_size}")
+    if cfg.train.micro_batch_size == 0:  # derived (one process: the whole global batch)
+        cfg.train.micro_batch_size = cfg.train.global_batch_size
+        overrides.append(f"train.micro_batch_size={cfg.train.micro_batch_size}")
     return cfg, overrides
 
 

@@ -13,8 +13,10 @@ import pytest
 from test_train import read_metrics, toy_data  # noqa: F401  (toy_data is a fixture)
 
 from trireme.config import load_config
+from trireme.errors import ConfigError
 from trireme.inference.sample import print_sample
 from trireme.train import train
+from trireme.trainer import check_parallel
 
 ARGS = [
     "data.tokenizer=bytes", "train.device=cpu", "model.num_layers=2", "model.hidden_size=64",
@@ -93,3 +95,28 @@ def test_invalid_layouts_one_line_exit_2(args, needle, tmp_path):
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], r.stderr
+
+
+def test_presets_split_their_batch_over_data_parallel_ranks():
+    """tiny and moe-tiny derive the micro batch from the launch (issue 24): under DP = 2 each
+    replica takes half the global batch; under PP = 2 x DP = 2 a quarter (two per replica)."""
+    for preset in ("tiny", "moe-tiny"):
+        cfg = load_config(preset)
+        assert cfg.train.micro_batch_size == 0
+        check_parallel(cfg, world_size=2)
+        assert cfg.train.micro_batch_size == cfg.train.global_batch_size // 2
+    cfg = load_config("tiny", ["parallel.pipeline=2"])
+    check_parallel(cfg, world_size=4)
+    assert cfg.train.micro_batch_size == cfg.train.global_batch_size // 4
+    cfg = load_config("tiny", ["train.micro_batch_size=16"])  # a set value is kept
+    with pytest.raises(ConfigError, match="not divisible"):
+        check_parallel(cfg, world_size=2)
+
+
+def test_tiny_preset_as_shipped_trains_under_two_ranks(toy_data, tmp_path):  # noqa: F811
+    r = torchrun(2, "--config", "tiny", f"--data.path={toy_data}", "--data.tokenizer=bytes",
+                 f"--run.dir={tmp_path}/run", "--train.steps=2", "--train.eval_interval=0",
+                 "--train.sample_tokens=0", "--logging.progress=false")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "train.micro_batch_size = 8" in r.stderr
+    assert len(read_metrics(tmp_path / "run")) > 0

@@ -342,7 +342,10 @@ class TrainConfig:
     global_batch_size: int = doc(
         16, "Sequences per optimizer step, over all data-parallel ranks and micro batches."
     )
-    micro_batch_size: int = doc(4, "Sequences per forward/backward pass on one rank.")
+    micro_batch_size: int = doc(
+        4, "Sequences per forward/backward pass on one rank. 0: derived from the launch, "
+        "global_batch_size / (data-parallel degree x pipeline degree) (one micro batch per "
+        "replica, or one per stage under pipeline parallelism), said in a log line.")
     eval_interval: int = doc(
         50, "Evaluate on the validation split every this many steps; 0: never."
     )
@@ -706,7 +709,6 @@ def _check_ranges(cfg: Config) -> None:
         ("model.num_attention_heads", m.num_attention_heads),
         ("model.seq_length", m.seq_length),
         ("train.global_batch_size", t.global_batch_size),
-        ("train.micro_batch_size", t.micro_batch_size),
         ("parallel.tensor", p.tensor),
         ("parallel.pipeline", p.pipeline),
         ("parallel.virtual_pipeline", p.virtual_pipeline),
@@ -727,6 +729,7 @@ def _check_ranges(cfg: Config) -> None:
         ("model.ffn_hidden_size", m.ffn_hidden_size),
         ("model.vocab_size", m.vocab_size),
         ("train.steps", t.steps),
+        ("train.micro_batch_size", t.micro_batch_size),
         ("train.eval_interval", t.eval_interval),
         ("train.eval_steps", t.eval_steps),
         ("checkpoint.interval", cfg.checkpoint.interval),
@@ -820,7 +823,7 @@ def _check_train(cfg: Config) -> None:
     if cfg.checkpoint.async_save and cfg.checkpoint.format != "sharded":
         raise ConfigError("checkpoint.async_save = true needs checkpoint.format = 'sharded' "
                           f"(it is {cfg.checkpoint.format!r})")
-    if t.global_batch_size % t.micro_batch_size:
+    if t.micro_batch_size and t.global_batch_size % t.micro_batch_size:
         raise ConfigError(
             f"train.global_batch_size = {t.global_batch_size} is not divisible by "
             f"train.micro_batch_size = {t.micro_batch_size} (times the data-parallel degree)"

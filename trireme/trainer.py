@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -183,6 +184,7 @@ def check_parallel(cfg: Config, world_size: int | None = None) -> ParallelDims:
         check_fsdp(cfg)
     check_tensor_parallel(cfg.model, p.tensor, p.sequence_parallel)
     dims = ParallelDims.from_config(p, world)
+    resolve_micro_batch(cfg, dims)
     t = cfg.train
     if t.global_batch_size % (t.micro_batch_size * dims.data):
         raise ConfigError(
@@ -194,6 +196,27 @@ def check_parallel(cfg: Config, world_size: int | None = None) -> ParallelDims:
     # the micro batches per step of each DP replica
     check_pipeline(cfg.model, p, t.global_batch_size // (t.micro_batch_size * dims.data))
     return dims
+
+
+def resolve_micro_batch(cfg: Config, dims: ParallelDims) -> None:
+    """train.micro_batch_size = 0: global batch / (DP x PP) when that divides, else global / DP
+    (one micro batch per replica), said once when it splits the batch; a set value is left
+    alone."""
+    t = cfg.train
+    if t.micro_batch_size:
+        return
+    if t.global_batch_size % dims.data:
+        raise ConfigError(
+            f"train.global_batch_size = {t.global_batch_size} does not split over the "
+            f"data-parallel degree {dims.data}; change the batch size or the number of processes")
+    per_replica = t.global_batch_size // dims.data
+    stages = dims.pipeline if per_replica % dims.pipeline == 0 else 1
+    t.micro_batch_size = per_replica // stages
+    if launched_rank() == 0 and t.micro_batch_size != t.global_batch_size:
+        print(f"trireme: train.micro_batch_size = {t.micro_batch_size} (train.global_batch_size "
+              f"{t.global_batch_size} / data-parallel {dims.data}"
+              + (f" / pipeline {stages}" if stages > 1 else "") + "; set it to choose)",
+              file=sys.stderr)
 
 
 def setup_determinism(cfg: Config) -> None:
