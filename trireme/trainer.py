@@ -200,8 +200,8 @@ def check_parallel(cfg: Config, world_size: int | None = None) -> ParallelDims:
 
 def resolve_micro_batch(cfg: Config, dims: ParallelDims) -> None:
     """train.micro_batch_size = 0: global batch / (DP x PP) when that divides, else global / DP
-    (one micro batch per replica), said once when it splits the batch; a set value is left
-    alone."""
+    (one micro batch per replica); a set value is left alone. `build_trainer` says what it chose
+    once the launch is known to be sound."""
     t = cfg.train
     if t.micro_batch_size:
         return
@@ -212,11 +212,16 @@ def resolve_micro_batch(cfg: Config, dims: ParallelDims) -> None:
     per_replica = t.global_batch_size // dims.data
     stages = dims.pipeline if per_replica % dims.pipeline == 0 else 1
     t.micro_batch_size = per_replica // stages
-    if launched_rank() == 0 and t.micro_batch_size != t.global_batch_size:
-        print(f"trireme: train.micro_batch_size = {t.micro_batch_size} (train.global_batch_size "
-              f"{t.global_batch_size} / data-parallel {dims.data}"
-              + (f" / pipeline {stages}" if stages > 1 else "") + "; set it to choose)",
-              file=sys.stderr)
+
+
+def micro_batch_note(cfg: Config, dims: ParallelDims) -> str:
+    """The log line for a derived micro batch."""
+    t = cfg.train
+    per_replica = t.global_batch_size // dims.data
+    stages = per_replica // t.micro_batch_size
+    return (f"trireme: train.micro_batch_size = {t.micro_batch_size} (train.global_batch_size "
+            f"{t.global_batch_size} / data-parallel {dims.data}"
+            + (f" / pipeline {stages}" if stages > 1 else "") + "; set it to choose)")
 
 
 def setup_determinism(cfg: Config) -> None:
@@ -294,9 +299,12 @@ def build_trainer(cfg: Config, with_data: bool = True, force_data_parallel: bool
     """
     if launched_rank() == 0:  # before any work: the run directory must be writable
         check_run_dir(cfg)
+    derived = cfg.train.micro_batch_size == 0
     dims = check_parallel(cfg)
     device = pick_device(cfg.train.device)
     env = init_distributed(device.type, cfg.parallel.timeout_minutes)
+    if derived and env.is_main and cfg.train.micro_batch_size != cfg.train.global_batch_size:
+        print(micro_batch_note(cfg, dims), file=sys.stderr)
     if device.type == "cuda" and env.world_size > 1:
         device = torch.device("cuda", env.local_rank)
     mesh = ParallelMesh.build(dims, device.type)
