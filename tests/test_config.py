@@ -4,6 +4,7 @@ import sys
 
 import pytest
 
+from trireme.commands import TRAIN_EPILOG
 from trireme.config import (
     Config,
     config_from_toml,
@@ -144,3 +145,23 @@ def test_docs_config_reference_is_current():
     doc = Path(__file__).resolve().parent.parent / "docs" / "config.md"
     expected = reference_markdown() + "\n"
     assert doc.read_text() == expected, "run: trireme config-doc > docs/config.md"
+
+
+def test_train_help_names_the_sections_and_real_keys():
+    """`trireme train --help` lists each section with its most used keys (issue 24), and every
+    key it names exists."""
+    r = run_cli("train", "--help")
+    assert r.returncode == 0 and "trireme config-doc" in r.stdout and "layer_pattern" in r.stdout
+    cfg = Config()
+    block = TRAIN_EPILOG.split("examples:")[0].splitlines()[1:]
+    names = 0
+    for line in block:
+        words = line.replace(":", " ").replace(",", " ").split()
+        section = None
+        for word in words:
+            if hasattr(cfg, word) and dataclasses.is_dataclass(getattr(cfg, word)):
+                section = getattr(cfg, word)
+            elif section is not None and word not in ("shape", "and", "precision"):
+                assert hasattr(section, word), (word, line)
+                names += 1
+    assert names >= 30

@@ -11,12 +11,29 @@ from trireme.inference.cli import generate_from_checkpoint
 from trireme.inference.sample import print_sample
 from trireme.train import train
 
+TRAIN_EPILOG = """\
+config sections (any key: --section.key=value; all of them: trireme config-doc):
+  model       shape and precision: num_layers, hidden_size, layer_pattern, seq_length, precision
+  train       steps, global_batch_size, micro_batch_size, eval_interval, recompute, device
+  optimizer   lr, min_lr, weight_decay, clip_grad          schedule   warmup_steps, decay_style
+  data        path, tokenizer, split, mock                 checkpoint dir, interval, format
+  parallel    tensor, pipeline, sequence_parallel, distributed_optimizer, data_parallel_mode
+  logging     progress, tensorboard, wandb_project         run        name, dir
+
+examples:
+  trireme train --config tiny --train.steps=100
+  trireme train --config moe-tiny --checkpoint.dir=ckpt
+  torchrun --nproc_per_node 2 -m trireme train --config tiny
+  trireme config --config llama3-1b      (print the resolved config of a preset)
+"""
+
 
 def train_main(argv: list[str]) -> int:
     own, overrides = split_overrides(argv, set())
     parser = argparse.ArgumentParser(
         prog="trireme train",
         description="Train a model. Any config key can be overridden as --section.key=value.",
+        epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--config", default="tiny", help="preset name (see configs/) or a .toml path"
