@@ -435,3 +435,8 @@ def test_tokenizer_travels_and_generate_works(tmp_path: Path) -> None:
     convert("trireme", "hf", tmp_path / "tri", tmp_path / "back")
     assert {p.name for p in (tmp_path / "back").iterdir()} == {
         "config.json", "model.safetensors", "tokenizer.json", "generation_config.json"}
+    # HF's generate stops at the tokenizer's end-of-text; every file has the same, usual mode
+    hf_config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert hf_config["eos_token_id"] == 0  # train_bpe puts <|endoftext|> at id 0
+    modes = {(p.stat().st_mode & 0o777) for p in (tmp_path / "back").iterdir()}
+    assert len(modes) == 1 and modes.pop() & 0o044 == 0o044  # group and others can read

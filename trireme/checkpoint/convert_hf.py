@@ -36,7 +36,8 @@ from trireme.checkpoint.converted import (
 )
 from trireme.checkpoint.model_state import expected_shapes, listing
 from trireme.config import ModelConfig
-from trireme.errors import CheckpointError
+from trireme.data.tokenizer import load_tokenizer
+from trireme.errors import CheckpointError, TriremeError
 
 LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 INDEX_FILE = "model.safetensors.index.json"
@@ -467,9 +468,22 @@ def write_hf(
             total = sum(t.numel() * t.element_size() for t in tensors.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
-        (tmp / "config.json").write_text(json.dumps(_hf_config(cfg, kind, biases, dtype), indent=2))
+        config = {**_hf_config(cfg, kind, biases, dtype), **_special_tokens(conv.tokenizer_dir)}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
         copy_tokenizer_files(conv.tokenizer_dir, tmp)
     return kind
+
+
+def _special_tokens(tokenizer_dir: Path | None) -> dict:
+    """eos_token_id from the tokenizer carried along (its end-of-text token), so that HF's
+    generate stops there; {} without a readable tokenizer."""
+    if tokenizer_dir is None or not (tokenizer_dir / "tokenizer.json").is_file():
+        return {}
+    try:
+        eod = load_tokenizer(str(tokenizer_dir / "tokenizer.json")).eod
+    except TriremeError:
+        return {}
+    return {"eos_token_id": eod} if eod >= 0 else {}
 
 
 def _shard(tensors: dict[str, Tensor], shard_bytes: int) -> list[dict[str, Tensor]]:

@@ -7,6 +7,7 @@ Every reader (Hugging Face, Megatron, trireme) produces a `Converted` and every 
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 import shutil
 from collections.abc import Iterator
@@ -67,12 +68,23 @@ def atomic_output_dir(output: Path) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
+        _usual_modes(tmp)
         if output.exists():
             output.rmdir()
         tmp.rename(output)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _usual_modes(folder: Path) -> None:
+    """Every file of `folder` readable as a new file would be (0666 less the umask): some writers
+    create theirs 0600."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in folder.rglob("*"):
+        if path.is_file():
+            path.chmod(0o666 & ~mask)
 
 
 def copy_tokenizer_files(source: Path | None, target: Path) -> list[str]:
