@@ -9,11 +9,11 @@ Regenerate (only when a change is meant to change the numbers): python tests/tes
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from test_train import write_toy_data
 
 from trireme.config import load_config
 from trireme.train import train
@@ -22,16 +22,9 @@ GOLDEN = Path(__file__).parent / "golden" / "tiny_losses.json"
 STEPS = 20
 
 
-def _toy_prefix(root: Path) -> str:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_train import write_toy_data  # the shared toy corpus (numpy rng, seed 0)
-
-    return write_toy_data(root)
-
-
 def tiny_losses(root: Path, *extra: str) -> list[float]:
     """The tiny preset's model on the toy corpus: per-step training losses."""
-    prefix = _toy_prefix(root)
+    prefix = write_toy_data(root)  # the shared toy corpus (numpy rng, seed 0)
     cfg = load_config("tiny", [
         f"data.path={prefix}", "data.tokenizer=bytes", f"run.dir={root}/run",
         f"train.steps={STEPS}", "train.log_interval=1", "train.eval_interval=0",

@@ -56,7 +56,8 @@ def test_routers_pick_and_weigh_as_documented():
 def test_balance_losses_at_perfect_balance_equal_one():
     logits = torch.zeros(8, 4)  # uniform probabilities
     experts = torch.arange(8).remainder(4).view(8, 1)  # every expert twice
-    losses = balance_losses(logits, torch.softmax(logits, -1), experts, 4, batch_size=2)
+    counts = torch.bincount(experts.flatten(), minlength=4).float()
+    losses = balance_losses(logits, torch.softmax(logits, -1), experts, counts, batch_size=2)
     assert losses["aux_loss"].item() == pytest.approx(1.0)
     assert losses["seq_aux_loss"].item() == pytest.approx(1.0)
     assert losses["z_loss"].item() == pytest.approx(torch.log(torch.tensor(4.0)).item() ** 2)

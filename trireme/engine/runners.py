@@ -77,10 +77,12 @@ class StepRunner:
         self.optimizer.zero_grad()
         if self.reducer is not None:
             self.reducer.start_step()
-        # mixture-of-experts balancing losses: their gradient is d(step loss) / d(their value)
-        scale = self.optimizer.scale_loss(torch.ones((), device=self.device)) / num_micro_batches
-        for chunk in self.chunks:
-            chunk.start_step(scale)
+        if any(chunk.moe_sublayers() for chunk in self.chunks):
+            # MoE balancing losses: their gradient is d(step loss) / d(their value)
+            one = torch.ones((), device=self.device)
+            scale = self.optimizer.scale_loss(one) / num_micro_batches
+            for chunk in self.chunks:
+                chunk.start_step(scale)
 
     def _mark_backward(self, chunk: int, micro_batch: int, num_micro_batches: int) -> None:
         """Before a backward: its chunk's gradients reduce over DP if it is the chunk's last."""

@@ -128,15 +128,21 @@ class GPT(nn.Module):
         """Before a training step (the step runner calls it): the MoE sublayers take the loss
         scale over the micro batches, the gradient their balancing losses get
         (trireme.models.moe), and start counting their load afresh."""
-        for module in self.modules():
-            if isinstance(module, MoE):
-                module.start_step(loss_scale)
+        for module in self.moe_sublayers().values():
+            module.start_step(loss_scale)
 
     def after_step(self) -> dict[str, dict[str, torch.Tensor]]:
         """After each optimizer step: the MoE sublayers move their selection bias and report
         their routing (module name -> device scalars); {} without MoE."""
-        return {name: module.after_step() for name, module in self.named_modules()
-                if isinstance(module, MoE)}
+        return {name: module.after_step() for name, module in self.moe_sublayers().items()}
+
+    def moe_sublayers(self) -> dict[str, MoE]:
+        """This model's (stage's) MoE sublayers by module name, found once (the steps ask for
+        them every time)."""
+        if not hasattr(self, "_moe_sublayers"):
+            self._moe_sublayers = {name: module for name, module in self.named_modules()
+                                   if isinstance(module, MoE)}
+        return self._moe_sublayers
 
     def output_weight(self) -> torch.Tensor:
         """[padded_vocab, h]: the output layer's weight, the embedding's when tied."""

@@ -113,10 +113,13 @@ class MoE(nn.Module):
         weights, experts, probs = route(
             logits, self.top_k, self.cfg.moe_router, bias, self.cfg.moe_num_groups,
             self.cfg.moe_top_groups, self.cfg.moe_score_scale)
+        assigned = torch.bincount(experts.flatten(), minlength=self.num_experts)  # [E]
         y = self._experts(tokens, weights, experts)
+        if self.training and torch.is_grad_enabled():
+            self.load += assigned
         if hasattr(self, "shared"):
             y = y + self.shared(tokens)
-        y = self._balance(y, logits, probs, experts, b)
+        y = self._balance(y, logits, probs, experts, assigned, b)
         return y.view(b, s, h)
 
     def _experts(self, tokens: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
@@ -136,19 +139,18 @@ class MoE(nn.Module):
         if capacity and cfg.moe_pad_to_capacity:
             out = out[slots]
         out = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)  # [N, h]
-        if self.training and torch.is_grad_enabled():
-            self.load += torch.bincount(experts.flatten(), minlength=self.num_experts)
         return torch.zeros_like(tokens).index_add(0, token_of, out.to(tokens.dtype))
 
     def _balance(self, y: Tensor, logits: Tensor, probs: Tensor, experts: Tensor,
-                 batch_size: int) -> Tensor:
-        """Attach the weighted balancing losses to `y`; keep what routing did for the metrics."""
-        losses = balance_losses(logits, probs, experts, self.num_experts, batch_size)
+                 assigned: Tensor, batch_size: int) -> Tensor:
+        """Attach the weighted balancing losses to `y`; keep what routing did for the metrics.
+        `assigned` [E]: the assignments each expert got (before any dropping)."""
+        counts = assigned.float()
+        losses = balance_losses(logits, probs, experts, counts, batch_size)
         cfg = self.cfg
         total = (cfg.moe_aux_loss_coeff * losses["aux_loss"]
                  + cfg.moe_seq_aux_loss_coeff * losses["seq_aux_loss"]
                  + cfg.moe_z_loss_coeff * losses["z_loss"])
-        counts = torch.bincount(experts.flatten(), minlength=self.num_experts).float()
         self.last = {**{k: v.detach() for k, v in losses.items()},
                      "imbalance": counts.max() / counts.mean()}
         return attach_aux_loss(y, total, self.loss_scale)

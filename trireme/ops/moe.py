@@ -79,12 +79,12 @@ def _limit_groups(select: Tensor, num_groups: int, top_groups: int) -> Tensor:
 
 
 def balance_losses(
-    logits: Tensor, probs: Tensor, experts: Tensor, num_experts: int, batch_size: int,
+    logits: Tensor, probs: Tensor, experts: Tensor, counts: Tensor, batch_size: int,
 ) -> dict[str, Tensor]:
-    """The three balancing losses (module docstring), unweighted, as fp32 scalars."""
+    """The three balancing losses (module docstring), unweighted, as fp32 scalars. `counts` [E]:
+    the assignments each expert got (fp32)."""
     t, k = experts.shape
-    counts = torch.zeros(num_experts, device=probs.device, dtype=torch.float32)
-    counts.index_add_(0, experts.flatten(), torch.ones(t * k, device=probs.device))
+    num_experts = counts.numel()
     aux = num_experts * (counts / (t * k) * probs.mean(dim=0)).sum()
     s = t // batch_size  # tokens are [b, s] flattened, sequence-major per row
     per_seq = torch.zeros(batch_size, num_experts, device=probs.device, dtype=torch.float32)
