@@ -12,7 +12,7 @@ from test_train_parallel import assert_same, losses
 from trireme.config import ModelConfig, load_config
 from trireme.errors import ConfigError
 from trireme.models.moe import MoE
-from trireme.ops.moe import attach_aux_loss, balance_losses, dispatch_order, route
+from trireme.ops.moe import attach_aux_loss, balance_losses, balance_sums, dispatch_order, route
 from trireme.parallel.context import ParallelContext
 from trireme.train import train
 
@@ -56,8 +56,15 @@ def test_routers_pick_and_weigh_as_documented():
 def test_balance_losses_at_perfect_balance_equal_one():
     logits = torch.zeros(8, 4)  # uniform probabilities
     experts = torch.arange(8).remainder(4).view(8, 1)  # every expert twice
-    counts = torch.bincount(experts.flatten(), minlength=4).float()
-    losses = balance_losses(logits, torch.softmax(logits, -1), experts, counts, batch_size=2)
+    rows = torch.arange(8) // 4  # two sequences of 4 tokens
+    sums = balance_sums(logits, torch.softmax(logits, -1), experts, rows, 2)
+    losses, counts = balance_losses(sums, 4, 1, 2)
+    assert counts.tolist() == [2.0] * 4
+    # the sums of two halves added give the same losses (what TP ranks do)
+    halves = [balance_sums(logits[i:i + 4], torch.softmax(logits[i:i + 4], -1),
+                           experts[i:i + 4], rows[i:i + 4], 2) for i in (0, 4)]
+    added, _ = balance_losses(halves[0] + halves[1], 4, 1, 2)
+    assert all(torch.allclose(added[k], losses[k]) for k in losses)
     assert losses["aux_loss"].item() == pytest.approx(1.0)
     assert losses["seq_aux_loss"].item() == pytest.approx(1.0)
     assert losses["z_loss"].item() == pytest.approx(torch.log(torch.tensor(4.0)).item() ** 2)

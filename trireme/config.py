@@ -189,6 +189,10 @@ class ModelConfig:
     moe_grouped_gemm: bool = doc(
         True, "MoE: all experts in one torch._grouped_mm where it runs (CUDA bf16, CPU fp32), "
         "else a loop over the experts (the reference path).")
+    moe_dispatcher: str = doc(
+        "alltoall", "MoE under parallel.expert > 1: how tokens reach their experts' ranks: "
+        "alltoall (each rank sends its tokens' assignments) or allgather (every rank gathers "
+        "every rank's tokens; more traffic, no size exchange).")
 
     @property
     def layer_symbols(self) -> list[str]:
@@ -802,12 +806,19 @@ def _check_moe(m: ModelConfig, p: ParallelConfig) -> None:
     if m.moe_capacity_factor < 0:
         raise ConfigError(f"model.moe_capacity_factor = {m.moe_capacity_factor} must be > 0 "
                           "(or 0: dropless)")
-    if p.tensor > 1:
-        raise ConfigError("model.layer_pattern with E (mixture of experts) and parallel.tensor > "
-                          "1: not implemented yet; use parallel.tensor = 1")
     if m.moe_num_experts % p.expert:
         raise ConfigError(f"model.moe_num_experts = {m.moe_num_experts} is not divisible by "
                           f"parallel.expert = {p.expert}")
+    if m.moe_dispatcher not in ("alltoall", "allgather"):
+        raise ConfigError(f"model.moe_dispatcher = {m.moe_dispatcher!r}: use 'alltoall' or "
+                          "'allgather'")
+    if p.expert > 1 and m.moe_pad_to_capacity:
+        raise ConfigError("model.moe_pad_to_capacity with parallel.expert > 1: not supported "
+                          "(the tokens each rank receives vary anyway); set it to false")
+    if p.tensor > 1 and m.seq_length % p.tensor:
+        raise ConfigError(f"model.seq_length = {m.seq_length} must be divisible by "
+                          f"parallel.tensor = {p.tensor} with mixture-of-experts layers (the "
+                          "TP ranks share the tokens)")
 
 
 def _check_train(cfg: Config) -> None:

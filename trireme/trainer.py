@@ -164,13 +164,15 @@ def check_parallel(cfg: Config, world_size: int | None = None) -> ParallelDims:
     """The parallel degrees for this launch, checked before any process group exists (so a bad
     layout stops every rank with the same one-line error). Tensor (+ sequence), pipeline and
     data parallelism (DDP, distributed optimizer, FSDP) are implemented, in any combination;
-    the other kinds arrive with their own issues, and say so plainly until then."""
+    expert parallelism too, over the data-parallel ranks; context parallelism arrives with its own
+    issue and says so plainly until then."""
     p = cfg.parallel
     world = launched_world_size() if world_size is None else world_size
-    degrees = {"context": p.context, "expert": p.expert}
-    for name, degree in degrees.items():
-        if degree > 1:
-            raise ConfigError(f"parallel.{name} = {degree}: not implemented yet; use 1")
+    if p.context > 1:
+        raise ConfigError(f"parallel.context = {p.context}: not implemented yet; use 1")
+    if p.expert > 1 and "E" not in cfg.model.layer_pattern:
+        raise ConfigError(f"parallel.expert = {p.expert} needs mixture-of-experts layers (E in "
+                          "model.layer_pattern)")
     if p.pipeline > 1 and (cfg.data.reset_position_ids or cfg.data.reset_attention_mask):
         raise ConfigError(
             "data.reset_position_ids / data.reset_attention_mask with parallel.pipeline > 1: "

@@ -1,7 +1,8 @@
-"""Checkpoints of a tensor- and pipeline-parallel model in the single-process form.
+"""Checkpoints of a tensor-, expert- and pipeline-parallel model in the single-process form.
 
 Saving gathers every sharded tensor (model weights and the optimizer's per-parameter state) into
-the full tensor under its global name, and global rank 0 writes the usual checkpoint. The
+the full tensor under its global name (expert-parallel experts gathered over the expert group),
+and global rank 0 writes the usual checkpoint. The
 vocabulary tables are stored with the single-process padding (make_vocab_size_divisible_by), so
 the checkpoint does not depend on the tensor-parallel degree: loading resizes the tables to this
 model's padding (the padded rows are zero) and keeps this rank's slice. A checkpoint written at
@@ -82,20 +83,27 @@ def gather_stages(tensors: dict[str, Any], group: dist.ProcessGroup | None) -> d
     return merged
 
 
-def full_tensors(tensors: dict[str, Tensor], model: Model, rows: int) -> dict[str, Tensor]:
-    """Gathered full tensors (collective under TP), vocabulary tables at `rows` rows."""
+def _groups(model: Model) -> dict[str, dist.ProcessGroup | None]:
+    """The group of each sharding axis: tensor, and expert (expert-parallel experts)."""
     tp = _tp(model)
-    if tp is not None:
-        tensors = gather_full(tensors, _shardings(model), tp.group)
+    ctx = getattr(_modules(model)[0], "ctx", None)
+    return {"tensor": tp.group if tp is not None else None,
+            "expert": ctx.group("expert") if ctx is not None else None}
+
+
+def full_tensors(tensors: dict[str, Tensor], model: Model, rows: int) -> dict[str, Tensor]:
+    """Gathered full tensors (collective under TP and EP), vocabulary tables at `rows` rows."""
+    shardings = _shardings(model)
+    if shardings:
+        tensors = gather_full(tensors, shardings, _groups(model))
     return fit_vocab_rows(tensors, rows)
 
 
 def local_tensors(tensors: dict[str, Tensor], model: Model) -> dict[str, Tensor]:
     """This rank's slices of full tensors, vocabulary tables resized to the model's padding."""
     tensors = fit_vocab_rows(tensors, _modules(model)[0].padded_vocab_size)
-    if _tp(model) is None:
-        return tensors
-    return shard_full(tensors, _shardings(model))
+    shardings = _shardings(model)
+    return shard_full(tensors, shardings) if shardings else tensors
 
 
 def full_optimizer_state(

@@ -22,6 +22,7 @@ layout that runs now and copies the overlapping parts of the stored chunks into 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -51,25 +52,29 @@ class Entry:
 def local_rectangles(data: Tensor, shape: tuple[int, ...], lo: int, hi: int
                      ) -> list[tuple[Tensor, tuple[int, ...]]]:
     """(view, offsets in the local tensor) of the flat range [lo, hi) of a tensor of `shape`;
-    `data` is that range, flat. 1-D: one block; 2-D: partial first row, full rows, partial last
-    row (those that are not empty)."""
+    `data` is that range, flat. Whole rows (slices along dim 0) where the range covers them,
+    the partial first and last rows cut the same way one dimension down."""
+    if hi <= lo:
+        return []
     if len(shape) == 1:
-        return [(data, (lo,))] if hi > lo else []
-    if len(shape) != 2:
-        raise ValueError(f"sharded checkpoints handle 1-D and 2-D tensors, got shape {shape}")
-    cols = shape[1]
-    out, at = [], lo
-    while at < hi:
-        row, col = divmod(at, cols)
-        if col or hi - at < cols:  # a partial row
-            n = min(cols - col, hi - at)
-            out.append((data[at - lo : at - lo + n].view(1, n), (row, col)))
-        else:  # full rows
-            rows = (hi - at) // cols
-            out.append((data[at - lo : at - lo + rows * cols].view(rows, cols), (row, 0)))
-            n = rows * cols
-        at += n
-    return out
+        return [(data, (lo,))]
+    inner = math.prod(shape[1:])
+    first, last = -(-lo // inner), hi // inner  # the whole rows [first, last)
+    if first > last:  # inside one row
+        row = lo // inner
+        return _in_row(data, shape, row, lo - row * inner, hi - row * inner)
+    out = _in_row(data[: first * inner - lo], shape, first - 1, lo - (first - 1) * inner, inner)
+    whole = data[first * inner - lo : last * inner - lo]
+    if last > first:
+        out.append((whole.view(last - first, *shape[1:]), (first,) + (0,) * (len(shape) - 1)))
+    return out + _in_row(data[last * inner - lo :], shape, last, 0, hi - last * inner)
+
+
+def _in_row(data: Tensor, shape: tuple[int, ...], row: int, lo: int, hi: int
+            ) -> list[tuple[Tensor, tuple[int, ...]]]:
+    """The rectangles of the flat range [lo, hi) of row `row` (a tensor of shape[1:])."""
+    return [(view.unsqueeze(0), (row, *at))
+            for view, at in local_rectangles(data, tuple(shape[1:]), lo, hi)]
 
 
 def to_global(view: Tensor, offsets: tuple[int, ...], sharding: Sharding | None,

@@ -9,7 +9,9 @@ Every combination goes through the same few choices:
   gradient buffer in buckets reduced by a `BucketReducer` (all-reduce for DDP, reduce-scatter for
   the distributed optimizer);
 - the gradient norm: summed over TP and PP (squares), with the last stage's copy of a tied
-  embedding left out; the sharded optimizers also sum over DP.
+  embedding left out; the sharded optimizers also sum over DP;
+- expert parallelism: the routed experts' gradients in buckets of their own, reduced over the
+  expert-data group (trireme.engine.data_parallel); the norm also sums them over the expert group.
 
 A tied embedding under PP has a copy on the first and the last stage whose gradients are summed
 after the DP reduction (`TiedEmbeddingSync`). Each DP mode makes the two copies' reduced parts
@@ -40,6 +42,7 @@ from trireme.optim.optimizer import (
     named_trainable_parameters,
 )
 from trireme.parallel.mesh import ParallelMesh
+from trireme.parallel.sharding import parameter_shardings
 from trireme.parallel.tensor import TensorParallel
 
 # Gradients and the loss are averaged over the data x context ranks: context-parallel ranks hold
@@ -68,9 +71,10 @@ def build_step_runner(
     syncs: list[Callable[[], None]] = [PartialGradSync(c, tp) for c in chunks if tp is not None]
     schedule = build_schedule(cfg, chunks, mesh, device) if pipelined else None
     grad_norm = None
-    if tp is not None or pipelined:
+    expert_group = mesh.group("expert") if mesh.size("expert") > 1 else None
+    if tp is not None or pipelined or expert_group is not None:
         pipeline_group = mesh.group("pipeline") if pipelined else None
-        grad_norm = parallel_grad_norm(chunks, tp, pipeline_group, skip)
+        grad_norm = parallel_grad_norm(chunks, tp, pipeline_group, skip, expert_group)
     optimizer, reducer = build_data_parallel_optimizer(cfg, chunks, mesh, device, grad_norm,
                                                        force_data_parallel, skip)
     if tied:  # the two copies summed after the DP mean (both sums: they commute)
@@ -121,8 +125,11 @@ def build_data_parallel_optimizer(
     named = named_trainable_parameters(chunks)
     tied = cfg.model.tie_embeddings and pipeline_group is not None
     alone = [i for i, (name, _) in enumerate(named) if name == TIED] if tied else []
+    experts = expert_parameters(chunks, named) if mesh.size("expert") > 1 else []
     layout = data_parallel_layout([p.numel() for _, p in named], cfg.parallel.bucket_size,
-                                  mesh.size(REDUCE_AXIS), alone)
+                                  mesh.size(REDUCE_AXIS), alone, experts,
+                                  mesh.size("expert_data"))
+    groups = {"expert_data": mesh.group("expert_data")} if experts else {}
     sharded = cfg.parallel.distributed_optimizer
     if sharded:
         tp = chunks[0].tp
@@ -132,15 +139,23 @@ def build_data_parallel_optimizer(
         if pipeline_group is not None:  # the squares summed over the stages too
             norm_group = pipeline_group if tp is None else model_replica_group(mesh)
         optimizer = DistributedOptimizer(named, cfg.optimizer, precision, device, layout,
-                                         mesh.group(REDUCE_AXIS), norm_group, weights)
+                                         mesh.group(REDUCE_AXIS), norm_group, weights, groups)
     else:
         optimizer = build_optimizer(chunks, cfg.optimizer, precision, device, grad_norm, layout)
     owner = {id(p): c for c, chunk in enumerate(chunks) for p in chunk.parameters()}
     chunk_of = [owner[id(p)] for p in optimizer.params]
     reducer = BucketReducer(optimizer.params, layout, optimizer.grad_buffer,
                             mesh.group(REDUCE_AXIS),
-                            scatter=sharded, chunk_of=chunk_of)
+                            scatter=sharded, chunk_of=chunk_of, groups=groups)
     return optimizer, reducer
+
+
+def expert_parameters(chunks: list[GPT], named: list[tuple[str, nn.Parameter]]) -> list[int]:
+    """Indices into `named` of the expert-parallel experts' weights."""
+    experts = set()
+    for chunk in chunks:
+        experts.update(parameter_shardings(chunk, "expert"))
+    return [i for i, (name, _) in enumerate(named) if name in experts]
 
 
 def run_all(calls: list[Callable[[], None]]) -> Callable[[], None] | None:

@@ -25,12 +25,18 @@ Two reductions:
   receives only chunk r of each bucket's mean, written back into the same place of its buffer.
   Replica r's optimizer shard is the union of its chunks (`GradLayout.shard_ranges`).
 
+Under expert parallelism the routed experts' gradients sit in buckets of their own (placed after
+the others, `data_parallel_layout`), reduced over the expert-data group: the replicas of this
+rank's experts. Those gradients already hold the sum over the expert group's micro batches (the
+tokens came to this rank's experts from every rank of it), so they are divided by the whole DP
+degree too, and the sum over the expert-data replicas is the mean over every replica.
+
 At DP = 1 none of this exists: no buckets, no hooks beyond the optimizer's own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,7 +54,8 @@ class BucketReducer:
     model chunk (`set_last_backward(chunk, last)`, or `last_micro_batch = True` for every chunk);
     `finish()` before the optimizer step (waits for every reduction). `chunk_of[i]` is the chunk
     of `params[i]` (default: one chunk). `events`, when a list, records "reduce <bucket>" as each
-    reduction starts (tests use it to see the overlap).
+    reduction starts (tests use it to see the overlap). `groups` gives the group of each bucket
+    axis other than the DP group's (None: a group of one rank, nothing to reduce).
     """
 
     def __init__(
@@ -59,12 +66,15 @@ class BucketReducer:
         group: dist.ProcessGroup,
         scatter: bool = False,
         chunk_of: Sequence[int] | None = None,
+        groups: Mapping[str, dist.ProcessGroup | None] | None = None,
     ) -> None:
         self.layout = layout
         self.grad_flat = grad_flat
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.groups = {**(groups or {}), "data_context": group}
+        self.ranks = bucket_ranks(self.groups)
         self.scatter = scatter
         self.events: list[str] | None = None
         chunk_of = list(chunk_of) if chunk_of is not None else [0] * len(params)
@@ -114,12 +124,15 @@ class BucketReducer:
         view.div_(self.size)  # sum of (g / DP) = mean over the replicas
         if self.events is not None:
             self.events.append(f"reduce {b}")
+        group = self.groups[bucket.axis]
+        if group is None:  # one replica of these experts: the division was all
+            return
         if self.scatter:
-            out = view.new_empty(bucket.numel // self.size)
-            work = _reduce_scatter_single(out, view, group=self.group, async_op=True)
+            out = view.new_empty(bucket.numel // dist.get_world_size(group))
+            work = _reduce_scatter_single(out, view, group=group, async_op=True)
             self._works.append((b, work, out))
         else:
-            work = dist.all_reduce(view, group=self.group, async_op=True)
+            work = dist.all_reduce(view, group=group, async_op=True)
             self._works.append((b, work, None))
 
     @torch.no_grad()
@@ -132,7 +145,7 @@ class BucketReducer:
         for b, work, out in self._works:
             work.wait()
             if out is not None:
-                start, end = self.layout.shard_ranges(self.rank)[b]
+                start, end = self.layout.shard_ranges(self.ranks)[b]
                 self.grad_flat[start:end].copy_(out)
         self._works = []
         self.last_micro_batch = False
@@ -145,7 +158,7 @@ class BucketReducer:
         start = self.layout.offsets[i]
         end = start + param.numel()
         if self.scatter:
-            lo, hi = self.layout.shard_ranges(self.rank)[b]
+            lo, hi = self.layout.shard_ranges(self.ranks)[b]
             start, end = max(start, lo), min(end, hi)
         return self.grad_flat[start : max(start, end)]
 
@@ -164,26 +177,40 @@ def data_parallel_loss(loss: Tensor, group: dist.ProcessGroup | None, size: int)
     return loss / size
 
 
+def bucket_ranks(groups: Mapping[str, dist.ProcessGroup | None]) -> dict[str, int]:
+    """This rank's place in each bucket axis's group (0 in a group of one)."""
+    return {axis: dist.get_rank(g) if g is not None else 0 for axis, g in groups.items()}
+
+
 def data_parallel_layout(
-    numels: Sequence[int], bucket_size: int, data_parallel: int, alone: Collection[int] = ()
+    numels: Sequence[int], bucket_size: int, data_parallel: int, alone: Collection[int] = (),
+    experts: Collection[int] = (), expert_data: int = 1,
 ) -> GradLayout:
     """`grad_layout` of the parameters with `numels` elements, except that each parameter in
-    `alone` gets a bucket of its own, placed after the others.
+    `alone` gets a bucket of its own, placed after the others, and the parameters in `experts`
+    (expert-parallel experts) buckets of their own over the "expert_data" axis of `expert_data`
+    ranks, placed between the two.
 
     Why: the two copies of a tied embedding (first and last pipeline stage) must be cut the same
     way into DP chunks on both stages, so that after a reduce-scatter rank d of each stage holds
     the same rows (their gradients are then summed chunk to chunk, and a sharded checkpoint sees
     one piece, not two overlapping ones). Alone in a bucket starting at the bucket's start, a
     parameter is cut by its own size only, whatever else the stage holds."""
-    rest = [i for i in range(len(numels)) if i not in alone]
-    parts = [(rest, grad_layout([numels[i] for i in rest], bucket_size, data_parallel))]
-    parts += [([i], grad_layout([numels[i]], 0, data_parallel)) for i in sorted(alone)]
+    rest = [i for i in range(len(numels)) if i not in alone and i not in experts]
+    expert = sorted(experts)
+    axis = "data_context"
+    parts = [(rest, grad_layout([numels[i] for i in rest], bucket_size, data_parallel), axis)]
+    if expert:
+        parts.append((expert, grad_layout([numels[i] for i in expert], bucket_size, expert_data),
+                      "expert_data"))
+    parts += [([i], grad_layout([numels[i]], 0, data_parallel), axis) for i in sorted(alone)]
     offsets, buckets, total = [0] * len(numels), [], 0
-    for indices, part in parts:
+    for indices, part, axis in parts:
         for i, offset in zip(indices, part.offsets):
             offsets[i] = total + offset
+        shards = 0 if axis == "data_context" else part.data_parallel
         for bucket in part.buckets:
             buckets.append(Bucket(total + bucket.start, total + bucket.end,
-                                  tuple(indices[j] for j in bucket.params)))
+                                  tuple(indices[j] for j in bucket.params), axis, shards))
         total += part.total
     return GradLayout(tuple(offsets), total, tuple(buckets), data_parallel)

@@ -6,6 +6,8 @@ part of their use, so its gradient is a partial sum that must be summed over the
 - under sequence parallelism, every replicated parameter (norm weights and biases, the biases
   added after a row-parallel layer, learned position embeddings): it sees only this rank's tokens;
 - always, QK-norm weights: shared by all heads, they see only this rank's heads;
+- always, a mixture-of-experts layer's router and routed experts: the layer cuts its tokens
+  among the TP ranks (trireme.models.moe), so each rank's gradient is that of its tokens;
 - the key/value rows of a fused QKV weight when T exceeds the query groups: a replicated K/V head
   sees only the query heads of this rank, so its rows are summed over the T / groups ranks that
   hold it.
@@ -16,7 +18,9 @@ The global gradient norm must count every element of the full model once. Rank r
 sum(g^2) / replicas for each piece of its gradients (replicas = how many TP ranks hold the same
 numbers: 1 for split parts, T for replicated parameters, T / groups for replicated K/V heads), and
 the sums are all-reduced over the group; under pipeline parallelism also over the stages, with
-the last stage's copy of a tied embedding left out (`parallel_grad_norm`).
+the last stage's copy of a tied embedding left out (`parallel_grad_norm`). Under expert
+parallelism each rank of the expert group holds other experts: their squares are also summed over
+that group, the other parameters' (the same on every rank of it) counted once.
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ from torch import Tensor, nn
 from trireme.parallel.sharding import Sharding, parameter_shardings
 from trireme.parallel.tensor import TensorParallel
 
-# Replicated parameters used inside the head-split part of attention (partial even without SP).
-HEAD_SPLIT_REPLICATED = (".q_norm.", ".k_norm.")
+# Replicated parameters whose gradient is partial even without SP: used inside the head-split part
+# of attention, or by a mixture-of-experts layer on this TP rank's share of the tokens.
+HEAD_SPLIT_REPLICATED = (".q_norm.", ".k_norm.", ".router.", ".experts.")
 
 
 def _grad(param: nn.Parameter) -> Tensor:
@@ -49,7 +54,7 @@ class PartialGradSync:
     """Sums the partial gradients of `model` over the TP ranks that share them (module doc)."""
 
     def __init__(self, model: nn.Module, tp: TensorParallel) -> None:
-        shardings = parameter_shardings(model)
+        shardings = parameter_shardings(model, "tensor")
         # group -> [(param, rows of dim 0 to reduce, or None for all)]
         self.entries: dict[dist.ProcessGroup, list[tuple[nn.Parameter, slice | None]]] = (
             defaultdict(list)
@@ -92,14 +97,19 @@ def parallel_grad_norm(
     tp: TensorParallel | None,
     pipeline_group: dist.ProcessGroup | None = None,
     skip: frozenset[str] = frozenset(),
+    expert_group: dist.ProcessGroup | None = None,
 ) -> Callable[[list[tuple[str, Tensor]]], Tensor]:
     """Like `tensor_parallel_grad_norm` for this rank's model chunks, the squares also summed over
-    the pipeline stages (`pipeline_group`). Names in `skip` are not counted here: the last stage's
-    copy of a tied embedding, which the first stage counts."""
+    the pipeline stages (`pipeline_group`) and over the expert group (`expert_group`: the experts
+    counted on each rank, everything else on one). Names in `skip` are not counted here: the last
+    stage's copy of a tied embedding, which the first stage counts."""
     shardings: dict[str, Sharding] = {}
+    experts: set[str] = set()
     for chunk in chunks:
-        shardings.update(parameter_shardings(chunk))
+        shardings.update(parameter_shardings(chunk, "tensor"))
+        experts.update(parameter_shardings(chunk, "expert"))
     tp_size = tp.size if tp is not None else 1
+    ep_size = dist.get_world_size(expert_group) if expert_group is not None else 1
 
     def grad_norm(named_grads: list[tuple[str, Tensor]]) -> Tensor:
         by_replicas: dict[int, list[Tensor]] = defaultdict(list)
@@ -107,16 +117,20 @@ def parallel_grad_norm(
             sharding = shardings.get(name)
             if name in skip:
                 continue
-            if sharding is None:
+            elif name in experts:
                 by_replicas[tp_size].append(g)
+            elif sharding is None:
+                by_replicas[tp_size * ep_size].append(g)
             else:
                 for view, replicas in sharding.views(g):
-                    by_replicas[replicas].append(view)
+                    by_replicas[replicas * ep_size].append(view)
         device = named_grads[0][1].device
         total = torch.zeros((), dtype=torch.float32, device=device)
         for replicas, tensors in by_replicas.items():
             norms = torch._foreach_norm(tensors, 2.0)
             total = total + torch.stack(norms).float().square().sum() / replicas
+        if expert_group is not None:
+            dist.all_reduce(total, group=expert_group)
         if tp is not None:
             dist.all_reduce(total, group=tp.group)
         if pipeline_group is not None:
@@ -146,7 +160,7 @@ def norm_weights(
     everything else when there is no tensor parallelism."""
     shardings: dict[str, Sharding] = {}
     for chunk in chunks:
-        shardings.update(parameter_shardings(chunk))
+        shardings.update(parameter_shardings(chunk, "tensor"))
     tp_size = tp.size if tp is not None else 1
     weights = torch.zeros(total, dtype=torch.float32, device=named_params[0][1].device)
     for (name, p), offset in zip(named_params, offsets):

@@ -15,7 +15,18 @@ gives the layer the step's loss scale over its micro batches (`start_step`), whi
 needs. What the last forward routed (tokens per expert, the three losses) is kept, detached, for
 the metrics; `after_step` returns it.
 
-Not yet (issue 15): expert parallelism, tensor parallelism of the experts, HF conversion.
+Expert parallelism (parallel.expert = P): this rank holds E / P whole experts (`fc1`, `fc2` cut
+along dim 0, a Sharding over the "expert" axis) and the routed assignments travel to their
+experts' ranks and back (trireme.parallel.dispatch: all-to-all or all-gather,
+model.moe_dispatcher). Routing, dropping and the balancing losses stay with the tokens' own rank,
+so every number is what one process computes.
+
+Tensor parallelism: the experts stay whole (replicated on the TP ranks) and the TP ranks share
+the tokens instead: under sequence parallelism each has its own part of the sequence already;
+without it each takes a 1/T share of the micro batch's tokens and the outputs are gathered after.
+The balancing sums are added over the TP ranks, so the losses and the load are the whole micro
+batch's; the router's and experts' gradients are partial sums that PartialGradSync adds up
+(trireme.engine.grads). The shared expert is an ordinary tensor-parallel MLP.
 """
 
 from __future__ import annotations
@@ -32,25 +43,36 @@ from trireme.models.mlp import MLP
 from trireme.ops.moe import (
     attach_aux_loss,
     balance_losses,
+    balance_sums,
     capacity_of,
     dispatch_order,
     expert_swiglu,
     grouped_mm_runs,
     route,
 )
+from trireme.parallel.comm import gather_rows, reduce_from_tensor_parallel, split_rows
 from trireme.parallel.context import ParallelContext
+from trireme.parallel.dispatch import ExpertShard, all_gather_dispatch, all_to_all_dispatch
+from trireme.parallel.sharding import Sharding, even_sharding
 
 
 class Experts(nn.Module):
-    """The routed experts' weights, all experts in two 3-D tensors."""
+    """This rank's routed experts' weights, in two 3-D tensors (all experts in one process)."""
 
-    def __init__(self, num_experts: int, hidden: int, ffn: int) -> None:
+    def __init__(self, shard: ExpertShard, hidden: int, ffn: int) -> None:
         super().__init__()
-        self.fc1 = nn.Parameter(torch.empty(num_experts, hidden, 2 * ffn))
-        self.fc2 = nn.Parameter(torch.empty(num_experts, ffn, hidden))
+        self.shard = shard
+        self.fc1 = nn.Parameter(torch.empty(shard.local, hidden, 2 * ffn))
+        self.fc2 = nn.Parameter(torch.empty(shard.local, ffn, hidden))
 
     def init_rules(self) -> dict[str, InitRule]:
         return {"fc2": InitRule(residual_output=True)}
+
+    def param_shardings(self) -> dict[str, Sharding]:
+        if self.shard.size == 1:
+            return {}
+        cut = even_sharding(0, self.shard.num_experts, self.shard.rank, self.shard.size, "expert")
+        return {"fc1": cut, "fc2": cut}
 
 
 class MoE(nn.Module):
@@ -63,8 +85,12 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.num_experts, self.top_k = cfg.moe_num_experts, cfg.moe_top_k
+        self.tp = ctx.tensor
+        ep = ctx.size("expert")
+        self.shard = ExpertShard(ctx.group("expert"), ep,
+                                 ctx.mesh.coordinate("expert") if ep > 1 else 0, self.num_experts)
         self.router = nn.Linear(cfg.hidden_size, self.num_experts, bias=False)
-        self.experts = Experts(self.num_experts, cfg.hidden_size, cfg.moe_ffn_size)
+        self.experts = Experts(self.shard, cfg.hidden_size, cfg.moe_ffn_size)
         if cfg.moe_shared_ffn_hidden_size:
             shared = dataclasses.replace(cfg, activation="swiglu", dropout=0.0,
                                          ffn_hidden_size=cfg.moe_shared_ffn_hidden_size)
@@ -107,20 +133,29 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         b, s, h = x.shape
-        tokens = x.reshape(b * s, h)  # [T, h]
+        tokens, rows = self._my_tokens(x.reshape(b * s, h), s)  # [T, h], sequence of each
         logits = tokens.float() @ self.router.weight.float().t()  # [T, E], router in fp32
         bias = self.expert_bias if self.cfg.moe_bias_update_rate > 0 else None
         weights, experts, probs = route(
             logits, self.top_k, self.cfg.moe_router, bias, self.cfg.moe_num_groups,
             self.cfg.moe_top_groups, self.cfg.moe_score_scale)
-        assigned = torch.bincount(experts.flatten(), minlength=self.num_experts)  # [E]
         y = self._experts(tokens, weights, experts)
-        if self.training and torch.is_grad_enabled():
-            self.load += assigned
+        if self.tp is not None and not self.tp.sequence_parallel:
+            y = gather_rows(y, self.tp.group, self.tp.size, self.tp.rank)
         if hasattr(self, "shared"):
-            y = y + self.shared(tokens)
-        y = self._balance(y, logits, probs, experts, assigned, b)
-        return y.view(b, s, h)
+            y = y + self.shared(x).reshape(y.shape)
+        y = self._balance(y, logits, probs, experts, rows, b)
+        return y.view(x.shape)
+
+    def _my_tokens(self, tokens: Tensor, seq: int) -> tuple[Tensor, Tensor]:
+        """The tokens this rank routes, and the sequence of each: all of them, or under tensor
+        parallelism without sequence parallelism this TP rank's share (module docstring)."""
+        first = 0
+        if self.tp is not None and not self.tp.sequence_parallel:
+            first = self.tp.rank * (tokens.shape[0] // self.tp.size)
+            tokens = split_rows(tokens, self.tp.group, self.tp.size, self.tp.rank)
+        rows = torch.arange(first, first + tokens.shape[0], device=tokens.device) // seq
+        return tokens, rows
 
     def _experts(self, tokens: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """sum_j weights_tj * expert_{e_tj}(x_t) for every token t: [T, h]."""
@@ -128,29 +163,44 @@ class MoE(nn.Module):
         capacity = capacity_of(t, self.top_k, self.num_experts, cfg.moe_capacity_factor)
         order, counts = dispatch_order(experts, weights, self.num_experts, capacity,
                                        cfg.moe_drop_policy)
+        if self.shard.size > 1 and cfg.moe_dispatcher == "allgather":
+            chosen = torch.full_like(experts, -1).flatten()
+            chosen[order] = experts.flatten()[order]  # dropped assignments: -1
+            return all_gather_dispatch(tokens, weights, chosen.view_as(experts), self.shard,
+                                       self._compute)
         token_of = order.div(self.top_k, rounding_mode="floor")  # [N]
         x = tokens[token_of]  # [N, h], sorted by expert
-        if capacity and cfg.moe_pad_to_capacity:
+        if self.shard.size > 1:
+            out = all_to_all_dispatch(x, counts, self.shard, self._compute)
+        elif capacity and cfg.moe_pad_to_capacity:
             x, slots = _pad(x, counts, capacity)
-            counts = torch.full_like(counts, capacity)
-        fc1, fc2 = self.experts.fc1, self.experts.fc2
-        grouped = cfg.moe_grouped_gemm and grouped_mm_runs(x)
-        out = expert_swiglu(x, counts, fc1.to(x.dtype), fc2.to(x.dtype), grouped)
-        if capacity and cfg.moe_pad_to_capacity:
-            out = out[slots]
+            out = self._compute(x, torch.full_like(counts, capacity))[slots]
+        else:
+            out = self._compute(x, counts)
         out = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)  # [N, h]
         return torch.zeros_like(tokens).index_add(0, token_of, out.to(tokens.dtype))
 
-    def _balance(self, y: Tensor, logits: Tensor, probs: Tensor, experts: Tensor,
-                 assigned: Tensor, batch_size: int) -> Tensor:
-        """Attach the weighted balancing losses to `y`; keep what routing did for the metrics.
-        `assigned` [E]: the assignments each expert got (before any dropping)."""
-        counts = assigned.float()
-        losses = balance_losses(logits, probs, experts, counts, batch_size)
+    def _compute(self, x: Tensor, counts: Tensor) -> Tensor:
+        """This rank's experts on rows `x` sorted by (local) expert, `counts` rows each."""
+        fc1, fc2 = self.experts.fc1, self.experts.fc2
+        grouped = self.cfg.moe_grouped_gemm and grouped_mm_runs(x)
+        return expert_swiglu(x, counts, fc1.to(x.dtype), fc2.to(x.dtype), grouped)
+
+    def _balance(self, y: Tensor, logits: Tensor, probs: Tensor, experts: Tensor, rows: Tensor,
+                 batch_size: int) -> Tensor:
+        """Attach the weighted balancing losses to `y`; add the assignments each expert got
+        (before any dropping) to the step's load; keep what routing did for the metrics."""
+        sums = balance_sums(logits, probs, experts, rows, batch_size)
+        if self.tp is not None:  # the whole micro batch's sums (gradient: identity)
+            sums = reduce_from_tensor_parallel(sums, self.tp.group)
+        losses, counts = balance_losses(sums, self.num_experts, self.top_k, batch_size)
+        if self.training and torch.is_grad_enabled():
+            self.load += counts.detach().round().long()
         cfg = self.cfg
         total = (cfg.moe_aux_loss_coeff * losses["aux_loss"]
                  + cfg.moe_seq_aux_loss_coeff * losses["seq_aux_loss"]
                  + cfg.moe_z_loss_coeff * losses["z_loss"])
+        counts = counts.detach()
         self.last = {**{k: v.detach() for k, v in losses.items()},
                      "imbalance": counts.max() / counts.mean()}
         return attach_aux_loss(y, total, self.loss_scale)

@@ -78,23 +78,38 @@ def _limit_groups(select: Tensor, num_groups: int, top_groups: int) -> Tensor:
     return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(t, e)
 
 
-def balance_losses(
-    logits: Tensor, probs: Tensor, experts: Tensor, counts: Tensor, batch_size: int,
-) -> dict[str, Tensor]:
-    """The three balancing losses (module docstring), unweighted, as fp32 scalars. `counts` [E]:
-    the assignments each expert got (fp32)."""
+def balance_sums(logits: Tensor, probs: Tensor, experts: Tensor, rows: Tensor, num_rows: int
+                 ) -> Tensor:
+    """What the balancing losses need of these tokens, as sums (so that the sums of several
+    ranks' tokens combine by addition), flat fp32: assignments per expert [E], probabilities per
+    expert [E], both per sequence [B, E] twice, sum of logsumexp^2, tokens. `rows` [T]: each
+    token's sequence (0 .. num_rows - 1)."""
     t, k = experts.shape
-    num_experts = counts.numel()
-    aux = num_experts * (counts / (t * k) * probs.mean(dim=0)).sum()
-    s = t // batch_size  # tokens are [b, s] flattened, sequence-major per row
-    per_seq = torch.zeros(batch_size, num_experts, device=probs.device, dtype=torch.float32)
-    rows = torch.arange(t, device=probs.device).div(s, rounding_mode="floor")
+    num_experts = probs.shape[1]
+    device = probs.device
+    counts = torch.bincount(experts.flatten(), minlength=num_experts).float()
+    per_seq = torch.zeros(num_rows, num_experts, device=device)
     per_seq.index_put_((rows.repeat_interleave(k), experts.flatten()),
-                       torch.ones(t * k, device=probs.device), accumulate=True)
-    seq_probs = probs.view(batch_size, s, num_experts).mean(dim=1)  # [b, E]
-    seq_aux = num_experts * (per_seq / (s * k) * seq_probs).sum(dim=-1).mean()
-    z = torch.logsumexp(logits, dim=-1).square().mean()
-    return {"aux_loss": aux, "seq_aux_loss": seq_aux, "z_loss": z}
+                       torch.ones(t * k, device=device), accumulate=True)
+    seq_probs = torch.zeros(num_rows, num_experts, device=device).index_add(0, rows, probs)
+    z = torch.logsumexp(logits, dim=-1).square().sum()
+    return torch.cat([counts, probs.sum(dim=0), per_seq.flatten(), seq_probs.flatten(),
+                      z.reshape(1), torch.full((1,), float(t), device=device)])
+
+
+def balance_losses(sums: Tensor, num_experts: int, top_k: int, num_rows: int
+                   ) -> tuple[dict[str, Tensor], Tensor]:
+    """The three balancing losses (module docstring), unweighted fp32 scalars, from
+    `balance_sums` (of one micro batch, possibly added over ranks), and the assignments per
+    expert [E] (fp32)."""
+    e, b = num_experts, num_rows
+    counts, prob_sum, per_seq, seq_probs, rest = sums.split([e, e, b * e, b * e, 2])
+    z_sum, t = rest[0], rest[1]
+    s = t / b  # tokens per sequence
+    aux = e * (counts / (t * top_k) * prob_sum / t).sum()
+    seq = (per_seq.view(b, e) / (s * top_k)) * (seq_probs.view(b, e) / s)
+    losses = {"aux_loss": aux, "seq_aux_loss": e * seq.sum(dim=-1).mean(), "z_loss": z_sum / t}
+    return losses, counts
 
 
 class _AttachAuxLoss(torch.autograd.Function):

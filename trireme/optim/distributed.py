@@ -18,6 +18,10 @@ One step:
    bytes), rebuilds the full parameters on every replica (gathered into the gradient buffer,
    which is free until the next step).
 
+Under expert parallelism the routed experts' buckets are sharded over the expert-data group (the
+replicas of this rank's experts) instead (`groups`, and each bucket's `axis`); every element is
+still held by one rank of the DP x context group, so the norm's sum over that group is unchanged.
+
 AdamW sees one tensor per (parameter, chunk) intersection, a "segment", so weight decay still
 follows the parameter's name. Checkpoints gather the shards back into per-parameter tensors
 (`state_dict` is collective), so they do not depend on the DP degree.
@@ -25,6 +29,7 @@ follows the parameter's name. Checkpoints gather the shards back into per-parame
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -58,12 +63,15 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         group: dist.ProcessGroup,
         norm_group: dist.ProcessGroup | None = None,
         norm_weights: Tensor | None = None,
+        groups: Mapping[str, dist.ProcessGroup | None] | None = None,
     ) -> None:
         self.dp_group = group
         self.dp_rank = dist.get_rank(group)
         self.dp_size = dist.get_world_size(group)
         self.norm_group = norm_group
-        self.shard_ranges = layout.shard_ranges(self.dp_rank)
+        self.groups = {**(groups or {}), "data_context": group}
+        self.shard_ranges = layout.shard_ranges(
+            {axis: dist.get_rank(g) if g is not None else 0 for axis, g in self.groups.items()})
         self._norm_weights = None
         if norm_weights is not None:
             self._norm_weights = torch.cat([norm_weights[a:b] for a, b in self.shard_ranges])
@@ -118,7 +126,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _gather(self, flat_shard: Tensor, out: Tensor) -> None:
         """All-gather the replicas' shards (shard layout) into `out` (buffer layout)."""
         for bucket, chunk in zip(self.layout.buckets, self._chunks(flat_shard)):
-            _all_gather_single(out[bucket.start : bucket.end], chunk, group=self.dp_group)
+            group = self.groups[bucket.axis]
+            if group is None:  # one rank holds the whole bucket
+                out[bucket.start : bucket.end].copy_(chunk)
+            else:
+                _all_gather_single(out[bucket.start : bucket.end], chunk, group=group)
 
     @torch.no_grad()
     def sync_params_from_master(self) -> None:

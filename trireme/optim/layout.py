@@ -4,7 +4,7 @@ reduces them over the data-parallel replicas; at DP = 1 it is one bucket in mode
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 # Each parameter's slice starts at a multiple of this many elements (256 bytes of fp32), so the
@@ -19,11 +19,15 @@ def _round_up(n: int, multiple: int) -> int:
 @dataclass(frozen=True)
 class Bucket:
     """A contiguous range [start, end) of the flat buffer holding the parameters `params`
-    (indices into the optimizer's parameter list); end - start is a multiple of the DP degree."""
+    (indices into the optimizer's parameter list), reduced over the group `axis` of `shards`
+    ranks (0: the layout's DP degree); end - start is a multiple of that. Expert-parallel
+    experts' buckets are reduced over "expert_data", the rest over "data_context"."""
 
     start: int
     end: int
     params: tuple[int, ...]
+    axis: str = "data_context"
+    shards: int = 0
 
     @property
     def numel(self) -> int:
@@ -39,12 +43,14 @@ class GradLayout:
     buckets: tuple[Bucket, ...]
     data_parallel: int = 1
 
-    def shard_ranges(self, rank: int) -> list[tuple[int, int]]:
-        """[start, end) of DP rank `rank`'s chunk of each bucket: its optimizer shard."""
+    def shard_ranges(self, rank: int | Mapping[str, int]) -> list[tuple[int, int]]:
+        """[start, end) of this rank's chunk of each bucket: its optimizer shard. `rank`: its
+        rank in each bucket's group, by axis (a number: the same in every group)."""
         out = []
         for b in self.buckets:
-            chunk = b.numel // self.data_parallel
-            out.append((b.start + rank * chunk, b.start + (rank + 1) * chunk))
+            r = rank if isinstance(rank, int) else rank[b.axis]
+            chunk = b.numel // (b.shards or self.data_parallel)
+            out.append((b.start + r * chunk, b.start + (r + 1) * chunk))
         return out
 
 

@@ -14,7 +14,11 @@ sequence, and f / g become an all-gather / reduce-scatter pair along dim 1:
     reduce_scatter_sequence  forward  y_r = (sum_r' x_r')_r     backward  dx = [dy_0; ...; dy_{T-1}]
 
 where (z)_r is chunk r of z along the sequence. `gather_last_dim` collects vocabulary-split logits
-(backward: each rank keeps its own slice of the gradient).
+(backward: each rank keeps its own slice of the gradient). A mixture-of-experts layer without
+sequence parallelism cuts its tokens among the ranks and joins them again:
+
+    split_rows   forward  y_r = (x)_r along dim 0                 backward  dx = [dy_0; ...]
+    gather_rows  forward  y = [x_0; ...; x_{T-1}] along dim 0     backward  dx_r = (dy)_r
 
 Every function takes the group and its size explicitly; none reads global state.
 """
@@ -161,3 +165,35 @@ def reduce_scatter_sequence(x: Tensor, group: dist.ProcessGroup, size: int) -> T
 def gather_last_dim(x: Tensor, group: dist.ProcessGroup, size: int, rank: int) -> Tensor:
     """[..., n] slices -> [..., T * n]; each rank keeps its slice of the gradient backward."""
     return _GatherLastDim.apply(x, group, size, rank)
+
+
+class _SplitRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup, size: int, rank: int) -> Tensor:
+        ctx.group, ctx.size = group, size
+        return x.chunk(size)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, dy: Tensor) -> tuple[Tensor, None, None, None]:
+        return _gather_dim1(dy.unsqueeze(0), ctx.group, ctx.size).squeeze(0), None, None, None
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup, size: int, rank: int) -> Tensor:
+        ctx.size, ctx.rank = size, rank
+        return _gather_dim1(x.unsqueeze(0), group, size).squeeze(0)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor) -> tuple[Tensor, None, None, None]:
+        return dy.chunk(ctx.size)[ctx.rank].contiguous(), None, None, None
+
+
+def split_rows(x: Tensor, group: dist.ProcessGroup, size: int, rank: int) -> Tensor:
+    """Rank r's chunk r of `x` (equal on every rank) along dim 0; all-gather backward."""
+    return _SplitRows.apply(x, group, size, rank)
+
+
+def gather_rows(x: Tensor, group: dist.ProcessGroup, size: int, rank: int) -> Tensor:
+    """Every rank's `x` joined along dim 0; each rank keeps its chunk of the gradient."""
+    return _GatherRows.apply(x, group, size, rank)

@@ -14,10 +14,16 @@ and its tensor is those slices concatenated in part order. A part with fewer uni
 
 Initialization draws the full tensor for a name and keeps `shard(full)`; checkpoints and tests
 `unshard` the ranks' tensors back into the full one under the global name.
+
+The same description serves expert parallelism: the routed experts' weights [E, ...] are cut along
+dim 0 over the expert group (`axis = "expert"`, one part of E units), whole experts per rank.
+Each Sharding names the group axis it is cut over; code that handles the tensor-parallel kind only
+asks `parameter_shardings(model, "tensor")`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +50,7 @@ class Sharding:
     parts: tuple[tuple[int, int], ...]  # (units, unit_size) per part, in order
     rank: int
     size: int
+    axis: str = "tensor"  # the group it is cut over: "tensor" or "expert"
 
     def __post_init__(self) -> None:
         for units, _ in self.parts:
@@ -106,13 +113,14 @@ class Sharding:
         return [(local.narrow(self.dim, s.local_start, s.rows), s.replicas) for s in self.slices()]
 
 
-def even_sharding(dim: int, rows: int, rank: int, size: int) -> Sharding:
+def even_sharding(dim: int, rows: int, rank: int, size: int, axis: str = "tensor") -> Sharding:
     """`rows` split into `size` equal runs of consecutive rows."""
-    return Sharding(dim, ((rows, 1),), rank, size)
+    return Sharding(dim, ((rows, 1),), rank, size, axis)
 
 
-def parameter_shardings(model: torch.nn.Module) -> dict[str, Sharding]:
-    """name -> Sharding of every tensor-parallel parameter of `model` (replicated ones absent).
+def parameter_shardings(model: torch.nn.Module, axis: str | None = None) -> dict[str, Sharding]:
+    """name -> Sharding of every sharded parameter of `model` (replicated ones absent); only
+    those cut over `axis` ("tensor" or "expert") when it is given.
 
     A parallel layer lists its sharded parameters in `param_shardings()`, keyed by short name.
     """
@@ -120,21 +128,30 @@ def parameter_shardings(model: torch.nn.Module) -> dict[str, Sharding]:
     for module_name, module in model.named_modules():
         if hasattr(module, "param_shardings"):
             for short_name, sharding in module.param_shardings().items():
-                out[f"{module_name}.{short_name}" if module_name else short_name] = sharding
+                if axis is None or sharding.axis == axis:
+                    out[f"{module_name}.{short_name}" if module_name else short_name] = sharding
     return out
 
 
-def gather_full(
-    tensors: dict[str, Tensor], shardings: dict[str, Sharding], group: dist.ProcessGroup | None
-) -> dict[str, Tensor]:
-    """The full tensor for each sharded name (all-gathered over `group`), others as they are.
+Groups = Mapping[str, dist.ProcessGroup | None]  # axis -> this rank's group along it
 
-    Collective: every rank of the group calls it with the same names in the same order.
+
+def gather_full(
+    tensors: dict[str, Tensor], shardings: dict[str, Sharding],
+    groups: Groups | dist.ProcessGroup | None,
+) -> dict[str, Tensor]:
+    """The full tensor for each sharded name (all-gathered over the group of its sharding's
+    axis; a bare group is the tensor-parallel one), others as they are.
+
+    Collective: every rank of the groups calls it with the same names in the same order.
     """
+    if not isinstance(groups, Mapping):
+        groups = {"tensor": groups}
     out = {}
     for name, t in tensors.items():
         sharding = shardings.get(name)
-        if sharding is None or group is None:
+        group = groups.get(sharding.axis) if sharding is not None else None
+        if group is None:
             out[name] = t
             continue
         parts = [torch.empty_like(t) for _ in range(sharding.size)]
