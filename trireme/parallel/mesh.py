@@ -122,7 +122,7 @@ class ParallelDims:
 
 def flat_rank_lists(dims: ParallelDims, name: str) -> list[list[int]]:
     """Every group of the flattened kind `name` (one of FLAT), as lists of global ranks."""
-    grid = torch.arange(dims.world_size).view(dims.shape)  # [pipeline, data, context, tensor]
+    grid = torch.arange(dims.world_size, device="cpu").view(dims.shape)  # [p, d, c, t]
     rows = grid.permute(0, 3, 1, 2).reshape(-1, dims.data * dims.context)  # one per (p, t)
     if name == "data_context":
         return rows.tolist()
@@ -229,7 +229,7 @@ class ParallelMesh:
             return None
         key = (axis, size)
         if key not in self._subgroups:
-            grid = torch.arange(self.dims.world_size).view(self.dims.shape)
+            grid = torch.arange(self.dims.world_size, device="cpu").view(self.dims.shape)
             along = grid.movedim(AXES.index(axis), -1).reshape(-1, degree // size, size)
             for ranks in along.reshape(-1, size).tolist():  # every rank walks every subgroup
                 group = dist.new_group(ranks)
