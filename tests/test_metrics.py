@@ -11,6 +11,7 @@ from trireme.metrics import (
     flops_per_token,
     memory_gib,
     peak_flops,
+    scalars,
     throughput,
 )
 
@@ -90,6 +91,17 @@ def test_metrics_logger_writes_jsonl(tmp_path):
 
 def test_metrics_logger_tensorboard(tmp_path):
     pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     with MetricsLogger(tmp_path) as logger:
-        logger.log({"step": 1, "loss": 2.0})
-    assert any((tmp_path / "tb").iterdir())
+        logger.log({"step": 1, "loss": 2.0, "moe_imbalance": {"layers.1.moe": 1.5}})
+    tags = EventAccumulator(str(tmp_path / "tb")).Reload().Tags()["scalars"]
+    assert set(tags) == {"loss", "moe_imbalance/layers.1.moe"}  # nested dicts flattened
+
+
+def test_nested_numbers_reach_tensorboard_as_grouped_scalars():
+    record = {"step": 3, "loss": 2.0, "note": "x", "skipped": True,
+              "moe_layers": {"layers.1.moe": {"aux_loss": 1.25, "imbalance": 2}}}
+    assert scalars(record) == [("step", 3), ("loss", 2.0),
+                               ("moe_layers/layers.1.moe/aux_loss", 1.25),
+                               ("moe_layers/layers.1.moe/imbalance", 2)]

@@ -157,6 +157,9 @@ def test_a_moe_model_trains_and_logs_its_routing(toy_data, tmp_path):  # noqa: F
     assert set(last["moe_imbalance"]) == {"layers.0.moe", "layers.1.moe"}
     assert 0.0 < last["moe_aux_loss"] < 2 * 4 and last["moe_z_loss"] > 0.0
     assert last["moe_imbalance_max"] == max(last["moe_imbalance"].values()) >= 1.0
+    per_layer = last["moe_layers"]
+    assert set(per_layer["layers.1.moe"]) == {"aux_loss", "seq_aux_loss", "z_loss", "imbalance"}
+    assert sum(v["aux_loss"] for v in per_layer.values()) == pytest.approx(last["moe_aux_loss"])
 
 
 def moe_tiny(data, run_dir, *extra):

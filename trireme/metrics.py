@@ -166,6 +166,19 @@ class WandbRun:
         self.run.finish()
 
 
+def scalars(record: dict[str, Any], prefix: str = "") -> list[tuple[str, float]]:
+    """The numbers of `record` as (name, value), nested dicts flattened to "outer/inner" names
+    (TensorBoard's grouping): e.g. moe_imbalance/layers.1.moe."""
+    out = []
+    for key, value in record.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out += scalars(value, f"{name}/")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out.append((name, value))
+    return out
+
+
 class MetricsLogger:
     """Appends one JSON object per `log()` to `<run_dir>/metrics.jsonl`, mirrored to TensorBoard.
 
@@ -197,9 +210,8 @@ class MetricsLogger:
         self._file.flush()
         if self._writer is not None:
             step = plain.get("step")
-            for key, value in plain.items():
-                is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-                if key != "step" and is_number:
+            for key, value in scalars(plain):
+                if key != "step":
                     self._writer.add_scalar(key, value, global_step=step)
         if self._wandb is not None:
             self._wandb.log(plain)
