@@ -7,6 +7,8 @@ matmul), and cross-entropy's softmax kernels are not attention. torch.compile's 
 named after the ops they fuse (`triton_poi_fused_mul_silu_3`, `triton_red_fused__to_copy_add_mean_
 mul_pow_rsqrt_1`): pointwise ones (`triton_poi_`) count as elementwise, reductions that take an
 rsqrt as norms, softmax / log-softmax ones as cross-entropy; the rest as "fused (compiled)".
+Mixture-of-experts layers add two: the experts' grouped GEMMs (torch._grouped_mm's CUTLASS
+kernels), and routing / permutation (top-k, sorts, histograms, scans, index_add, scatter / gather).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import re
 CATEGORIES = (
     "attention",
     "matmul",
+    "grouped matmul",
+    "routing/permutation",
     "norm",
     "cross-entropy/softmax",
     "elementwise",
@@ -44,6 +48,10 @@ RULES: tuple[tuple[str, str], ...] = (
     ("cross-entropy/softmax", r"softmax|cross_entropy|nll_loss|logsumexp"),
     ("norm", r"rms_?norm|layer_?norm|group_?norm|batch_?norm|gammabeta|rowwisemoments|"
              r"compute_?inv_?rms|^triton_(per|red|poi)_.*rsqrt"),
+    ("grouped matmul", r"grouped|groupproblemshape|ptr_?array|aten::_grouped_mm"),
+    ("routing/permutation", r"radix_?sort|topk|bitonic_?sort|histogram|devicescan|index_?add|"
+                            r"indexfunc|scatter_gather|scatter_add|bincount|argsort|sort_?kv|"
+                            r"segmented_?sort|aten::(sort|index|index_put_|cumsum)$"),
     ("matmul", r"gemm|gemv|cutlass|cublas|xmma|wgmma|nvjet|splitk|cijk_|"
                r"(^|[^a-z])(sm\d\d|ampere|hopper|volta|turing)_|^triton_tem_.*(mm|bmm|addmm)|"
                + _ATEN_MATMUL),

@@ -68,6 +68,17 @@ NAMES = {
     "2, -2, true>(...)": "embedding",
     "aten::embedding_dense_backward": "embedding",
     "triton_red_fused_sum_4": "fused (compiled)",
+    # mixture of experts: grouped GEMMs, routing and permutation
+    "void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::kernel"
+    "::GemmUniversal<cutlass::gemm::GroupProblemShape<cute::tuple<int, int, int>>, ...>>>(...)":
+        "grouped matmul",
+    "aten::_grouped_mm": "grouped matmul",
+    "void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>(...)": "routing/permutation",
+    "void at_cuda_detail::cub::DeviceRadixSortOnesweepKernel<...>(...)": "routing/permutation",
+    "void at::native::kernelHistogram1D<long, long, long, 1, 2, -1, (at::native::"
+    "CUDAHistogramMemoryType)0, ...>(...)": "routing/permutation",
+    "void at::native::(anonymous namespace)::indexFuncLargeIndex<float, long, unsigned int, 2, 2, "
+    "-2, true, ...>(...)": "routing/permutation",
     "some_kernel_nobody_knows": "other",
     "aten::arange": "other",
 }
