@@ -87,11 +87,12 @@ def balance_sums(logits: Tensor, probs: Tensor, experts: Tensor, rows: Tensor, n
     t, k = experts.shape
     num_experts = probs.shape[1]
     device = probs.device
-    counts = torch.bincount(experts.flatten(), minlength=num_experts).float()
+    ones = torch.ones(t * k, device=device)
+    counts = torch.zeros(num_experts, device=device).index_add_(0, experts.flatten(), ones)
     per_seq = torch.zeros(num_rows, num_experts, device=device)
-    per_seq.index_put_((rows.repeat_interleave(k), experts.flatten()),
-                       torch.ones(t * k, device=device), accumulate=True)
-    seq_probs = torch.zeros(num_rows, num_experts, device=device).index_add(0, rows, probs)
+    per_seq.index_put_((rows.repeat_interleave(k), experts.flatten()), ones, accumulate=True)
+    in_row = (rows == torch.arange(num_rows, device=device).unsqueeze(1)).float()  # [B, T]
+    seq_probs = in_row @ probs  # a matmul, not atomics: the same sums on every run
     z = torch.logsumexp(logits, dim=-1).square().sum()
     return torch.cat([counts, probs.sum(dim=0), per_seq.flatten(), seq_probs.flatten(),
                       z.reshape(1), torch.full((1,), float(t), device=device)])
