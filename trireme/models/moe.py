@@ -33,10 +33,18 @@ from trireme.ops.moe import (
     attach_aux_loss,
     balance_losses,
     capacity_of,
+    count_assignments,
     dispatch_order,
     expert_swiglu,
     grouped_mm_runs,
     route,
+)
+from trireme.ops.moe_permute import (
+    inverse_permutation,
+    permute,
+    permute_reference,
+    unpermute,
+    unpermute_reference,
 )
 from trireme.parallel.context import ParallelContext
 
@@ -113,7 +121,7 @@ class MoE(nn.Module):
         weights, experts, probs = route(
             logits, self.top_k, self.cfg.moe_router, bias, self.cfg.moe_num_groups,
             self.cfg.moe_top_groups, self.cfg.moe_score_scale)
-        assigned = torch.bincount(experts.flatten(), minlength=self.num_experts)  # [E]
+        assigned = count_assignments(experts, self.num_experts)  # [E]
         y = self._experts(tokens, weights, experts)
         if self.training and torch.is_grad_enabled():
             self.load += assigned
@@ -124,22 +132,34 @@ class MoE(nn.Module):
 
     def _experts(self, tokens: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """sum_j weights_tj * expert_{e_tj}(x_t) for every token t: [T, h]."""
-        cfg, t = self.cfg, tokens.shape[0]
-        capacity = capacity_of(t, self.top_k, self.num_experts, cfg.moe_capacity_factor)
+        capacity = capacity_of(tokens.shape[0], self.top_k, self.num_experts,
+                               self.cfg.moe_capacity_factor)
+        if capacity:
+            return self._experts_dropping(tokens, weights, experts, capacity)
+        order, counts = dispatch_order(experts, weights, self.num_experts)
+        inverse = inverse_permutation(order)  # [T k]
+        x = permute(tokens, order, inverse, self.top_k)  # [T k, h], sorted by expert
+        out = self._expert_mlps(x, counts)
+        return unpermute(out, weights, order, inverse)
+
+    def _experts_dropping(self, tokens: Tensor, weights: Tensor, experts: Tensor,
+                          capacity: int) -> Tensor:
+        """`_experts` with each expert keeping at most `capacity` assignments."""
         order, counts = dispatch_order(experts, weights, self.num_experts, capacity,
-                                       cfg.moe_drop_policy)
-        token_of = order.div(self.top_k, rounding_mode="floor")  # [N]
-        x = tokens[token_of]  # [N, h], sorted by expert
-        if capacity and cfg.moe_pad_to_capacity:
+                                       self.cfg.moe_drop_policy)
+        x = permute_reference(tokens, order, self.top_k)  # [N, h], sorted by expert
+        if self.cfg.moe_pad_to_capacity:
             x, slots = _pad(x, counts, capacity)
-            counts = torch.full_like(counts, capacity)
+            out = self._expert_mlps(x, torch.full_like(counts, capacity))[slots]
+        else:
+            out = self._expert_mlps(x, counts)
+        return unpermute_reference(out, weights, order)
+
+    def _expert_mlps(self, x: Tensor, counts: Tensor) -> Tensor:
+        """[N, h] -> [N, h]: rows sorted by expert, `counts` [E] each, through their expert."""
         fc1, fc2 = self.experts.fc1, self.experts.fc2
-        grouped = cfg.moe_grouped_gemm and grouped_mm_runs(x)
-        out = expert_swiglu(x, counts, fc1.to(x.dtype), fc2.to(x.dtype), grouped)
-        if capacity and cfg.moe_pad_to_capacity:
-            out = out[slots]
-        out = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)  # [N, h]
-        return torch.zeros_like(tokens).index_add(0, token_of, out.to(tokens.dtype))
+        grouped = self.cfg.moe_grouped_gemm and grouped_mm_runs(x)
+        return expert_swiglu(x, counts, fc1.to(x.dtype), fc2.to(x.dtype), grouped)
 
     def _balance(self, y: Tensor, logits: Tensor, probs: Tensor, experts: Tensor,
                  assigned: Tensor, batch_size: int) -> Tensor:

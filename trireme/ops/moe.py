@@ -26,8 +26,9 @@ the step over its micro batches), as if it had been added to the loss.
 Token flow: the (token, expert) assignments are sorted by expert (`dispatch_order`), the tokens
 gathered in that order, each expert's run multiplied by its weights (`expert_swiglu`: one
 torch._grouped_mm for all experts, or a loop, the reference), and the outputs, times the routing
-weights, added back to their tokens. With a capacity, an expert keeps at most `capacity`
-assignments (by weight or by position) and the others are dropped: those tokens skip that expert.
+weights, added back to their tokens (trireme.ops.moe_permute moves the rows). With a capacity,
+an expert keeps at most `capacity` assignments (by weight or by position) and the others are
+dropped: those tokens skip that expert.
 """
 
 from __future__ import annotations
@@ -87,10 +88,9 @@ def balance_losses(
     num_experts = counts.numel()
     aux = num_experts * (counts / (t * k) * probs.mean(dim=0)).sum()
     s = t // batch_size  # tokens are [b, s] flattened, sequence-major per row
-    per_seq = torch.zeros(batch_size, num_experts, device=probs.device, dtype=torch.float32)
-    rows = torch.arange(t, device=probs.device).div(s, rounding_mode="floor")
-    per_seq.index_put_((rows.repeat_interleave(k), experts.flatten()),
-                       torch.ones(t * k, device=probs.device), accumulate=True)
+    seq_of = torch.arange(t * k, device=probs.device).div(s * k, rounding_mode="floor")  # [T k]
+    per_seq = count_assignments(seq_of * num_experts + experts.flatten(), batch_size * num_experts)
+    per_seq = per_seq.view(batch_size, num_experts).float()  # [b, E]
     seq_probs = probs.view(batch_size, s, num_experts).mean(dim=1)  # [b, E]
     seq_aux = num_experts * (per_seq / (s * k) * seq_probs).sum(dim=-1).mean()
     z = torch.logsumexp(logits, dim=-1).square().mean()
@@ -128,8 +128,7 @@ def dispatch_order(
     its first in token order ("position"). Stable sorts: the same on every rank and run."""
     flat = experts.flatten()
     if capacity <= 0:
-        order = torch.argsort(flat, stable=True)
-        return order, torch.bincount(flat, minlength=num_experts)
+        return torch.argsort(flat, stable=True), count_assignments(experts, num_experts)
     priority = -weights.flatten() if drop_policy == "probs" else torch.arange(
         flat.numel(), device=flat.device)
     by_priority = torch.argsort(priority, stable=True)
@@ -139,6 +138,14 @@ def dispatch_order(
     rank = torch.arange(order.numel(), device=flat.device) - starts[flat[order]]
     order = order[rank < capacity]
     return order, torch.bincount(flat[order], minlength=num_experts)
+
+
+def count_assignments(experts: Tensor, num_experts: int) -> Tensor:
+    """[E] int64: the assignments each expert got. Unlike torch.bincount on CUDA (which reads
+    the largest id back to size its output), no host sync."""
+    flat = experts.flatten()
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
 
 
 def capacity_of(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:
