@@ -2,6 +2,11 @@
 grouped and loop expert paths, capacity dropping, auxiliary-loss-free balancing, training."""
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +29,8 @@ from trireme.ops.moe_permute import (
 )
 from trireme.parallel.context import ParallelContext
 from trireme.train import train
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def moe_config(**overrides) -> ModelConfig:
@@ -260,3 +267,41 @@ def test_moe_layouts_match_one_process(toy_data, tmp_path):  # noqa: F811
     run_ranks(_moe_layouts, 2, tmp_path, toy_data, str(tmp_path))
     for name in LAYOUTS:
         assert_same(losses(tmp_path / name), ref, f"MoE {name}")
+
+
+INTERPRETED = textwrap.dedent("""
+    import torch
+    from trireme.ops.moe_permute import gather_sum_reference, unpermute_backward_reference
+    from trireme.ops.moe_permute_triton import gather_sum, unpermute_backward
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype, tol, block in ((torch.float32, 1e-6, 32), (torch.bfloat16, 2**-7, None)):
+        t, k, h = 6, 3, 72  # 72 columns: a ragged last tile of 32
+        rows = torch.randn(t * k, h, generator=gen).to(dtype)
+        index = torch.randperm(t * k, generator=gen).view(t, k)
+        weights = torch.rand(t, k, generator=gen).to(dtype)
+        for w in (weights, None):
+            torch.testing.assert_close(gather_sum(rows, index, w, block=block).float(),
+                                       gather_sum_reference(rows, index, w).float(),
+                                       rtol=tol, atol=tol)
+        dy = torch.randn(t, h, generator=gen).to(dtype)
+        token_of = index.flatten() // k
+        got = unpermute_backward(dy, rows, weights.flatten(), token_of, block=block)
+        ref = unpermute_backward_reference(dy, rows, weights.flatten(), token_of)
+        assert got[0].dtype == dtype and got[1].dtype == torch.float32
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * 10)
+    print("ok")
+""")
+
+
+def test_permutation_kernels_in_interpreter():
+    """The Triton kernels against their references, on CPU tensors through Triton's interpreter
+    (in a subprocess: TRITON_INTERPRET must be set before triton is imported)."""
+    pytest.importorskip("triton", reason="the permutation kernels need Triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip() == "ok"

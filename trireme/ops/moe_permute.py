@@ -13,7 +13,7 @@ weighted outputs, with atomics in the forward; it also takes a partial `order` (
 
 The dropless path (every assignment kept, so N = T k and `inv` exists) never adds with atomics:
 each of y's rows, and each row of the permutation's input gradient, is a gather of k rows and
-their (weighted) sum, one fused kernel (embedding_bag's sum mode, fp32 accumulation):
+their (weighted) sum, summed in fp32 and rounded once:
 
     permute      forward  x_sorted = tokens[order // k]                      (gather)
                  backward d tokens[t] = sum_j d x_sorted[inv[t k + j]]       (gather + sum)
@@ -24,12 +24,22 @@ their (weighted) sum, one fused kernel (embedding_bag's sum mode, fp32 accumulat
 
 The routing weights are applied in the unpermutation (not before the experts), so an expert-
 parallel exchange between the two carries tokens only.
+
+The two passes that read N rows and write T (`gather_sum`) or that read 2 N rows and write N
+(`unpermute_backward`) are custom ops: on CUDA one Triton kernel each
+(trireme.ops.moe_permute_triton), which reads every row once; elsewhere, or without Triton, their
+plain references (`gather_sum_reference`, `unpermute_backward_reference`). On an H200 at the
+fine-grained shape (T 32k, k 8, h 2048: N rows are 1 GiB in bf16) a plain gather + sum took
+0.95 ms, embedding_bag's weighted sum 2.0 ms, the reference's index_add 4.6 ms; a copy of N rows
+0.5 ms. Opaque to torch.compile (their fake implementations give the shapes).
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
@@ -40,10 +50,83 @@ def inverse_permutation(order: Tensor) -> Tensor:
     return torch.empty_like(order).scatter_(0, order, positions)
 
 
+def gather_sum_reference(rows: Tensor, index: Tensor, weights: Tensor | None = None) -> Tensor:
+    """[T, h], rows' dtype: y[t] = sum_j weights[t, j] * rows[index[t, j]] (index [T, k]; no
+    weights: 1), in fp32 and rounded once."""
+    t, k = index.shape
+    gathered = rows.index_select(0, index.flatten()).view(t, k, -1).float()  # [T, k, h]
+    if weights is not None:
+        gathered = gathered * weights.float().unsqueeze(-1)
+    return gathered.sum(dim=1).to(rows.dtype)
+
+
+def unpermute_backward_reference(
+    dy: Tensor, out_sorted: Tensor, w_sorted: Tensor, token_of: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """(d out_sorted [N, h] in its dtype, d w_sorted [N] fp32) of the unpermutation, with
+    g = dy[token_of]: w_sorted * g and the row dots <g, out_sorted>, in fp32."""
+    g = dy.index_select(0, token_of).float()  # [N, h]
+    d_out = (g * w_sorted.float().unsqueeze(-1)).to(out_sorted.dtype)
+    return d_out, (g * out_sorted.float()).sum(dim=-1)
+
+
+@torch.library.custom_op("trireme::moe_gather_sum", mutates_args=(),
+                         schema="(Tensor rows, Tensor index, Tensor? weights=None) -> Tensor")
 def gather_sum(rows: Tensor, index: Tensor, weights: Tensor | None = None) -> Tensor:
-    """[T, h]: y[t] = sum_j weights[t, j] * rows[index[t, j]] (index [T, k]; no weights: 1),
-    in one pass, summed in fp32 and rounded once (no autograd)."""
-    return F.embedding_bag(index, rows.contiguous(), mode="sum", per_sample_weights=weights)
+    """gather_sum_reference as one op: on CUDA one Triton kernel (trireme.ops.moe_permute_triton),
+    elsewhere (or without Triton) the reference."""
+    return gather_sum_reference(rows, index, weights)
+
+
+@gather_sum.register_fake
+def _(rows: Tensor, index: Tensor, weights: Tensor | None = None) -> Tensor:
+    return rows.new_empty(index.shape[0], rows.shape[1])
+
+
+@gather_sum.register_kernel("cuda")
+def _(rows: Tensor, index: Tensor, weights: Tensor | None = None) -> Tensor:
+    kernels = _triton_kernels()
+    if kernels is None:
+        return gather_sum_reference(rows, index, weights)
+    with torch.cuda.device(rows.device):  # Triton launches on the current device
+        return kernels.gather_sum(rows, index, weights)
+
+
+@torch.library.custom_op(
+    "trireme::moe_unpermute_backward", mutates_args=(),
+    schema="(Tensor dy, Tensor out_sorted, Tensor w_sorted, Tensor token_of) -> (Tensor, Tensor)")
+def unpermute_backward(
+    dy: Tensor, out_sorted: Tensor, w_sorted: Tensor, token_of: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """unpermute_backward_reference as one op: on CUDA one Triton kernel that reads each row of
+    dy[token_of] and out_sorted once, elsewhere (or without Triton) the reference."""
+    return unpermute_backward_reference(dy, out_sorted, w_sorted, token_of)
+
+
+@unpermute_backward.register_fake
+def _(dy: Tensor, out_sorted: Tensor, w_sorted: Tensor, token_of: Tensor) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(out_sorted), w_sorted.new_empty(w_sorted.shape, dtype=torch.float32)
+
+
+@unpermute_backward.register_kernel("cuda")
+def _(dy: Tensor, out_sorted: Tensor, w_sorted: Tensor, token_of: Tensor) -> tuple[Tensor, Tensor]:
+    kernels = _triton_kernels()
+    if kernels is None:
+        return unpermute_backward_reference(dy, out_sorted, w_sorted, token_of)
+    with torch.cuda.device(out_sorted.device):
+        return kernels.unpermute_backward(dy, out_sorted, w_sorted, token_of)
+
+
+@functools.cache
+def _triton_kernels():
+    """trireme.ops.moe_permute_triton, or None (with a warning) without Triton."""
+    try:
+        from trireme.ops import moe_permute_triton
+    except Exception as e:  # missing, or installed but broken (no compiler, wrong version)
+        warnings.warn(f"MoE permutation: Triton is unavailable ({e}); its gathers and sums run "
+                      "as plain torch ops", stacklevel=2)
+        return None
+    return moe_permute_triton
 
 
 class _Permute(torch.autograd.Function):
@@ -76,11 +159,10 @@ class _Unpermute(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy: Tensor) -> tuple[Tensor, Tensor, None, None]:
         out_sorted, w, order, inverse = ctx.saved_tensors
-        g = dy.index_select(0, order.div(w.shape[1], rounding_mode="floor"))  # [N, h]
-        d_w_sorted = torch.bmm(g.unsqueeze(1), out_sorted.unsqueeze(2)).flatten()  # [N]
-        d_w = d_w_sorted[inverse].view_as(w).to(ctx.weights_dtype)
-        d_out = g.mul_(w.flatten()[order].unsqueeze(-1))  # g is ours: scaled in place
-        return d_out, d_w, None, None
+        token_of = order.div(w.shape[1], rounding_mode="floor")  # [N]
+        d_out, d_w_sorted = unpermute_backward(dy.contiguous(), out_sorted, w.flatten()[order],
+                                               token_of)
+        return d_out, d_w_sorted[inverse].view_as(w).to(ctx.weights_dtype), None, None
 
 
 def permute(tokens: Tensor, order: Tensor, inverse: Tensor, top_k: int) -> Tensor:
