@@ -73,7 +73,8 @@ NAMES = {
     "::GemmUniversal<cutlass::gemm::GroupProblemShape<cute::tuple<int, int, int>>, ...>>>(...)":
         "grouped matmul",
     "aten::_grouped_mm": "grouped matmul",
-    "void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>(...)": "routing/permutation",
+    "void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>(...)":
+        "routing/permutation",
     "void at_cuda_detail::cub::DeviceRadixSortOnesweepKernel<...>(...)": "routing/permutation",
     "void at::native::kernelHistogram1D<long, long, long, 1, 2, -1, (at::native::"
     "CUDAHistogramMemoryType)0, ...>(...)": "routing/permutation",

@@ -2,19 +2,35 @@
 grouped and loop expert paths, capacity dropping, auxiliary-loss-free balancing, training."""
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 from distributed import run_ranks
 from test_train import tiny_cfg, toy_data  # noqa: F401  (toy_data is a fixture)
 from test_train_parallel import assert_same, losses
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from trireme.config import ModelConfig, load_config
 from trireme.errors import ConfigError
+from trireme.models import moe as moe_module
 from trireme.models.moe import MoE
 from trireme.ops.moe import attach_aux_loss, balance_losses, balance_sums, dispatch_order, route
+from trireme.ops.moe_permute import (
+    inverse_permutation,
+    permute,
+    permute_reference,
+    unpermute,
+    unpermute_reference,
+)
 from trireme.parallel.context import ParallelContext
 from trireme.train import train
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def moe_config(**overrides) -> ModelConfig:
@@ -96,6 +112,62 @@ def test_grouped_path_equals_the_loop(capacity_factor, pad):
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_permute_and_unpermute_equal_the_index_add_reference():
+    gen = torch.Generator().manual_seed(4)
+    t, k, e, h = 12, 3, 5, 8
+    experts = torch.rand(t, e, generator=gen).topk(k, dim=-1).indices
+    order, _ = dispatch_order(experts, None, e)
+    inverse = inverse_permutation(order)
+    assert torch.equal(order[inverse], torch.arange(t * k))
+    results = []
+    for fast in (True, False):
+        tokens = torch.randn(t, h, generator=torch.Generator().manual_seed(5), requires_grad=True)
+        weights = torch.rand(t, k, generator=torch.Generator().manual_seed(6), requires_grad=True)
+        x = permute(tokens, order, inverse, k) if fast else permute_reference(tokens, order, k)
+        out = x.tanh() * torch.arange(t * k).unsqueeze(-1)  # rows differ by position too
+        y = unpermute(out, weights, order, inverse) if fast else unpermute_reference(
+            out, weights, order)
+        y.square().sum().backward()
+        results.append((x.detach(), y.detach(), tokens.grad, weights.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+class _OpNames(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("router", ["softmax", "topk_softmax", "sigmoid"])
+def test_dropless_path_equals_the_reference_and_adds_without_atomics(monkeypatch, router):
+    """The gather-only permutation against the index_add one, the whole layer in fp32: output
+    and every gradient (tokens, router, experts, shared expert)."""
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(7))
+    results = []
+    for fast in (True, False):
+        if not fast:
+            monkeypatch.setattr(moe_module, "permute", lambda x, o, inv, k: permute_reference(
+                x, o, k))
+            monkeypatch.setattr(moe_module, "unpermute", lambda out, w, o, inv: (
+                unpermute_reference(out, w, o)))
+        layer = moe_layer(moe_router=router, moe_shared_ffn_hidden_size=16, moe_top_k=3)
+        xi = x.clone().requires_grad_(True)
+        with _OpNames() as ops:
+            y = layer(xi)
+            y.square().sum().backward()
+        if fast:
+            assert not ops.names & {"index_add", "index_put", "index_put_", "bincount"}
+        results.append([y.detach(), xi.grad] + [p.grad for p in layer.parameters()])
+    assert len(results[0]) == 2 + 5  # router, fc1, fc2, the shared expert's two weights
+    for a, b in zip(*results):  # within 1e-6 of each tensor's largest value (fp32 sum orders)
+        torch.testing.assert_close(a, b, atol=1e-6 * float(b.abs().max()), rtol=1e-6)
 
 
 def test_capacity_keeps_the_best_or_the_first_deterministically():
@@ -205,3 +277,41 @@ def test_moe_layouts_match_one_process(toy_data, tmp_path):  # noqa: F811
     run_ranks(_moe_layouts, 2, tmp_path, toy_data, str(tmp_path))
     for name in LAYOUTS:
         assert_same(losses(tmp_path / name), ref, f"MoE {name}")
+
+
+INTERPRETED = textwrap.dedent("""
+    import torch
+    from trireme.ops.moe_permute import gather_sum_reference, unpermute_backward_reference
+    from trireme.ops.moe_permute_triton import gather_sum, unpermute_backward
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype, tol, block in ((torch.float32, 1e-6, 32), (torch.bfloat16, 2**-7, None)):
+        t, k, h = 6, 3, 72  # 72 columns: a ragged last tile of 32
+        rows = torch.randn(t * k, h, generator=gen).to(dtype)
+        index = torch.randperm(t * k, generator=gen).view(t, k)
+        weights = torch.rand(t, k, generator=gen).to(dtype)
+        for w in (weights, None):
+            torch.testing.assert_close(gather_sum(rows, index, w, block=block).float(),
+                                       gather_sum_reference(rows, index, w).float(),
+                                       rtol=tol, atol=tol)
+        dy = torch.randn(t, h, generator=gen).to(dtype)
+        token_of = index.flatten() // k
+        got = unpermute_backward(dy, rows, weights.flatten(), token_of, block=block)
+        ref = unpermute_backward_reference(dy, rows, weights.flatten(), token_of)
+        assert got[0].dtype == dtype and got[1].dtype == torch.float32
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * 10)
+    print("ok")
+""")
+
+
+def test_permutation_kernels_in_interpreter():
+    """The Triton kernels against their references, on CPU tensors through Triton's interpreter
+    (in a subprocess: TRITON_INTERPRET must be set before triton is imported)."""
+    pytest.importorskip("triton", reason="the permutation kernels need Triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip() == "ok"

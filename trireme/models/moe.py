@@ -50,6 +50,13 @@ from trireme.ops.moe import (
     grouped_mm_runs,
     route,
 )
+from trireme.ops.moe_permute import (
+    inverse_permutation,
+    permute,
+    permute_reference,
+    unpermute,
+    unpermute_reference,
+)
 from trireme.parallel.comm import gather_rows, reduce_from_tensor_parallel, split_rows
 from trireme.parallel.context import ParallelContext
 from trireme.parallel.dispatch import ExpertShard, all_gather_dispatch, all_to_all_dispatch
@@ -159,8 +166,20 @@ class MoE(nn.Module):
 
     def _experts(self, tokens: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """sum_j weights_tj * expert_{e_tj}(x_t) for every token t: [T, h]."""
-        cfg, t = self.cfg, tokens.shape[0]
-        capacity = capacity_of(t, self.top_k, self.num_experts, cfg.moe_capacity_factor)
+        capacity = capacity_of(tokens.shape[0], self.top_k, self.num_experts,
+                               self.cfg.moe_capacity_factor)
+        if capacity or (self.shard.size > 1 and self.cfg.moe_dispatcher == "allgather"):
+            return self._experts_indexed(tokens, weights, experts, capacity)
+        order, counts = dispatch_order(experts, weights, self.num_experts)
+        inverse = inverse_permutation(order)  # [T k]
+        x = permute(tokens, order, inverse, self.top_k)  # [T k, h], sorted by expert
+        return unpermute(self._exchange(x, counts), weights, order, inverse)
+
+    def _experts_indexed(self, tokens: Tensor, weights: Tensor, experts: Tensor,
+                         capacity: int) -> Tensor:
+        """`_experts` by the index_add formulation: with each expert keeping at most `capacity`
+        assignments (0: all), or through the all-gather dispatcher."""
+        cfg = self.cfg
         order, counts = dispatch_order(experts, weights, self.num_experts, capacity,
                                        cfg.moe_drop_policy)
         if self.shard.size > 1 and cfg.moe_dispatcher == "allgather":
@@ -168,17 +187,20 @@ class MoE(nn.Module):
             chosen[order] = experts.flatten()[order]  # dropped assignments: -1
             return all_gather_dispatch(tokens, weights, chosen.view_as(experts), self.shard,
                                        self._compute)
-        token_of = order.div(self.top_k, rounding_mode="floor")  # [N]
-        x = tokens[token_of]  # [N, h], sorted by expert
-        if self.shard.size > 1:
-            out = all_to_all_dispatch(x, counts, self.shard, self._compute)
-        elif capacity and cfg.moe_pad_to_capacity:
+        x = permute_reference(tokens, order, self.top_k)  # [N, h], sorted by expert
+        if capacity and cfg.moe_pad_to_capacity:  # (one rank only: config.py)
             x, slots = _pad(x, counts, capacity)
             out = self._compute(x, torch.full_like(counts, capacity))[slots]
         else:
-            out = self._compute(x, counts)
-        out = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)  # [N, h]
-        return torch.zeros_like(tokens).index_add(0, token_of, out.to(tokens.dtype))
+            out = self._exchange(x, counts)
+        return unpermute_reference(out, weights, order)
+
+    def _exchange(self, x: Tensor, counts: Tensor) -> Tensor:
+        """The experts' outputs for rows `x` sorted by expert (`counts` [E] each): computed here,
+        or under expert parallelism on the experts' ranks (all-to-all)."""
+        if self.shard.size > 1:
+            return all_to_all_dispatch(x, counts, self.shard, self._compute)
+        return self._compute(x, counts)
 
     def _compute(self, x: Tensor, counts: Tensor) -> Tensor:
         """This rank's experts on rows `x` sorted by (local) expert, `counts` rows each."""

@@ -26,8 +26,9 @@ the step over its micro batches), as if it had been added to the loss.
 Token flow: the (token, expert) assignments are sorted by expert (`dispatch_order`), the tokens
 gathered in that order, each expert's run multiplied by its weights (`expert_swiglu`: one
 torch._grouped_mm for all experts, or a loop, the reference), and the outputs, times the routing
-weights, added back to their tokens. With a capacity, an expert keeps at most `capacity`
-assignments (by weight or by position) and the others are dropped: those tokens skip that expert.
+weights, added back to their tokens (trireme.ops.moe_permute moves the rows). With a capacity,
+an expert keeps at most `capacity` assignments (by weight or by position) and the others are
+dropped: those tokens skip that expert.
 """
 
 from __future__ import annotations
@@ -87,10 +88,9 @@ def balance_sums(logits: Tensor, probs: Tensor, experts: Tensor, rows: Tensor, n
     t, k = experts.shape
     num_experts = probs.shape[1]
     device = probs.device
-    ones = torch.ones(t * k, device=device)
-    counts = torch.zeros(num_experts, device=device).index_add_(0, experts.flatten(), ones)
-    per_seq = torch.zeros(num_rows, num_experts, device=device)
-    per_seq.index_put_((rows.repeat_interleave(k), experts.flatten()), ones, accumulate=True)
+    counts = count_assignments(experts, num_experts).float()
+    cells = rows.repeat_interleave(k) * num_experts + experts.flatten()  # (sequence, expert)
+    per_seq = count_assignments(cells, num_rows * num_experts).float()
     in_row = (rows == torch.arange(num_rows, device=device).unsqueeze(1)).float()  # [B, T]
     seq_probs = in_row @ probs  # a matmul, not atomics: the same sums on every run
     z = torch.logsumexp(logits, dim=-1).square().sum()
@@ -144,8 +144,7 @@ def dispatch_order(
     its first in token order ("position"). Stable sorts: the same on every rank and run."""
     flat = experts.flatten()
     if capacity <= 0:
-        order = torch.argsort(flat, stable=True)
-        return order, torch.bincount(flat, minlength=num_experts)
+        return torch.argsort(flat, stable=True), count_assignments(experts, num_experts)
     priority = -weights.flatten() if drop_policy == "probs" else torch.arange(
         flat.numel(), device=flat.device)
     by_priority = torch.argsort(priority, stable=True)
@@ -155,6 +154,14 @@ def dispatch_order(
     rank = torch.arange(order.numel(), device=flat.device) - starts[flat[order]]
     order = order[rank < capacity]
     return order, torch.bincount(flat[order], minlength=num_experts)
+
+
+def count_assignments(experts: Tensor, num_experts: int) -> Tensor:
+    """[E] int64: the assignments each expert got. Unlike torch.bincount on CUDA (which reads
+    the largest id back to size its output), no host sync."""
+    flat = experts.flatten()
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
 
 
 def capacity_of(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:
