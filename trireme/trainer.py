@@ -26,7 +26,7 @@ from trireme.data.cache import index_cache_dir
 from trireme.data.corpus import default_corpus
 from trireme.data.gpt_dataset import GPTDataset
 from trireme.data.sources import DataSources, build_split_datasets, open_sources
-from trireme.data.tokenizer import Tokenizer, load_tokenizer
+from trireme.data.tokenizer import Tokenizer, absolute_spec, load_tokenizer
 from trireme.engine.build import DTYPES, build_schedule, build_step_runner
 from trireme.engine.data_parallel import BucketReducer
 from trireme.engine.fsdp import GradientSyncSwitch, check_fsdp
@@ -243,6 +243,7 @@ def resolve_data(cfg: Config) -> tuple[DataSources, Tokenizer | None]:
     # checks the files before anything else
     sources = DataSources() if cfg.data.mock else open_sources(cfg.data.path)
     tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
+    cfg.data.tokenizer = absolute_spec(cfg.data.tokenizer)  # saved configs work from anywhere
     sources.eod = tokenizer.eod if tokenizer is not None else -1
     if cfg.model.vocab_size == 0:
         if tokenizer is None:

@@ -123,7 +123,7 @@ def inspect_dataset(prefix: str, tokenizer: str = "", document: int = 0, chars: 
         ids = np.concatenate([ds[i] for i in range(first, last)])
         if tokenizer:
 
-            text = load_tokenizer(tokenizer).decode(ids.tolist())
+            text = load_tokenizer(tokenizer, name="--tokenizer").decode(ids.tolist())
             lines.append(f"document {document} ({ids.size:,} tokens), decoded:")
             lines.append(text[:chars] + (" ..." if len(text) > chars else ""))
         else:

@@ -352,7 +352,8 @@ def preprocess(options: PreprocessOptions) -> PreprocessReport:
     if options.partitions < 1 or options.workers < 0:
         raise ConfigError("preprocess: --partitions must be >= 1 and --workers >= 0")
     created = check_writable(options.output_prefix, "--output-prefix")
-    tokenizer = load_tokenizer(options.tokenizer, fast=options.engine == "auto")
+    tokenizer = load_tokenizer(options.tokenizer, fast=options.engine == "auto",
+                               name="--tokenizer")
     dtype = best_dtype(tokenizer.vocab_size)
     fast = isinstance(tokenizer, HFTokenizer) and tokenizer.fast
     engine = "tiktoken engine" if fast else f"{type(tokenizer).__name__}"

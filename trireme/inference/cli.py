@@ -6,9 +6,10 @@ import torch
 
 from trireme.checkpoint.model_state import model_from_state
 from trireme.checkpoint.store import load_checkpoint
+from trireme.checkpoint.tokenizer_copy import tokenizer_for
 from trireme.config import config_from_toml
 from trireme.data.tokenizer import load_tokenizer
-from trireme.errors import CheckpointError, ConfigError
+from trireme.errors import CheckpointError
 from trireme.inference.generate import first_non_finite, generate
 from trireme.trainer import DTYPES, pick_device
 
@@ -27,12 +28,10 @@ def generate_from_checkpoint(
     device: str = "auto",
 ) -> str:
     """Generate a continuation of `prompt` with the model saved in `checkpoint`."""
-    ckpt = load_checkpoint(checkpoint)
+    ckpt = load_checkpoint(checkpoint, name="--checkpoint")
     cfg = config_from_toml(ckpt.config_toml, f"{ckpt.path}/config.toml")
-    tok_spec = tokenizer or cfg.data.tokenizer
-    if not tok_spec:
-        raise ConfigError("the checkpoint names no tokenizer; pass --tokenizer PATH")
-    tok = load_tokenizer(tok_spec)
+    tok_spec = tokenizer_for(ckpt.path, cfg.data.tokenizer, tokenizer)
+    tok = load_tokenizer(tok_spec, name="--tokenizer" if tokenizer else "data.tokenizer")
     dev = pick_device(device)
     dtype = DTYPES[cfg.model.precision]
     if dev.type == "cpu" and dtype == torch.float16:
