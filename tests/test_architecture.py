@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "trireme"
 
 # Floors, lowest first. A module's floor is that of its longest listed prefix.
 FLOORS = [
-    ("trireme", "trireme.errors"),
+    ("trireme", "trireme.errors", "trireme.words"),
     ("trireme.config",),
     ("trireme.data",),
     ("trireme.ops",),

@@ -22,6 +22,7 @@ from trireme.metrics import MetricsLogger, WandbRun
 from trireme.oom import out_of_memory
 from trireme.optim.schedules import lr_at
 from trireme.trainer import Trainer, log_line, now, step_metrics, write_run_config
+from trireme.words import count_of
 
 
 def make_progress(trainer: Trainer, total: int, initial: int):
@@ -89,7 +90,7 @@ class RunOutput:
         run = cls(trainer, logger, make_progress(trainer, cfg.train.steps, trainer.state.step))
         num_parameters = sum(chunk.num_parameters() for chunk in trainer.chunks)
         run.print(f"trireme: {num_parameters / 1e6:.2f}M parameters{layout_note(trainer)}, "
-                  f"{cfg.train.steps} steps on {trainer.device}, run dir {run_dir}")
+                  f"{count_of(cfg.train.steps, 'step')} on {trainer.device}, run dir {run_dir}")
         return run
 
     def print(self, text: str) -> None:

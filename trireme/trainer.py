@@ -50,6 +50,7 @@ from trireme.parallel.mesh import (
     launched_world_size,
 )
 from trireme.parallel.tensor import check_tensor_parallel
+from trireme.words import count_of
 
 
 @dataclass
@@ -190,8 +191,8 @@ def check_parallel(cfg: Config, world_size: int | None = None) -> ParallelDims:
         raise ConfigError(
             f"train.global_batch_size = {t.global_batch_size} is not divisible by "
             f"train.micro_batch_size x data-parallel degree = {t.micro_batch_size} x {dims.data} "
-            f"(data parallelism = {world} processes / (pipeline x context x tensor)); change the "
-            "batch sizes or the number of processes"
+            f"(data parallelism = {count_of(world, 'process', 'processes')} / (pipeline x context "
+            "x tensor)); change the batch sizes or the number of processes"
         )
     # the micro batches per step of each DP replica
     check_pipeline(cfg.model, p, t.global_batch_size // (t.micro_batch_size * dims.data))
