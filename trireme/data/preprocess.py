@@ -422,7 +422,7 @@ def merge_datasets(inputs: list[str], output: str) -> IndexedDataset:
     """Join datasets, documents in the order given, into `output` (written atomically)."""
     if not inputs:
         raise ConfigError("merge: no input datasets")
-    opened = [IndexedDataset(p) for p in inputs]
+    opened = [IndexedDataset(p, name="--input") for p in inputs]
     dtype = np.result_type(*(d.dtype for d in opened))  # e.g. uint16 and int32 give int32
     if dtype not in CODE_OF_DTYPE:
         raise DataError(f"merge: token dtypes {sorted({str(d.dtype) for d in opened})} have no "

@@ -10,7 +10,7 @@ from trireme.checkpoint.tokenizer_copy import tokenizer_for
 from trireme.config import config_from_toml
 from trireme.data.tokenizer import load_tokenizer
 from trireme.errors import CheckpointError
-from trireme.inference.generate import first_non_finite, generate
+from trireme.inference.generate import first_non_finite, generate, printable_ids
 from trireme.trainer import DTYPES, pick_device
 
 
@@ -47,4 +47,4 @@ def generate_from_checkpoint(
     out = generate(model, ids, max_new_tokens, temperature=temperature, top_k=top_k,
                    top_p=top_p, greedy=greedy, seed=seed, eos_id=tok.eod)
     out_ids = out[0].tolist() if out.dim() == 2 else out.tolist()
-    return tok.decode(out_ids)
+    return tok.decode(printable_ids(out_ids, len(ids), tok.eod))
