@@ -354,6 +354,11 @@ class TrainConfig:
     eval_steps: int = doc(4, "Micro batches per evaluation.")
     log_interval: int = doc(10, "Log metrics every this many steps.")
     device: Literal["auto", "cpu", "cuda"] = doc("auto", "auto: cuda when available, else cpu.")
+    cpu_threads: int = doc(
+        0, "Intra-op threads of each process when training on the CPU; a value here wins over "
+        "OMP_NUM_THREADS. 0: OMP_NUM_THREADS if set, else the cores this process may use / the "
+        "processes torchrun started on this machine (LOCAL_WORLD_SIZE). Said in a log line."
+    )
     deterministic: bool = doc(
         False, "Deterministic algorithms only (slower); the same run gives the same numbers."
     )
@@ -734,6 +739,7 @@ def _check_ranges(cfg: Config) -> None:
         ("train.micro_batch_size", t.micro_batch_size),
         ("train.eval_interval", t.eval_interval),
         ("train.eval_steps", t.eval_steps),
+        ("train.cpu_threads", t.cpu_threads),
         ("checkpoint.interval", cfg.checkpoint.interval),
         ("train.recompute_layers", t.recompute_layers),
         ("checkpoint.keep_last", cfg.checkpoint.keep_last),

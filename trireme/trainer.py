@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from trireme.config import Config, validate
+from trireme.cpu_threads import set_cpu_threads
 from trireme.data.batch import Batch, BatchOptions, get_micro_batch
 from trireme.data.cache import index_cache_dir
 from trireme.data.corpus import default_corpus
@@ -319,6 +320,10 @@ def build_trainer(cfg: Config, with_data: bool = True, force_data_parallel: bool
             train_data, valid_data = build_datasets(cfg, indexed)
     else:
         validate(cfg)
+    if device.type == "cpu":
+        note = set_cpu_threads(cfg.train.cpu_threads)
+        if env.is_main:
+            print(note, file=sys.stderr)
     ctx = build_parallel_context(mesh, cfg.model, cfg.parallel.sequence_parallel,
                                  cfg.train.seed, device)
     tp = ctx.tensor
