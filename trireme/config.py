@@ -357,7 +357,8 @@ class TrainConfig:
     cpu_threads: int = doc(
         0, "Intra-op threads of each process when training on the CPU; a value here wins over "
         "OMP_NUM_THREADS. 0: OMP_NUM_THREADS if set, else the cores this process may use / the "
-        "processes torchrun started on this machine (LOCAL_WORLD_SIZE). Said in a log line."
+        "processes torchrun started on this machine (LOCAL_WORLD_SIZE). The run's first line "
+        "says it."
     )
     deterministic: bool = doc(
         False, "Deterministic algorithms only (slower); the same run gives the same numbers."

@@ -34,12 +34,22 @@ def _local_processes() -> int:
     return int(value) if value.isdigit() else 1
 
 
-def set_cpu_threads(configured: int) -> str:
-    """Set this process's intra-op threads (see the module docstring); the log line saying so."""
+def _choice(configured: int) -> tuple[int | None, str]:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads, why = choose_cpu_threads(cores or 1, _local_processes(),
-                                      os.environ.get("OMP_NUM_THREADS"), configured)
+    return choose_cpu_threads(cores or 1, _local_processes(), os.environ.get("OMP_NUM_THREADS"),
+                              configured)
+
+
+def set_cpu_threads(configured: int) -> None:
+    """Set this process's intra-op threads (see the module docstring)."""
+    threads, _ = _choice(configured)
     if threads is not None:
         torch.set_num_threads(threads)
-    return (f"trireme: {count_of(torch.get_num_threads(), 'CPU thread')} per process ({why}; "
+
+
+def cpu_threads_note(configured: int) -> str:
+    """What the run's start line says of it: " with 2 threads per process (2 cores / 1 local
+    process; train.cpu_threads sets it)"."""
+    why = _choice(configured)[1]
+    return (f" with {count_of(torch.get_num_threads(), 'thread')} per process ({why}; "
             "train.cpu_threads sets it)")

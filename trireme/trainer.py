@@ -320,10 +320,8 @@ def build_trainer(cfg: Config, with_data: bool = True, force_data_parallel: bool
             train_data, valid_data = build_datasets(cfg, indexed)
     else:
         validate(cfg)
-    if device.type == "cpu":
-        note = set_cpu_threads(cfg.train.cpu_threads)
-        if env.is_main:
-            print(note, file=sys.stderr)
+    if device.type == "cpu":  # the run's start line says how many (loop.py)
+        set_cpu_threads(cfg.train.cpu_threads)
     ctx = build_parallel_context(mesh, cfg.model, cfg.parallel.sequence_parallel,
                                  cfg.train.seed, device)
     tp = ctx.tensor
