@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "trireme"
 
 # Floors, lowest first. A module's floor is that of its longest listed prefix.
 FLOORS = [
-    ("trireme", "trireme.errors"),
+    ("trireme", "trireme.errors", "trireme.words"),
     ("trireme.config",),
     ("trireme.data",),
     ("trireme.ops",),
@@ -21,8 +21,8 @@ FLOORS = [
     ("trireme.optim",),
     ("trireme.engine",),
     ("trireme.checkpoint",),
-    ("trireme.metrics", "trireme.health", "trireme.oom", "trireme.trainer", "trireme.loop",
-     "trireme.train"),
+    ("trireme.metrics", "trireme.health", "trireme.oom", "trireme.cpu_threads", "trireme.trainer",
+     "trireme.loop", "trireme.train"),
     ("trireme.inference",),
     ("trireme.plan",),
     ("trireme.cli", "trireme.commands", "trireme.__main__"),

@@ -12,6 +12,7 @@ from trireme.config import (
     preset_names,
     reference_markdown,
 )
+from trireme.cpu_threads import choose_cpu_threads
 from trireme.errors import ConfigError
 
 REQUIRED_KEYS = """train.steps train.seed train.global_batch_size train.micro_batch_size
@@ -165,3 +166,15 @@ def test_train_help_names_the_sections_and_real_keys():
                 assert hasattr(section, word), (word, line)
                 names += 1
     assert names >= 30
+
+
+def test_cpu_threads_choice():
+    """Issue 24 item 10: cores / local processes, unless train.cpu_threads or OMP_NUM_THREADS."""
+    assert choose_cpu_threads(8, 1, None, 0) == (8, "8 cores / 1 local process")
+    assert choose_cpu_threads(8, 2, None, 0) == (4, "8 cores / 2 local processes")
+    assert choose_cpu_threads(2, 4, None, 0)[0] == 1  # never below one thread
+    assert choose_cpu_threads(8, 2, "3", 0) == (None, "OMP_NUM_THREADS=3")  # torch obeys it
+    assert choose_cpu_threads(8, 2, "3", 5) == (5, "train.cpu_threads")  # the key wins
+    assert choose_cpu_threads(8, 0, "", 0)[0] == 8
+    with pytest.raises(ConfigError, match="train.cpu_threads"):
+        load_config("tiny", ["train.cpu_threads=-1"])

@@ -12,7 +12,7 @@ from trireme.config import Config, ModelConfig
 from trireme.data.tokenizer import load_tokenizer
 from trireme.errors import TriremeError
 from trireme.inference.cli import generate_from_checkpoint
-from trireme.inference.generate import generate, sample_next
+from trireme.inference.generate import generate, printable_ids, sample_next
 from trireme.models.cache import InferenceCache as KVCache
 from trireme.models.gpt import GPT
 from trireme.trainer import DTYPES
@@ -209,3 +209,15 @@ def test_trireme_generate_runs_no_init_and_writes_the_same_text(tmp_path, monkey
     text = generate_from_checkpoint(str(tmp_path), "def ", max_new_tokens=16, device="cpu",
                                     **sample)
     assert text == expected and len(text) > len("def ")
+
+
+def test_printed_samples_stop_at_the_end_of_text_token():
+    eod = 0
+    assert printable_ids([5, 6, 7, 0, 8, 0], 2, eod) == [5, 6, 7]  # stops at the first eod
+    assert printable_ids([0, 7, 8], 1, eod) == [7, 8]  # an empty prompt's eod is not shown
+    assert printable_ids([5, 6, 7], 2, eod) == [5, 6, 7]
+
+
+def test_a_missing_checkpoint_names_the_flag(tmp_path):
+    with pytest.raises(TriremeError, match="--checkpoint"):
+        generate_from_checkpoint(str(tmp_path / "nope"), "def ")

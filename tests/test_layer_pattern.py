@@ -33,7 +33,7 @@ def test_pattern_cut_into_layers_at_each_mixer():
 
 
 @pytest.mark.parametrize("pattern, words", [
-    ("*-*-", "2 mixer(s)"),  # tiny has 4 layers
+    ("*-*-", "2 mixers"),  # tiny has 4 layers
     ("-*-*-*-*", "must start with a mixer"),
     ("*x*-*-*-", "unknown symbol"),
     ("M-M-M-M-", "'M' (Mamba-2 mixer) is not implemented yet"),

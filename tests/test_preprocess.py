@@ -158,6 +158,15 @@ def test_bad_line_stops_with_file_and_line(tmp_path, capsys, line, reason):
     assert [p for p in os.listdir(tmp_path) if p.startswith("out")] == []  # nothing left behind
 
 
+def test_malformed_json_names_line_and_column(tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b'{"text": "fine"}\n{"text": "tab\there"}\n')
+    main(["preprocess", "--input", str(src), "--output-prefix", str(tmp_path / "out"),
+          "--tokenizer", "bytes", "--no-progress", "--workers", "1"])
+    err = capsys.readouterr().err
+    assert f"{src}:2: malformed JSON (invalid control character at column 14)" in err
+
+
 def test_skip_bad_lines_counts_per_reason(tmp_path, capsys):
     src = tmp_path / "in.jsonl"
     src.write_bytes(b"\n".join(x if isinstance(x, bytes) else x.encode() for x, _ in BAD_LINES))

@@ -1,5 +1,6 @@
 import base64
 import json
+import sys
 
 import pytest
 
@@ -44,6 +45,14 @@ def test_fast_engine_matches_tokenizers(bpe):
     assert fast.encode_batch(texts) == fast.encode_reference(texts)
     assert [fast.encode(t) for t in texts] == bpe.encode_batch(texts)
     assert fast.encode("x<|endoftext|>y")[1] == fast.eod  # added tokens split out, as in HF
+
+
+def test_without_tiktoken_the_reference_engine_gives_the_same_ids(bpe, monkeypatch):
+    """tiktoken is a dependency, but an environment without it still tokenizes (issue 24 item 9)."""
+    monkeypatch.setitem(sys.modules, "tiktoken", None)  # `import tiktoken` raises ImportError
+    tok = load_tokenizer(bpe.path, fast=True)
+    assert not tok.fast and "tiktoken" in tok.fast_reason
+    assert tok.encode_batch(HARD) == bpe.encode_batch(HARD)
 
 
 def test_fast_engine_declines_other_models(tmp_path):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from trireme.errors import ConfigError
+from trireme.words import count_of
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
 FP8_LAYER_NAMES = ("qkv", "out", "fc1", "fc2")  # the block linears model.fp8_layers can name
@@ -61,8 +62,9 @@ def parse_layer_pattern(pattern: str, num_layers: int) -> list[str]:
         else:
             layers[-1] += symbol
     if len(layers) != num_layers:
-        raise ConfigError(f"model.layer_pattern = {pattern!r} has {len(layers)} mixer(s) (* or M) "
-                          f"but model.num_layers = {num_layers}; make them agree")
+        raise ConfigError(f"model.layer_pattern = {pattern!r} has "
+                          f"{count_of(len(layers), 'mixer')} (* or M) but model.num_layers = "
+                          f"{num_layers}; make them agree")
     return layers
 
 
@@ -356,6 +358,12 @@ class TrainConfig:
     eval_steps: int = doc(4, "Micro batches per evaluation.")
     log_interval: int = doc(10, "Log metrics every this many steps.")
     device: Literal["auto", "cpu", "cuda"] = doc("auto", "auto: cuda when available, else cpu.")
+    cpu_threads: int = doc(
+        0, "Intra-op threads of each process when training on the CPU; a value here wins over "
+        "OMP_NUM_THREADS. 0: OMP_NUM_THREADS if set, else the cores this process may use / the "
+        "processes torchrun started on this machine (LOCAL_WORLD_SIZE). The run's first line "
+        "says it."
+    )
     deterministic: bool = doc(
         False, "Deterministic algorithms only (slower); the same run gives the same numbers."
     )
@@ -736,6 +744,7 @@ def _check_ranges(cfg: Config) -> None:
         ("train.micro_batch_size", t.micro_batch_size),
         ("train.eval_interval", t.eval_interval),
         ("train.eval_steps", t.eval_steps),
+        ("train.cpu_threads", t.cpu_threads),
         ("checkpoint.interval", cfg.checkpoint.interval),
         ("train.recompute_layers", t.recompute_layers),
         ("checkpoint.keep_last", cfg.checkpoint.keep_last),
@@ -802,7 +811,7 @@ def _check_moe(m: ModelConfig, p: ParallelConfig) -> None:
     if not 1 <= m.moe_top_groups <= m.moe_num_groups or m.moe_top_k > m.moe_top_groups * per_group:
         raise ConfigError(f"model.moe_top_groups = {m.moe_top_groups} must be between 1 and "
                           f"model.moe_num_groups = {m.moe_num_groups} and hold model.moe_top_k = "
-                          f"{m.moe_top_k} experts")
+                          f"{count_of(m.moe_top_k, 'expert')}")
     if m.moe_capacity_factor < 0:
         raise ConfigError(f"model.moe_capacity_factor = {m.moe_capacity_factor} must be > 0 "
                           "(or 0: dropless)")

@@ -17,11 +17,13 @@ from tqdm import tqdm
 
 from trireme.checkpoint.saver import Saver
 from trireme.checkpoint.training import load_latest, maybe_resume, save_gathered
+from trireme.cpu_threads import cpu_threads_note
 from trireme.health import RunHealth
 from trireme.metrics import MetricsLogger, WandbRun
 from trireme.oom import out_of_memory
 from trireme.optim.schedules import lr_at
 from trireme.trainer import Trainer, log_line, now, step_metrics, write_run_config
+from trireme.words import count_of
 
 
 def make_progress(trainer: Trainer, total: int, initial: int):
@@ -88,8 +90,11 @@ class RunOutput:
             logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, wandb=wandb)
         run = cls(trainer, logger, make_progress(trainer, cfg.train.steps, trainer.state.step))
         num_parameters = sum(chunk.num_parameters() for chunk in trainer.chunks)
+        cpu = trainer.device.type == "cpu"
+        threads = cpu_threads_note(cfg.train.cpu_threads) if cpu else ""
         run.print(f"trireme: {num_parameters / 1e6:.2f}M parameters{layout_note(trainer)}, "
-                  f"{cfg.train.steps} steps on {trainer.device}, run dir {run_dir}")
+                  f"{count_of(cfg.train.steps, 'step')} on {trainer.device}{threads}, "
+                  f"run dir {run_dir}")
         return run
 
     def print(self, text: str) -> None:

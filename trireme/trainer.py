@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 
 from trireme.config import Config, validate
+from trireme.cpu_threads import set_cpu_threads
 from trireme.data.batch import Batch, BatchOptions, get_micro_batch
 from trireme.data.cache import index_cache_dir
 from trireme.data.corpus import default_corpus
 from trireme.data.gpt_dataset import GPTDataset
 from trireme.data.sources import DataSources, build_split_datasets, open_sources
-from trireme.data.tokenizer import Tokenizer, load_tokenizer
+from trireme.data.tokenizer import Tokenizer, absolute_spec, load_tokenizer
 from trireme.engine.build import DTYPES, build_schedule, build_step_runner
 from trireme.engine.data_parallel import BucketReducer
 from trireme.engine.fsdp import GradientSyncSwitch, check_fsdp
@@ -50,6 +51,7 @@ from trireme.parallel.mesh import (
     launched_world_size,
 )
 from trireme.parallel.tensor import check_tensor_parallel
+from trireme.words import count_of
 
 
 @dataclass
@@ -192,8 +194,8 @@ def check_parallel(cfg: Config, world_size: int | None = None) -> ParallelDims:
         raise ConfigError(
             f"train.global_batch_size = {t.global_batch_size} is not divisible by "
             f"train.micro_batch_size x data-parallel degree = {t.micro_batch_size} x {dims.data} "
-            f"(data parallelism = {world} processes / (pipeline x context x tensor)); change the "
-            "batch sizes or the number of processes"
+            f"(data parallelism = {count_of(world, 'process', 'processes')} / (pipeline x context "
+            "x tensor)); change the batch sizes or the number of processes"
         )
     # the micro batches per step of each DP replica
     check_pipeline(cfg.model, p, t.global_batch_size // (t.micro_batch_size * dims.data))
@@ -245,6 +247,7 @@ def resolve_data(cfg: Config) -> tuple[DataSources, Tokenizer | None]:
     # checks the files before anything else
     sources = DataSources() if cfg.data.mock else open_sources(cfg.data.path)
     tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
+    cfg.data.tokenizer = absolute_spec(cfg.data.tokenizer)  # saved configs work from anywhere
     sources.eod = tokenizer.eod if tokenizer is not None else -1
     if cfg.model.vocab_size == 0:
         if tokenizer is None:
@@ -319,6 +322,8 @@ def build_trainer(cfg: Config, with_data: bool = True, force_data_parallel: bool
             train_data, valid_data = build_datasets(cfg, indexed)
     else:
         validate(cfg)
+    if device.type == "cpu":  # the run's start line says how many (loop.py)
+        set_cpu_threads(cfg.train.cpu_threads)
     ctx = build_parallel_context(mesh, cfg.model, cfg.parallel.sequence_parallel,
                                  cfg.train.seed, device)
     tp = ctx.tensor

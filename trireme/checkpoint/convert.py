@@ -27,6 +27,7 @@ from trireme.checkpoint.converted import (
 )
 from trireme.checkpoint.model_state import check_state
 from trireme.checkpoint.store import load_checkpoint, save_checkpoint
+from trireme.checkpoint.tokenizer_copy import kept_copy
 from trireme.config import Config, config_from_toml, validate
 from trireme.errors import CheckpointError, ConfigError
 
@@ -64,10 +65,10 @@ def resolve_dtype(name: str, state: dict[str, Tensor]) -> torch.dtype:
 
 def read_trireme(path: Path) -> Converted:
     """A trireme checkpoint (root or step directory) as a `Converted`."""
-    ckpt = load_checkpoint(path)
+    ckpt = load_checkpoint(path, name="--input")
     cfg = config_from_toml(ckpt.config_toml, f"{ckpt.path}/config.toml")
-    tokenizer_dir = None
-    if cfg.data.tokenizer not in ("", "bytes"):
+    tokenizer_dir = kept_copy(ckpt.path)  # the run's own copy first (tokenizer_copy.py)
+    if tokenizer_dir is None and cfg.data.tokenizer not in ("", "bytes"):
         spec = Path(cfg.data.tokenizer)
         tokenizer_dir = spec if spec.is_dir() else spec.parent
     trainer = ckpt.trainer if isinstance(ckpt.trainer, dict) else {}

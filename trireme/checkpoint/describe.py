@@ -20,6 +20,7 @@ from trireme.checkpoint.model_state import expected_shapes
 from trireme.checkpoint.safe_pickle import load_dcp_metadata
 from trireme.config import ModelConfig, config_from_toml
 from trireme.errors import CheckpointError
+from trireme.words import count_of
 
 
 def model_summary(cfg: ModelConfig) -> str:
@@ -35,7 +36,8 @@ def model_summary(cfg: ModelConfig) -> str:
         vocab += f" (padded {cfg.padded_vocab_size})"
     extras = [x for x, on in (("qk-norm", cfg.qk_norm), ("biases", cfg.bias)) if on]
     return ", ".join([
-        f"{cfg.num_layers} layers", f"hidden {cfg.hidden_size}", f"{heads} (head {cfg.head_size})",
+        count_of(cfg.num_layers, "layer"), f"hidden {cfg.hidden_size}",
+        f"{heads} (head {cfg.head_size})",
         f"ffn {cfg.ffn_size} {cfg.activation}", position, cfg.normalization, vocab,
         f"seq {cfg.seq_length}", "tied" if cfg.tie_embeddings else "untied", *extras,
     ])

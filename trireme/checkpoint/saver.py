@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from trireme.checkpoint import directory, sharded
+from trireme.checkpoint.tokenizer_copy import keep_tokenizer
 from trireme.errors import CheckpointError, ConfigError
 
 
@@ -32,6 +33,8 @@ class Saver:
             raise ConfigError("checkpoint.async_save = true needs checkpoint.format = 'sharded'")
         if c.dir and (trainer.is_main or c.format == "sharded"):  # the ranks that will write
             directory.check_writable(Path(c.dir))
+        if c.dir and trainer.is_main:  # generate finds it there (tokenizer_copy.py)
+            keep_tokenizer(Path(c.dir), trainer.cfg.data.tokenizer)
         self.trainer = trainer
         self.save_gathered = save_gathered
         self._group = None

@@ -154,15 +154,17 @@ def save_checkpoint(
 # Load
 
 
-def load_checkpoint(path: str | Path, *, verify: bool = True) -> Checkpoint:
+def load_checkpoint(path: str | Path, *, verify: bool = True, name: str = "checkpoint.dir"
+                    ) -> Checkpoint:
     """Load a checkpoint from a step directory, or from a root (then its latest checkpoint).
 
     Reads only safetensors and JSON; nothing in the checkpoint is executed. With `verify`, every
     file's sha256 is checked against meta.json (one extra read); sizes are always checked.
+    `name` is what the user gave the path as (a config key or a flag), for the errors.
     """
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"checkpoint path {path} does not exist; check checkpoint.dir")
+        raise CheckpointError(f"checkpoint path {path} does not exist; check {name}")
     if not path.is_dir():
         raise CheckpointError(
             f"{path} is not a directory; give a checkpoint root or a step_* directory"
@@ -172,7 +174,7 @@ def load_checkpoint(path: str | Path, *, verify: bool = True) -> Checkpoint:
         if found is None:
             raise CheckpointError(
                 f"no complete checkpoint in {path} (expected step_*/{META_FILE}); "
-                "check checkpoint.dir or give a step_* directory"
+                f"check {name} or give a step_* directory"
             )
         path = found
     meta = directory.check_complete(path)

@@ -21,6 +21,7 @@ from trireme.checkpoint.directory import LATEST_FILE, META_FILE, STEP_RE
 from trireme.checkpoint.finite import first_nonfinite
 from trireme.checkpoint.safe_pickle import load_dcp_metadata
 from trireme.errors import CheckpointDamageError, CheckpointError
+from trireme.words import count_of
 
 BATCH_BYTES = 1 << 30
 
@@ -76,8 +77,8 @@ def verify_step(path: Path) -> tuple[list[str], str]:
             count, problems = _gathered_tensors(path, meta)
     except CheckpointError as e:
         return [str(e)], ""
-    return problems, (f"{len(meta['files'])} files match the sizes and sha256 in {META_FILE}; "
-                      f"{count} tensors, all finite")
+    return problems, (f"{count_of(len(meta['files']), 'file')} match the sizes and sha256 in "
+                      f"{META_FILE}; {count_of(count, 'tensor')}, all finite")
 
 
 def _steps(path: Path) -> tuple[list[Path], list[str]]:

@@ -26,6 +26,7 @@ import torch
 
 from trireme.data.batch import BatchOptions
 from trireme.errors import ConfigError
+from trireme.words import count_of
 
 MAX_PERIOD = 1_000_000
 ROUNDED_PERIOD = 100_000
@@ -144,7 +145,8 @@ class BlendedDataset(torch.utils.data.Dataset):
 
     def describe(self, num_samples: int) -> str:
         """One line per dataset: weight, samples among the first `num_samples`, epochs of it."""
-        lines = [f"trireme: blend of {len(self.datasets)} datasets, {num_samples:,} samples:"]
+        lines = [f"trireme: blend of {count_of(len(self.datasets), 'dataset')}, "
+                 f"{count_of(num_samples, 'sample')}:"]
         for name, w, c, ds in zip(self.names, self.weights, self.counts(num_samples),
                                   self.datasets):
             per_epoch = getattr(ds, "samples_per_epoch", 0)

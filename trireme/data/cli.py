@@ -87,7 +87,7 @@ def data_main(argv: list[str]) -> int:
 def inspect_dataset(prefix: str, tokenizer: str = "", document: int = 0, chars: int = 500) -> str:
     """A human-readable summary of a dataset (what `trireme data inspect` prints)."""
 
-    ds = IndexedDataset(prefix)
+    ds = IndexedDataset(prefix, name="dataset")
     starts = ds.document_indices
     tokens_before = np.concatenate([[0], np.cumsum(ds.sequence_lengths, dtype=np.int64)])
     doc_tokens = tokens_before[starts[1:]] - tokens_before[starts[:-1]]
@@ -123,7 +123,7 @@ def inspect_dataset(prefix: str, tokenizer: str = "", document: int = 0, chars: 
         ids = np.concatenate([ds[i] for i in range(first, last)])
         if tokenizer:
 
-            text = load_tokenizer(tokenizer).decode(ids.tolist())
+            text = load_tokenizer(tokenizer, name="--tokenizer").decode(ids.tolist())
             lines.append(f"document {document} ({ids.size:,} tokens), decoded:")
             lines.append(text[:chars] + (" ..." if len(text) > chars else ""))
         else:

@@ -66,7 +66,7 @@ def tiktoken_engine(tokenizer_json: str):
     try:
         import tiktoken
     except ImportError:
-        return None, "the tiktoken package is not installed"
+        return None, "the tiktoken package is missing (pip install tiktoken)"
     spec = json.loads(tokenizer_json)
     model = spec.get("model") or {}
     if model.get("type") != "BPE":

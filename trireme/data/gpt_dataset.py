@@ -31,6 +31,7 @@ from trireme.data.batch import (  # noqa: F401 (BatchIterator, get_batch: re-exp
 from trireme.data.cache import array_digest, dataset_fingerprint, load_or_build
 from trireme.data.indexed import IndexedDataset
 from trireme.errors import ConfigError, DataError
+from trireme.words import count_of
 
 INDEX_VERSION = 1  # bump when the meaning of the index arrays changes
 
@@ -112,9 +113,9 @@ class GPTDataset(torch.utils.data.Dataset):
         self.samples_per_epoch = max(self.tokens_per_epoch - 1, 0) // seq_length
         if self.samples_per_epoch == 0:
             raise DataError(
-                f"data.path {dataset.prefix!r}: the {self.document_ids.size} documents chosen hold "
-                f"{self.tokens_per_epoch} tokens, fewer than one sample of seq_length + 1 = "
-                f"{seq_length + 1}; use more data or a shorter model.seq_length"
+                f"data.path {dataset.prefix!r}: {count_of(self.document_ids.size, 'document')} "
+                f"chosen, with {count_of(self.tokens_per_epoch, 'token')}: fewer than one sample "
+                f"of seq_length + 1 = {seq_length + 1}; use more data or a shorter model.seq_length"
             )
         self._fingerprint: str | None = None
         self._epochs: dict[int, _Epoch] = {}

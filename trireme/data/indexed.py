@@ -281,14 +281,16 @@ class IndexedDataset:
     """A read-only, memory-mapped `.bin/.idx` dataset, validated when opened.
 
     `dataset[i]` is sequence i as a read-only numpy view of `P.bin` (copy it to modify it).
+    `name` is what the user gave the prefix as (a config key, a flag), for the errors.
     """
 
-    def __init__(self, prefix: str | os.PathLike[str]) -> None:
+    def __init__(self, prefix: str | os.PathLike[str], name: str = "data.path") -> None:
         self.prefix = _strip_extension(prefix)
+        self.name = name
         self._open()
 
     def _error(self, message: str) -> DataError:
-        return DataError(f"data.path {self.prefix!r}: {message}")
+        return DataError(f"{self.name} {self.prefix!r}: {message}")
 
     def _open(self) -> None:
         idx_path, bin_path = self.prefix + ".idx", self.prefix + ".bin"

@@ -167,6 +167,13 @@ def split_pieces(paths: list[str], partitions: int) -> list[list[Piece]]:
     return [g for g in groups if g]
 
 
+def json_problem(e: json.JSONDecodeError) -> str:
+    """What json.loads says, as a clause: "invalid control character at column 23" (its own
+    message ends in "at" and leaves the place to a suffix; the file line is named beside it)."""
+    what = e.msg.removesuffix(" at")
+    return f"{what[:1].lower()}{what[1:]} at column {e.colno}"
+
+
 def _utf8_clean(text: str) -> bool:
     try:
         text.encode("utf-8")
@@ -196,7 +203,7 @@ def parse_lines(
         except UnicodeDecodeError as e:
             reason, detail = BAD_UTF8, f"byte {e.start}"
         except json.JSONDecodeError as e:
-            reason, detail = MALFORMED, f"{e.msg}, column {e.colno}"
+            reason, detail = MALFORMED, json_problem(e)
         if reason is None and not isinstance(record, dict):
             reason, detail = NOT_OBJECT, type(record).__name__
         values = []

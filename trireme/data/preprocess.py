@@ -50,6 +50,7 @@ from trireme.data.tables import (
 )
 from trireme.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from trireme.errors import ConfigError, DataError
+from trireme.words import count_of
 
 FAST_CHECK_DOCUMENTS = 64  # documents of each worker's first block checked against `tokenizers`
 # A sentence ends at . ! ? (and any closing quotes or brackets) followed by whitespace, or at a
@@ -90,15 +91,17 @@ class PreprocessReport:
     def summary(self) -> str:
         rate = self.json_bytes / max(self.seconds, 1e-9)
         lines = [
-            f"trireme: {self.documents:,} documents, {self.sequences:,} sequences, "
-            f"{self.tokens:,} tokens from {self.json_bytes / 1e6:,.1f} MB of input in "
+            f"trireme: {count_of(self.documents, 'document')}, "
+            f"{count_of(self.sequences, 'sequence')}, {count_of(self.tokens, 'token')} from "
+            f"{self.json_bytes / 1e6:,.1f} MB of input in "
             f"{self.seconds:.1f} s ({self.documents / max(self.seconds, 1e-9):,.0f} documents/s, "
             f"{rate / 1e6:.2f} MB/s; {self.engine})",
             *(f"trireme: wrote {p}.bin / .idx" for p in self.outputs),
         ]
         if self.skipped:
             counts = ", ".join(f"{n:,} {reason}" for reason, n in sorted(self.skipped.items()))
-            lines.append(f"trireme: skipped {sum(self.skipped.values()):,} bad lines: {counts}")
+            skipped = count_of(sum(self.skipped.values()), "bad line")
+            lines.append(f"trireme: skipped {skipped}: {counts}")
         return "\n".join(lines)
 
 
@@ -352,14 +355,16 @@ def preprocess(options: PreprocessOptions) -> PreprocessReport:
     if options.partitions < 1 or options.workers < 0:
         raise ConfigError("preprocess: --partitions must be >= 1 and --workers >= 0")
     created = check_writable(options.output_prefix, "--output-prefix")
-    tokenizer = load_tokenizer(options.tokenizer, fast=options.engine == "auto")
+    tokenizer = load_tokenizer(options.tokenizer, fast=options.engine == "auto",
+                               name="--tokenizer")
     dtype = best_dtype(tokenizer.vocab_size)
     fast = isinstance(tokenizer, HFTokenizer) and tokenizer.fast
     engine = "tiktoken engine" if fast else f"{type(tokenizer).__name__}"
     if isinstance(tokenizer, HFTokenizer) and not fast and options.engine == "auto":
         engine += f" (fast engine off: {tokenizer.fast_reason})"
     prefixes = output_prefixes(options)
-    report = PreprocessReport(prefixes, engine=f"{engine}, {max(options.workers, 1)} workers")
+    workers = count_of(max(options.workers, 1), "worker")
+    report = PreprocessReport(prefixes, engine=f"{engine}, {workers}")
     bar = _progress(options, sum(os.path.getsize(p) for p in inputs))
     report.started = start = time.perf_counter()
     try:
@@ -417,7 +422,7 @@ def merge_datasets(inputs: list[str], output: str) -> IndexedDataset:
     """Join datasets, documents in the order given, into `output` (written atomically)."""
     if not inputs:
         raise ConfigError("merge: no input datasets")
-    opened = [IndexedDataset(p) for p in inputs]
+    opened = [IndexedDataset(p, name="--input") for p in inputs]
     dtype = np.result_type(*(d.dtype for d in opened))  # e.g. uint16 and int32 give int32
     if dtype not in CODE_OF_DTYPE:
         raise DataError(f"merge: token dtypes {sorted({str(d.dtype) for d in opened})} have no "

@@ -77,10 +77,63 @@ def infer_kind(path: Path) -> tuple[str, Path]:
     return ("hf", path) if head == b"{" else (_sniff_model_file(path), path)
 
 
-def load_tokenizer(spec: str, fast: bool = False) -> Tokenizer:
+def file_backed(spec: str) -> bool:
+    """Whether a tokenizer spec names files (not `bytes`, `null:N` or empty)."""
+    return bool(spec) and spec != "bytes" and spec != "null" and not spec.startswith("null:")
+
+
+def resolve_tokenizer(spec: str, name: str = "data.tokenizer") -> tuple[str, Path]:
+    """The kind and the file of a file-backed spec (a path, kind inferred, or `kind:path`).
+    `name` is what the user gave it as (a config key or a flag), for the not-found error."""
+    kind, _, rest = spec.partition(":")
+    if kind in KINDS and rest:
+        path = Path(rest)
+        if not path.exists():
+            raise DataError(f"{name} {spec!r}: {path} not found")
+        if path.is_dir() or kind == "gpt2":
+            inferred, path = infer_kind(path)
+            if kind == "gpt2" and inferred != "gpt2":
+                path = path.parent / "vocab.json"
+        return kind, path
+    path = Path(spec)
+    if not path.exists():
+        raise DataError(
+            f"{name} {spec!r}: {path} not found; give 'bytes', 'null:N', a tokenizer.json, "
+            "vocab.json + merges.txt, a SentencePiece .model, a tiktoken file, or kind:path"
+        )
+    return infer_kind(path)
+
+
+def absolute_spec(spec: str) -> str:
+    """The spec with its path made absolute (so it still works from another directory)."""
+    if not file_backed(spec):
+        return spec
+    kind, _, rest = spec.partition(":")
+    if kind in KINDS and rest:
+        return f"{kind}:{Path(rest).resolve()}"
+    return str(Path(spec).resolve())
+
+
+# The name each file of a kind gets in a copy: a folder of these loads as the same tokenizer.
+COPY_NAMES = {"hf": "tokenizer.json", "sentencepiece": "tokenizer.model",
+              "tiktoken": "tokenizer.tiktoken"}
+
+
+def tokenizer_files(spec: str, name: str = "data.tokenizer") -> dict[str, Path]:
+    """The files of a tokenizer, by the name a copy keeps each under; {} for bytes and null:N."""
+    if not file_backed(spec):
+        return {}
+    kind, path = resolve_tokenizer(spec, name)
+    if kind == "gpt2":
+        return {"vocab.json": path, "merges.txt": path.parent / "merges.txt"}
+    return {COPY_NAMES[kind]: path}
+
+
+def load_tokenizer(spec: str, fast: bool = False, name: str = "data.tokenizer") -> Tokenizer:
     """`bytes`, `null:N`, a tokenizer path (kind inferred) or `kind:path` (kinds: see KINDS).
 
-    `fast` lets a byte-level BPE tokenizer.json encode with tiktoken (see HFTokenizer).
+    `fast` lets a byte-level BPE tokenizer.json encode with tiktoken (see HFTokenizer). `name`
+    is what the user gave the spec as (a config key or a flag), for the errors.
     """
     if spec == "bytes":
         return ByteTokenizer()
@@ -88,32 +141,15 @@ def load_tokenizer(spec: str, fast: bool = False) -> Tokenizer:
         size = spec.partition(":")[2]
         if not size.isdigit():
             raise DataError(
-                f"tokenizer {spec!r}: the null tokenizer needs its number of ids, as null:N"
+                f"{name} {spec!r}: the null tokenizer needs its number of ids, as null:N"
             )
         return NullTokenizer(int(size))
     if not spec:
         raise DataError(
-            "data.tokenizer is empty: give 'bytes' or a tokenizer path "
+            f"{name} is empty: give 'bytes' or a tokenizer path "
             "(empty only works with the embedded corpus)"
         )
-    kind, _, rest = spec.partition(":")
-    if kind in KINDS and rest:
-        path = Path(rest)
-        if not path.exists():
-            raise DataError(f"tokenizer {spec!r}: {path} not found")
-        if path.is_dir() or kind == "gpt2":
-            inferred, path = infer_kind(path)
-            if kind == "gpt2" and inferred != "gpt2":
-                path = path.parent / "vocab.json"
-    else:
-        path = Path(spec)
-        if not path.exists():
-            raise DataError(
-                f"data.tokenizer {spec!r}: {path} not found; give 'bytes', 'null:N', a "
-                "tokenizer.json, vocab.json + merges.txt, a SentencePiece .model, a tiktoken "
-                "file, or kind:path"
-            )
-        kind, path = infer_kind(path)
+    kind, path = resolve_tokenizer(spec, name)
     if kind == "hf":
         return HFTokenizer(path, fast=fast)
     if kind == "gpt2":

@@ -6,10 +6,11 @@ import torch
 
 from trireme.checkpoint.model_state import model_from_state
 from trireme.checkpoint.store import load_checkpoint
+from trireme.checkpoint.tokenizer_copy import tokenizer_for
 from trireme.config import config_from_toml
 from trireme.data.tokenizer import load_tokenizer
-from trireme.errors import CheckpointError, ConfigError
-from trireme.inference.generate import first_non_finite, generate
+from trireme.errors import CheckpointError
+from trireme.inference.generate import first_non_finite, generate, printable_ids
 from trireme.trainer import DTYPES, pick_device
 
 
@@ -27,12 +28,10 @@ def generate_from_checkpoint(
     device: str = "auto",
 ) -> str:
     """Generate a continuation of `prompt` with the model saved in `checkpoint`."""
-    ckpt = load_checkpoint(checkpoint)
+    ckpt = load_checkpoint(checkpoint, name="--checkpoint")
     cfg = config_from_toml(ckpt.config_toml, f"{ckpt.path}/config.toml")
-    tok_spec = tokenizer or cfg.data.tokenizer
-    if not tok_spec:
-        raise ConfigError("the checkpoint names no tokenizer; pass --tokenizer PATH")
-    tok = load_tokenizer(tok_spec)
+    tok_spec = tokenizer_for(ckpt.path, cfg.data.tokenizer, tokenizer)
+    tok = load_tokenizer(tok_spec, name="--tokenizer" if tokenizer else "data.tokenizer")
     dev = pick_device(device)
     dtype = DTYPES[cfg.model.precision]
     if dev.type == "cpu" and dtype == torch.float16:
@@ -48,4 +47,4 @@ def generate_from_checkpoint(
     out = generate(model, ids, max_new_tokens, temperature=temperature, top_k=top_k,
                    top_p=top_p, greedy=greedy, seed=seed, eos_id=tok.eod)
     out_ids = out[0].tolist() if out.dim() == 2 else out.tolist()
-    return tok.decode(out_ids)
+    return tok.decode(printable_ids(out_ids, len(ids), tok.eod))

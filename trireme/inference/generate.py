@@ -115,6 +115,16 @@ def generate(
     return out[0] if one_dim else out
 
 
+def printable_ids(ids: list[int], prompt_len: int, eod: int) -> list[int]:
+    """The ids of prompt + continuation to print: the continuation ends before its first
+    end-of-document token, and the prompt loses its own (a decoder writes them out literally,
+    as `<|endoftext|>`)."""
+    new = ids[prompt_len:]
+    if eod in new:
+        new = new[: new.index(eod)]
+    return [i for i in ids[:prompt_len] if i != eod] + new
+
+
 def _check_prompt(ids: torch.Tensor, cfg) -> None:
     if ids.shape[1] > cfg.seq_length:
         raise TriremeError(f"prompt has {ids.shape[1]} tokens but model.seq_length is "

@@ -8,7 +8,7 @@ import sys
 import torch
 
 from trireme.errors import TrainingError
-from trireme.inference.generate import generate, sample_next
+from trireme.inference.generate import generate, printable_ids, sample_next
 from trireme.trainer import Trainer, build_runner
 
 
@@ -60,7 +60,7 @@ def print_sample(trainer: Trainer) -> None:
               "diverged): no sample", file=sys.stderr, flush=True)
         return
     print("----- sample -----")
-    print(tok.decode(ids))
+    print(tok.decode(printable_ids(ids, len(prompt_ids), tok.eod)))
     print("------------------")
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from trireme.config import ModelConfig, ParallelConfig
 from trireme.errors import ConfigError
+from trireme.words import count_of
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,8 @@ def balanced_counts(costs: list[float], stages: int) -> list[int]:
     """Layers per stage (contiguous, at least one each) that minimize the costliest stage."""
     n = len(costs)
     if n < stages:
-        raise ConfigError(f"{n} layers cannot fill pipeline x virtual_pipeline = {stages} stages")
+        raise ConfigError(f"{count_of(n, 'layer')} cannot fill pipeline x virtual_pipeline = "
+                          f"{count_of(stages, 'stage')}")
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)

@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from trireme.config import ParallelConfig
 from trireme.errors import ConfigError
+from trireme.words import count_of
 
 AXES = ("pipeline", "data", "context", "tensor")  # outermost to innermost
 FLAT = ("data_context", "expert", "expert_data")  # groups across axes (module docstring)
@@ -310,7 +311,8 @@ def init_distributed(device_type: str = "cpu", timeout_minutes: float = 10.0) ->
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
         if max(per_node - 1, local_rank) >= torch.cuda.device_count():  # alike on every rank
             raise ConfigError(
-                f"{per_node} processes on a node with {torch.cuda.device_count()} GPUs visible; "
+                f"{count_of(per_node, 'process', 'processes')} on a node with "
+                f"{count_of(torch.cuda.device_count(), 'GPU')} visible; "
                 "launch at most that many processes per node (torchrun --nproc_per_node) or set "
                 "train.device=cpu"
             )
