@@ -139,3 +139,41 @@ def test_hf_moe_bad_input(tmp_path: Path) -> None:
 def expected_state(cfg: ModelConfig, part: str) -> dict[str, torch.Tensor]:
     """Random tensors for the names of `GPT(cfg)`'s state that hold `part`."""
     return {n: torch.randn(shape) for n, shape in expected_shapes(cfg).items() if part in n}
+
+
+# --------------------------------------------------------------------------------------------
+# Full-size presets: parameters (total and active) and the FLOPs MFU counts
+
+PUBLISHED = {  # preset: (total, active) parameters, published; deepseek-v3: its stand-in's
+    "mixtral-8x7b": (46.7e9, 12.9e9),
+    "qwen3-30b-a3b": (30.5e9, 3.3e9),
+    "deepseek-v3": (674.8e9, 41.4e9),  # MLA replaced by GQA: the real model has 671B / 37B
+}
+
+
+def parameter_counts(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(total, active per token, active in matmuls) parameters of GPT(cfg), built on the meta
+    device: active leaves out each MoE sublayer's idle experts, the matmul count also the
+    input embedding and the norms (what the FLOPs formula multiplies)."""
+    with torch.device("meta"):
+        params = dict(GPT(cfg, seed=None).named_parameters())
+    total = sum(p.numel() for p in params.values())
+    expert = 3 * cfg.hidden_size * cfg.moe_ffn_size
+    idle = sum((cfg.moe_num_experts - cfg.moe_top_k) * expert
+               for layer in cfg.layer_symbols if "E" in layer)
+    unmultiplied = sum(p.numel() for n, p in params.items()
+                       if p.dim() == 1 or n == "embedding.weight")
+    return total, total - idle, total - idle - unmultiplied
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_full_presets_have_the_published_size(name: str) -> None:
+    cfg = load_config(name).model
+    total, active, matmul = parameter_counts(cfg)
+    assert total == pytest.approx(PUBLISHED[name][0], rel=0.005)
+    assert active == pytest.approx(PUBLISHED[name][1], rel=0.02)  # Qwen rounds 3.35B to 3.3B
+    # MFU counts the active experts only: forward + backward = 6 x the active matmul weights
+    # (router and shared expert included), plus the attention scores (q * s per * sublayer)
+    scores = 6 * sum(cfg.num_attention_heads * cfg.head_size * cfg.seq_length
+                     for layer in cfg.layer_symbols)
+    assert flops_per_token(cfg) == pytest.approx(6 * matmul + scores, rel=1e-9)
