@@ -15,7 +15,8 @@ gives the layer the step's loss scale over its micro batches (`start_step`), whi
 needs. What the last forward routed (tokens per expert, the three losses) is kept, detached, for
 the metrics; `after_step` returns it.
 
-Not yet (issue 15): expert parallelism, tensor parallelism of the experts, HF conversion.
+Not yet (issue 15): expert parallelism, tensor parallelism of the experts. Hugging Face's
+Mixtral and Qwen3-MoE convert both ways (trireme.checkpoint.hf_moe).
 """
 
 from __future__ import annotations
