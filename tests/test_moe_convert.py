@@ -72,8 +72,11 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-4) -> No
 
 
 @pytest.mark.parametrize("name", list(HF_MODELS))
-def test_hf_moe_both_ways_same_logits(tmp_path: Path, name: str) -> None:
+def test_hf_moe_both_ways_same_logits(tmp_path: Path, capsys, name: str) -> None:
     hf = make_hf(name, tmp_path / "hf")
+    assert main(["inspect", str(tmp_path / "hf")]) == 0
+    summary = f"{PATTERNS[name].count('E')} MoE layers ({hf.config.num_local_experts} experts"
+    assert summary in capsys.readouterr().out
     ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = hf(ids).logits
