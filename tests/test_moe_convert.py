@@ -68,7 +68,7 @@ def trireme_model(path: Path) -> GPT:
 def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-4) -> None:
     assert got.shape == want.shape
     diff = (got - want).abs().max().item()
-    assert diff <= tol * max(1.0, want.abs().max().item()), f"max |diff| {diff}"
+    assert diff <= tol, f"max |diff| {diff}"  # (logits here are at most about 2)
 
 
 @pytest.mark.parametrize("name", list(HF_MODELS))
