@@ -39,7 +39,8 @@ def test_all_fields_documented():
             assert f.metadata.get("help"), f"{section.name}.{f.name}"
 
 
-@pytest.mark.parametrize("name", ["tiny", "gpt2-124m", "llama3-1b", "llama3-8b"])
+@pytest.mark.parametrize("name", ["tiny", "gpt2-124m", "llama3-1b", "llama3-8b", "moe-tiny",
+                                  "mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"])
 def test_presets_load(name):
     assert name in preset_names()
     cfg = load_config(name)

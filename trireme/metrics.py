@@ -9,7 +9,8 @@ compare with published tables:
 
 with q = heads * head_dim, kv = groups * head_dim, k_ffn = 3 for SwiGLU and 2 for GeLU;
 6 = 3 (forward and backward) x 2 (a multiply-add is two FLOPs). Under model.layer_pattern the
-attention terms count once per `*` sublayer and the MLP term once per `-`.
+attention terms count once per `*` sublayer and the MLP term once per `-`; an `E` sublayer counts
+its active parameters only, h*E (router) + 3*h*(top_k*F_moe + F_shared) (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Every reader (Hugging Face, Megatron, trireme) produces a `Converted`: a `ModelC
 model state under trireme's parameter names, in trireme's layouts (fused QKV rows [all q; all k;
 all v], SwiGLU fc1 rows [gate; up], embedding rows padded to `padded_vocab_size`). Every writer
 takes one (converted.py). So any reader pairs with any writer, and each format's quirks live in
-one file: convert_hf.py, convert_megatron.py.
+one place: convert_hf.py (its tables in hf_table.py, the MoE families in hf_moe.py),
+convert_megatron.py.
 
 Outputs are written into a temporary sibling directory and renamed into place when complete, so an
 interrupted conversion leaves nothing that looks finished.

@@ -1,16 +1,12 @@
 """Hugging Face folders (config.json + safetensors) to and from trireme's model.
 
 Families: Llama-style decoders (model_type llama, mistral, qwen2, qwen3: RoPE, RMSNorm, SwiGLU, GQA,
-optional q/k/v biases or QK-norm) and GPT-2 (learned positions, LayerNorm, tanh GeLU, biases).
+optional q/k/v biases or QK-norm), their mixture-of-experts kin (mixtral, qwen3_moe: hf_moe.py)
+and GPT-2 (learned positions, LayerNorm, tanh GeLU, biases).
 
-One table per family lists, for each trireme tensor, the Hugging Face tensors it is made of and how:
-  copy     the same matrix
-  cat      rows concatenated: q/k/v -> our fused qkv ([all q; all k; all v], head-major on both
-           sides), gate/up -> our SwiGLU fc1 ([gate; up])
-  conv1d   transposed: GPT-2's Conv1D stores [in, out], nn.Linear [out, in]
-  vocab    embedding rows: ours are padded to padded_vocab_size with zero rows, theirs are not
-Reading runs the table forwards, writing backwards, so the two directions cannot drift apart. Both
-sides use the "rotate half" RoPE pairing, so q and k need no permutation.
+One table per family lists, for each trireme tensor, the Hugging Face tensors it is made of and how
+(hf_table.py). Reading runs the table forwards, writing backwards, so the two directions cannot
+drift apart. Both sides use the "rotate half" RoPE pairing, so q and k need no permutation.
 
 A bias that Hugging Face's architecture lacks but trireme's single `bias` switch implies (Qwen2 has
 q/k/v biases only) is filled with zeros on the way in, which changes nothing; on the way out the
@@ -20,7 +16,6 @@ architecture is picked so that no non-zero tensor is dropped.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,12 +29,21 @@ from trireme.checkpoint.converted import (
     cast_state,
     copy_tokenizer_files,
 )
+from trireme.checkpoint.hf_moe import (
+    ARCHITECTURES,
+    MOE_TYPES,
+    choose_moe_architecture,
+    moe_entries,
+    moe_fields,
+    moe_hf_config,
+)
+from trireme.checkpoint.hf_table import Entry, export_state, their_shapes, to_ours, weight_dtype
 from trireme.checkpoint.model_state import expected_shapes, listing
 from trireme.config import ModelConfig
 from trireme.data.tokenizer import load_tokenizer
 from trireme.errors import CheckpointError, TriremeError
 
-LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_TYPES)
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 SHARD_BYTES = 5 * 2**30  # the size Hugging Face shards at by default
@@ -48,50 +52,55 @@ IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One trireme tensor and the Hugging Face tensors it is made of."""
-
-    ours: str
-    theirs: tuple[str, ...]
-    kind: str = "copy"  # copy | cat | conv1d | vocab
-    sizes: tuple[int, ...] = ()  # cat: rows of each part
-
-
 # --------------------------------------------------------------------------------------------
 # Tables
 
 
-def _llama_table(cfg: ModelConfig, qkv_bias: bool, out_bias: bool, mlp_bias: bool) -> list[Entry]:
-    q, kv, ffn = cfg.num_attention_heads * cfg.head_size, cfg.kv_heads * cfg.head_size, cfg.ffn_size
+def _llama_table(cfg: ModelConfig, qkv_bias: bool, out_bias: bool, mlp_bias: bool,
+                 kind: str = "llama") -> list[Entry]:
+    """The table of a Llama-style model; `kind` names the MoE family of its `E` sublayers."""
     table = [Entry("embedding.weight", ("model.embed_tokens.weight",), "vocab")]
-    for i in range(cfg.num_layers):
-        ours, a, m = f"layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        table += [
-            Entry(ours + "attention_norm.weight", (f"model.layers.{i}.input_layernorm.weight",)),
-            Entry(ours + "attention.qkv.weight", tuple(f"{a}{x}_proj.weight" for x in "qkv"),
-                  "cat", (q, kv, kv)),
-            Entry(ours + "attention.out.weight", (a + "o_proj.weight",)),
-            Entry(ours + "mlp_norm.weight", (f"model.layers.{i}.post_attention_layernorm.weight",)),
-            Entry(ours + "mlp.fc1.weight", (m + "gate_proj.weight", m + "up_proj.weight"), "cat",
-                  (ffn, ffn)),
-            Entry(ours + "mlp.fc2.weight", (m + "down_proj.weight",)),
-        ]
-        if cfg.qk_norm:
-            table += [Entry(ours + "attention.q_norm.weight", (a + "q_norm.weight",)),
-                      Entry(ours + "attention.k_norm.weight", (a + "k_norm.weight",))]
-        if qkv_bias:
-            table.append(Entry(ours + "attention.qkv.bias",
-                               tuple(f"{a}{x}_proj.bias" for x in "qkv"), "cat", (q, kv, kv)))
-        if out_bias:
-            table.append(Entry(ours + "attention.out.bias", (a + "o_proj.bias",)))
-        if mlp_bias:
-            table += [Entry(ours + "mlp.fc1.bias", (m + "gate_proj.bias", m + "up_proj.bias"),
-                            "cat", (ffn, ffn)),
-                      Entry(ours + "mlp.fc2.bias", (m + "down_proj.bias",))]
+    for i, layer in enumerate(cfg.layer_symbols):
+        table += _attention_entries(cfg, i, qkv_bias, out_bias)
+        table += moe_entries(cfg, kind, i) if layer == "*E" else _mlp_entries(cfg, i, mlp_bias)
     table.append(Entry("final_norm.weight", ("model.norm.weight",)))
     if not cfg.tie_embeddings:
         table.append(Entry("output.weight", ("lm_head.weight",), "vocab"))
+    return table
+
+
+def _attention_entries(cfg: ModelConfig, i: int, qkv_bias: bool, out_bias: bool) -> list[Entry]:
+    q, kv = cfg.num_attention_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
+    ours, a = f"layers.{i}.", f"model.layers.{i}.self_attn."
+    table = [
+        Entry(ours + "attention_norm.weight", (f"model.layers.{i}.input_layernorm.weight",)),
+        Entry(ours + "attention.qkv.weight", tuple(f"{a}{x}_proj.weight" for x in "qkv"),
+              "cat", (q, kv, kv)),
+        Entry(ours + "attention.out.weight", (a + "o_proj.weight",)),
+    ]
+    if cfg.qk_norm:
+        table += [Entry(ours + "attention.q_norm.weight", (a + "q_norm.weight",)),
+                  Entry(ours + "attention.k_norm.weight", (a + "k_norm.weight",))]
+    if qkv_bias:
+        table.append(Entry(ours + "attention.qkv.bias",
+                           tuple(f"{a}{x}_proj.bias" for x in "qkv"), "cat", (q, kv, kv)))
+    if out_bias:
+        table.append(Entry(ours + "attention.out.bias", (a + "o_proj.bias",)))
+    return table
+
+
+def _mlp_entries(cfg: ModelConfig, i: int, mlp_bias: bool) -> list[Entry]:
+    ours, m, ffn = f"layers.{i}.", f"model.layers.{i}.mlp.", cfg.ffn_size
+    table = [
+        Entry(ours + "mlp_norm.weight", (f"model.layers.{i}.post_attention_layernorm.weight",)),
+        Entry(ours + "mlp.fc1.weight", (m + "gate_proj.weight", m + "up_proj.weight"), "cat",
+              (ffn, ffn)),
+        Entry(ours + "mlp.fc2.weight", (m + "down_proj.weight",)),
+    ]
+    if mlp_bias:
+        table += [Entry(ours + "mlp.fc1.bias", (m + "gate_proj.bias", m + "up_proj.bias"),
+                        "cat", (ffn, ffn)),
+                  Entry(ours + "mlp.fc2.bias", (m + "down_proj.bias",))]
     return table
 
 
@@ -111,79 +120,6 @@ def _gpt2_table(cfg: ModelConfig) -> list[Entry]:
     if not cfg.tie_embeddings:
         table.append(Entry("output.weight", ("lm_head.weight",), "vocab"))
     return table
-
-
-def _to_ours(entry: Entry, parts: list[Tensor], cfg: ModelConfig) -> Tensor:
-    if entry.kind == "cat":
-        return torch.cat(parts)
-    if entry.kind == "conv1d":
-        return parts[0].t()
-    if entry.kind == "vocab":
-        w = parts[0]
-        padded = w.new_zeros((cfg.padded_vocab_size, *w.shape[1:]))
-        padded[: w.shape[0]] = w
-        return padded
-    return parts[0]
-
-
-def _to_theirs(entry: Entry, t: Tensor, cfg: ModelConfig) -> list[Tensor]:
-    if entry.kind == "cat":
-        return list(t.split(list(entry.sizes)))
-    if entry.kind == "conv1d":
-        return [t.t()]
-    if entry.kind == "vocab":
-        return [t[: cfg.vocab_size]]
-    return [t]
-
-
-def export_state(
-    table: list[Entry], state: dict[str, Tensor], cfg: ModelConfig
-) -> dict[str, Tensor]:
-    """trireme state -> Hugging Face state. A tensor the table lacks must be all zeros (a bias
-    the architecture does not have); one the state lacks is written as zeros (GPT-2's biases)."""
-    out: dict[str, Tensor] = {}
-    dtype = _weight_dtype(state)
-    for entry in table:
-        t = state.get(entry.ours)
-        if t is None:
-            t = torch.zeros(_bias_shape(entry.ours, cfg), dtype=dtype)
-        out.update(zip(entry.theirs, _to_theirs(entry, t, cfg)))
-    covered = {entry.ours for entry in table}
-    dropped = [n for n, t in state.items() if n not in covered and bool(t.any())]
-    if dropped:
-        raise CheckpointError(
-            listing("the chosen Hugging Face architecture has no place for", dropped)
-        )
-    return out
-
-
-def their_shapes(table: list[Entry], cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The shape of every Hugging Face tensor the table names, for a model of config `cfg`."""
-    ours = expected_shapes(cfg)
-    out: dict[str, tuple[int, ...]] = {}
-    for entry in table:
-        shape = ours.get(entry.ours) or _bias_shape(entry.ours, cfg)
-        if entry.kind == "cat":
-            out.update((n, (size, *shape[1:])) for n, size in zip(entry.theirs, entry.sizes))
-        elif entry.kind == "conv1d":
-            out[entry.theirs[0]] = tuple(reversed(shape))
-        elif entry.kind == "vocab":
-            out[entry.theirs[0]] = (cfg.vocab_size, *shape[1:])
-        else:
-            out[entry.theirs[0]] = shape
-    return out
-
-
-def _bias_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
-    if "attention.qkv" in name:
-        return ((cfg.num_attention_heads + 2 * cfg.kv_heads) * cfg.head_size,)
-    if "mlp.fc1" in name:
-        return ((2 if cfg.activation == "swiglu" else 1) * cfg.ffn_size,)
-    return (cfg.hidden_size,)
-
-
-def _weight_dtype(state: dict[str, Tensor]) -> torch.dtype:
-    return next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,7 +148,7 @@ def _llama_model_config(hf: dict, has_lm_head: bool) -> tuple[ModelConfig, Biase
             f"config.json: rope scaling {rope_type!r} is not supported (none or llama3)"
         )
     window = hf.get("sliding_window")
-    if window and (kind == "mistral" or hf.get("use_sliding_window")):
+    if window and (kind in ("mistral", "mixtral") or hf.get("use_sliding_window")):
         notes.append(f"the sliding attention window ({window}) is not modelled: logits agree for "
                      f"sequences up to {window} tokens")
     attention_bias = bool(hf.get("attention_bias", False))
@@ -221,6 +157,8 @@ def _llama_model_config(hf: dict, has_lm_head: bool) -> tuple[ModelConfig, Biase
         "mistral": (False, False, False),
         "qwen2": (True, False, False),
         "qwen3": (attention_bias, attention_bias, False),
+        "mixtral": (False, False, False),
+        "qwen3_moe": (attention_bias, attention_bias, False),
     }[kind]
     cfg = ModelConfig(
         num_layers=hf["num_hidden_layers"], hidden_size=h, num_attention_heads=heads,
@@ -230,8 +168,9 @@ def _llama_model_config(hf: dict, has_lm_head: bool) -> tuple[ModelConfig, Biase
         seq_length=hf.get("max_position_embeddings", 2048), position_embedding="rope",
         rope_theta=float(theta), normalization="rmsnorm",
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), activation="swiglu",
-        qk_norm=kind == "qwen3", bias=any(biases),
+        qk_norm=kind in ("qwen3", "qwen3_moe"), bias=any(biases),
         tie_embeddings=bool(hf.get("tie_word_embeddings", not has_lm_head)),
+        **(moe_fields(hf, kind) if kind in MOE_TYPES else {}),
     )
     if rope_type == "llama3":
         cfg.rope_scaling = "llama3"
@@ -274,7 +213,8 @@ def _hf_config(cfg: ModelConfig, kind: str, biases: Biases, dtype: torch.dtype) 
                 "n_positions": cfg.seq_length, "layer_norm_epsilon": cfg.norm_eps,
                 "activation_function": "gelu_new", "resid_pdrop": cfg.dropout,
                 "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout, **common}
-    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            **ARCHITECTURES}
     out = {"architectures": [arch[kind]], "model_type": kind,
            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
@@ -284,8 +224,10 @@ def _hf_config(cfg: ModelConfig, kind: str, biases: Biases, dtype: torch.dtype) 
            **common}
     if kind == "llama":
         out.update(attention_bias=biases[0], mlp_bias=biases[2])
-    if kind == "qwen3":
+    if kind in ("qwen3", "qwen3_moe"):
         out["attention_bias"] = biases[0]
+    if kind in MOE_TYPES:
+        out.update(moe_hf_config(cfg, kind))
     if cfg.rope_scaling == "llama3":
         out["rope_scaling"] = {
             "rope_type": "llama3", "factor": cfg.rope_scaling_factor,
@@ -298,6 +240,8 @@ def _hf_config(cfg: ModelConfig, kind: str, biases: Biases, dtype: torch.dtype) 
 def _choose_architecture(cfg: ModelConfig, state: dict[str, Tensor]) -> tuple[str, Biases]:
     """The Hugging Face architecture (and its bias switches) that holds this model exactly."""
     shape = (cfg.position_embedding, cfg.normalization, cfg.activation)
+    if shape == ("rope", "rmsnorm", "swiglu") and "E" in cfg.layer_pattern:
+        return choose_moe_architecture(cfg), (cfg.bias, cfg.bias, False)
     if shape == ("learned", "layernorm", "gelu") and not cfg.qk_norm:
         heads = cfg.num_attention_heads
         if cfg.kv_heads != heads or cfg.head_size * heads != cfg.hidden_size:
@@ -397,9 +341,13 @@ def hf_model_config(hf: dict, has_lm_head: bool) -> tuple[ModelConfig, list[Entr
             return cfg, _gpt2_table(cfg), notes
         if kind in LLAMA_TYPES:
             cfg, biases, notes = _llama_model_config(hf, has_lm_head)
-            return cfg, _llama_table(cfg, *biases), notes
+            return cfg, _llama_table(cfg, *biases, kind), notes
     except KeyError as e:
         raise CheckpointError(f"config.json lacks {e}, which a {kind} model needs") from None
+    if kind == "qwen2_moe":
+        raise CheckpointError("config.json: model_type qwen2_moe is not supported: its shared "
+                              "expert is scaled by a sigmoid gate (shared_expert_gate) that "
+                              "trireme's MoE layer lacks")
     raise CheckpointError(
         f"config.json: model_type {kind!r} is not supported (supported: gpt2, "
         f"{', '.join(LLAMA_TYPES)})"
@@ -430,8 +378,8 @@ def read_hf(folder: Path) -> Converted:
         raise CheckpointError(f"{folder} does not match its config.json: " + "; ".join(problems))
     state = {}
     for entry in table:
-        state[entry.ours] = _to_ours(entry, [tensors[n] for n in entry.theirs], cfg)
-    dtype = _weight_dtype(state)
+        state[entry.ours] = to_ours(entry, [tensors[n] for n in entry.theirs], cfg)
+    dtype = weight_dtype(state)
     for name, shape in expected_shapes(cfg).items():
         if name not in state:  # biases Hugging Face's architecture lacks: zeros change nothing
             state[name] = torch.zeros(shape, dtype=dtype)
@@ -453,7 +401,7 @@ def write_hf(
 
     cfg = conv.model
     kind, biases = _choose_architecture(cfg, conv.state)
-    table = _gpt2_table(cfg) if kind == "gpt2" else _llama_table(cfg, *biases)
+    table = _gpt2_table(cfg) if kind == "gpt2" else _llama_table(cfg, *biases, kind)
     tensors = cast_state(export_state(table, conv.state, cfg), dtype)
     shards = _shard(tensors, shard_bytes)
     with atomic_output_dir(output) as tmp:

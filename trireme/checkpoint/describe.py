@@ -35,6 +35,10 @@ def model_summary(cfg: ModelConfig) -> str:
     if cfg.padded_vocab_size != cfg.vocab_size:
         vocab += f" (padded {cfg.padded_vocab_size})"
     extras = [x for x, on in (("qk-norm", cfg.qk_norm), ("biases", cfg.bias)) if on]
+    moe_layers = sum("E" in layer for layer in cfg.layer_symbols)
+    if moe_layers:
+        extras.append(f"{moe_layers} MoE layers ({cfg.moe_num_experts} experts x "
+                      f"{cfg.moe_ffn_size}, top-{cfg.moe_top_k}, {cfg.moe_router})")
     return ", ".join([
         count_of(cfg.num_layers, "layer"), f"hidden {cfg.hidden_size}",
         f"{heads} (head {cfg.head_size})",
