@@ -42,7 +42,7 @@ _ATEN_POINTWISE = (
 RULES: tuple[tuple[str, str], ...] = (
     ("communication", r"nccl|all_?reduce|all_?gather|reduce_?scatter|c10d::|gloo"),
     ("memcpy/memset", r"memcpy|memset"),
-    ("optimizer", r"adam|multi_tensor|foreach|lpnorm|sgd|_amp_update_scale|"
+    ("optimizer", r"adam|multi_tensor|foreach|lpnorm|sgd|_amp_update_scale|_accumulate_kernel|"
                   r"lerp_|addcmul_|addcdiv_"),
     ("attention", r"flash|fmha|sdpa|attention|attn|flex_"),
     ("cross-entropy/softmax", r"softmax|cross_entropy|nll_loss|logsumexp"),
@@ -51,7 +51,8 @@ RULES: tuple[tuple[str, str], ...] = (
     ("grouped matmul", r"grouped|groupproblemshape|ptr_?array|aten::_grouped_mm"),
     ("routing/permutation", r"radix_?sort|topk|bitonic_?sort|histogram|devicescan|index_?add|"
                             r"indexfunc|scatter_gather|scatter_add|bincount|argsort|sort_?kv|"
-                            r"segmented_?sort|aten::(sort|index|index_put_|cumsum)$"),
+                            r"segmented_?sort|_gather_sum_kernel|_unpermute_backward_kernel|"
+                            r"aten::(sort|index|index_put_|cumsum)$"),
     ("matmul", r"gemm|gemv|cutlass|cublas|xmma|wgmma|nvjet|splitk|cijk_|"
                r"(^|[^a-z])(sm\d\d|ampere|hopper|volta|turing)_|^triton_tem_.*(mm|bmm|addmm)|"
                + _ATEN_MATMUL),

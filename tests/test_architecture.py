@@ -28,11 +28,12 @@ FLOORS = [
     ("trireme.cli", "trireme.commands", "trireme.__main__"),
 ]
 
-# Third-party or platform modules that may be missing, so they are imported where used (the two
+# Third-party or platform modules that may be missing, so they are imported where used (the
 # trireme.ops.*_triton modules import Triton at their top).
 OPTIONAL = ("torchao", "triton", "torch.utils.tensorboard", "tensorboard", "tiktoken",
             "sentencepiece", "zstandard", "pyarrow", "resource", "fcntl", "megatron",
-            "trireme.ops.swiglu_triton", "trireme.ops.moe_permute_triton", "wandb")
+            "trireme.ops.swiglu_triton", "trireme.ops.moe_permute_triton",
+            "trireme.ops.accumulate_triton", "wandb")
 
 
 def module_files() -> dict[str, Path]:

@@ -80,6 +80,8 @@ NAMES = {
     "CUDAHistogramMemoryType)0, ...>(...)": "routing/permutation",
     "void at::native::(anonymous namespace)::indexFuncLargeIndex<float, long, unsigned int, 2, 2, "
     "-2, true, ...>(...)": "routing/permutation",
+    "_gather_sum_kernel": "routing/permutation",  # trireme's own Triton kernels
+    "_accumulate_kernel": "optimizer",
     "some_kernel_nobody_knows": "other",
     "aten::arange": "other",
 }

@@ -36,6 +36,7 @@ from torch import nn
 
 from trireme.config import OptimizerConfig
 from trireme.errors import CheckpointError
+from trireme.ops.accumulate import accumulate
 from trireme.optim.layout import GradLayout, grad_layout
 
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]  # fp8: bf16 parameters
@@ -78,7 +79,7 @@ def named_trainable_parameters(
 
 def _accumulate_main_grad(param: torch.Tensor) -> None:
     # Runs after autograd accumulated this micro batch's gradient into param.grad.
-    param.main_grad.add_(param.grad)  # bf16/fp16 -> fp32, in one kernel
+    accumulate(param.main_grad, param.grad)  # bf16/fp16 -> fp32, in one kernel
     param.grad = None
 
 
