@@ -315,3 +315,18 @@ def test_permutation_kernels_in_interpreter():
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip() == "ok"
+
+
+def test_fused_swiglu_experts_give_the_plain_numbers():
+    """model.fused_swiglu also reaches the experts (one backward kernel on CUDA; here the custom
+    op's plain implementation): the same output and gradients."""
+    x = torch.randn(2, 16, 32)
+    grads = []
+    for fused in (False, True):
+        layer = moe_layer(fused_swiglu=fused, moe_shared_ffn_hidden_size=16)
+        xi = x.clone().requires_grad_(True)
+        y = layer(xi)
+        y.square().sum().backward()
+        grads.append([y, xi.grad, layer.experts.fc1.grad, layer.experts.fc2.grad])
+    for a, b in zip(*grads):  # fp32 rounding: 1e-6 of each tensor's largest value
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * a.abs().max().item())

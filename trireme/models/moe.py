@@ -59,6 +59,7 @@ from trireme.ops.moe_permute import (
     unpermute,
     unpermute_reference,
 )
+from trireme.ops.swiglu import fused_swiglu, swiglu
 from trireme.parallel.comm import gather_rows, reduce_from_tensor_parallel, split_rows
 from trireme.parallel.context import ParallelContext
 from trireme.parallel.dispatch import ExpertShard, all_gather_dispatch, all_to_all_dispatch
@@ -208,7 +209,8 @@ class MoE(nn.Module):
         """This rank's experts on rows `x` sorted by (local) expert, `counts` rows each."""
         fc1, fc2 = self.experts.fc1, self.experts.fc2
         grouped = self.cfg.moe_grouped_gemm and grouped_mm_runs(x)
-        return expert_swiglu(x, counts, fc1.to(x.dtype), fc2.to(x.dtype), grouped)
+        activation = fused_swiglu if self.cfg.fused_swiglu else swiglu
+        return expert_swiglu(x, counts, fc1.to(x.dtype), fc2.to(x.dtype), grouped, activation)
 
     def _balance(self, y: Tensor, logits: Tensor, probs: Tensor, experts: Tensor, rows: Tensor,
                  batch_size: int) -> Tensor:

@@ -34,10 +34,12 @@ dropped: those tokens skip that expert.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+from trireme.ops.swiglu import swiglu
 
 ROUTERS = ("softmax", "topk_softmax", "sigmoid")
 
@@ -177,18 +179,18 @@ def grouped_mm_runs(x: Tensor) -> bool:
                                                          and x.dtype == torch.float32)
 
 
-def expert_swiglu(x: Tensor, counts: Tensor, fc1: Tensor, fc2: Tensor, grouped: bool) -> Tensor:
+def expert_swiglu(x: Tensor, counts: Tensor, fc1: Tensor, fc2: Tensor, grouped: bool,
+                  activation: Callable[[Tensor], Tensor] = swiglu) -> Tensor:
     """[N, h] -> [N, h]: rows sorted by expert, `counts` [E] rows each, through expert e's
-    SwiGLU fc2[e]^T (silu(gate) * up) with [gate; up] = x fc1[e] (fc1 [E, h, 2F], fc2 [E, F, h])."""
+    SwiGLU fc2[e]^T (silu(gate) * up) with [gate; up] = x fc1[e] (fc1 [E, h, 2F], fc2 [E, F, h]).
+    `activation`: swiglu, or trireme.ops.swiglu.fused_swiglu (the same numbers, one backward
+    kernel on CUDA)."""
     if grouped:
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         h = torch._grouped_mm(x, fc1, offs=offsets)  # [N, 2F]
-        gate, up = h.chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, fc2, offs=offsets)  # [N, h]
+        return torch._grouped_mm(activation(h), fc2, offs=offsets)  # [N, h]
     outputs, start = [], 0
     for e, n in enumerate(counts.tolist()):  # the reference: one expert at a time
-        h = x[start : start + n] @ fc1[e]
-        gate, up = h.chunk(2, dim=-1)
-        outputs.append((F.silu(gate) * up) @ fc2[e])
+        outputs.append(activation(x[start : start + n] @ fc1[e]) @ fc2[e])
         start += n
     return torch.cat(outputs) if outputs else x[:0]
