@@ -23,12 +23,14 @@ TWO_RANKS = {
     "ep2": ("parallel.expert=2",),
     "ep2-allgather": ("parallel.expert=2", "model.moe_dispatcher=allgather"),
     "ep2-distopt": ("parallel.expert=2", "parallel.distributed_optimizer=true"),
-    "tp2": ("parallel.tensor=2",),
+    "tp2": ("parallel.tensor=2", "train.sample_tokens=5"),  # the sample: odd token counts
     "tp2-sp": ("parallel.tensor=2", "parallel.sequence_parallel=true"),
 }
 FOUR_RANKS = {
-    "ep2-tp2": ("parallel.expert=2", "parallel.tensor=2", "parallel.sequence_parallel=true"),
+    "ep2-tp2-sp": ("parallel.expert=2", "parallel.tensor=2", "parallel.sequence_parallel=true"),
+    "ep2-tp2": ("parallel.expert=2", "parallel.tensor=2"),
     "ep2-pp2": ("parallel.expert=2", "parallel.pipeline=2", "parallel.distributed_optimizer=true"),
+    "ep2-pp2-ddp": ("parallel.expert=2", "parallel.pipeline=2"),
 }
 CAPACITY = ("model.moe_capacity_factor=1.0", "model.moe_drop_policy=position")
 
@@ -49,16 +51,21 @@ def test_expert_and_tensor_parallel_moe_match_one_process(toy_data, tmp_path):  
     assert losses(tmp_path / "ref-capacity") != ref  # the capacity does drop tokens
     for name in TWO_RANKS:
         assert_same(losses(tmp_path / name), ref, f"MoE {name}")
+        assert_same(losses(tmp_path / name, "grad_norm"), losses(tmp_path / "ref", "grad_norm"),
+                    f"MoE {name} gradient norm")
     assert_same(losses(tmp_path / "ep2-capacity"), losses(tmp_path / "ref-capacity"),
                 "MoE ep2 with capacity dropping")
 
 
 def test_expert_parallel_composes_with_tensor_and_pipeline(toy_data, tmp_path):  # noqa: F811
-    """EP = 2 x TP = 2 (sequence parallel) and EP = 2 x PP = 2 on four ranks."""
+    """EP = 2 x TP = 2 (with and without sequence parallelism) and EP = 2 x PP = 2 (distributed
+    optimizer and DDP) on four ranks, losses and gradient norms."""
     train(moe_tiny(toy_data, tmp_path / "ref", "train.steps=4"))
     run_ranks(_layouts, 4, tmp_path, toy_data, str(tmp_path), FOUR_RANKS)
     for name in FOUR_RANKS:
         assert_same(losses(tmp_path / name), losses(tmp_path / "ref"), f"MoE {name}")
+        assert_same(losses(tmp_path / name, "grad_norm"), losses(tmp_path / "ref", "grad_norm"),
+                    f"MoE {name} gradient norm")
 
 
 def _save_ep2(rank: int, world: int, data: str, root: str, ckpt: list) -> None:

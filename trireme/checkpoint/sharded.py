@@ -125,7 +125,7 @@ def layout_of(trainer) -> dict[str, Any]:
     return {"world_size": trainer.env.world_size, "tensor": p.tensor, "pipeline": p.pipeline,
             "virtual_pipeline": p.virtual_pipeline, "data": trainer.data_parallel,
             "data_parallel_mode": p.data_parallel_mode,
-            "distributed_optimizer": p.distributed_optimizer}
+            "distributed_optimizer": p.distributed_optimizer, "expert": p.expert}
 
 
 def staged(entries: dict[str, Entry], buffers: dict | None = None) -> dict[str, Entry]:

@@ -38,6 +38,7 @@ from trireme.parallel.tensor import TensorParallel
 # Replicated parameters whose gradient is partial even without SP: used inside the head-split part
 # of attention, or by a mixture-of-experts layer on this TP rank's share of the tokens.
 HEAD_SPLIT_REPLICATED = (".q_norm.", ".k_norm.", ".router.", ".experts.")
+IN_PLACE = 1 << 20  # gradients of at least this many elements are all-reduced where they lie
 
 
 def _grad(param: nn.Parameter) -> Tensor:
@@ -74,10 +75,16 @@ class PartialGradSync:
     def __call__(self) -> None:
         for group, items in self.entries.items():
             grads = [_grad(p) if rows is None else _grad(p)[rows] for p, rows in items]
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            small = [g for g in grads if g.numel() < IN_PLACE or not g.is_contiguous()]
+            for g in grads:  # large ones (a MoE layer's experts) in place: no concatenated copy
+                if g.numel() >= IN_PLACE and g.is_contiguous():
+                    dist.all_reduce(g, group=group)
+            if not small:
+                continue
+            flat = torch.cat([g.reshape(-1) for g in small])
             dist.all_reduce(flat, group=group)
             offset = 0
-            for g in grads:
+            for g in small:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
 

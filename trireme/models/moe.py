@@ -25,8 +25,10 @@ Tensor parallelism: the experts stay whole (replicated on the TP ranks) and the 
 the tokens instead: under sequence parallelism each has its own part of the sequence already;
 without it each takes a 1/T share of the micro batch's tokens and the outputs are gathered after.
 The balancing sums are added over the TP ranks, so the losses and the load are the whole micro
-batch's; the router's and experts' gradients are partial sums that PartialGradSync adds up
-(trireme.engine.grads). The shared expert is an ordinary tensor-parallel MLP.
+batch's (a capacity, though, counts this rank's share of the tokens, so which assignments are
+dropped depends on the TP degree); the router's and experts' gradients are partial sums that
+PartialGradSync adds up (trireme.engine.grads). The shared expert is an ordinary tensor-parallel
+MLP.
 
 Hugging Face's Mixtral and Qwen3-MoE convert both ways (trireme.checkpoint.hf_moe).
 """
@@ -143,25 +145,34 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         b, s, h = x.shape
-        tokens, rows = self._my_tokens(x.reshape(b * s, h), s)  # [T, h], sequence of each
+        cut = self._cuts_tokens(b * s)
+        tokens, rows = self._my_tokens(x.reshape(b * s, h), s, cut)  # [T, h], sequence of each
         logits = tokens.float() @ self.router.weight.float().t()  # [T, E], router in fp32
         bias = self.expert_bias if self.cfg.moe_bias_update_rate > 0 else None
         weights, experts, probs = route(
             logits, self.top_k, self.cfg.moe_router, bias, self.cfg.moe_num_groups,
             self.cfg.moe_top_groups, self.cfg.moe_score_scale)
         y = self._experts(tokens, weights, experts)
-        if self.tp is not None and not self.tp.sequence_parallel:
+        if cut:
             y = gather_rows(y, self.tp.group, self.tp.size, self.tp.rank)
         if hasattr(self, "shared"):
             y = y + self.shared(x).reshape(y.shape)
-        y = self._balance(y, logits, probs, experts, rows, b)
+        y = self._balance(y, logits, probs, experts, rows, b, cut)
         return y.view(x.shape)
 
-    def _my_tokens(self, tokens: Tensor, seq: int) -> tuple[Tensor, Tensor]:
+    def _cuts_tokens(self, num_tokens: int) -> bool:
+        """Whether this forward cuts its tokens among the TP ranks: under TP without SP, when
+        they divide evenly. Training shapes always do (config.py checks the sequence length); a
+        generated sequence of any length may not, and then every TP rank routes all the tokens
+        (no backward runs then, so the replicated work needs no gradient sync)."""
+        tp = self.tp
+        return tp is not None and not tp.sequence_parallel and num_tokens % tp.size == 0
+
+    def _my_tokens(self, tokens: Tensor, seq: int, cut: bool) -> tuple[Tensor, Tensor]:
         """The tokens this rank routes, and the sequence of each: all of them, or under tensor
         parallelism without sequence parallelism this TP rank's share (module docstring)."""
         first = 0
-        if self.tp is not None and not self.tp.sequence_parallel:
+        if cut:
             first = self.tp.rank * (tokens.shape[0] // self.tp.size)
             tokens = split_rows(tokens, self.tp.group, self.tp.size, self.tp.rank)
         rows = torch.arange(first, first + tokens.shape[0], device=tokens.device) // seq
@@ -213,11 +224,12 @@ class MoE(nn.Module):
         return expert_swiglu(x, counts, fc1.to(x.dtype), fc2.to(x.dtype), grouped, activation)
 
     def _balance(self, y: Tensor, logits: Tensor, probs: Tensor, experts: Tensor, rows: Tensor,
-                 batch_size: int) -> Tensor:
+                 batch_size: int, cut: bool) -> Tensor:
         """Attach the weighted balancing losses to `y`; add the assignments each expert got
         (before any dropping) to the step's load; keep what routing did for the metrics."""
         sums = balance_sums(logits, probs, experts, rows, batch_size)
-        if self.tp is not None:  # the whole micro batch's sums (gradient: identity)
+        if cut or (self.tp is not None and self.tp.sequence_parallel):
+            # the TP ranks hold other tokens: the whole micro batch's sums (gradient: identity)
             sums = reduce_from_tensor_parallel(sums, self.tp.group)
         losses, counts = balance_losses(sums, self.num_experts, self.top_k, batch_size)
         if self.training and torch.is_grad_enabled():

@@ -11,8 +11,8 @@ tokens; the (token, expert) assignments it keeps then travel to the experts' ran
   assignments only.
 - all-gather (`all_gather_dispatch`): every rank gathers every rank's tokens, routing weights and
   chosen experts, computes its experts' weighted outputs for all of them, and a reduce-scatter
-  returns to each rank the sum for its own tokens. P times the traffic, no size exchange; fine for
-  small groups.
+  returns to each rank the sum for its own tokens (summed in fp32). P times the traffic, no size
+  exchange (one host sync: how many assignments this rank's experts got); fine for small groups.
 
 Both are differentiable: the backward runs the reverse exchange, so the experts' gradients on a
 rank sum the contributions of every rank's tokens that reached them.
@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from trireme.ops.moe import count_assignments
 from trireme.parallel.comm import _all_gather_single, gather_sequence, reduce_scatter_sequence
 
 # (rows sorted by local expert [M, h], rows per local expert [L]) -> outputs [M, h]
@@ -74,13 +75,14 @@ def all_to_all(x: Tensor, recv: list[int], send: list[int], group) -> Tensor:
     return _AllToAll.apply(x, recv, send, group)
 
 
-def by_local_expert(recv_counts: Tensor) -> Tensor:
-    """The order that sorts received rows by local expert. `recv_counts[s, j]`: rows from rank s
-    for local expert j, arriving in (s, j) order; the result lists them in (j, s) order."""
+def by_local_expert(recv_counts: Tensor, rows: int) -> Tensor:
+    """The order that sorts the `rows` received rows by local expert. `recv_counts[s, j]`: rows
+    from rank s for local expert j, arriving in (s, j) order; the result lists them in (j, s)
+    order."""
     senders, local = recv_counts.shape
     j = torch.arange(local, device=recv_counts.device).repeat(senders)
     s = torch.arange(senders, device=recv_counts.device).repeat_interleave(local)
-    key = torch.repeat_interleave(j * senders + s, recv_counts.flatten())
+    key = torch.repeat_interleave(j * senders + s, recv_counts.flatten(), output_size=rows)
     return torch.argsort(key, stable=True)
 
 
@@ -98,7 +100,7 @@ def all_to_all_dispatch(x: Tensor, counts: Tensor, shard: ExpertShard, experts: 
     send = send_counts.sum(1).tolist()  # the one host sync: all-to-all sizes
     recv = recv_counts.sum(1).tolist()
     received = all_to_all(x, recv, send, shard.group)  # [M, h], by (sender, local expert)
-    order = by_local_expert(recv_counts)
+    order = by_local_expert(recv_counts, sum(recv))
     out = experts(received[order], recv_counts.sum(0))
     return all_to_all(out[inverse(order)], send, recv, shard.group)
 
@@ -115,9 +117,10 @@ def all_gather_dispatch(tokens: Tensor, weights: Tensor, chosen: Tensor, shard: 
     _all_gather_single(e_all, chosen.contiguous(), group=group)
     local = e_all.flatten() - shard.first
     key = torch.where((local >= 0) & (local < shard.local), local, shard.local)
-    counts = torch.bincount(key, minlength=shard.local + 1)[: shard.local]
-    order = torch.argsort(key, stable=True)[: int(counts.sum())]  # this rank's assignments
+    counts = count_assignments(key, shard.local + 1)[: shard.local]
+    order = torch.argsort(key, stable=True)[: int(counts.sum())]  # the one host sync
     token_of = order.div(k, rounding_mode="floor")
-    out = experts(x_all[token_of], counts) * w_all.flatten()[order].unsqueeze(-1).to(x_all.dtype)
-    y_all = torch.zeros_like(x_all).index_add(0, token_of, out)
-    return reduce_scatter_sequence(y_all.unsqueeze(0), group, size).squeeze(0)
+    out = experts(x_all[token_of], counts).float() * w_all.flatten()[order].unsqueeze(-1).float()
+    y_all = x_all.new_zeros(x_all.shape, dtype=torch.float32).index_add(0, token_of, out)
+    y = reduce_scatter_sequence(y_all.unsqueeze(0), group, size).squeeze(0)  # fp32 sums
+    return y.to(tokens.dtype)
