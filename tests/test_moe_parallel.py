@@ -15,12 +15,13 @@ from test_train_parallel import assert_same, losses
 
 from trireme.config import load_config
 from trireme.errors import ConfigError
+from trireme.inference.sample import print_sample
 from trireme.parallel.dispatch import ExpertShard, all_gather_dispatch, all_to_all_dispatch
 from trireme.train import train
 from trireme.trainer import check_parallel
 
 TWO_RANKS = {
-    "ep2": ("parallel.expert=2",),
+    "ep2": ("parallel.expert=2", "train.sample_tokens=5"),
     "ep2-allgather": ("parallel.expert=2", "model.moe_dispatcher=allgather"),
     "ep2-distopt": ("parallel.expert=2", "parallel.distributed_optimizer=true"),
     "tp2": ("parallel.tensor=2", "train.sample_tokens=5"),  # the sample: odd token counts
@@ -28,7 +29,7 @@ TWO_RANKS = {
 }
 FOUR_RANKS = {
     "ep2-tp2-sp": ("parallel.expert=2", "parallel.tensor=2", "parallel.sequence_parallel=true"),
-    "ep2-tp2": ("parallel.expert=2", "parallel.tensor=2"),
+    "ep2-tp2": ("parallel.expert=2", "parallel.tensor=2", "train.sample_tokens=5"),
     "ep2-pp2": ("parallel.expert=2", "parallel.pipeline=2", "parallel.distributed_optimizer=true"),
     "ep2-pp2-ddp": ("parallel.expert=2", "parallel.pipeline=2"),
 }
@@ -36,8 +37,8 @@ CAPACITY = ("model.moe_capacity_factor=1.0", "model.moe_drop_policy=position")
 
 
 def _layouts(rank: int, world: int, data: str, root: str, layouts: dict) -> None:
-    for name, extra in layouts.items():
-        train(moe_tiny(data, f"{root}/{name}", "train.steps=4", *extra))
+    for name, extra in layouts.items():  # the end-of-training sample as `trireme train` prints it
+        train(moe_tiny(data, f"{root}/{name}", "train.steps=4", *extra), on_finish=print_sample)
 
 
 def test_expert_and_tensor_parallel_moe_match_one_process(toy_data, tmp_path):  # noqa: F811

@@ -41,6 +41,12 @@ HEAD_SPLIT_REPLICATED = (".q_norm.", ".k_norm.", ".router.", ".experts.")
 IN_PLACE = 1 << 20  # gradients of at least this many elements are all-reduced where they lie
 
 
+def _in_place(g: Tensor) -> bool:
+    """Whether PartialGradSync all-reduces `g` where it lies: large ones, and the experts' 3-D
+    ones (whatever their size, so that the tests' small models take this path too)."""
+    return g.is_contiguous() and (g.numel() >= IN_PLACE or g.dim() > 2)
+
+
 def _grad(param: nn.Parameter) -> Tensor:
     """The gradient the optimizer will read: the fp32 main gradient if there is one."""
     main = getattr(param, "main_grad", None)
@@ -75,9 +81,9 @@ class PartialGradSync:
     def __call__(self) -> None:
         for group, items in self.entries.items():
             grads = [_grad(p) if rows is None else _grad(p)[rows] for p, rows in items]
-            small = [g for g in grads if g.numel() < IN_PLACE or not g.is_contiguous()]
+            small = [g for g in grads if not _in_place(g)]
             for g in grads:  # large ones (a MoE layer's experts) in place: no concatenated copy
-                if g.numel() >= IN_PLACE and g.is_contiguous():
+                if _in_place(g):
                     dist.all_reduce(g, group=group)
             if not small:
                 continue
