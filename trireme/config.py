@@ -238,7 +238,13 @@ class ParallelConfig:
         False, "When dividing evenly, count the embedding (first stage) and the output layer "
         "(last stage) as one layer each, so those stages hold one transformer layer fewer."
     )
-    context: int = doc(1, "Context-parallel degree (splits the sequence).")
+    context: int = doc(
+        1, "Context-parallel degree: every layer's sequence cut over this many ranks (zigzag "
+        "chunks, so causal attention work is even); the ranks come out of the data-parallel ones.")
+    context_mode: str = doc(
+        "allgather", "How attention crosses the context ranks: allgather (gather K/V: simple, "
+        "memory grows with the sequence) or a2a (Ulysses: all-to-all to whole sequences of 1/C of "
+        "the heads; context must divide the heads of a rank).")
     expert: int = doc(1, "Expert-parallel degree (MoE).")
     sequence_parallel: bool = doc(False, "Shard norms and dropout along the sequence under TP.")
     distributed_optimizer: bool = doc(

@@ -162,16 +162,38 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def check_context_parallel(cfg: Config) -> None:
+    """What context parallelism needs, and what it does not support yet (one-line errors)."""
+    m, p = cfg.model, cfg.parallel
+    if p.context_mode not in ("allgather", "a2a"):
+        raise ConfigError(f"parallel.context_mode = {p.context_mode!r}: use 'allgather' or 'a2a'")
+    heads, kv = m.num_attention_heads // p.tensor, max(m.kv_heads // p.tensor, 1)
+    if p.context_mode == "a2a" and (heads % p.context or kv % p.context):
+        raise ConfigError(
+            f"parallel.context_mode = 'a2a' needs parallel.context = {p.context} to divide the "
+            f"{heads} query and {kv} key/value heads of a tensor-parallel rank; use 'allgather'")
+    if m.seq_length % (2 * p.context * p.tensor):
+        raise ConfigError(
+            f"model.seq_length = {m.seq_length} must be divisible by 2 x parallel.context x "
+            f"parallel.tensor = {2 * p.context * p.tensor} (each rank holds two equal chunks)")
+    unsupported = {"data.reset_attention_mask": cfg.data.reset_attention_mask,
+                   "data.reset_position_ids": cfg.data.reset_position_ids,
+                   "model.dropout > 0": m.dropout > 0,
+                   "mixture-of-experts layers (E)": "E" in m.layer_pattern}
+    for name, used in unsupported.items():
+        if used:
+            raise ConfigError(f"parallel.context > 1 with {name}: not implemented yet")
+
+
 def check_parallel(cfg: Config, world_size: int | None = None) -> ParallelDims:
     """The parallel degrees for this launch, checked before any process group exists (so a bad
     layout stops every rank with the same one-line error). Tensor (+ sequence), pipeline and
     data parallelism (DDP, distributed optimizer, FSDP) are implemented, in any combination;
-    expert parallelism too, over the data-parallel ranks; context parallelism arrives with its own
-    issue and says so plainly until then."""
+    expert and context parallelism too, over the data-parallel ranks."""
     p = cfg.parallel
     world = launched_world_size() if world_size is None else world_size
     if p.context > 1:
-        raise ConfigError(f"parallel.context = {p.context}: not implemented yet; use 1")
+        check_context_parallel(cfg)
     if p.expert > 1 and "E" not in cfg.model.layer_pattern:
         raise ConfigError(f"parallel.expert = {p.expert} needs mixture-of-experts layers (E in "
                           "model.layer_pattern)")
@@ -325,7 +347,7 @@ def build_trainer(cfg: Config, with_data: bool = True, force_data_parallel: bool
     if device.type == "cpu":  # the run's start line says how many (loop.py)
         set_cpu_threads(cfg.train.cpu_threads)
     ctx = build_parallel_context(mesh, cfg.model, cfg.parallel.sequence_parallel,
-                                 cfg.train.seed, device)
+                                 cfg.train.seed, device, cfg.parallel.context_mode)
     tp = ctx.tensor
     if dims.pipeline == 1:
         chunks = [build_model(cfg, device, ctx)]

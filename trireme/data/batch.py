@@ -48,6 +48,7 @@ class Batch:
     loss_mask: torch.Tensor | None = None  # float32 [b, s]: 1 where the loss counts (None: all)
     position_ids: torch.Tensor | None = None  # int64 [b, s], with reset_position_ids
     document_ids: torch.Tensor | None = None  # int64 [b, s], with reset_attention_mask
+    context_split: bool = False  # this context-parallel rank's share of the sequence
 
     def masked_labels(self) -> torch.Tensor:
         """labels with -100 (ignored by the loss) where loss_mask is 0 (only eod_mask_loss sets
@@ -67,10 +68,15 @@ class Batch:
         return Batch(move(self.tokens), move(self.masked_labels()), None,
                      move(self.position_ids), move(self.document_ids))
 
-    def model_kwargs(self) -> dict[str, torch.Tensor]:
-        """The model's keyword inputs this batch has (loss_mask, position_ids, document_ids)."""
+    def model_kwargs(self) -> dict[str, torch.Tensor | bool]:
+        """The model's keyword inputs this batch has (loss_mask, position_ids, document_ids, and
+        context_split when set)."""
         names = ("loss_mask", "position_ids", "document_ids")
-        return {n: t for n in names if (t := getattr(self, n)) is not None}
+        out: dict[str, torch.Tensor | bool] = {
+            n: t for n in names if (t := getattr(self, n)) is not None}
+        if self.context_split:
+            out["context_split"] = True
+        return out
 
 
 def make_batch(samples: np.ndarray, options: BatchOptions) -> Batch:

@@ -98,8 +98,9 @@ def tied_grad_part(reducer: Reducer | None) -> Callable[[nn.Parameter], torch.Te
 def build_schedule(cfg: Config, chunks: list[GPT], mesh: ParallelMesh, device: torch.device,
                    micro_batch_size: int = 0) -> PipelineSchedule:
     """The pipeline schedule; activations between stages are [micro batch, seq, hidden] (the
-    sequence split over the TP ranks under sequence parallelism)."""
-    seq = cfg.model.seq_length
+    sequence cut over the context ranks, and split over the TP ranks under sequence
+    parallelism)."""
+    seq = cfg.model.seq_length // cfg.parallel.context  # this context rank's share
     if cfg.parallel.sequence_parallel and cfg.parallel.tensor > 1:
         seq //= cfg.parallel.tensor
     shape = (micro_batch_size or cfg.train.micro_batch_size, seq, cfg.model.hidden_size)

@@ -38,6 +38,7 @@ from trireme.engine.fsdp import GradientSyncSwitch
 from trireme.engine.pipeline import PipelineSchedule
 from trireme.engine.stragglers import RankTimes
 from trireme.optim.optimizer import MixedPrecisionOptimizer
+from trireme.parallel.context_parallel import split_batch
 
 Reducer = BucketReducer | GradientSyncSwitch
 
@@ -69,6 +70,23 @@ class StepRunner:
 
     def evaluate(self, batches: list[Batch]) -> Tensor:
         raise NotImplementedError
+
+    def _local(self, batches: list[Batch]) -> list[Batch]:
+        """Under context parallelism this rank's share of each micro batch's sequence."""
+        context = getattr(self.chunks[0], "ctx", None)
+        if context is None or context.context is None:
+            return batches
+        return [split_batch(batch, context.context) for batch in batches]
+
+    def _context_mean(self, loss: Tensor) -> Tensor:
+        """An evaluation loss averaged over the context ranks (each holds part of every
+        sequence; data-parallel replicas evaluate the same batches, so nothing else differs)."""
+        context = getattr(self.chunks[0], "ctx", None)
+        if context is None or context.context is None:
+            return loss
+        loss = loss.clone()
+        dist.all_reduce(loss, group=context.context.group)
+        return loss / context.context.size
 
     def _start(self, num_micro_batches: int) -> None:
         self.times.step_started()
@@ -112,6 +130,7 @@ class PlainRunner(StepRunner):
 
     def step(self, batches: list[Batch], lr: float) -> dict[str, Tensor]:
         """One optimizer step over `batches` (module docstring)."""
+        batches = self._local(batches)
         model, n = self.chunks[0], len(batches)
         self._start(n)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
@@ -125,13 +144,14 @@ class PlainRunner(StepRunner):
     @torch.no_grad()
     def evaluate(self, batches: list[Batch]) -> Tensor:
         """Mean loss of `batches` (dropout off)."""
+        batches = self._local(batches)
         model = self.chunks[0]
         model.eval()
         total = torch.zeros((), device=self.device)
         for batch in batches:
             total += model(batch.tokens, batch.labels, **batch.model_kwargs()).float()
         model.train()
-        return total / len(batches)
+        return self._context_mean(total / len(batches))
 
 
 class PipelineRunner(StepRunner):
@@ -146,6 +166,7 @@ class PipelineRunner(StepRunner):
     def step(self, batches: list[Batch], lr: float) -> dict[str, Tensor]:
         """One optimizer step over `batches` (module docstring); the loss comes from the last
         stage, broadcast to every stage."""
+        batches = self._local(batches)
         self._start(len(batches))
         self._num_micro_batches = len(batches)
         loss = self.schedule.forward_backward(batches, self.optimizer.scale_loss,
@@ -157,9 +178,10 @@ class PipelineRunner(StepRunner):
 
     def evaluate(self, batches: list[Batch]) -> Tensor:
         """Mean loss of `batches` through the stages (dropout off), on every stage."""
+        batches = self._local(batches)
         for chunk in self.chunks:
             chunk.eval()
         loss = self.schedule.evaluate(batches)
         for chunk in self.chunks:
             chunk.train()
-        return loss
+        return self._context_mean(loss)

@@ -22,6 +22,7 @@ from trireme.ops.norms import RMSNorm
 from trireme.ops.recompute import recompute
 from trireme.ops.rope import apply_rotary
 from trireme.parallel.context import ParallelContext
+from trireme.parallel.context_parallel import ContextParallel, context_attention
 from trireme.parallel.random import dropout, fork_rng
 from trireme.parallel.tensor import column_linear, row_linear
 
@@ -81,14 +82,15 @@ class Attention(nn.Module):
         cache: LayerCache | None = None,
         start_pos: int = 0,
         document_ids: torch.Tensor | None = None,
+        context: ContextParallel | None = None,
     ) -> torch.Tensor:
         qkv = self.qkv(x)  # [b, s, (n_heads + 2 * n_kv) * d]
         if self.recompute_core and cache is None and torch.is_grad_enabled():
             random = self.training and self.dropout_p > 0.0
-            y = recompute(self.core, qkv, rope, document_ids=document_ids, random=random,
-                          rngs=[self.head_rng])
+            y = recompute(self.core, qkv, rope, document_ids=document_ids, context=context,
+                          random=random, rngs=[self.head_rng])
         else:
-            y = self.core(qkv, rope, cache, start_pos, document_ids)
+            y = self.core(qkv, rope, cache, start_pos, document_ids, context)
         return self.resid_dropout(self.out(y))
 
     def core(
@@ -98,8 +100,11 @@ class Attention(nn.Module):
         cache: LayerCache | None = None,
         start_pos: int = 0,
         document_ids: torch.Tensor | None = None,
+        context: ContextParallel | None = None,
     ) -> torch.Tensor:
-        """[b, s, n_heads * d]: attention over the projected q, k, v (QK-norm, RoPE, kernel)."""
+        """[b, s, n_heads * d]: attention over the projected q, k, v (QK-norm, RoPE, kernel);
+        with `context`, q, k, v are this rank's share of the sequence and attend across the
+        context group (trireme.parallel.context_parallel)."""
         d = self.head_size
         q, k, v = qkv.split(self.split_sizes, dim=-1)  # [b, s, heads * d] each
         b, s, _ = q.shape  # the whole sequence (under SP, x was this rank's chunk of it)
@@ -117,6 +122,9 @@ class Attention(nn.Module):
             v_cache[:b, :, start_pos:end] = v
             k, v = k_cache[:b, :, :end], v_cache[:b, :, :end]  # [b, n_kv, end, d]
         dropout_p = self.dropout_p if self.training else 0.0
+        if context is not None:
+            y = context_attention(q, k, v, context)
+            return y.transpose(1, 2).reshape(b, s, self.num_heads * d)
         with fork_rng(self.head_rng, dropout_p > 0.0):
             y = attention(
                 q, k, v, causal=True, backend=self.backend, dropout_p=dropout_p,

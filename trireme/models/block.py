@@ -30,6 +30,7 @@ from trireme.models.moe import MoE
 from trireme.ops.norms import build_norm
 from trireme.ops.recompute import recompute
 from trireme.parallel.context import ParallelContext
+from trireme.parallel.context_parallel import ContextParallel
 
 # symbol -> (module name in the block, class); each class takes (cfg, ctx)
 SUBLAYERS: dict[str, tuple[str, type[nn.Module]]] = {
@@ -93,13 +94,14 @@ class Block(nn.Module):
         cache: dict[str, Any] | None = None,
         start_pos: int = 0,
         document_ids: torch.Tensor | None = None,
+        context: ContextParallel | None = None,
     ) -> torch.Tensor:
         if self.recompute and cache is None and torch.is_grad_enabled():
             # keep only x: the whole block runs again in the backward. Inside forward, so that
             # a compiled block (block.compile()) compiles the checkpoint with it.
-            return recompute(self.layer, x, rope, document_ids=document_ids,
+            return recompute(self.layer, x, rope, document_ids=document_ids, context=context,
                              random=self.random and self.training, rngs=[self.rng])
-        return self.layer(x, rope, cache, start_pos, document_ids)
+        return self.layer(x, rope, cache, start_pos, document_ids, context)
 
     def layer(
         self,
@@ -108,12 +110,15 @@ class Block(nn.Module):
         cache: dict[str, Any] | None = None,
         start_pos: int = 0,
         document_ids: torch.Tensor | None = None,
+        context: ContextParallel | None = None,
     ) -> torch.Tensor:
+        """The sublayers in order; `context`: x is this context-parallel rank's share of the
+        sequence (the mixers attend across the context group)."""
         for name in self.sublayers:
             sublayer, h = getattr(self, name), getattr(self, f"{name}_norm")(x)
             if sublayer.mixes:
                 state = cache.get(name) if cache is not None else None
-                x = x + sublayer(h, rope, state, start_pos, document_ids)
+                x = x + sublayer(h, rope, state, start_pos, document_ids, context)
             else:
                 x = x + sublayer(h)
         return x

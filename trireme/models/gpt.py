@@ -49,6 +49,7 @@ from trireme.ops.norms import build_norm
 from trireme.ops.recompute import MODES as RECOMPUTE_MODES
 from trireme.ops.rope import RotaryEmbedding, rope_frequencies
 from trireme.parallel.context import ParallelContext
+from trireme.parallel.context_parallel import ContextParallel, context_loss_scale
 from trireme.parallel.random import dropout
 from trireme.parallel.tensor import TensorParallel, column_linear
 from trireme.parallel.vocab import padded_vocab_size, parallel_output, vocab_embedding
@@ -177,6 +178,7 @@ class GPT(nn.Module):
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         hidden: torch.Tensor | None = None,
+        context_split: bool = False,
     ) -> torch.Tensor:
         """Logits [b, s, vocab_size] (fp32 not guaranteed), or with `labels` [b, s] the mean
         cross-entropy (fp32 scalar) over tokens with labels != -100 and loss_mask (if given) != 0.
@@ -191,12 +193,24 @@ class GPT(nn.Module):
         """
         self._check_inputs(input_ids, start_pos, kv_cache, position_ids, document_ids)
         self._maybe_compile(input_ids.device)
+        context = self._context(context_split)
         rope = self._rope(input_ids, start_pos, position_ids)
         if self.stage.first:
             x = self.dropout(self._embed(input_ids, start_pos, position_ids))
         else:  # the previous stage's activations (under SP [b, s / T, h])
             x = hidden
-        return self._blocks_and_head(x, rope, labels, loss_mask, kv_cache, start_pos, document_ids)
+        out = self._blocks_and_head(x, rope, labels, loss_mask, kv_cache, start_pos,
+                                    document_ids, context)
+        if context is not None and labels is not None and self.stage.last:
+            out = out * context_loss_scale(labels, loss_mask, context)  # the sequence's mean
+        return out
+
+    def _context(self, context_split: bool) -> ContextParallel | None:
+        """The context group when the inputs are this rank's share of the sequence
+        (trireme.parallel.context_parallel.split_batch)."""
+        if context_split and self.ctx.context is None:
+            raise TriremeError("context_split inputs need parallel.context > 1")
+        return self.ctx.context if context_split else None
 
     def _check_inputs(self, input_ids, start_pos, kv_cache, position_ids, document_ids) -> None:
         end = start_pos + input_ids.shape[1]
@@ -247,10 +261,11 @@ class GPT(nn.Module):
         kv_cache: InferenceCache | None,
         start_pos: int,
         document_ids: torch.Tensor | None = None,
+        context: ContextParallel | None = None,
     ) -> torch.Tensor:
         for name, block in self.layers.items():
             if kv_cache is None:
-                x = block(x, rope, document_ids=document_ids)
+                x = block(x, rope, document_ids=document_ids, context=context)
             else:  # decoding: shapes change every step, so run the blocks eagerly
                 x = block.forward(x, rope, kv_cache[int(name)], start_pos)
         if not self.stage.last:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from trireme.config import ModelConfig
+from trireme.parallel.context_parallel import ContextParallel
 from trireme.parallel.mesh import ParallelDims, ParallelMesh
 from trireme.parallel.random import TensorParallelRNG
 from trireme.parallel.tensor import TensorParallel, build_tensor_parallel
@@ -27,6 +28,7 @@ class ParallelContext:
 
     mesh: ParallelMesh = field(default_factory=lambda: ParallelMesh(ParallelDims()))
     tensor: TensorParallel | None = None  # None at tensor = 1
+    context: ContextParallel | None = None  # None at context = 1
 
     def size(self, axis: str) -> int:
         """Ranks along `axis`: "pipeline", "data", "context", "tensor", "data_context", "expert"
@@ -51,7 +53,12 @@ class ParallelContext:
 
 def build_parallel_context(
     mesh: ParallelMesh, cfg: ModelConfig, sequence_parallel: bool, seed: int,
-    device: torch.device | str,
+    device: torch.device | str, context_mode: str = "allgather",
 ) -> ParallelContext:
     """This rank's context. Collective under tensor parallelism (creates the K/V replica groups)."""
-    return ParallelContext(mesh, build_tensor_parallel(mesh, cfg, sequence_parallel, seed, device))
+    context = None
+    if mesh.size("context") > 1:
+        context = ContextParallel(mesh.group("context"), mesh.size("context"),
+                                  mesh.coordinate("context"), context_mode)
+    tensor = build_tensor_parallel(mesh, cfg, sequence_parallel, seed, device)
+    return ParallelContext(mesh, tensor, context)

@@ -22,6 +22,7 @@ Each function takes the group, its size and this rank explicitly (`ContextParall
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from trireme.data.batch import Batch
 from trireme.parallel.comm import gather_sequence
 
 MODES = ("allgather", "a2a")
@@ -64,6 +66,35 @@ def split_sequence(x: Tensor, cp: ContextParallel, dim: int = 1) -> Tensor:
     """This rank's tokens of `x` (the whole sequence along `dim`)."""
     index = zigzag_index(x.shape[dim], cp.size, cp.rank, x.device)
     return x.index_select(dim, index)
+
+
+def split_batch(batch: Batch, cp: ContextParallel) -> Batch:
+    """This rank's share of a micro batch: tokens, labels and the loss mask cut by
+    `zigzag_index`, with the global positions as position_ids (RoPE, learned positions)."""
+    b, seq = batch.tokens.shape
+    index = zigzag_index(seq, cp.size, cp.rank, batch.tokens.device)
+
+    def cut(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.index_select(1, index)
+
+    positions = batch.position_ids if batch.position_ids is not None else index.expand(b, -1)
+    return dataclasses.replace(
+        batch, tokens=cut(batch.tokens), labels=cut(batch.labels), loss_mask=cut(batch.loss_mask),
+        position_ids=cut(positions) if batch.position_ids is not None else positions.contiguous(),
+        document_ids=cut(batch.document_ids), context_split=True)
+
+
+def context_loss_scale(labels: Tensor, loss_mask: Tensor | None, cp: ContextParallel) -> Tensor:
+    """C x (this rank's counted tokens) / (the whole sequence's): times this rank's mean loss,
+    the mean over the context ranks is the whole sequence's mean loss (-100 labels do not
+    count)."""
+    counted = labels != -100
+    if loss_mask is not None:
+        counted = counted & (loss_mask != 0)
+    count = counted.sum().float()
+    total = count.clone()
+    dist.all_reduce(total, group=cp.group)
+    return cp.size * count / total.clamp(min=1.0)
 
 
 def context_attention(q: Tensor, k: Tensor, v: Tensor, cp: ContextParallel) -> Tensor:

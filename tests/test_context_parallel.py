@@ -1,0 +1,92 @@
+"""Context parallelism: the sequence of every layer cut over the context group (zigzag chunks),
+attention across it by all-gather or all-to-all (Ulysses). Every layout must give the
+one-process per-step losses of `tiny` (gloo, fp32), and bad settings are one-line errors."""
+
+import numpy as np
+import pytest
+import torch
+from distributed import run_ranks
+from test_train import toy_data  # noqa: F401  (a fixture)
+from test_train_parallel import ARGS, losses
+
+from trireme.config import load_config
+from trireme.errors import ConfigError
+from trireme.parallel.context_parallel import all_positions, zigzag_index
+from trireme.train import train
+from trireme.trainer import check_parallel
+
+STEPS = ["train.steps=4", "train.eval_interval=2"]
+TWO_RANKS = {
+    "cp2-allgather": ("parallel.context=2",),
+    "cp2-a2a": ("parallel.context=2", "parallel.context_mode=a2a"),
+    "cp2-distopt-recompute": ("parallel.context=2", "parallel.distributed_optimizer=true",
+                              "train.recompute=full"),
+}
+FOUR_RANKS = {
+    "cp4-allgather": ("parallel.context=4",),
+    "tp2-cp2": ("parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"),
+    "pp2-cp2": ("parallel.context=2", "parallel.pipeline=2"),
+    "dp2-cp2": ("parallel.context=2",),
+}
+
+
+def tiny(data, run_dir, *extra):
+    return load_config("tiny", [f"data.path={data}", f"run.dir={run_dir}", *ARGS, *STEPS, *extra])
+
+
+def assert_close(got, want, what, rtol=1e-5):
+    worst = np.max(np.abs(np.asarray(got) - want) / np.abs(want))
+    print(f"{what}: max relative difference {worst:.1e}")
+    np.testing.assert_allclose(got, want, rtol=rtol)
+
+
+def _layouts(rank: int, world: int, data: str, root: str, layouts: dict) -> None:
+    for name, extra in layouts.items():
+        train(tiny(data, f"{root}/{name}", *extra))
+
+
+def _check(tmp_path, layouts):
+    ref = tmp_path / "ref"
+    for name in layouts:
+        assert_close(losses(tmp_path / name), losses(ref), f"{name} loss")
+        assert_close(losses(tmp_path / name, "grad_norm"), losses(ref, "grad_norm"),
+                     f"{name} gradient norm")
+        assert_close(losses(tmp_path / name, "eval_loss"), losses(ref, "eval_loss"),
+                     f"{name} eval loss")
+
+
+def test_context_parallel_matches_one_process(toy_data, tmp_path):  # noqa: F811
+    """C = 2 with both modes, the distributed optimizer and full recomputation."""
+    train(tiny(toy_data, tmp_path / "ref"))
+    run_ranks(_layouts, 2, tmp_path, toy_data, str(tmp_path), TWO_RANKS)
+    _check(tmp_path, TWO_RANKS)
+
+
+def test_context_parallel_composes(toy_data, tmp_path):  # noqa: F811
+    """C = 4, and C = 2 with TP = 2 (+SP), PP = 2 and DP = 2, on four ranks."""
+    train(tiny(toy_data, tmp_path / "ref"))
+    run_ranks(_layouts, 4, tmp_path, toy_data, str(tmp_path), FOUR_RANKS)
+    _check(tmp_path, FOUR_RANKS)
+
+
+def test_zigzag_chunks_cover_the_sequence_and_balance_the_work():
+    seq, size = 16, 4
+    parts = [zigzag_index(seq, size, r) for r in range(size)]
+    assert parts[1].tolist() == [2, 3, 12, 13]  # chunks 1 and 6 of 8
+    assert sorted(torch.cat(parts).tolist()) == list(range(seq))
+    assert torch.equal(all_positions(seq, size), torch.cat(parts))
+    work = [int((p + 1).sum()) for p in parts]  # keys a causal query sees
+    assert len(set(work)) == 1
+
+
+def test_bad_context_parallel_settings_are_one_line_errors():
+    for extra, words in [(["parallel.context_mode=ring2"], "context_mode = 'ring2'"),
+                         (["model.seq_length=34"], "divisible by 2 x parallel.context"),
+                         (["parallel.context_mode=a2a", "model.num_query_groups=1"],
+                          "divide the 4 query and 1 key/value"),
+                         (["data.reset_attention_mask=true"], "reset_attention_mask"),
+                         (["model.dropout=0.1"], "dropout")]:
+        cfg = load_config("tiny", [*ARGS, "parallel.context=2", *extra])
+        with pytest.raises(ConfigError, match=words) as err:
+            check_parallel(cfg, 2)
+        assert "\n" not in str(err.value)
