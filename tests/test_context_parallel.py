@@ -69,6 +69,20 @@ def test_context_parallel_composes(toy_data, tmp_path):  # noqa: F811
     _check(tmp_path, FOUR_RANKS)
 
 
+def _save_cp2(rank: int, world: int, data: str, root: str, ckpt: list) -> None:
+    train(tiny(data, f"{root}/cp2", "parallel.context=2", "train.steps=3", *ckpt))
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "gathered"])
+def test_a_checkpoint_saved_under_cp2_resumes_in_one_process(toy_data, tmp_path, fmt):  # noqa: F811
+    """Checkpoints do not depend on C: saved at C = 2, resumed at C = 1 on the same curve."""
+    train(tiny(toy_data, tmp_path / "ref", "train.steps=6"))
+    ckpt = [f"checkpoint.dir={tmp_path / 'ckpt'}", f"checkpoint.format={fmt}"]
+    run_ranks(_save_cp2, 2, tmp_path, toy_data, str(tmp_path), ckpt)
+    train(tiny(toy_data, tmp_path / "cp1", "train.steps=6", *ckpt))
+    assert_close(losses(tmp_path / "cp1"), losses(tmp_path / "ref")[3:], "C 2 -> 1 resume")
+
+
 def test_zigzag_chunks_cover_the_sequence_and_balance_the_work():
     seq, size = 16, 4
     parts = [zigzag_index(seq, size, r) for r in range(size)]
@@ -85,7 +99,8 @@ def test_bad_context_parallel_settings_are_one_line_errors():
                          (["parallel.context_mode=a2a", "model.num_query_groups=1"],
                           "divide the 4 query and 1 key/value"),
                          (["data.reset_attention_mask=true"], "reset_attention_mask"),
-                         (["model.dropout=0.1"], "dropout")]:
+                         (["model.dropout=0.1"], "dropout"),
+                         (["parallel.data_parallel_mode=fsdp"], "fsdp' with parallel.context")]:
         cfg = load_config("tiny", [*ARGS, "parallel.context=2", *extra])
         with pytest.raises(ConfigError, match=words) as err:
             check_parallel(cfg, 2)

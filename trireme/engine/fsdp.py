@@ -42,6 +42,9 @@ def check_fsdp(cfg: Config) -> None:
     if p.tensor > 1:
         raise ConfigError("parallel.data_parallel_mode = 'fsdp' with parallel.tensor > 1: not "
                           "implemented yet; use 'ddp'")
+    if p.context > 1:
+        raise ConfigError("parallel.data_parallel_mode = 'fsdp' with parallel.context > 1: not "
+                          "implemented yet; use 'ddp' (with parallel.distributed_optimizer)")
     if p.expert > 1:
         raise ConfigError("parallel.data_parallel_mode = 'fsdp' with parallel.expert > 1: not "
                           "implemented yet; use 'ddp' (with parallel.distributed_optimizer)")
