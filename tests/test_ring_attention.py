@@ -4,7 +4,7 @@ The LSE merge: the keys cut into random blocks (2-4, positions shuffled), each b
 attention merged, equals attention over all keys, forward and gradients, causal (by global
 position) and not; so does the flash-style block backward. The modes: C = 2 and 4 gloo ranks each
 hold their zigzag slice of q, k, v; the output and the gradients of the slices equal full causal
-attention (GQA: 4 query heads, 2 key/value heads).
+attention (GQA: 2C query heads, C key/value heads, so that a2a can cut them).
 """
 
 from __future__ import annotations
@@ -21,7 +21,12 @@ from trireme.ops.attention_lse import (
     attention_with_lse,
     merge,
 )
-from trireme.parallel.context_parallel import MODES, ContextParallel, context_attention, zigzag_index
+from trireme.parallel.context_parallel import (
+    MODES,
+    ContextParallel,
+    context_attention,
+    zigzag_index,
+)
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
@@ -109,26 +114,30 @@ def test_block_backward_sums_to_full_gradients(seed):
         torch.testing.assert_close(got, expected, **TOL)
 
 
+def _check_mode(mode: str, rank: int, world: int, inputs, want, want_grads) -> None:
+    q, k, v, dout = inputs
+    index = zigzag_index(q.shape[2], world, rank)
+    local = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
+    out = context_attention(*local, ContextParallel(dist.group.WORLD, world, rank, mode))
+    torch.testing.assert_close(out, want[:, :, index], **TOL, msg=lambda m: f"{mode}: {m}")
+    grads = torch.autograd.grad(out, local, dout[:, :, index])
+    for got, expected, name in zip(grads, want_grads, "qkv", strict=True):
+        torch.testing.assert_close(got, expected[:, :, index], **TOL,
+                                   msg=lambda m, name=name: f"{mode} d{name}: {m}")
+
+
 def _modes(rank: int, world: int) -> None:
     """Every mode: this rank's zigzag slice of the output and of the q, k, v gradients equal
     full causal attention's."""
     seq = 8 * world
-    q, k, v, dout = _inputs(0, seq)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    inputs = _inputs(0, seq, heads=2 * world, kv_heads=world)  # a2a: C divides the kv heads
+    leaves = [t.clone().requires_grad_() for t in inputs[:3]]
     want = _full(*leaves, torch.ones(seq, seq, dtype=torch.bool).tril())
-    want_grads = torch.autograd.grad(want, leaves, dout)
-    index = zigzag_index(seq, world, rank)
+    want_grads = torch.autograd.grad(want, leaves, inputs[3])
     for mode in MODES:
-        cp = ContextParallel(dist.group.WORLD, world, rank, mode)
-        local = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
-        out = context_attention(*local, cp)
-        torch.testing.assert_close(out, want[:, :, index], **TOL, msg=lambda m: f"{mode}: {m}")
-        grads = torch.autograd.grad(out, local, dout[:, :, index])
-        for got, expected in zip(grads, want_grads, strict=True):
-            torch.testing.assert_close(got, expected[:, :, index], **TOL,
-                                       msg=lambda m: f"{mode}: {m}")
+        _check_mode(mode, rank, world, inputs, want, want_grads)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_context_parallel_modes_equal_full_attention(tmp_path, world):
     run_ranks(_modes, world, tmp_path)

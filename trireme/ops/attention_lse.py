@@ -15,7 +15,8 @@ The backward of softmax attention needs only the final out O and lse L (flash at
 backward): for a block with scores S, P = exp(S - L) is the block's share of the final
 probabilities, and with dO the output gradient and D = rowsum(dO * O):
 
-    dV = P^T dO     dP = dO V^T     dS = P * (dP - D)     dQ = dS K / sqrt(d)     dK = dS^T Q / sqrt(d)
+    dV = P^T dO     dP = dO V^T     dS = P * (dP - D)     dQ = dS K / sqrt(d)
+    dK = dS^T Q / sqrt(d)
 
 Summing a block's dQ over all blocks gives the full dQ; dK, dV of a block are already complete.
 
