@@ -27,6 +27,7 @@ from trireme.parallel.context_parallel import (
     context_attention,
     zigzag_index,
 )
+from trireme.parallel.ring_attention import Ring
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
@@ -112,6 +113,20 @@ def test_block_backward_sums_to_full_gradients(seed):
         dk[:, :, keys], dv[:, :, keys] = part[1], part[2]
     for got, expected in zip((dq, dk, dv), want, strict=True):
         torch.testing.assert_close(got, expected, **TOL)
+
+
+def test_ring_computes_half_of_every_other_ranks_zigzag_block():
+    size, seq = 4, 32
+    positions = tuple(zigzag_index(seq, size, r) for r in range(size))
+    for rank in range(size):
+        ring = Ring(None, size, rank, positions)
+        for step in range(size):
+            rows, cols, mask = ring.block(step, torch.device("cpu"))
+            src = (rank - step) % size
+            full = positions[src].unsqueeze(0) <= positions[rank].unsqueeze(1)
+            assert not full.any() or full[rows, cols].sum() == full.sum()  # nothing seen is cut
+            assert mask.equal(full[rows, cols])
+            assert mask.numel() == (64 if step == 0 else 32)  # [8, 8] own, else half
 
 
 def _check_mode(mode: str, rank: int, world: int, inputs, want, want_grads) -> None:

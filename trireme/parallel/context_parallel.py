@@ -79,7 +79,7 @@ def context_attention(q: Tensor, k: Tensor, v: Tensor, cp: ContextParallel) -> T
         return _a2a_attention(q, k, v, cp)
     if cp.mode == "ring":
         seq = q.shape[2] * cp.size
-        positions = tuple(zigzag_index(seq, cp.size, r, q.device) for r in range(cp.size))
+        positions = tuple(zigzag_index(seq, cp.size, r) for r in range(cp.size))  # CPU
         return ring_attention(q, k, v, Ring(cp.group, cp.size, cp.rank, positions))
     raise ValueError(f"context-parallel mode {cp.mode!r} is not one of {MODES}")
 
