@@ -7,7 +7,7 @@ chunks r and 2C - 1 - r ("zigzag"): every rank gets one early and one late chunk
 the loss mask and the positions (RoPE) are all cut with it (`split_sequence`), so a token keeps
 its global position.
 
-Attention then needs the other ranks' keys and values. Two of the ways (`context_attention`):
+Attention then needs the other ranks' keys and values. The ways (`context_attention`):
 
 - allgather: gather every rank's K and V (the gradient: a reduce-scatter back), and attend the
   local queries to all of them under a mask built from the global positions. Simple, memory
@@ -16,6 +16,9 @@ Attention then needs the other ranks' keys and values. Two of the ways (`context
   each rank runs ordinary causal attention over the whole sequence for its heads (tokens put back
   in position order first), and a second all-to-all turns it back. C must divide the query and
   the key/value heads of this rank.
+- ring: the K/V blocks (key/value heads only) pass from rank to rank while each rank attends its
+  queries to the block it holds, merging the partial results by their log-sum-exp; memory O(s)
+  per rank, communication overlapped with the blocks' compute (trireme/parallel/ring_attention.py).
 
 Each function takes the group, its size and this rank explicitly (`ContextParallel`).
 """
@@ -32,8 +35,9 @@ from torch import Tensor
 
 from trireme.data.batch import Batch
 from trireme.parallel.comm import gather_sequence
+from trireme.parallel.ring_attention import Ring, ring_attention
 
-MODES = ("allgather", "a2a")
+MODES = ("allgather", "a2a", "ring")
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,10 @@ def context_attention(q: Tensor, k: Tensor, v: Tensor, cp: ContextParallel) -> T
         return _allgather_attention(q, k, v, cp)
     if cp.mode == "a2a":
         return _a2a_attention(q, k, v, cp)
+    if cp.mode == "ring":
+        seq = q.shape[2] * cp.size
+        positions = tuple(zigzag_index(seq, cp.size, r) for r in range(cp.size))  # CPU
+        return ring_attention(q, k, v, Ring(cp.group, cp.size, cp.rank, positions))
     raise ValueError(f"context-parallel mode {cp.mode!r} is not one of {MODES}")
 
 

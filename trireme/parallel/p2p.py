@@ -1,4 +1,4 @@
-"""Point-to-point exchange between neighbouring pipeline stages.
+"""Point-to-point exchange between neighbours: pipeline stages, the ranks of an attention ring.
 
 Every message's shape is known in advance (activations and their gradients are [b, s, h], or
 [b, s / T, h] under sequence parallelism), so receivers allocate their buffers from the config and
@@ -13,16 +13,21 @@ import torch.distributed as dist
 from torch import Tensor
 
 
-def exchange(transfers: list[tuple[str, Tensor, int]], group: dist.ProcessGroup) -> None:
-    """Run ("send" | "recv", tensor, peer) transfers together and wait for them; peers are ranks
-    of `group`, receive buffers are filled in place. Both ends list their shared messages in the
-    same order."""
+def start_exchange(transfers: list[tuple[str, Tensor, int]], group: dist.ProcessGroup
+                   ) -> list[dist.Work]:
+    """Post ("send" | "recv", tensor, peer) transfers together and return their works, to wait
+    on later (the caller may compute meanwhile and must not touch the tensors until then); peers
+    are ranks of `group`, receive buffers are filled in place. Both ends list their shared
+    messages in the same order."""
     ops = [
         dist.P2POp(dist.isend if what == "send" else dist.irecv, tensor, group=group,
                    group_peer=peer)
         for what, tensor, peer in transfers
     ]
-    if not ops:
-        return
-    for work in dist.batch_isend_irecv(ops):
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def exchange(transfers: list[tuple[str, Tensor, int]], group: dist.ProcessGroup) -> None:
+    """Run transfers together (as `start_exchange`) and wait for them."""
+    for work in start_exchange(transfers, group):
         work.wait()
