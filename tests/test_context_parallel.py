@@ -19,11 +19,13 @@ STEPS = ["train.steps=4", "train.eval_interval=2"]
 TWO_RANKS = {
     "cp2-allgather": ("parallel.context=2",),
     "cp2-a2a": ("parallel.context=2", "parallel.context_mode=a2a"),
+    "cp2-ring": ("parallel.context=2", "parallel.context_mode=ring"),
     "cp2-distopt-recompute": ("parallel.context=2", "parallel.distributed_optimizer=true",
                               "train.recompute=full"),
 }
 FOUR_RANKS = {
     "cp4-allgather": ("parallel.context=4",),
+    "cp4-ring": ("parallel.context=4", "parallel.context_mode=ring"),
     "tp2-cp2": ("parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"),
     "pp2-cp2": ("parallel.context=2", "parallel.pipeline=2"),
     "dp2-cp2": ("parallel.context=2",),
@@ -94,7 +96,7 @@ def test_zigzag_chunks_cover_the_sequence_and_balance_the_work():
 
 
 def test_bad_context_parallel_settings_are_one_line_errors():
-    for extra, words in [(["parallel.context_mode=ring2"], "context_mode = 'ring2'"),
+    for extra, words in [(["parallel.context_mode=ring2"], "context_mode = 'ring2': use one of"),
                          (["model.seq_length=34"], "divisible by 2 x parallel.context"),
                          (["parallel.context_mode=a2a", "model.num_query_groups=1"],
                           "divide the 4 query and 1 key/value"),

@@ -243,8 +243,9 @@ class ParallelConfig:
         "chunks, so causal attention work is even); the ranks come out of the data-parallel ones.")
     context_mode: str = doc(
         "allgather", "How attention crosses the context ranks: allgather (gather K/V: simple, "
-        "memory grows with the sequence) or a2a (Ulysses: all-to-all to whole sequences of 1/C of "
-        "the heads; context must divide the heads of a rank).")
+        "memory grows with the sequence), a2a (Ulysses: all-to-all to whole sequences of 1/C of "
+        "the heads; context must divide the heads of a rank) or ring (K/V blocks passed around "
+        "the ranks, merged by log-sum-exp; plain-torch attention per block for now).")
     expert: int = doc(1, "Expert-parallel degree (MoE).")
     sequence_parallel: bool = doc(False, "Shard norms and dropout along the sequence under TP.")
     distributed_optimizer: bool = doc(

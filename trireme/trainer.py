@@ -42,6 +42,7 @@ from trireme.models.stages import StageSpec, bubble_fraction, check_pipeline, ra
 from trireme.ops.fp8 import fp8_targets, to_fp8_training
 from trireme.optim.optimizer import MixedPrecisionOptimizer
 from trireme.parallel.context import ParallelContext, build_parallel_context
+from trireme.parallel.context_parallel import MODES as CONTEXT_MODES
 from trireme.parallel.mesh import (
     DistributedEnv,
     ParallelDims,
@@ -165,8 +166,9 @@ def pick_device(name: str) -> torch.device:
 def check_context_parallel(cfg: Config) -> None:
     """What context parallelism needs, and what it does not support yet (one-line errors)."""
     m, p = cfg.model, cfg.parallel
-    if p.context_mode not in ("allgather", "a2a"):
-        raise ConfigError(f"parallel.context_mode = {p.context_mode!r}: use 'allgather' or 'a2a'")
+    if p.context_mode not in CONTEXT_MODES:
+        raise ConfigError(f"parallel.context_mode = {p.context_mode!r}: use one of "
+                          f"{', '.join(CONTEXT_MODES)}")
     heads, kv = m.num_attention_heads // p.tensor, max(m.kv_heads // p.tensor, 1)
     if p.context_mode == "a2a" and (heads % p.context or kv % p.context):
         raise ConfigError(
