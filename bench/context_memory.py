@@ -1,6 +1,6 @@
 """Per-rank activation memory under context parallelism, on CPU processes (gloo): the bytes of the
 tensors autograd saves for the backward during one forward of a micro batch, for C = 1, 2, 4 and
-both context modes. They should fall about as 1/C (the gathered keys and values of `allgather`
+every context mode. They should fall about as 1/C (the gathered keys and values of `allgather`
 are the exception: every rank keeps the whole sequence's).
 
     python bench/context_memory.py                    # llama-shaped, 4 layers, seq 4096
@@ -95,7 +95,7 @@ def measure(args, world: int, mode: str) -> int:
 def main(argv=None) -> None:
     args = parse_args(argv)
     rows = []
-    for mode in ("allgather", "a2a"):
+    for mode in ("allgather", "a2a", "ring"):
         base = None
         for world in (1, 2, 4):
             used = measure(args, world, mode)

@@ -114,7 +114,7 @@ def run_cli(*args, **kw):
     (["train", "--model.hidden_size=100", "--model.num_attention_heads=3"], "not divisible"),
     (["train", "--config", "nope"], "unknown preset"),
     (["train", "--data.path=/nonexistent/data"], "/nonexistent/data"),
-    (["train", "--parallel.context=2"], "not implemented yet"),
+    (["train", "--parallel.context=2", "--model.dropout=0.1"], "not implemented yet"),
 ])
 def test_cli_bad_input_one_line_exit_2(args, needle, tmp_path):
     r = run_cli(*args, f"--run.dir={tmp_path}/run")
