@@ -29,7 +29,9 @@ FOUR_RANKS = {
     "tp2-cp2": ("parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"),
     "pp2-cp2": ("parallel.context=2", "parallel.pipeline=2"),
     "dp2-cp2": ("parallel.context=2",),
+    "cp4-a2a": ("parallel.context=4", "parallel.context_mode=a2a", "model.num_query_groups=4"),
 }
+KV4 = {"cp4-a2a"}  # a2a at C = 4 needs 4 key/value heads: its own one-process reference
 
 
 def tiny(data, run_dir, *extra):
@@ -48,8 +50,8 @@ def _layouts(rank: int, world: int, data: str, root: str, layouts: dict) -> None
 
 
 def _check(tmp_path, layouts):
-    ref = tmp_path / "ref"
     for name in layouts:
+        ref = tmp_path / ("ref-kv4" if name in KV4 else "ref")
         assert_close(losses(tmp_path / name), losses(ref), f"{name} loss")
         assert_close(losses(tmp_path / name, "grad_norm"), losses(ref, "grad_norm"),
                      f"{name} gradient norm")
@@ -65,8 +67,9 @@ def test_context_parallel_matches_one_process(toy_data, tmp_path):  # noqa: F811
 
 
 def test_context_parallel_composes(toy_data, tmp_path):  # noqa: F811
-    """C = 4, and C = 2 with TP = 2 (+SP), PP = 2 and DP = 2, on four ranks."""
+    """C = 4 in every mode, and C = 2 with TP = 2 (+SP), PP = 2 and DP = 2, on four ranks."""
     train(tiny(toy_data, tmp_path / "ref"))
+    train(tiny(toy_data, tmp_path / "ref-kv4", "model.num_query_groups=4"))
     run_ranks(_layouts, 4, tmp_path, toy_data, str(tmp_path), FOUR_RANKS)
     _check(tmp_path, FOUR_RANKS)
 
