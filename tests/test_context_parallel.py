@@ -5,13 +5,18 @@ one-process per-step losses of `tiny` (gloo, fp32), and bad settings are one-lin
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from distributed import run_ranks
 from test_train import toy_data  # noqa: F401  (a fixture)
 from test_train_parallel import ARGS, losses
 
 from trireme.config import load_config
+from trireme.data.batch import Batch
 from trireme.errors import ConfigError
-from trireme.parallel.context_parallel import all_positions, zigzag_index
+from trireme.models.gpt import GPT
+from trireme.parallel.context import build_parallel_context
+from trireme.parallel.context_parallel import all_positions, split_batch, zigzag_index
+from trireme.parallel.mesh import ParallelDims, ParallelMesh
 from trireme.train import train
 from trireme.trainer import check_parallel
 
@@ -103,10 +108,49 @@ def test_bad_context_parallel_settings_are_one_line_errors():
                          (["model.seq_length=34"], "divisible by 2 x parallel.context"),
                          (["parallel.context_mode=a2a", "model.num_query_groups=1"],
                           "divide the 4 query and 1 key/value"),
-                         (["data.reset_attention_mask=true"], "reset_attention_mask"),
+                         (["data.reset_attention_mask=true", "parallel.context_mode=ring"],
+                          "needs parallel.context_mode = 'allgather'"),
                          (["model.dropout=0.1"], "dropout"),
                          (["parallel.data_parallel_mode=fsdp"], "fsdp' with parallel.context")]:
         cfg = load_config("tiny", [*ARGS, "parallel.context=2", *extra])
         with pytest.raises(ConfigError, match=words) as err:
             check_parallel(cfg, 2)
         assert "\n" not in str(err.value)
+
+
+def _packed(rank: int, world: int) -> None:
+    """Packed documents (restarting positions, a document mask) under C = 2, allgather: the loss
+    and every gradient equal one process on the whole batch."""
+    cfg = load_config("tiny", [*ARGS, "model.vocab_size=64", "parallel.context=2"])
+    dims = ParallelDims(context=world)
+    ctx = build_parallel_context(ParallelMesh.build(dims), cfg.model, False, 0, "cpu")
+    whole, split = GPT(cfg.model, seed=0), GPT(cfg.model, seed=0, ctx=ctx)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 64, (2, 32), generator=gen)
+    documents = torch.tensor([[0] * 7 + [1] * 20 + [2] * 5, [0] * 18 + [1] * 14])
+    positions = torch.stack([torch.arange(32) - torch.cummax(
+        torch.where(documents[i] != documents[i].roll(1), torch.arange(32), 0), 0).values
+        for i in range(2)])
+    assert (positions == 0).sum() == 5  # documents restart their positions
+    batch = Batch(tokens, tokens.roll(-1, 1), position_ids=positions, document_ids=documents)
+    want = whole(batch.tokens, batch.labels, **batch.model_kwargs())
+    with torch.no_grad():  # the mask and positions matter: without them the loss differs
+        assert abs(whole(batch.tokens, batch.labels).item() - want.item()) > 1e-4
+    got = split(**_as_kwargs(split_batch(batch, ctx.context)))
+    want.backward()
+    got.backward()
+    total = got.detach().clone()
+    dist.all_reduce(total)
+    torch.testing.assert_close(total / world, want.detach(), rtol=1e-6, atol=1e-6)
+    for (name, a), b in zip(whole.named_parameters(), split.parameters()):
+        grad = b.grad.clone()
+        dist.all_reduce(grad)  # summed over the context ranks (the DP x CP mean / C in training)
+        torch.testing.assert_close(grad / world, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _as_kwargs(batch: Batch) -> dict:
+    return {"input_ids": batch.tokens, "labels": batch.labels, **batch.model_kwargs()}
+
+
+def test_packed_documents_under_context_parallelism(tmp_path):
+    run_ranks(_packed, 2, tmp_path)

@@ -178,9 +178,10 @@ def check_context_parallel(cfg: Config) -> None:
         raise ConfigError(
             f"model.seq_length = {m.seq_length} must be divisible by 2 x parallel.context x "
             f"parallel.tensor = {2 * p.context * p.tensor} (each rank holds two equal chunks)")
-    unsupported = {"data.reset_attention_mask": cfg.data.reset_attention_mask,
-                   "data.reset_position_ids": cfg.data.reset_position_ids,
-                   "model.dropout > 0": m.dropout > 0,
+    if cfg.data.reset_attention_mask and p.context_mode != "allgather":
+        raise ConfigError("data.reset_attention_mask (packed documents) with parallel.context > 1 "
+                          "needs parallel.context_mode = 'allgather'")
+    unsupported = {"model.dropout > 0": m.dropout > 0,
                    "mixture-of-experts layers (E)": "E" in m.layer_pattern}
     for name, used in unsupported.items():
         if used:

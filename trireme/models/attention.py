@@ -123,7 +123,7 @@ class Attention(nn.Module):
             k, v = k_cache[:b, :, :end], v_cache[:b, :, :end]  # [b, n_kv, end, d]
         dropout_p = self.dropout_p if self.training else 0.0
         if context is not None:
-            y = context_attention(q, k, v, context)
+            y = context_attention(q, k, v, context, document_ids)
             return y.transpose(1, 2).reshape(b, s, self.num_heads * d)
         with fork_rng(self.head_rng, dropout_p > 0.0):
             y = attention(

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from trireme.data.batch import Batch
-from trireme.parallel.comm import gather_sequence
+from trireme.parallel.comm import _all_gather_single, gather_sequence
 from trireme.parallel.ring_attention import Ring, ring_attention
 
 MODES = ("allgather", "a2a", "ring")
@@ -101,11 +101,17 @@ def context_loss_scale(labels: Tensor, loss_mask: Tensor | None, cp: ContextPara
     return cp.size * count / total.clamp(min=1.0)
 
 
-def context_attention(q: Tensor, k: Tensor, v: Tensor, cp: ContextParallel) -> Tensor:
+def context_attention(q: Tensor, k: Tensor, v: Tensor, cp: ContextParallel,
+                      document_ids: Tensor | None = None) -> Tensor:
     """Causal attention of this rank's queries q [b, H, s, d] over the whole sequence, whose keys
-    and values k, v [b, H_kv, s, d] are cut over the context group like q; -> [b, H, s, d]."""
+    and values k, v [b, H_kv, s, d] are cut over the context group like q; -> [b, H, s, d].
+    `document_ids` [b, s] (this rank's share; packed documents): tokens see only their own
+    document (the allgather mode only)."""
     if cp.mode == "allgather":
-        return _allgather_attention(q, k, v, cp)
+        return _allgather_attention(q, k, v, cp, document_ids)
+    if document_ids is not None:
+        raise ValueError("packed documents under context parallelism need "
+                         "parallel.context_mode = 'allgather'")
     if cp.mode == "a2a":
         return _a2a_attention(q, k, v, cp)
     if cp.mode == "ring":
@@ -123,12 +129,20 @@ def _gather_tokens(x: Tensor, cp: ContextParallel) -> Tensor:
     return full.view(b, cp.size * s, h, d).transpose(1, 2)
 
 
-def _allgather_attention(q: Tensor, k: Tensor, v: Tensor, cp: ContextParallel) -> Tensor:
+def _allgather_attention(q: Tensor, k: Tensor, v: Tensor, cp: ContextParallel,
+                         document_ids: Tensor | None) -> Tensor:
     seq = q.shape[2] * cp.size
     k_all, v_all = _gather_tokens(k, cp), _gather_tokens(v, cp)
     q_pos = zigzag_index(seq, cp.size, cp.rank, q.device)  # [s]
     k_pos = all_positions(seq, cp.size, q.device)  # [C s]
     mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [s, C s]
+    if document_ids is not None:  # [b, s] -> same document as the key: [b, 1, s, C s]
+        docs = document_ids.new_empty((cp.size * document_ids.shape[0], document_ids.shape[1]))
+        _all_gather_single(docs, document_ids.contiguous(), group=cp.group)
+        docs_all = docs.view(cp.size, *document_ids.shape).transpose(0, 1).reshape(
+            document_ids.shape[0], seq)  # [b, C s] in rank order
+        same = document_ids.unsqueeze(2) == docs_all.unsqueeze(1)
+        mask = (mask & same).unsqueeze(1)
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
                                           enable_gqa=q.shape[1] != k.shape[1])
 
