@@ -250,7 +250,12 @@ def layout_note(trainer: Trainer) -> str:
         parts.append(f"tensor parallel {tp.size}")
         if tp.sequence_parallel:
             parts.append("sequence parallel")
-    per_rank = " per rank" if parts else ""  # the count is of this rank's PP stage / TP shard
+    if p.expert > 1:
+        parts.append(f"expert parallel {p.expert}")
+    # the count is of this rank's PP stage / TP shard / experts
+    per_rank = " per rank" if parts else ""
+    if p.context > 1:
+        parts.append(f"context parallel {p.context}, {p.context_mode}")
     if trainer.data_parallel > 1:
         mode = ("fsdp" if p.data_parallel_mode == "fsdp" else
                 "distributed optimizer" if p.distributed_optimizer else "ddp")
