@@ -1,18 +1,13 @@
 """The fp32 main-gradient accumulation: the Triton kernel against torch's add (through Triton's
 CPU interpreter), and which tensors take the fast path."""
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+from interpreted import run_in_interpreter
 
 from trireme.ops.accumulate import accumulate, fast_path_applies
-
-REPO = Path(__file__).resolve().parent.parent
 
 INTERPRETED = textwrap.dedent("""
     import torch
@@ -32,12 +27,7 @@ INTERPRETED = textwrap.dedent("""
 
 def test_accumulate_kernel_in_interpreter():
     pytest.importorskip("triton", reason="the accumulation kernel needs Triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.strip() == "ok"
+    assert run_in_interpreter(INTERPRETED) == "ok"
 
 
 def test_the_plain_path_runs_off_cuda_and_adds():

@@ -2,15 +2,12 @@
 grouped and loop expert paths, capacity dropping, auxiliary-loss-free balancing, training."""
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 from distributed import run_ranks
+from interpreted import run_in_interpreter
 from test_train import tiny_cfg, toy_data  # noqa: F401  (toy_data is a fixture)
 from test_train_parallel import assert_same, losses
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -29,8 +26,6 @@ from trireme.ops.moe_permute import (
 )
 from trireme.parallel.context import ParallelContext
 from trireme.train import train
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def moe_config(**overrides) -> ModelConfig:
@@ -309,12 +304,7 @@ def test_permutation_kernels_in_interpreter():
     """The Triton kernels against their references, on CPU tensors through Triton's interpreter
     (in a subprocess: TRITON_INTERPRET must be set before triton is imported)."""
     pytest.importorskip("triton", reason="the permutation kernels need Triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.strip() == "ok"
+    assert run_in_interpreter(INTERPRETED) == "ok"
 
 
 def test_fused_swiglu_experts_give_the_plain_numbers():

@@ -1,21 +1,16 @@
 """model.fused_swiglu (trireme.ops.swiglu): the fused SwiGLU against the plain one, op by op and
 in a whole model; its Triton kernel on the CPU through Triton's interpreter."""
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+from interpreted import run_in_interpreter
 
 import trireme.ops.swiglu as swiglu_module
 from trireme.config import ModelConfig
 from trireme.models.gpt import GPT
 from trireme.ops.swiglu import fused_swiglu, swiglu, swiglu_backward, swiglu_backward_reference
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def value_and_grad(fn, h: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,9 +214,4 @@ def test_triton_kernel_in_interpreter():
     """The Triton kernel itself, on CPU tensors through Triton's interpreter; in a subprocess,
     since TRITON_INTERPRET must be set before triton is imported."""
     pytest.importorskip("triton", reason="the SwiGLU kernel needs Triton (pip install triton)")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.strip() == "ok 3"
+    assert run_in_interpreter(INTERPRETED) == "ok 3"

@@ -63,6 +63,8 @@ class StepRunner:
         self.reducer = reducer
         self.grad_sync = grad_sync
         self.dp_group, self.dp_size = dp_group, dp_size
+        ctx = getattr(chunks[0], "ctx", None)  # the context-parallel group, if any
+        self.context = ctx.context if ctx is not None else None
         self.times = RankTimes(device)  # this rank's own time per step (engine/stragglers.py)
 
     def step(self, batches: list[Batch], lr: float) -> dict[str, Tensor]:
@@ -73,20 +75,18 @@ class StepRunner:
 
     def _local(self, batches: list[Batch]) -> list[Batch]:
         """Under context parallelism this rank's share of each micro batch's sequence."""
-        context = getattr(self.chunks[0], "ctx", None)
-        if context is None or context.context is None:
+        if self.context is None:
             return batches
-        return [split_batch(batch, context.context) for batch in batches]
+        return [split_batch(batch, self.context) for batch in batches]
 
     def _context_mean(self, loss: Tensor) -> Tensor:
         """An evaluation loss averaged over the context ranks (each holds part of every
         sequence; data-parallel replicas evaluate the same batches, so nothing else differs)."""
-        context = getattr(self.chunks[0], "ctx", None)
-        if context is None or context.context is None:
+        if self.context is None:
             return loss
         loss = loss.clone()
-        dist.all_reduce(loss, group=context.context.group)
-        return loss / context.context.size
+        dist.all_reduce(loss, group=self.context.group)
+        return loss / self.context.size
 
     def _start(self, num_micro_batches: int) -> None:
         self.times.step_started()

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from trireme.data.batch import Batch
-from trireme.parallel.comm import _all_gather_single, gather_sequence
+from trireme.parallel.comm import _gather_dim1, gather_sequence
 from trireme.parallel.ring_attention import Ring, ring_attention
 
 MODES = ("allgather", "a2a", "ring")
@@ -137,10 +137,7 @@ def _allgather_attention(q: Tensor, k: Tensor, v: Tensor, cp: ContextParallel,
     k_pos = all_positions(seq, cp.size, q.device)  # [C s]
     mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [s, C s]
     if document_ids is not None:  # [b, s] -> same document as the key: [b, 1, s, C s]
-        docs = document_ids.new_empty((cp.size * document_ids.shape[0], document_ids.shape[1]))
-        _all_gather_single(docs, document_ids.contiguous(), group=cp.group)
-        docs_all = docs.view(cp.size, *document_ids.shape).transpose(0, 1).reshape(
-            document_ids.shape[0], seq)  # [b, C s] in rank order
+        docs_all = _gather_dim1(document_ids, cp.group, cp.size)  # [b, C s] in rank order
         same = document_ids.unsqueeze(2) == docs_all.unsqueeze(1)
         mask = (mask & same).unsqueeze(1)
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from trireme.ops.moe import count_assignments
+from trireme.ops.moe_permute import inverse_permutation
 from trireme.parallel.comm import _all_gather_single, gather_sequence, reduce_scatter_sequence
 
 # (rows sorted by local expert [M, h], rows per local expert [L]) -> outputs [M, h]
@@ -86,10 +87,6 @@ def by_local_expert(recv_counts: Tensor, rows: int) -> Tensor:
     return torch.argsort(key, stable=True)
 
 
-def inverse(perm: Tensor) -> Tensor:
-    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
-
-
 def all_to_all_dispatch(x: Tensor, counts: Tensor, shard: ExpertShard, experts: ExpertFn
                         ) -> Tensor:
     """Expert outputs [N, h] for assignments `x` [N, h] sorted by (global) expert, `counts` [E]
@@ -102,7 +99,7 @@ def all_to_all_dispatch(x: Tensor, counts: Tensor, shard: ExpertShard, experts: 
     received = all_to_all(x, recv, send, shard.group)  # [M, h], by (sender, local expert)
     order = by_local_expert(recv_counts, sum(recv))
     out = experts(received[order], recv_counts.sum(0))
-    return all_to_all(out[inverse(order)], send, recv, shard.group)
+    return all_to_all(out[inverse_permutation(order)], send, recv, shard.group)
 
 
 def all_gather_dispatch(tokens: Tensor, weights: Tensor, chosen: Tensor, shard: ExpertShard,
