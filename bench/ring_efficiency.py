@@ -182,8 +182,12 @@ def main(argv=None) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
     for size, kernel in ((s, k) for s in args.sizes for k in args.kernels):
-        error = None if args.no_check else check(args, size, device, dtype, kernel)
-        row = measure(args, size, device, dtype, kernel)
+        try:
+            error = None if args.no_check else check(args, size, device, dtype, kernel)
+            row = measure(args, size, device, dtype, kernel)
+        except (RuntimeError, SystemExit) as failure:  # report it, go on with the others
+            print(f"C={size} {kernel}: failed: {failure}", flush=True)
+            continue
         row["check_max_error"] = error
         rows.append(row)
         print(f"C={size} {kernel}: ring {row['ring_ms']:.2f} ms "
