@@ -275,7 +275,7 @@ class GPT(nn.Module):
             return parallel_output(
                 x, self.output_weight(), self.tp, self.cfg.vocab_size, labels, loss_mask
             )
-        if labels is not None and self.cfg.fused_cross_entropy:  # no [b, s, vocab] logits
+        if labels is not None and self.cfg.fused_loss(x.is_cuda):  # no [b, s, vocab] logits
             return fused_linear_cross_entropy(
                 x, self.output_weight(), labels, loss_mask, vocab_size=self.cfg.vocab_size,
                 chunk_size=self.cfg.loss_chunk_size, compile=self.cfg.compile and x.is_cuda,
