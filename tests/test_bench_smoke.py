@@ -138,3 +138,16 @@ def test_swiglu_check_cpu_smoke(tmp_path):
     assert data["checks"]["33x72"]["kernel"]["max_rel"] <= 2**-7
     r = data["bench"]["33x72"]
     assert r["plain"]["fwd_bwd_ms"] > 0 and r["fused"]["fwd_bwd_ms"] > 0 and r["kernel"]
+
+
+def test_ring_efficiency_cpu_smoke(tmp_path):
+    """One rank's ring blocks (every kernel choice) agree with full attention and are timed."""
+    out = tmp_path / "ring.json"
+    cmd = [sys.executable, str(REPO / "bench" / "ring_efficiency.py"), "--smoke", "--sizes", "2",
+           "4", "--kernels", "auto", "plain", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["C"], r["kernel"]) for r in rows] == [(2, "auto"), (2, "plain"), (4, "auto"),
+                                                     (4, "plain")]
+    assert all(r["check_max_error"] < 1e-4 and r["ring_ms"] > 0 for r in rows)
