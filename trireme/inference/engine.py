@@ -258,6 +258,13 @@ class Engine:
             request.on_output(out)
         return out
 
+    def abort_all(self, reason: str) -> None:
+        """End every waiting and running request with `reason` (a failed step, shutdown)."""
+        with self.lock:
+            for request in [*self.scheduler.waiting, *self.scheduler.running]:
+                self._output(request, [], reason)
+            self.to_cancel.clear()
+
     def _cancel_requested(self) -> list[RequestOutput]:
         if not self.to_cancel:
             return []
