@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
+import socket
 from pathlib import Path
 
 from trireme.errors import TriremeError
@@ -78,8 +80,30 @@ def serve_main(argv: list[str]) -> int:
     name = args.model_name or Path(args.checkpoint).resolve().name
     settings = ServerSettings(name, args.api_key, args.max_body_bytes)
     app = build_app(EngineThread(engine), chat_format(loaded), settings)
+    sock = bind(args.host, args.port)
+    port = sock.getsockname()[1]
     print(f"trireme: serving {name!r} ({engine.allocator.usable} KV blocks of "
-          f"{engine.settings.block_size}) on http://{args.host}:{args.port}", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=args.drain_timeout)
+          f"{engine.settings.block_size}) on http://{args.host}:{port}", flush=True)
+    config = uvicorn.Config(app, log_level="warning",
+                            timeout_graceful_shutdown=args.drain_timeout)
+    # uvicorn drains on SIGTERM / SIGINT, then raises the signal again for the handler that was
+    # there before it: make that one a no-op, so that a drained server exits with status 0
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.Server(config).run(sockets=[sock])
+    print("trireme: server stopped", flush=True)
     return 0
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening address, bound here so that --port 0 (any free port) can be printed."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise TriremeError(f"cannot listen on {host}:{port} ({e.strerror}); pick another "
+                           "--port or --host") from None
+    return sock
