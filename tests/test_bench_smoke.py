@@ -138,3 +138,22 @@ def test_swiglu_check_cpu_smoke(tmp_path):
     assert data["checks"]["33x72"]["kernel"]["max_rel"] <= 2**-7
     r = data["bench"]["33x72"]
     assert r["plain"]["fwd_bwd_ms"] > 0 and r["fused"]["fwd_bwd_ms"] > 0 and r["kernel"]
+
+
+def test_serve_throughput_cpu_smoke(tmp_path):
+    pytest.importorskip("transformers", reason="the HF baseline needs transformers")
+    out = tmp_path / "serve.json"
+    cmd = [sys.executable, str(REPO / "bench" / "serve_throughput.py"), "--smoke",
+           "--baseline", "hf", "--out", str(out)]
+    env = {**{k: v for k, v in os.environ.items() if k != "OUT"}, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "decode step vs bandwidth bound" in proc.stdout
+    data = json.loads(out.read_text())
+    systems = [(r["system"], r.get("concurrency")) for r in data["results"]]
+    assert systems == [("trireme", 1), ("trireme", 4), ("hf", 1), ("hf", 4)], systems
+    for r in data["results"]:
+        assert r["output_tokens_per_s"] > 0 and r["tpot_p50_ms"] > 0 and r["ttft_p99_ms"] > 0
+        assert r["output_tokens"] == r["prompts"] * 8  # every request made all its tokens
+    for b in data["decode_bound"]:
+        assert b["bound_ms"] > 0 and b["ratio_to_bound"] > 0 and b["context"] > 4
