@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from trireme.errors import ConfigError
-from trireme.ops.attention import attention, padded_attention
+from trireme.ops.attention import attention
+from trireme.ops.paged_attention import gather_blocks, paged_decode_attention
 
 
 @dataclass(frozen=True)
@@ -76,13 +77,7 @@ class PagedKV:
     def gather(self, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys, values [r, n_kv, nb * block_size, d] of the blocks in `tables` [r, nb]
         (one index_select per pool, then a view: no per-request copies)."""
-        r, nb = tables.shape
-        flat = tables.reshape(-1)
-        k = self.k_pool.index_select(0, flat)  # [r * nb, bs, n_kv, d]
-        v = self.v_pool.index_select(0, flat)
-        k = k.view(r, nb * self.block_size, *k.shape[2:]).transpose(1, 2)
-        v = v.view(r, nb * self.block_size, *v.shape[2:]).transpose(1, 2)
-        return k, v
+        return gather_blocks(self.k_pool, tables), gather_blocks(self.v_pool, tables)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                backend: str = "auto") -> torch.Tensor:
@@ -96,10 +91,10 @@ class PagedKV:
         v_rows.index_copy_(0, step.slot_ids, v[0].transpose(0, 1))
         parts = []
         if step.num_decode:
-            q_dec = q[0, :, : step.num_decode].transpose(0, 1).unsqueeze(2)  # [n_dec, H, 1, d]
-            keys, values = self.gather(step.decode_tables)  # [n_dec, n_kv, L, d]
-            y = padded_attention(q_dec, keys, values, step.decode_lengths, backend)
-            parts.append(y.squeeze(2).transpose(0, 1).unsqueeze(0))  # [1, H, n_dec, d]
+            q_dec = q[0, :, : step.num_decode].transpose(0, 1)  # [n_dec, H, d]
+            y = paged_decode_attention(q_dec, self.k_pool, self.v_pool, step.decode_tables,
+                                       step.decode_lengths, backend)  # [n_dec, H, d]
+            parts.append(y.transpose(0, 1).unsqueeze(0))  # [1, H, n_dec, d]
         for first, count, table, start in step.prefills:
             keys, values = self.gather(table.unsqueeze(0))  # [1, n_kv, nb * bs, d]
             end = start + count
