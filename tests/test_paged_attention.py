@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-
 from interpreted import run_in_interpreter
+
 from trireme.ops.attention import reference_attention
 from trireme.ops.paged_attention import paged_decode_reference
 
