@@ -3,6 +3,7 @@ each request over its own keys, and the Triton kernel (run on the CPU through Tr
 interpreter) equals the gather path, for MHA / GQA / MQA and lengths on and off block edges."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,8 +43,9 @@ def test_gathered_paged_attention_equals_attention_per_request(n_heads, n_kv):
 
 
 SCRIPT = """
-import json, torch
-from tests.test_paged_attention import paged_case
+import json, sys, torch
+sys.path.insert(0, TESTS)
+from test_paged_attention import paged_case
 from trireme.ops.paged_attention import paged_decode_reference
 from trireme.ops.paged_attention_triton import paged_decode_attention
 worst = 0.0
@@ -58,5 +60,6 @@ print(json.dumps({"worst": worst}))
 
 def test_triton_paged_decode_kernel_equals_the_gather_path():
     pytest.importorskip("triton")
-    out = json.loads(run_in_interpreter(SCRIPT).splitlines()[-1])
+    script = SCRIPT.replace("TESTS", repr(str(Path(__file__).parent)))
+    out = json.loads(run_in_interpreter(script).splitlines()[-1])
     assert out["worst"] < 1e-4, out
