@@ -76,6 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bound-steps", type=int, default=32)
     p.add_argument("--bandwidth", type=float, default=4.2e12, help="bytes/s")
     p.add_argument("--baseline", choices=["none", "hf"], default="none")
+    p.add_argument("--graphs", choices=["off", "on", "both"], default="both",
+                   help="CUDA graphs for decode steps: the throughput runs use them unless off; "
+                   "'both' also measures the decode steps without (GPU only)")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU")
     p.add_argument("--out", default=None)
     p.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
@@ -114,17 +117,23 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
 
 
-def engine_for(model, args, max_running: int) -> Engine:
+def engine_for(model, args, max_running: int, graphs: bool) -> Engine:
     settings = EngineSettings(block_size=args.block_size, max_running=max_running,
                               max_batch_tokens=max(args.max_batch_tokens, max_running),
-                              max_queue=10**6, max_memory_gib=args.max_memory)
+                              max_queue=10**6, max_memory_gib=args.max_memory,
+                              cuda_graphs=graphs)
     return Engine(model, settings)
+
+
+def graphs_active(engine: Engine) -> bool:
+    return engine.graphs is not None and not engine.graphs.broken
 
 
 def run_level(model, args, prompts: list[list[int]], concurrency: int) -> dict:
     """Closed loop: `concurrency` requests in flight until every prompt is done."""
     count = len(prompts) if args.all_prompts else min(len(prompts), max(4 * concurrency, 16))
-    engine = engine_for(model, args, concurrency)
+    engine = engine_for(model, args, concurrency, args.graphs != "off")
+    graphs = graphs_active(engine)
     params = SamplingParams(max_tokens=args.output_tokens, greedy=True, ignore_eos=True)
     finished_at: dict[str, float] = {}
     on_output = lambda out: finished_at.__setitem__(out.request_id, time.monotonic()) if (
@@ -140,9 +149,10 @@ def run_level(model, args, prompts: list[list[int]], concurrency: int) -> dict:
     tpot = [(finished_at[r.request_id] - r.first_token_at) / max(len(r.output_ids) - 1, 1)
             for r in requests]
     tokens = sum(len(r.output_ids) for r in requests)
+    graphs = graphs and graphs_active(engine)
     del engine
     free_memory()
-    return {"system": "trireme", "concurrency": concurrency, "prompts": count,
+    return {"system": "trireme", "concurrency": concurrency, "prompts": count, "graphs": graphs,
             "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
             "ttft_p50_ms": 1e3 * percentile(ttft, 0.5), "ttft_p99_ms": 1e3 * percentile(ttft, 0.99),
             "tpot_p50_ms": 1e3 * percentile(tpot, 0.5), "tpot_p99_ms": 1e3 * percentile(tpot, 0.99)}
@@ -154,9 +164,9 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def decode_bound(model, cfg, args, batch: int) -> dict:
+def decode_bound(model, cfg, args, batch: int, graphs: bool) -> dict:
     """Pure decode steps of `batch` requests with args.bound_context tokens cached."""
-    engine = engine_for(model, args, batch)
+    engine = engine_for(model, args, batch, graphs)
     context = min(args.bound_context, cfg.model.seq_length - args.bound_steps - 2)
     params = SamplingParams(max_tokens=args.bound_steps + 8, greedy=True, ignore_eos=True)
     gen = torch.Generator().manual_seed(1)
@@ -179,10 +189,11 @@ def decode_bound(model, cfg, args, batch: int) -> dict:
     read = weights + batch * cached * kv_per_token
     bound = read / args.bandwidth
     step = statistics.median(times)
+    graphs = graphs_active(engine)
     engine.abort_all("cancelled")
     del engine
     free_memory()
-    return {"batch": batch, "context": round(cached), "step_ms": 1e3 * step,
+    return {"batch": batch, "graphs": graphs, "context": round(cached), "step_ms": 1e3 * step,
             "bound_ms": 1e3 * bound, "ratio_to_bound": step / bound,
             "weights_gib": weights / 2**30, "kv_read_gib": batch * cached * kv_per_token / 2**30,
             "decode_tokens_per_s": batch / step}
@@ -255,18 +266,20 @@ def run_hf(argv: list[str]) -> list[dict]:
 
 
 def format_tables(levels: list[dict], bounds: list[dict]) -> str:
-    rows = ["system   conc  prompts  out tok/s   TTFT p50/p99 ms     TPOT p50/p99 ms"]
+    rows = ["system   conc  prompts  out tok/s   TTFT p50/p99 ms     TPOT p50/p99 ms  graphs"]
     for r in levels:
         if "error" in r:
             rows.append(f"{r['system']:<8} error: {r['error']}")
             continue
         rows.append(f"{r['system']:<8} {r['concurrency']:>4}  {r['prompts']:>7}  "
                     f"{r['output_tokens_per_s']:>9.1f}   {r['ttft_p50_ms']:>7.1f} / "
-                    f"{r['ttft_p99_ms']:<8.1f}  {r['tpot_p50_ms']:>6.2f} / {r['tpot_p99_ms']:.2f}")
+                    f"{r['ttft_p99_ms']:<8.1f}  {r['tpot_p50_ms']:>6.2f} / "
+                    f"{r['tpot_p99_ms']:<6.2f}  {r.get('graphs', '')}")
     rows += ["", "decode step vs bandwidth bound",
-             "batch  context  step ms  bound ms  ratio  decode tok/s"]
+             "batch  graphs  context  step ms  bound ms  ratio  decode tok/s"]
     for b in bounds:
-        rows.append(f"{b['batch']:>5}  {b['context']:>7}  {b['step_ms']:>7.2f}  "
+        rows.append(f"{b['batch']:>5}  {str(b['graphs']):>6}  {b['context']:>7}  "
+                    f"{b['step_ms']:>7.2f}  "
                     f"{b['bound_ms']:>8.3f}  {b['ratio_to_bound']:>5.2f}  "
                     f"{b['decode_tokens_per_s']:>12.0f}")
     return "\n".join(rows)
@@ -289,7 +302,11 @@ def main(argv=None) -> int:
     cfg, model, device = build(args)
     prompts = make_prompts(args, cfg.model.vocab_size)
     levels = [run_level(model, args, prompts, int(c)) for c in args.concurrency.split(",")]
-    bounds = [decode_bound(model, cfg, args, int(b)) for b in args.bound_batches.split(",")]
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.graphs]
+    if device.type != "cuda":
+        modes = [False]
+    bounds = [decode_bound(model, cfg, args, int(b), graphs)
+              for graphs in modes for b in args.bound_batches.split(",")]
     del model
     free_memory()
     if args.baseline == "hf":

@@ -12,6 +12,7 @@ from trireme.errors import ConfigError
 from trireme.inference.blocks import BlockAllocator, pool_blocks
 from trireme.inference.engine import Engine, EngineSettings, QueueFull, RequestError
 from trireme.inference.generate import generate
+from trireme.inference.graphs import DecodeGraphs
 from trireme.inference.sampling import SamplingParams
 from trireme.inference.text import TextStream
 from trireme.models.cache import InferenceCache
@@ -211,3 +212,30 @@ def test_pool_sizing():
     per_block = 2 * 2 * 4 * 2 * 16 * 4  # layers x (k, v) x block x kv heads x head size x fp32
     assert engine.allocator.num_blocks == int(1e-4 * 1024**3 // per_block)
     assert engine.cache.nbytes() == engine.allocator.num_blocks * per_block
+
+
+class EagerGraphs(DecodeGraphs):
+    """DecodeGraphs with the capture replaced by an eager rerun of the same static-buffer
+    forward: the bucketing, padding and buffer copies run on the CPU as they do on a GPU."""
+
+    def _record(self, size):
+        logits = self._forward(size).clone()
+        return (lambda: logits.copy_(self._forward(size))), logits
+
+
+@torch.no_grad()
+def test_decode_graph_buckets_and_padding_give_the_eager_tokens():
+    model = model_of(config())
+    texts = prompts(7, seed=3)
+    params = [SamplingParams(max_tokens=3 + i % 5, greedy=True) for i in range(len(texts))]
+    eager = Engine(model, EngineSettings(block_size=4, max_running=6)).generate(texts, params)
+    engine = Engine(model, EngineSettings(block_size=4, max_running=6))
+    engine.graphs = EagerGraphs(model, engine.cache, 6, 4)
+    assert engine.graphs.buckets == [1, 2, 4, 6] and engine.graphs.width == 12
+    replays = []
+    real_run = engine.graphs.run
+    engine.graphs.run = lambda *a: replays.append(a[0].shape[0]) or real_run(*a)
+    requests = engine.generate(texts, params)
+    assert [r.output_ids for r in requests] == [r.output_ids for r in eager]
+    assert set(replays) - set(engine.graphs.buckets)  # some steps ran padded to a bucket
+    assert len(engine.graphs.graphs) >= 2

@@ -90,11 +90,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="tokens per step: one per decoding request, the rest prompt chunks")
     group.add_argument("--max-queue", type=int, default=256,
                        help="waiting requests at most (the server answers 429 beyond)")
+    group.add_argument("--cuda-graphs", action="store_true",
+                       help="replay decode steps as CUDA graphs (GPU; docs/serving.md)")
 
 
 def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> Engine:
     settings = EngineSettings(
         block_size=args.block_size, num_blocks=args.num_blocks, max_memory_gib=args.max_memory,
         max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
-        max_queue=args.max_queue, seed=args.seed if args.seed is not None else 0)
+        max_queue=args.max_queue, seed=args.seed if args.seed is not None else 0,
+        cuda_graphs=args.cuda_graphs)
     return Engine(loaded.model, settings, tokenizer=loaded.tokenizer)

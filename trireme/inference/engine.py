@@ -24,6 +24,7 @@ import torch
 from trireme.data.tokenizer_base import Tokenizer
 from trireme.errors import TriremeError
 from trireme.inference.blocks import BlockAllocator, pool_blocks
+from trireme.inference.graphs import DecodeGraphs, graphs_supported
 from trireme.inference.sampling import SamplingParams, request_generator, sample_rows
 from trireme.inference.scheduler import Request, RequestOutput, Scheduler, StepPlan
 from trireme.inference.text import TextStream
@@ -44,7 +45,8 @@ class EngineSettings:
     """block_size: positions per KV block; num_blocks / max_memory_gib: the pool's size (else
     from free GPU memory, or on the CPU enough for max_running full contexts); max_running:
     requests decoded together; max_batch_tokens: tokens per step (decode + prompt chunks);
-    max_queue: waiting requests before `submit` raises QueueFull; seed: the shared sampler's."""
+    max_queue: waiting requests before `submit` raises QueueFull; seed: the shared sampler's;
+    cuda_graphs: replay decode-only steps as CUDA graphs (trireme.inference.graphs)."""
 
     block_size: int = 16
     num_blocks: int = 0
@@ -53,6 +55,7 @@ class EngineSettings:
     max_batch_tokens: int = 512
     max_queue: int = 256
     seed: int = 0
+    cuda_graphs: bool = False
 
     def check(self) -> None:
         for name in ("block_size", "max_running", "max_batch_tokens", "max_queue"):
@@ -89,6 +92,12 @@ class Engine:
         self.scheduler = Scheduler(self.allocator, settings.block_size, settings.max_running,
                                    settings.max_batch_tokens, settings.max_queue)
         self.generator = torch.Generator(device=self.device).manual_seed(settings.seed)
+        self.graphs = None
+        if settings.cuda_graphs and graphs_supported(model, self.cache, settings.block_size):
+            self.graphs = DecodeGraphs(model, self.cache, settings.max_running,
+                                       settings.block_size)
+            with torch.inference_mode():
+                self.graphs.capture_all()
         self.lock = threading.Lock()  # submit / cancel (any thread) against step (one thread)
         self.to_cancel: set[str] = set()
         self.ids = itertools.count()
@@ -164,10 +173,14 @@ class Engine:
         if plan.num_tokens == 0:
             return outputs
         ids, positions, step, output_index, sampled = self._batch(plan)
-        self.cache.begin(step)
-        logits = self.model(ids.unsqueeze(0), kv_cache=self.cache,
-                            position_ids=positions.unsqueeze(0),
-                            output_index=output_index)[0]  # [n, vocab]
+        logits = None  # [n, vocab]
+        if self.graphs is not None and not plan.prefills:
+            logits = self.graphs.run(ids, positions, step)
+        if logits is None:
+            self.cache.begin(step)
+            logits = self.model(ids.unsqueeze(0), kv_cache=self.cache,
+                                position_ids=positions.unsqueeze(0),
+                                output_index=output_index)[0]
         next_ids = sample_rows(logits, [r.params for r in sampled],
                                [r.generator for r in sampled], self.generator)
         finite = torch.isfinite(logits).all(dim=-1)

@@ -47,6 +47,11 @@ def _kernel():
     return launch
 
 
+def kernel_available() -> bool:
+    """Whether the Triton kernel can run here (Triton imports)."""
+    return _kernel() is not None
+
+
 def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
