@@ -98,9 +98,15 @@ class PagedKV:
         for first, count, table, start in step.prefills:
             keys, values = self.gather(table.unsqueeze(0))  # [1, n_kv, nb * bs, d]
             end = start + count
-            parts.append(attention(q[:, :, first : first + count], keys[:, :, :end],
-                                   values[:, :, :end], causal=True, backend=backend,
-                                   q_offset=start))  # [1, H, count, d]
+            keys, values = keys[:, :, :end], values[:, :, :end]
+            if start > 0 and q.is_cuda and keys.shape[1] != q.shape[1]:
+                # a later chunk needs an explicit causal mask, which flash does not take and
+                # the memory-efficient kernel takes only without GQA: repeat the kv heads
+                groups = q.shape[1] // keys.shape[1]
+                keys = keys.repeat_interleave(groups, dim=1)
+                values = values.repeat_interleave(groups, dim=1)
+            parts.append(attention(q[:, :, first : first + count], keys, values, causal=True,
+                                   backend=backend, q_offset=start))  # [1, H, count, d]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
