@@ -3,16 +3,18 @@ runs: it needs Triton).
 
 q is [r, n_heads, d] (one query per request), the pools [num_blocks, block_size, n_kv, d],
 tables [r, W] the block ids of each request, lengths [r] its number of keys. Program (b, h)
-serves request b's kv head h and the `groups` query heads that share it: it walks the request's
-keys TILE at a time (a tile spans TILE / block_size blocks, gathered through the table), with the
-online softmax
+serves request b's kv head h and the `groups` query heads that share it (padded to 16 rows, the
+smallest tl.dot): it walks the request's keys TILE at a time (a tile spans TILE / block_size
+blocks, gathered through the table), with the online softmax
 
     m' = max(m, max_j s_j)     l' = l e^(m - m') + sum_j e^(s_j - m')
     acc' = acc e^(m - m') + sum_j e^(s_j - m') v_j          out = acc / l
 
-in fp32, s_j = q . k_j / sqrt(d). Keys are read once, in place: no gathered copy, and no work
-past each request's own length (the table's padding is never read). trireme.ops.paged_attention
-has the plain torch version it is tested against (through Triton's CPU interpreter).
+in fp32, s_j = q . k_j / sqrt(d) (the products through tl.dot on fp32 operands: tf32 tensor
+cores on the GPU; the kernel is bound by reading the keys, not by these products). Keys are read once, in place: no gathered copy,
+and no work past each request's own length (the table's padding is never read).
+trireme.ops.paged_attention has the plain torch version it is tested against (through Triton's
+CPU interpreter).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ def _paged_decode_kernel(
     g_mask = g < GROUPS
     q_rows = h * GROUPS + g
     q = tl.load(q_ptr + b * stride_qr + q_rows[:, None] * stride_qh + d[None, :],
-                mask=g_mask[:, None], other=0.0).to(tl.float32) * scale  # [G, D]
+                mask=g_mask[:, None], other=0.0)  # [G, D]
+    q = q.to(tl.float32) * scale
     m = tl.full([GROUPS_POW2], float("-inf"), tl.float32)
     denom = tl.zeros([GROUPS_POW2], tl.float32)
     acc = tl.zeros([GROUPS_POW2, D], tl.float32)
@@ -50,17 +53,15 @@ def _paged_decode_kernel(
         valid = pos < length
         block = tl.load(tables_ptr + b * stride_tr + pos // BLOCK, mask=valid, other=0)
         rows = block.to(tl.int64) * stride_kb + (pos % BLOCK) * stride_ks + h * stride_kh
-        k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=valid[:, None],
-                    other=0.0).to(tl.float32)  # [TILE, D]
-        v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=valid[:, None],
-                    other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, TILE]
+        k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(tl.float32)))  # [G, TILE] in fp32
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))  # [G, D]
         m = m_new
     out = acc / denom[:, None]
     tl.store(out_ptr + b * stride_or + q_rows[:, None] * stride_oh + d[None, :],
@@ -81,7 +82,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         q, k_pool, v_pool, tables, lengths, out,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         tables.stride(0), out.stride(0), out.stride(1), 1.0 / math.sqrt(d),
-        GROUPS=groups, GROUPS_POW2=triton.next_power_of_2(groups), D=d, BLOCK=block, TILE=tile,
+        GROUPS=groups, GROUPS_POW2=max(16, triton.next_power_of_2(groups)), D=d, BLOCK=block,
+        TILE=tile,
         num_warps=4,
     )
     return out
