@@ -11,8 +11,9 @@ blocks, gathered through the table), with the online softmax
     acc' = acc e^(m - m') + sum_j e^(s_j - m') v_j          out = acc / l
 
 in fp32, s_j = q . k_j / sqrt(d) (the products through tl.dot on fp32 operands: tf32 tensor
-cores on the GPU; the kernel is bound by reading the keys, not by these products). Keys are read once, in place: no gathered copy,
-and no work past each request's own length (the table's padding is never read).
+cores on the GPU; the kernel is bound by reading the keys, not by these products). Keys are read
+once, in place: no gathered copy, and no work past each request's own length (the table's padding
+is never read).
 trireme.ops.paged_attention has the plain torch version it is tested against (through Triton's
 CPU interpreter).
 """
