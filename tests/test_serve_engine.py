@@ -40,6 +40,15 @@ CONFIGS = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: one torch thread is faster than several fighting over shared cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def model_of(cfg: ModelConfig, seed: int = 0) -> GPT:
     model = GPT(cfg, seed=seed).eval()
     with torch.no_grad():  # logits far from flat, so that greedy choices are clear
