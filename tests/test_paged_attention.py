@@ -49,12 +49,12 @@ from test_paged_attention import paged_case
 from trireme.ops.paged_attention import paged_decode_reference
 from trireme.ops.paged_attention_triton import paged_decode_attention
 worst = 0.0
-for n_heads, n_kv, block in [(4, 4, 4), (8, 2, 16), (6, 2, 4), (4, 1, 8)]:
-    case = paged_case(n_heads, n_kv, [1, 3, 16, 17, 70, 129], block=block)
+for n_heads, n_kv, block in [(2, 2, 4), (6, 2, 16), (4, 1, 8)]:
+    case = paged_case(n_heads, n_kv, [1, 16, 17, 70], block=block)
     got = paged_decode_attention(*case)
     want = paged_decode_reference(*case)
     worst = max(worst, (got - want).abs().max().item())
-case = [t.bfloat16() if t.is_floating_point() else t for t in paged_case(8, 2, [5, 70], block=16)]
+case = [t.bfloat16() if t.is_floating_point() else t for t in paged_case(4, 2, [5, 70], block=16)]
 got = paged_decode_attention(*case).float()
 want = paged_decode_reference(*[t.float() if t.is_floating_point() else t for t in case])
 print(json.dumps({"worst": worst, "bf16": (got - want).abs().max().item()}))
