@@ -205,10 +205,13 @@ class Engine:
 
         def add(request: Request, start: int, count: int) -> None:
             requests.append((len(ids), count, request.slot, start))
-            for pos in range(start, start + count):
-                ids.append(request.token(pos))
-                positions.append(pos)
-                slots.append(request.blocks[pos // bs] * bs + pos % bs)
+            if count == 1:
+                ids.append(request.token(start))
+            else:  # a prompt chunk
+                ids.extend(request.prompt_ids[start : start + count])
+            blocks = request.blocks
+            positions.extend(range(start, start + count))
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + count))
             if start + count == request.num_tokens:  # its last known token: sample the next
                 outputs.append(len(ids) - 1)
                 sampled.append(request)
@@ -225,7 +228,8 @@ class Engine:
             add(request, request.num_cached, count)
         prefill_tables = [plan.prefills[i][0].blocks[: -(-(start + count) // bs)]
                           for i, (_, count, start) in enumerate(chunks)]
-        parts = [ids, positions, slots, outputs, sum(tables, []), lengths, *prefill_tables]
+        flat_tables = list(itertools.chain.from_iterable(tables))
+        parts = [ids, positions, slots, outputs, flat_tables, lengths, *prefill_tables]
         flat = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long)
         if self.device.type == "cuda":
             flat = flat.pin_memory()
