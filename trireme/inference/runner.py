@@ -55,7 +55,10 @@ class EngineThread:
                 self.engine.step()
             except Exception:  # a failed step (out of memory...) fails its requests, not us
                 traceback.print_exc(file=sys.stderr)
-                self.engine.abort_all("error")
+                try:
+                    self.engine.abort_all("error")
+                except Exception:  # noqa: BLE001 - keep serving whatever a callback did
+                    traceback.print_exc(file=sys.stderr)
             self._sample_rate()
 
     def _sample_rate(self) -> None:

@@ -93,7 +93,10 @@ def build_app(runner: EngineThread, chat: ChatFormat, settings: ServerSettings) 
     async def answer(request: Request, parsed, shape: Answer) -> Response:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        put = lambda out: loop.call_soon_threadsafe(queue.put_nowait, out)
+        def put(out: RequestOutput) -> None:  # called on the engine thread
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(queue.put_nowait, out)
+
         if not runner.alive:
             raise ApiError(503, "the server is shutting down", kind="server_error")
         try:
