@@ -24,9 +24,16 @@ import uvicorn
 from trireme.checkpoint.store import save_checkpoint
 from trireme.cli import main as trireme_main
 from trireme.config import Config, ModelConfig
-from trireme.inference.chat import ChatFormat, find_chat_template, plain_chat_prompt
+from trireme.data.tokenizer import load_tokenizer
+from trireme.inference.chat import (
+    ChatFormat,
+    find_chat_template,
+    find_special_token,
+    plain_chat_prompt,
+)
 from trireme.inference.cli import load_for_inference
 from trireme.inference.engine import Engine, EngineSettings
+from trireme.inference.openai_api import parse_chat
 from trireme.inference.runner import EngineThread
 from trireme.inference.serve_cli import chat_format
 from trireme.inference.server import ServerSettings, build_app
@@ -302,8 +309,18 @@ def test_chat_templates(tmp_path):
     template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{{ eos_token }}{% endfor %}"
                 "{% if add_generation_prompt %}<assistant>{% endif %}")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
-    chat = ChatFormat(find_chat_template([tmp_path]), eos_token="</s>")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "eos_token": {"content": "</s>"}}))
+    eos = find_special_token([tmp_path], "eos_token")
+    chat = ChatFormat(find_chat_template([tmp_path]), eos_token=eos)
     assert chat.render(messages) == "<user>hi</s><assistant>yo</s><assistant>"
+    assert chat.stop == ("</s>",) and ChatFormat(None, eos_token="</s>").stop == ()
+    tok = load_tokenizer("bytes")
+    body = {"messages": messages, "stop": "x", "temperature": 0}
+    parsed = parse_chat(body, tok, chat, context=64)
+    assert tok.decode(parsed.prompt_ids) == chat.render(messages)
+    assert parsed.params.stop == ("x", "</s>") and parsed.params.greedy
+    assert parsed.params.max_tokens == 64
     sneaky = ChatFormat("{{ messages.__class__.__mro__ }}")  # the sandbox refuses internals
     with pytest.raises(Exception, match="chat template|unsafe|attribute"):
         sneaky.render(messages)

@@ -5,7 +5,8 @@ The template is looked for as "chat_template" in a tokenizer_config.json (or a
 chat_template.jinja file) in the tokenizer's folder or the checkpoint's folder (and its parent,
 the run's checkpoint root). It is Jinja, rendered in Jinja's immutable sandbox (a template from a
 downloaded model is code from a stranger) with `messages`, `add_generation_prompt=True`,
-`bos_token` and `eos_token`, as Hugging Face renders it.
+`bos_token` and `eos_token`, as Hugging Face renders it; the eos_token (tokenizer_config.json's)
+also ends a chat answer, as a stop string.
 
 The plain template, for checkpoints without one (models trained with trireme on raw text):
 
@@ -48,6 +49,22 @@ def find_chat_template(folders: list[Path]) -> str | None:
     return None
 
 
+def find_special_token(folders: list[Path], name: str) -> str:
+    """tokenizer_config.json's `name` ("eos_token", "bos_token": a string or {"content": ...})
+    from the first folder that has one, else ""."""
+    for folder in folders:
+        config = folder / "tokenizer_config.json"
+        if config.is_file():
+            try:
+                value = json.loads(config.read_text(encoding="utf-8")).get(name)
+            except (json.JSONDecodeError, AttributeError):
+                return ""
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str):
+                return value
+    return ""
+
+
 def plain_chat_prompt(messages: list[dict[str, str]]) -> str:
     lines = [f"{m['role']}: {m['content']}\n" for m in messages]
     return "".join(lines) + "assistant:"
@@ -70,6 +87,8 @@ class ChatFormat:
             self.template = env.from_string(template)
             self.source = "tokenizer"
         self.bos_token, self.eos_token = bos_token, eos_token
+        # a model tuned on the template ends its turn with the eos token: its text ends the answer
+        self.stop = (eos_token,) if self.template is not None and eos_token else ()
 
     def render(self, messages: list[dict[str, str]]) -> str:
         if self.template is None:

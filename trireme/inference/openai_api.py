@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from trireme.errors import TriremeError
@@ -144,6 +144,8 @@ def parse_chat(body: Any, tokenizer, chat: ChatFormat, context: int) -> ParsedRe
     ids = tokenizer.encode(text) or [tokenizer.eod]
     params = sampling_from(body, default_max_tokens=context,
                            max_tokens_name="max_completion_tokens")
+    if chat.stop and not set(chat.stop) <= set(params.stop):
+        params = replace(params, stop=params.stop + chat.stop)  # the template's end of turn
     return ParsedRequest(ids, params, *_stream_flags(body))
 
 

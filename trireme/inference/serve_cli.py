@@ -15,7 +15,7 @@ import socket
 from pathlib import Path
 
 from trireme.errors import TriremeError
-from trireme.inference.chat import ChatFormat, find_chat_template
+from trireme.inference.chat import ChatFormat, find_chat_template, find_special_token
 from trireme.inference.cli import (
     LoadedModel,
     add_engine_arguments,
@@ -62,8 +62,11 @@ def chat_format(loaded: LoadedModel) -> ChatFormat:
     spec = Path(loaded.tokenizer_spec.split(":", 1)[-1])
     folders = [spec if spec.is_dir() else spec.parent, loaded.path, loaded.path.parent]
     tok = loaded.tokenizer
-    eos = tok.decode([tok.eod]) if loaded.tokenizer_spec not in ("bytes", "") else ""
-    return ChatFormat(find_chat_template(folders), eos_token=eos)
+    eos = find_special_token(folders, "eos_token")
+    if not eos and loaded.tokenizer_spec not in ("bytes", ""):
+        eos = tok.decode([tok.eod])
+    return ChatFormat(find_chat_template(folders), bos_token=find_special_token(folders,
+                      "bos_token"), eos_token=eos)
 
 
 def serve_main(argv: list[str]) -> int:
