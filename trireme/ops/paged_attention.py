@@ -62,9 +62,19 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     """The module docstring's attention; `backend` "reference" (or any forced SDPA kernel)
     takes the gather path."""
     if (q.is_cuda and backend == "auto" and _power_of_two(q.shape[-1])
-            and _power_of_two(k_pool.shape[1])):
+            and _power_of_two(k_pool.shape[1]) and not _FAILED):
         launch = _kernel()
         if launch is not None:
-            with torch.cuda.device(q.device):
-                return launch(q, k_pool, v_pool, tables, lengths)
+            try:
+                with torch.cuda.device(q.device):
+                    return launch(q, k_pool, v_pool, tables, lengths)
+            except Exception as e:  # a Triton compile error: keep serving on the plain path
+                if torch.cuda.is_current_stream_capturing():
+                    raise  # a CUDA graph capture gives up on its own (trireme.inference.graphs)
+                warnings.warn(f"the paged decode kernel failed ({type(e).__name__}: "
+                              f"{str(e)[:200]}); gathering the KV blocks instead", stacklevel=2)
+                _FAILED.append(e)
     return paged_decode_reference(q, k_pool, v_pool, tables, lengths, backend)
+
+
+_FAILED: list[Exception] = []  # the kernel failed once in this process: not tried again
