@@ -101,6 +101,8 @@ class DecodeGraphs:
             for _ in range(2):  # warm up: allocator, Triton compilation, rope tables
                 self._forward(size)
         torch.cuda.current_stream().wait_stream(side)
+        if not kernel_available():  # it failed in the warm-up: the gather path is no graph's
+            raise RuntimeError("the paged decode kernel is unavailable")
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             logits = self._forward(size)

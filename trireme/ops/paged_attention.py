@@ -48,8 +48,8 @@ def _kernel():
 
 
 def kernel_available() -> bool:
-    """Whether the Triton kernel can run here (Triton imports)."""
-    return _kernel() is not None
+    """Whether the Triton kernel can run here (Triton imports, and it has not failed)."""
+    return _kernel() is not None and not _FAILED
 
 
 def _power_of_two(n: int) -> bool:
