@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import trireme.inference.engine as engine_module
+import trireme.models.block as block_module
 from trireme.config import ModelConfig
 from trireme.data.tokenizer import load_tokenizer
 from trireme.errors import ConfigError
@@ -17,6 +18,7 @@ from trireme.inference.sampling import SamplingParams
 from trireme.inference.text import TextStream
 from trireme.models.cache import InferenceCache
 from trireme.models.gpt import GPT
+from trireme.models.paged import SlotState
 
 VOCAB = 100
 
@@ -248,3 +250,59 @@ def test_decode_graph_buckets_and_padding_give_the_eager_tokens():
     assert [r.output_ids for r in requests] == [r.output_ids for r in eager]
     assert set(replays) - set(engine.graphs.buckets)  # some steps ran padded to a bucket
     assert len(engine.graphs.graphs) >= 2
+
+
+class RunningMean(torch.nn.Module):
+    """A stand-in recurrent mixer (what Mamba-2's `M` will be to the engine): y_t = W (the mean
+    of x_1..x_t), its state the running sum, one row per request slot. With the contiguous
+    cache it keeps [b, h]; in the engine it gets a SlotState and finds its rows in
+    `step.requests` (first row, count, slot, start position)."""
+
+    symbol, mixes, slot_states = "M", True, True
+
+    def __init__(self, cfg, ctx):
+        super().__init__()
+        self.proj = torch.nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+
+    def set_recompute(self, selective):
+        pass
+
+    def init_rules(self):
+        return {}
+
+    def new_cache(self, batch_size, max_len, device, dtype):
+        return torch.zeros(batch_size, self.proj.in_features, device=device, dtype=dtype)
+
+    def forward(self, x, rope=None, cache=None, start_pos=0, document_ids=None, context=None):
+        if isinstance(cache, SlotState):
+            pieces = []
+            for first, count, slot, start in cache.step.requests:
+                before = cache.state[slot] if start > 0 else torch.zeros_like(x[0, 0])
+                sums = before + x[0, first : first + count].cumsum(0)  # [count, h]
+                cache.state[slot] = sums[-1]
+                seen = torch.arange(start + 1, start + count + 1, device=x.device)
+                pieces.append(sums / seen[:, None])
+            return self.proj(torch.cat(pieces)[None])
+        b, s, _ = x.shape
+        sums = x.cumsum(1)
+        if cache is not None:
+            sums = sums + (cache[:b, None] if start_pos > 0 else 0)
+            cache[:b] = sums[:, -1]
+        seen = torch.arange(start_pos + 1, start_pos + s + 1, device=x.device)
+        return self.proj(sums / seen[:, None])
+
+
+@torch.no_grad()
+def test_a_recurrent_mixer_keeps_per_request_slot_states(monkeypatch):
+    monkeypatch.setitem(block_module.SUBLAYERS, "M", ("mixer", RunningMean))
+    model = model_of(config(num_layers=3, layer_pattern="M-*-M"))
+    texts = prompts(6, seed=4)
+    params = [SamplingParams(max_tokens=3 + i % 4, greedy=True) for i in range(len(texts))]
+    engine = Engine(model, EngineSettings(block_size=4, max_running=3, max_batch_tokens=10))
+    requests = engine.generate(texts, params)  # slots are reused by later requests
+    for prompt, p, request in zip(texts, params, requests):
+        want = generate(model, prompt, p.max_tokens, greedy=True).tolist()[len(prompt):]
+        assert request.output_ids == want
+    monkeypatch.setattr(RunningMean, "slot_states", False)
+    with pytest.raises(ConfigError, match="slot_states"):
+        Engine(model)

@@ -22,8 +22,10 @@ One engine step runs the model once on a ragged batch: T tokens of several reque
 Sublayers ask for their state through `new_cache` (trireme.models.block): one that declares
 `pages = True` (attention) gets `paged=PagedLayout(...)` and returns a `PagedKV`; any other mixer
 is asked for `new_cache(slots, max_len, ...)` as usual, one row per request slot, and at each step
-receives `SlotState(state, step)`: its rows for `step.requests`' slots (a recurrent state); it
-declares `slot_states = True` when its forward understands that.
+receives `SlotState(state, step)`: its rows for `step.requests`' slots (a recurrent state; a
+request's first chunk has start position 0, and the slot then still holds an earlier request's
+state, to be ignored); it declares `slot_states = True` when its forward understands that
+(tests/test_serve_engine.py has a small recurrent mixer that does).
 """
 
 from __future__ import annotations
