@@ -199,6 +199,20 @@ def decode_bound(model, cfg, args, batch: int, graphs: bool) -> dict:
             "decode_tokens_per_s": batch / step}
 
 
+def graphs_match_eager(model, args, prompts: list[list[int]]) -> bool | None:
+    """Greedy tokens of a few prompts with CUDA graphs equal those without (None: no graphs)."""
+    engine = engine_for(model, args, 8, True)
+    if not graphs_active(engine):
+        return None
+    params = [SamplingParams(max_tokens=24, greedy=True, ignore_eos=True)] * 8
+    with_graphs = [r.output_ids for r in engine.generate(prompts[:8], params)]
+    del engine
+    eager = [r.output_ids for r in engine_for(model, args, 8, False).generate(prompts[:8],
+                                                                              params)]
+    free_memory()
+    return with_graphs == eager
+
+
 # ---------------------------------------------------------------------------- HF baseline
 
 
@@ -301,6 +315,9 @@ def main(argv=None) -> int:
         return 0
     cfg, model, device = build(args)
     prompts = make_prompts(args, cfg.model.vocab_size)
+    check = graphs_match_eager(model, args, prompts) if args.graphs != "off" else None
+    if check is not None:
+        print(f"CUDA graphs give the eager greedy tokens: {check}")
     levels = [run_level(model, args, prompts, int(c)) for c in args.concurrency.split(",")]
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.graphs]
     if device.type != "cuda":
@@ -321,7 +338,7 @@ def main(argv=None) -> int:
             "device": device_name,
             "torch": torch.__version__, "git_commit": git_commit(),
             "settings": {k: v for k, v in vars(args).items() if k != "hf_worker"},
-            "results": levels, "decode_bound": bounds}
+            "results": levels, "decode_bound": bounds, "graphs_match_eager": check}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
