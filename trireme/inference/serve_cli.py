@@ -12,6 +12,7 @@ import argparse
 import os
 import signal
 import socket
+import sys
 from pathlib import Path
 
 from trireme.errors import TriremeError
@@ -83,6 +84,9 @@ def serve_main(argv: list[str]) -> int:
     name = args.model_name or Path(args.checkpoint).resolve().name
     settings = ServerSettings(name, args.api_key, args.max_body_bytes)
     app = build_app(EngineThread(engine), chat_format(loaded), settings)
+    if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"trireme: warning: listening on {args.host} with no --api-key: anyone who can "
+              "reach this port can use the model", file=sys.stderr, flush=True)
     sock = bind(args.host, args.port)
     port = sock.getsockname()[1]
     print(f"trireme: serving {name!r} ({engine.allocator.usable} KV blocks of "
