@@ -98,9 +98,11 @@ class PagedKV:
                                        step.decode_lengths, backend)  # [n_dec, H, d]
             parts.append(y.transpose(0, 1).unsqueeze(0))  # [1, H, n_dec, d]
         for first, count, table, start in step.prefills:
-            keys, values = self.gather(table.unsqueeze(0))  # [1, n_kv, nb * bs, d]
-            end = start + count
-            keys, values = keys[:, :, :end], values[:, :, :end]
+            if start == 0:  # a whole prompt (or its first chunk): its keys are this step's
+                keys, values = k[:, :, first : first + count], v[:, :, first : first + count]
+            else:
+                keys, values = self.gather(table.unsqueeze(0))  # [1, n_kv, nb * bs, d]
+                keys, values = keys[:, :, : start + count], values[:, :, : start + count]
             if start > 0 and q.is_cuda and keys.shape[1] != q.shape[1]:
                 # a later chunk needs an explicit causal mask, which flash does not take and
                 # the memory-efficient kernel takes only without GQA: repeat the kv heads
