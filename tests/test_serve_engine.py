@@ -216,6 +216,11 @@ def test_pool_sizing():
     assert pool_blocks(1 << 20, max_memory_gib=1.0, device=torch.device("cpu"),
                        fallback_tokens=1, block_size=4) == 1024
     assert pool_blocks(1000, device=torch.device("cpu"), fallback_tokens=33, block_size=4) == 10
+    huge = pool_blocks(1 << 20, device=torch.device("cpu"), fallback_tokens=1 << 30,
+                       block_size=4, context_tokens=16)
+    assert huge == 1024 + 1  # the CPU default stops at 1 GiB ...
+    assert pool_blocks(1 << 30, device=torch.device("cpu"), fallback_tokens=1 << 30,
+                       block_size=4, context_tokens=16) == 4 + 1  # unless a context needs more
     with pytest.raises(ConfigError, match="at least 2"):
         BlockAllocator(1)
     model = model_of(config())

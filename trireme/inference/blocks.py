@@ -15,6 +15,7 @@ import torch
 from trireme.errors import ConfigError
 
 GIB = 1024**3
+CPU_DEFAULT_GIB = 1.0  # the CPU pool's default cap (--max-memory sets any size)
 
 
 class BlockAllocator:
@@ -55,10 +56,11 @@ def blocks_for(tokens: int, block_size: int) -> int:
 
 def pool_blocks(block_bytes: int, *, num_blocks: int = 0, max_memory_gib: float = 0.0,
                 device: torch.device, fallback_tokens: int, block_size: int,
-                memory_fraction: float = 0.9) -> int:
+                memory_fraction: float = 0.9, context_tokens: int = 0) -> int:
     """How many blocks the pool gets: `num_blocks` if given; else as many as fit in
     `max_memory_gib`; else on a GPU `memory_fraction` of its free memory, and on the CPU enough
-    for `fallback_tokens` positions (the engine's slots times the context)."""
+    for `fallback_tokens` positions (the engine's slots times the context) but not more than
+    CPU_DEFAULT_GIB, unless one context (`context_tokens`) needs more."""
     if num_blocks:
         return num_blocks
     if max_memory_gib:
@@ -66,4 +68,5 @@ def pool_blocks(block_bytes: int, *, num_blocks: int = 0, max_memory_gib: float 
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * memory_fraction // block_bytes)
-    return blocks_for(fallback_tokens, block_size) + 1
+    capped = max(int(CPU_DEFAULT_GIB * GIB // block_bytes), blocks_for(context_tokens, block_size))
+    return min(blocks_for(fallback_tokens, block_size), capped) + 1

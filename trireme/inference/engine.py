@@ -43,10 +43,10 @@ class QueueFull(TriremeError):
 @dataclass
 class EngineSettings:
     """block_size: positions per KV block; num_blocks / max_memory_gib: the pool's size (else
-    from free GPU memory, or on the CPU enough for max_running full contexts); max_running:
-    requests decoded together; max_batch_tokens: tokens per step (decode + prompt chunks);
-    max_queue: waiting requests before `submit` raises QueueFull; seed: the shared sampler's;
-    cuda_graphs: replay decode-only steps as CUDA graphs (trireme.inference.graphs)."""
+    from free GPU memory, or on the CPU enough for max_running full contexts, up to 1 GiB);
+    max_running: requests decoded together; max_batch_tokens: tokens per step (decode + prompt
+    chunks); max_queue: waiting requests before `submit` raises QueueFull; seed: the shared
+    sampler's; cuda_graphs: replay decode-only steps as CUDA graphs (trireme.inference.graphs)."""
 
     block_size: int = 16
     num_blocks: int = 0
@@ -85,7 +85,7 @@ class Engine:
             max(probe.nbytes(), 1), num_blocks=settings.num_blocks,
             max_memory_gib=settings.max_memory_gib, device=self.device,
             fallback_tokens=settings.max_running * self.cfg.seq_length,
-            block_size=settings.block_size)
+            block_size=settings.block_size, context_tokens=self.cfg.seq_length)
         self.allocator = BlockAllocator(num_blocks)
         self.cache = PagedCache(model, PagedLayout(num_blocks, settings.block_size),
                                 settings.max_running, self.device, self.dtype)
