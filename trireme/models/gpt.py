@@ -199,7 +199,8 @@ class GPT(nn.Module):
         self._check_inputs(input_ids, start_pos, kv_cache, position_ids, document_ids)
         self._maybe_compile(input_ids.device)
         context = self._context(context_split)
-        rope = self._rope(input_ids, start_pos, position_ids, ragged=kv_cache is not None)
+        rope = self._rope(input_ids, start_pos, position_ids,
+                          ragged=getattr(kv_cache, "ragged", False))
         if self.stage.first:
             x = self.dropout(self._embed(input_ids, start_pos, position_ids))
         else:  # the previous stage's activations (under SP [b, s / T, h])
