@@ -269,7 +269,7 @@ def test_a_full_queue_answers_429(checkpoint):
 
         def ask(_):
             try:
-                return api.completions.create(model="tiny", prompt="a", max_tokens=40,
+                return api.completions.create(model="tiny", prompt="a", max_tokens=90,
                                               temperature=0, extra_body={"ignore_eos": True})
             except openai.RateLimitError as e:
                 return e
@@ -285,7 +285,7 @@ def test_a_full_queue_answers_429(checkpoint):
         for name in ("queue_length", "running_requests", "kv_blocks_used",
                      "output_tokens_per_second"):
             assert f'trireme_{name}{{model="tiny"}} ' in metrics
-        assert 'trireme_generation_tokens_total{model="tiny"} ' + str(40 * len(served)) in metrics
+        assert 'trireme_generation_tokens_total{model="tiny"} ' + str(90 * len(served)) in metrics
         assert json.loads(plain_request(f"{url}/health")[1]) == {"status": "ok"}
 
 
