@@ -49,7 +49,7 @@ from test_paged_attention import paged_case
 from trireme.ops.paged_attention import paged_decode_reference
 from trireme.ops.paged_attention_triton import paged_decode_attention
 worst = 0.0
-for n_heads, n_kv, block in [(2, 2, 4), (6, 2, 16), (4, 1, 8)]:
+for n_heads, n_kv, block in [(6, 2, 16), (4, 1, 8)]:  # GQA with 3 groups (padded), MQA
     case = paged_case(n_heads, n_kv, [1, 16, 17, 70], block=block)
     got = paged_decode_attention(*case)
     want = paged_decode_reference(*case)
