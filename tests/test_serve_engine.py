@@ -8,7 +8,7 @@ import torch
 import trireme.inference.engine as engine_module
 import trireme.models.block as block_module
 from trireme.config import ModelConfig
-from trireme.data.tokenizer import load_tokenizer
+from trireme.data.tokenizer import load_tokenizer, train_bpe
 from trireme.errors import ConfigError
 from trireme.inference.blocks import BlockAllocator, pool_blocks
 from trireme.inference.engine import Engine, EngineSettings, QueueFull, RequestError
@@ -311,3 +311,21 @@ def test_a_recurrent_mixer_keeps_per_request_slot_states(monkeypatch):
     monkeypatch.setattr(RunningMean, "slot_states", False)
     with pytest.raises(ConfigError, match="slot_states"):
         Engine(model)
+
+
+def test_text_stream_of_a_byte_level_bpe_joins_to_the_decoded_text(tmp_path):
+    texts = ["héllo wörld, the quick brown fox 日本語 jumps over the lazy dog. " * 20,
+             "def main():\n    return 42\n" * 20]
+    tok = train_bpe(texts, 400, tmp_path / "tokenizer.json")
+    gen = torch.Generator().manual_seed(0)
+    cases = [tok.encode(texts[0][:200])]  # real text, and random ids (broken characters)
+    cases += [torch.randint(1, tok.vocab_size, (30,), generator=gen).tolist() for _ in range(50)]
+    for ids in cases:
+        stream = TextStream(tok)
+        pieces = []
+        for token in ids:
+            stream.add(token)
+            pieces.append(stream.delta())
+        stream.finish()
+        pieces.append(stream.delta())
+        assert "".join(pieces) == tok.decode(ids)
