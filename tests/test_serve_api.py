@@ -33,7 +33,7 @@ from trireme.inference.chat import (
 )
 from trireme.inference.cli import load_for_inference
 from trireme.inference.engine import Engine, EngineSettings
-from trireme.inference.openai_api import parse_chat
+from trireme.inference.openai_api import ApiError, parse_chat, parse_completion
 from trireme.inference.runner import EngineThread
 from trireme.inference.serve_cli import chat_format
 from trireme.inference.server import ServerSettings, build_app
@@ -391,3 +391,32 @@ def wait_for_url(proc: subprocess.Popen) -> str:
         except OSError:
             time.sleep(0.05)
     raise AssertionError("the server never answered /health")
+
+
+def test_request_bodies_parse_to_prompts_and_settings():
+    tok = load_tokenizer("bytes")
+    for prompt in ("hi", ["hi"], [104, 105], [[104, 105]]):
+        parsed = parse_completion({"prompt": prompt}, tok)
+        assert parsed.prompt_ids == [104, 105] and parsed.params.max_tokens == 16
+    parsed = parse_completion({"prompt": "", "temperature": 0.5, "top_k": 3, "seed": 7,
+                               "stop": "\n", "stream": True,
+                               "stream_options": {"include_usage": True}}, tok)
+    assert parsed.prompt_ids == [tok.eod] and parsed.stream and parsed.include_usage
+    p = parsed.params
+    assert (p.temperature, p.top_k, p.seed, p.stop, p.greedy) == (0.5, 3, 7, ("\n",), False)
+    for bad in ({"prompt": ["a", "b"]}, {"prompt": []}, {"prompt": [1, True]},
+                {"prompt": "a", "max_tokens": True}, {"prompt": "a", "echo": True},
+                {"prompt": "a", "presence_penalty": 0.5}, {"prompt": "a", "stop": [""]},
+                {"prompt": "a", "stream_options": {"include_usage": "yes"}}, ["prompt"], {}):
+        with pytest.raises(ApiError) as caught:
+            parse_completion(bad, tok)
+        assert caught.value.status == 400 and caught.value.body()["error"]["message"]
+    chat = ChatFormat(None)
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    parsed = parse_chat({"messages": [{"role": "user", "content": parts}],
+                         "max_completion_tokens": 5}, tok, chat, context=64)
+    assert tok.decode(parsed.prompt_ids) == "user: ab\nassistant:" and parsed.params.max_tokens == 5
+    for bad in ({"messages": []}, {"messages": [{"role": "robot", "content": "x"}]},
+                {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}):
+        with pytest.raises(ApiError):
+            parse_chat(bad, tok, chat, context=64)
