@@ -68,9 +68,9 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if not rows:
         return next_ids
-    index = torch.tensor(rows, device=logits.device)
     picked = [params[i] for i in rows]
-    as_tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, device=logits.device)
+    as_tensor = lambda values, dtype: to_device(torch.tensor(values, dtype=dtype), logits.device)
+    index = as_tensor(rows, torch.long)
     temperature = as_tensor([p.temperature for p in picked], torch.float32)
     top_k = as_tensor([p.top_k for p in picked], torch.long)
     top_p = as_tensor([p.top_p for p in picked], torch.float32)
@@ -84,8 +84,15 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     common = [j for j, i in enumerate(rows) if generators[i] is None]
     drawn = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     if common:
-        at = torch.tensor(common, device=logits.device)
+        at = as_tensor(common, torch.long)
         drawn[at] = torch.multinomial(probs[at], 1, generator=shared).squeeze(-1)
     for j in own:
         drawn[j] = torch.multinomial(probs[j : j + 1], 1, generator=generators[rows[j]])[0, 0]
     return next_ids.index_copy(0, index, drawn)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small CPU tensor on `device` without waiting for the GPU (pinned, asynchronous)."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
