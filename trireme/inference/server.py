@@ -23,7 +23,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from trireme.inference.chat import ChatFormat
 from trireme.inference.engine import QueueFull, RequestError
-from trireme.inference.openai_api import Answer, ApiError, parse_chat, parse_completion
+from trireme.inference.openai_api import (
+    Answer,
+    ApiError,
+    ParsedRequest,
+    parse_chat,
+    parse_completion,
+)
 from trireme.inference.runner import EngineThread
 from trireme.inference.scheduler import RequestOutput
 
@@ -52,62 +58,77 @@ def build_app(runner: EngineThread, chat: ChatFormat, settings: ServerSettings) 
 
     app = FastAPI(title="trireme", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    engine = runner.engine
-    tokenizer = engine.tokenizer
+    api = OpenAIServer(runner, chat, settings)
+    app.add_exception_handler(ApiError, api.error)
+    app.add_api_route("/health", api.health, methods=["GET"])
+    app.add_api_route("/metrics", api.metrics, methods=["GET"])
+    app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/v1/completions", api.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
+    return app
 
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+
+class OpenAIServer:
+    """The endpoints (module docstring), over one engine thread."""
+
+    def __init__(self, runner: EngineThread, chat: ChatFormat, settings: ServerSettings) -> None:
+        self.runner, self.chat, self.settings = runner, chat, settings
+        self.engine = runner.engine
+
+    async def error(self, request: Request, error: ApiError) -> JSONResponse:
         return error_response(error)
 
-    @app.get("/health")
-    async def health() -> Response:
-        if not runner.alive:
+    async def health(self) -> Response:
+        if not self.runner.alive:
             return JSONResponse({"status": "stopping"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return PlainTextResponse(runner.metrics_text(settings.model_name),
+    async def metrics(self) -> Response:
+        return PlainTextResponse(self.runner.metrics_text(self.settings.model_name),
                                  media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        check_key(request, settings.api_key)
+    async def models(self, request: Request) -> Response:
+        check_key(request, self.settings.api_key)
         return JSONResponse({"object": "list", "data": [
-            {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "trireme",
-             "max_model_len": engine.cfg.seq_length}]})
+            {"id": self.settings.model_name, "object": "model", "created": 0,
+             "owned_by": "trireme", "max_model_len": self.engine.cfg.seq_length}]})
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        check_key(request, settings.api_key)
-        parsed = parse_completion(await read_json(request, settings.max_body_bytes), tokenizer)
-        return await answer(request, parsed, Answer(settings.model_name, chat=False))
+    async def completions(self, request: Request) -> Response:
+        check_key(request, self.settings.api_key)
+        body = await read_json(request, self.settings.max_body_bytes)
+        parsed = parse_completion(body, self.engine.tokenizer)
+        return await self.answer(request, parsed, Answer(self.settings.model_name, chat=False))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        check_key(request, settings.api_key)
-        body = await read_json(request, settings.max_body_bytes)
-        parsed = parse_chat(body, tokenizer, chat, engine.cfg.seq_length)
-        return await answer(request, parsed, Answer(settings.model_name, chat=True))
+    async def chat_completions(self, request: Request) -> Response:
+        check_key(request, self.settings.api_key)
+        body = await read_json(request, self.settings.max_body_bytes)
+        parsed = parse_chat(body, self.engine.tokenizer, self.chat, self.engine.cfg.seq_length)
+        return await self.answer(request, parsed, Answer(self.settings.model_name, chat=True))
 
-    async def answer(request: Request, parsed, shape: Answer) -> Response:
+    def submit(self, parsed: ParsedRequest) -> tuple[str, asyncio.Queue]:
+        """Queue the request in the engine; its outputs arrive on the returned asyncio queue."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
         def put(out: RequestOutput) -> None:  # called on the engine thread
             if not loop.is_closed():
                 loop.call_soon_threadsafe(queue.put_nowait, out)
 
-        if not runner.alive:
+        if not self.runner.alive:
             raise ApiError(503, "the server is shutting down", kind="server_error")
         try:
-            submitted = runner.submit(parsed.prompt_ids, parsed.params, put)
+            submitted = self.runner.submit(parsed.prompt_ids, parsed.params, put)
         except QueueFull as e:
             raise ApiError(429, str(e), code="queue_full", kind="rate_limit_error") from None
         except RequestError as e:
             code = "context_length_exceeded" if "context" in str(e) else None
             raise ApiError(400, str(e), "prompt" if code else None, code) from None
+        return submitted.request_id, queue
+
+    async def answer(self, request: Request, parsed: ParsedRequest, shape: Answer) -> Response:
+        request_id, queue = self.submit(parsed)
         if parsed.stream:
-            events = stream_events(queue, submitted.request_id, parsed.include_usage, shape)
+            events = self.stream_events(queue, request_id, parsed.include_usage, shape)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         text, last = [], None
@@ -118,10 +139,10 @@ def build_app(runner: EngineThread, chat: ChatFormat, settings: ServerSettings) 
                     text.append(last.text)
                 except TimeoutError:
                     if await request.is_disconnected():
-                        runner.cancel(submitted.request_id)
+                        self.runner.cancel(request_id)
                         return Response(status_code=499)
         except asyncio.CancelledError:
-            runner.cancel(submitted.request_id)
+            self.runner.cancel(request_id)
             raise
         if last.finish_reason not in ("stop", "length"):
             raise ApiError(500, f"the request ended with {last.finish_reason}",
@@ -129,8 +150,9 @@ def build_app(runner: EngineThread, chat: ChatFormat, settings: ServerSettings) 
         return JSONResponse(shape.whole("".join(text), last.finish_reason, last.prompt_tokens,
                                         last.completion_tokens))
 
-    async def stream_events(queue: asyncio.Queue, request_id: str, include_usage: bool,
+    async def stream_events(self, queue: asyncio.Queue, request_id: str, include_usage: bool,
                             shape: Answer) -> AsyncIterator[str]:
+        """Server-sent events of one answer, ending with `data: [DONE]`."""
         finished = False
         try:
             if shape.chat:
@@ -150,9 +172,7 @@ def build_app(runner: EngineThread, chat: ChatFormat, settings: ServerSettings) 
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # the client went away (or the server is stopping)
-                runner.cancel(request_id)
-
-    return app
+                self.runner.cancel(request_id)
 
 
 def sse(payload: dict) -> str:
