@@ -47,6 +47,10 @@ from trireme.config import load_config  # noqa: E402
 from trireme.inference.engine import Engine, EngineSettings  # noqa: E402
 from trireme.inference.sampling import SamplingParams  # noqa: E402
 from trireme.models.gpt import GPT  # noqa: E402
+from trireme.ops.paged_attention import (  # noqa: E402
+    paged_decode_attention,
+    paged_decode_reference,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
           "fp8": torch.bfloat16}
@@ -199,6 +203,25 @@ def decode_bound(model, cfg, args, batch: int, graphs: bool) -> dict:
             "decode_tokens_per_s": batch / step}
 
 
+def kernel_error(cfg, device: torch.device, dtype: torch.dtype) -> float | None:
+    """Largest difference between the paged decode kernel and the plain gather path on random
+    pools of the model's head shape (None off CUDA, where there is no kernel)."""
+    if device.type != "cuda":
+        return None
+    gen = torch.Generator(device=device).manual_seed(0)
+    n_kv, d, block, lengths = cfg.kv_heads, cfg.head_size, 16, [1, 15, 16, 17, 300, 1000]
+    width = max(-(-n // block) for n in lengths)
+    pools = [torch.randn(1 + len(lengths) * width, block, n_kv, d, device=device, generator=gen,
+                         dtype=dtype) for _ in range(2)]
+    tables = torch.arange(1, 1 + len(lengths) * width, device=device).view(len(lengths), width)
+    q = torch.randn(len(lengths), cfg.num_attention_heads, d, device=device, generator=gen,
+                    dtype=dtype)
+    lengths_t = torch.tensor(lengths, device=device)
+    got = paged_decode_attention(q, *pools, tables, lengths_t)
+    want = paged_decode_reference(q, *pools, tables, lengths_t, backend="reference")
+    return (got.float() - want.float()).abs().max().item()
+
+
 def graphs_match_eager(model, args, prompts: list[list[int]]) -> bool | None:
     """Greedy tokens of a few prompts with CUDA graphs equal those without (None: no graphs)."""
     engine = engine_for(model, args, 8, True)
@@ -315,6 +338,9 @@ def main(argv=None) -> int:
         return 0
     cfg, model, device = build(args)
     prompts = make_prompts(args, cfg.model.vocab_size)
+    error = kernel_error(cfg.model, device, next(model.parameters()).dtype)
+    if error is not None:
+        print(f"paged decode kernel vs the gather path: max |difference| {error:.2e}")
     check = graphs_match_eager(model, args, prompts) if args.graphs != "off" else None
     if check is not None:
         print(f"CUDA graphs give the eager greedy tokens: {check}")
@@ -338,7 +364,8 @@ def main(argv=None) -> int:
             "device": device_name,
             "torch": torch.__version__, "git_commit": git_commit(),
             "settings": {k: v for k, v in vars(args).items() if k != "hf_worker"},
-            "results": levels, "decode_bound": bounds, "graphs_match_eager": check}
+            "results": levels, "decode_bound": bounds, "graphs_match_eager": check,
+            "kernel_max_error": error}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
