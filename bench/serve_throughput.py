@@ -48,6 +48,7 @@ from trireme.inference.engine import Engine, EngineSettings  # noqa: E402
 from trireme.inference.sampling import SamplingParams  # noqa: E402
 from trireme.models.gpt import GPT  # noqa: E402
 from trireme.ops.paged_attention import (  # noqa: E402
+    kernel_available,
     paged_decode_attention,
     paged_decode_reference,
 )
@@ -205,7 +206,8 @@ def decode_bound(model, cfg, args, batch: int, graphs: bool) -> dict:
 
 def kernel_error(cfg, device: torch.device, dtype: torch.dtype) -> float | None:
     """Largest difference between the paged decode kernel and the plain gather path on random
-    pools of the model's head shape (None off CUDA, where there is no kernel)."""
+    pools of the model's head shape (None off CUDA, where there is no kernel; NaN if the kernel
+    failed)."""
     if device.type != "cuda":
         return None
     gen = torch.Generator(device=device).manual_seed(0)
@@ -218,6 +220,8 @@ def kernel_error(cfg, device: torch.device, dtype: torch.dtype) -> float | None:
                     dtype=dtype)
     lengths_t = torch.tensor(lengths, device=device)
     got = paged_decode_attention(q, *pools, tables, lengths_t)
+    if not kernel_available():  # it failed (warned) and the gather path answered
+        return float("nan")
     want = paged_decode_reference(q, *pools, tables, lengths_t, backend="reference")
     return (got.float() - want.float()).abs().max().item()
 
