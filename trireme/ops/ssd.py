@@ -1,0 +1,177 @@
+"""Mamba-2's state-space scan (SSD, "state space duality"), in plain PyTorch, and its pieces.
+
+Per head (h heads of p channels; B and C shared by the heads of a group, g groups of n states):
+
+    dt_t  = clamp(softplus(dt_raw_t + dt_bias), dt_min, dt_max)          [b, l, h]
+    S_t   = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T                          [b, h, p, n]
+    y_t   = S_t C_t + D x_t                                               [b, l, h, p]
+
+with A = -exp(A_log) < 0, so exp(dt A) in (0, 1] is how much of the state survives a step.
+
+`ssd_recurrence` runs that loop one position at a time (the reference). `ssd_scan` computes the
+same numbers by chunks of Q positions (the Mamba-2 paper's block decomposition): with
+a_t = dt_t A and its running sum cs_t inside a chunk, the decay from position j to i >= j is
+exp(cs_i - cs_j), and
+
+    y_i = sum_{j <= i in chunk} (C_i . B_j) exp(cs_i - cs_j) dt_j x_j     (within the chunk: [Q, Q])
+        + exp(cs_i) S_prev C_i                                           (the state entering it)
+    S_end = exp(cs_Q) S_prev + sum_j exp(cs_Q - cs_j) dt_j x_j B_j^T     (the state leaving it)
+
+The within-chunk part is a masked [Q, Q] matrix product per chunk and head (memory b * l * h * Q,
+linear in the sequence); the states pass from chunk to chunk in a loop of l / Q steps, each
+keeping one [b, h, p, n] state. A sequence that is not a multiple of Q is padded with dt = 0
+(no decay, no input), which changes neither the outputs nor the final state.
+
+`ssd_step` is one position of the recurrence (decoding). `causal_conv1d` is the depthwise causal
+convolution before the scan, `gated_rms_norm` the norm after it (both per channel / group, so a
+tensor-parallel rank runs them on its own heads).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def discretize_dt(dt: Tensor, dt_bias: Tensor | None, softplus: bool,
+                  limit: tuple[float, float]) -> Tensor:
+    """[b, l, h] step sizes in fp32: softplus(dt + dt_bias), clamped to `limit` (min, max)."""
+    dt = _wide(dt)
+    if dt_bias is not None:
+        dt = dt + dt_bias
+    if softplus:
+        dt = F.softplus(dt)
+    lo, hi = limit
+    if lo > 0.0 or hi < float("inf"):
+        dt = dt.clamp(min=lo, max=hi)
+    return dt
+
+
+def _wide(t: Tensor) -> Tensor:
+    """t in fp32, or fp64 if it is fp64 (the tests' exact reference)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _heads_per_group(x: Tensor, groups: Tensor) -> int:
+    heads, g = x.shape[2], groups.shape[2]
+    if heads % g:
+        raise ValueError(f"{heads} heads cannot share {g} groups of B and C")
+    return heads // g
+
+
+def ssd_recurrence(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None,
+    initial_state: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The reference: the recurrence one position at a time. x [b, l, h, p], dt [b, l, h]
+    (already discretized), A [h], B and C [b, l, g, n], D [h]. Returns y [b, l, h, p] and the
+    final state [b, h, p, n] (fp32 math, fp64 for fp64 inputs; y in x's dtype)."""
+    b, length, h, p = x.shape
+    k = _heads_per_group(x, B)
+    state = (_wide(initial_state) if initial_state is not None
+             else _wide(x).new_zeros(b, h, p, B.shape[-1]))
+    ys = []
+    for t in range(length):
+        y, state = ssd_step(x[:, t], dt[:, t], A, B[:, t], C[:, t], state, D, k)
+        ys.append(y)
+    return torch.stack(ys, dim=1).to(x.dtype), state
+
+
+def ssd_step(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, state: Tensor,
+    D: Tensor | None = None, heads_per_group: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """One position: x [b, h, p], dt [b, h], B and C [b, g, n], state [b, h, p, n] (fp32).
+    Returns y [b, h, p] (fp32 or fp64) and the new state."""
+    k = heads_per_group or x.shape[1] // B.shape[1]
+    Bh = _wide(B).repeat_interleave(k, dim=1)  # [b, h, n]
+    Ch = _wide(C).repeat_interleave(k, dim=1)
+    decay = torch.exp(_wide(dt) * _wide(A))  # [b, h]
+    xdt = _wide(x) * _wide(dt).unsqueeze(-1)  # [b, h, p]
+    state = state * decay[..., None, None] + xdt.unsqueeze(-1) * Bh.unsqueeze(-2)
+    y = (state * Ch.unsqueeze(-2)).sum(-1)  # [b, h, p]
+    if D is not None:
+        y = y + _wide(D)[:, None] * _wide(x)
+    return y, state
+
+
+def ssd_scan(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int,
+    D: Tensor | None = None, initial_state: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The chunked scan (module docstring); the same arguments and results as `ssd_recurrence`.
+    Math in fp32; y in x's dtype."""
+    b, length, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    k = _heads_per_group(x, B)
+    Q = chunk_size
+    pad = (-length) % Q
+    xf, Bf, Cf, dtf = _wide(x), _wide(B), _wide(C), _wide(dt)
+    if pad:  # dt = 0 on the padding: no decay and no input, so nothing after it changes
+        xf, Bf, Cf = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (xf, Bf, Cf))
+        dtf = F.pad(dtf, (0, 0, 0, pad))
+    c = (length + pad) // Q
+    xc = xf.view(b, c, Q, g, k, p)  # heads as (group, head in group)
+    Bc, Cc = Bf.view(b, c, Q, g, n), Cf.view(b, c, Q, g, n)
+    dtc = dtf.view(b, c, Q, g, k)
+    cs = torch.cumsum(dtc * _wide(A).view(g, k), dim=2)  # [b, c, Q, g, k]: log decay so far
+    xdt = xc * dtc.unsqueeze(-1)  # [b, c, Q, g, k, p]
+
+    # within each chunk: (C_i . B_j) exp(cs_i - cs_j) for j <= i
+    scores = torch.einsum("bcign,bcjgn->bcgij", Cc, Bc)  # [b, c, g, Q, Q]
+    csh = cs.permute(0, 1, 3, 4, 2)  # [b, c, g, k, Q]
+    diff = csh.unsqueeze(-1) - csh.unsqueeze(-2)  # [b, c, g, k, Q(i), Q(j)]
+    causal = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()
+    decay = torch.exp(diff.masked_fill(~causal, float("-inf")))
+    y = torch.einsum("bcgkij,bcjgkp->bcigkp", decay * scores.unsqueeze(3), xdt)
+
+    # each chunk's own contribution to the state at its end: [b, c, g, k, p, n]
+    to_end = torch.exp(cs[:, :, -1:] - cs)  # [b, c, Q, g, k]
+    chunk_states = torch.einsum("bcjgk,bcjgkp,bcjgn->bcgkpn", to_end, xdt, Bc)
+    chunk_decay = torch.exp(cs[:, :, -1])  # [b, c, g, k]: the whole chunk's decay
+
+    # pass the states from chunk to chunk; entering[c] is the state before chunk c
+    state = (_wide(initial_state).view(b, g, k, p, n) if initial_state is not None
+             else xf.new_zeros(b, g, k, p, n))
+    entering = []
+    for i in range(c):
+        entering.append(state)
+        state = state * chunk_decay[:, i, ..., None, None] + chunk_states[:, i]
+    states = torch.stack(entering, dim=1)  # [b, c, g, k, p, n]
+
+    # the entering state's part of each output, decayed to position i
+    y = y + torch.einsum("bcign,bcgkpn,bcigk->bcigkp", Cc, states, torch.exp(cs))
+    y = y.reshape(b, c * Q, h, p)[:, :length]
+    if D is not None:
+        y = y + _wide(D)[:, None] * xf[:, :length]
+    return y.to(x.dtype), state.reshape(b, h, p, n)
+
+
+def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None,
+                  state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Depthwise causal convolution along the sequence, then SiLU.
+
+    x [b, l, d]; weight [d, w]; `state` [b, d, w - 1]: the w - 1 inputs before x (zeros at the
+    start of a sequence). out_t = silu(bias + sum_{j<w} weight[:, j] * in_{t - (w - 1) + j}).
+    Returns the output [b, l, d] and the last w - 1 inputs [b, d, w - 1] (the next state).
+    """
+    b, length, d = x.shape
+    w = weight.shape[-1]
+    xt = x.transpose(1, 2)  # [b, d, l]
+    if state is None:
+        state = xt.new_zeros(b, d, w - 1)
+    full = torch.cat([state.to(xt.dtype), xt], dim=-1)  # [b, d, w - 1 + l]
+    out = F.conv1d(full, weight.unsqueeze(1), bias, groups=d)  # [b, d, l]
+    return F.silu(out).transpose(1, 2), full[:, :, full.shape[-1] - (w - 1):]
+
+
+def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, group_size: int,
+                   eps: float) -> Tensor:
+    """Mamba-2's gated norm: u = x * silu(gate), each run of `group_size` channels divided by its
+    root mean square, times `weight`. x, gate [..., d]; fp32 math, the result in x's dtype."""
+    u = x.float() * F.silu(gate.float())
+    shape = u.shape
+    u = u.view(*shape[:-1], shape[-1] // group_size, group_size)
+    u = u * torch.rsqrt(u.square().mean(-1, keepdim=True) + eps)
+    return (u.view(shape) * weight.float()).to(x.dtype)
