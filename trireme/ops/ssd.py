@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 
 def discretize_dt(dt: Tensor, dt_bias: Tensor | None, softplus: bool,
@@ -175,3 +175,20 @@ def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, group_size: int,
     u = u.view(*shape[:-1], shape[-1] // group_size, group_size)
     u = u * torch.rsqrt(u.square().mean(-1, keepdim=True) + eps)
     return (u.view(shape) * weight.float()).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """`gated_rms_norm` with its weight [d] (initialized to 1, trireme.models.init)."""
+
+    is_norm = True
+
+    def __init__(self, dim: int, group_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.group_size, self.eps = group_size, eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor, gate: Tensor) -> Tensor:
+        return gated_rms_norm(x, gate, self.weight, self.group_size, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, group_size={self.group_size}, eps={self.eps}"
