@@ -96,7 +96,8 @@ class Mamba(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
         super().__init__()
         self.cfg = cfg
-        tp, size = ctx.tensor, ctx.size("tensor")
+        tp = ctx.tensor
+        size = tp.size if tp is not None else 1
         heads, p = cfg.mamba_heads, cfg.mamba_head_dim
         g, n, w = cfg.mamba_num_groups, cfg.mamba_state_dim, cfg.mamba_conv_kernel
         self.heads, self.groups, self.head_dim, self.state_dim = heads // size, g // size, p, n
