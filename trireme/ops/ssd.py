@@ -18,9 +18,10 @@ exp(cs_i - cs_j), and
     S_end = exp(cs_Q) S_prev + sum_j exp(cs_Q - cs_j) dt_j x_j B_j^T     (the state leaving it)
 
 The within-chunk part is a masked [Q, Q] matrix product per chunk and head (memory b * l * h * Q,
-linear in the sequence); the states pass from chunk to chunk in a loop of l / Q steps, each
-keeping one [b, h, p, n] state. A sequence that is not a multiple of Q is padded with dt = 0
-(no decay, no input), which changes neither the outputs nor the final state.
+linear in the sequence); the states pass from chunk to chunk through one masked [l/Q + 1, l/Q]
+decay matrix per head (a few numbers next to the [b, l/Q, h, p, n] states). A sequence that is
+not a multiple of Q is padded with dt = 0 (no decay, no input), which changes neither the outputs
+nor the final state.
 
 `ssd_step` is one position of the recurrence (decoding). `causal_conv1d` is the depthwise causal
 convolution before the scan, `gated_rms_norm` the norm after it (both per channel / group, so a
@@ -129,16 +130,19 @@ def ssd_scan(
     # each chunk's own contribution to the state at its end: [b, c, g, k, p, n]
     to_end = torch.exp(cs[:, :, -1:] - cs)  # [b, c, Q, g, k]
     chunk_states = torch.einsum("bcjgk,bcjgkp,bcjgn->bcgkpn", to_end, xdt, Bc)
-    chunk_decay = torch.exp(cs[:, :, -1])  # [b, c, g, k]: the whole chunk's decay
 
-    # pass the states from chunk to chunk; entering[c] is the state before chunk c
-    state = (_wide(initial_state).view(b, g, k, p, n) if initial_state is not None
-             else xf.new_zeros(b, g, k, p, n))
-    entering = []
-    for i in range(c):
-        entering.append(state)
-        state = state * chunk_decay[:, i, ..., None, None] + chunk_states[:, i]
-    states = torch.stack(entering, dim=1)  # [b, c, g, k, p, n]
+    # pass the states from chunk to chunk: with T_i the log decay of chunks 0..i-1, the state
+    # entering chunk i is exp(T_i) S_0 + sum_{j<i} exp(T_i - T_{j+1}) chunk_states_j, one
+    # masked [c + 1, c] matrix per head (tiny next to the states) instead of a loop of c steps
+    T = F.pad(torch.cumsum(cs[:, :, -1], dim=1), (0, 0, 0, 0, 1, 0))  # [b, c + 1, g, k]
+    gap = T.unsqueeze(2) - T[:, 1:].unsqueeze(1)  # [b, c + 1 (i), c (j), g, k]: T_i - T_{j+1}
+    before = torch.ones(c + 1, c, dtype=torch.bool, device=x.device).tril(-1)  # j < i
+    passing = torch.exp(gap.masked_fill(~before[:, :, None, None], float("-inf")))
+    states = torch.einsum("bijgk,bjgkpn->bigkpn", passing, chunk_states)  # [b, c + 1, ...]
+    if initial_state is not None:
+        start = _wide(initial_state).view(b, 1, g, k, p, n)
+        states = states + torch.exp(T)[..., None, None] * start
+    state, states = states[:, -1], states[:, :-1]  # the final state; those entering each chunk
 
     # the entering state's part of each output, decayed to position i
     y = y + torch.einsum("bcign,bcgkpn,bcigk->bcigkp", Cc, states, torch.exp(cs))
