@@ -4,6 +4,10 @@ and the mamba2-tiny / hybrid-tiny presets training."""
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,3 +154,16 @@ def test_presets_train_and_the_loss_falls(toy_data, tmp_path, preset):  # noqa: 
     losses = _train_losses(toy_data, tmp_path / preset, preset)
     assert all(math.isfinite(v) for v in losses)
     assert sum(losses[-3:]) / 3 < 0.75 * sum(losses[:3]) / 3, losses
+
+
+def test_ssd_layer_bench_smoke(tmp_path):
+    """bench/ssd_layer.py --smoke runs on the CPU and writes its table as JSON."""
+    out = tmp_path / "ssd.json"
+    bench = Path(__file__).resolve().parent.parent / "bench" / "ssd_layer.py"
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    proc = subprocess.run([sys.executable, str(bench), "--smoke", "--out", str(out)], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["part"], r["path"]) for r in rows} == {("scan", "torch"), ("layer", "torch")}
+    assert all(r["tokens_per_s"] > 0 for r in rows)
