@@ -20,7 +20,7 @@ from trireme.inference.generate import generate
 from trireme.models.cache import InferenceCache
 from trireme.models.gpt import GPT
 from trireme.models.mamba import Mamba, MambaState
-from trireme.models.stages import layer_costs, sublayer_flops
+from trireme.models.stages import layer_costs, stage_specs, sublayer_flops
 from trireme.train import train
 from trireme.trainer import check_parallel
 
@@ -167,3 +167,15 @@ def test_ssd_layer_bench_smoke(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {(r["part"], r["path"]) for r in rows} == {("scan", "torch"), ("layer", "torch")}
     assert all(r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_the_gpu_hybrid_preset_has_its_size_and_balances_its_stages():
+    cfg = load_config("nemotron-h-1b", ["parallel.pipeline=4"])
+    with torch.device("meta"):
+        model = GPT(cfg.model, seed=None)
+    assert 1.5e9 < model.num_parameters() < 1.8e9
+    assert "".join(cfg.model.layer_symbols).count("M") == 16
+    specs = stage_specs(cfg.model, cfg.parallel)
+    costs = layer_costs(cfg.model)
+    stage_costs = [sum(costs[s.start:s.stop]) for s in specs]
+    assert max(stage_costs) < 1.15 * sum(costs) / 4  # balanced by FLOPs, not by layer count
