@@ -11,8 +11,8 @@ chunks of 128, batch 1 (--batch). For each (hidden, seq):
    (mamba_ssm's Triton mamba_chunk_scan_combined, when the package imports); the error of each
    against `torch` (relative max of y and dx) is reported.
 2. layer: the whole sublayer (in_proj, conv, scan, gated norm, out_proj; trireme.models.mamba),
-   `torch` and `compiled`. TFLOP/s count Megatron's FLOPs for the layer (trireme.models.stages:
-   forward x 3).
+   `torch`, `compiled` and `mamba_ssm` (model.mamba_kernels = "mamba_ssm", when it imports).
+   TFLOP/s count Megatron's FLOPs for the layer (trireme.models.stages: forward x 3).
 Times are the median of --iters after --warmup (CUDA synchronized). A path that runs out of
 memory is reported as "oom". Prints a table, writes bench/results/ssd_layer.json (and a copy to
 $OUT when set).
@@ -21,6 +21,7 @@ $OUT when set).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -38,7 +39,7 @@ import train_throughput as tt  # noqa: E402
 from trireme.config import ModelConfig  # noqa: E402
 from trireme.models.mamba import Mamba  # noqa: E402
 from trireme.models.stages import sublayer_flops  # noqa: E402
-from trireme.ops.ssd import discretize_dt, ssd_scan  # noqa: E402
+from trireme.ops.ssd import discretize_dt, fast_ssd_kernels, ssd_scan  # noqa: E402
 from trireme.parallel.context import ParallelContext  # noqa: E402
 
 
@@ -60,15 +61,6 @@ def parse_args(argv):
         args.hidden, args.seqs, args.iters, args.warmup = "64", "200", 1, 0
         args.head_dim, args.state, args.groups, args.chunk = 16, 16, 2, 32
     return args
-
-
-def mamba_ssm_scan():
-    """mamba_ssm's chunked scan, or None where it does not import (an optional extra)."""
-    try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-    except Exception:  # not installed, or built for another torch / CUDA
-        return None
-    return mamba_chunk_scan_combined
 
 
 def sync(device: torch.device) -> None:
@@ -107,9 +99,9 @@ def scan_paths(args, device):
     paths = {"torch": lambda x, dt, A, B, C: ssd_scan(x, dt, A, B, C, args.chunk)[0]}
     if device.type == "cuda":
         paths["compiled"] = torch.compile(paths["torch"])
-        fast = mamba_ssm_scan()
+        fast = fast_ssd_kernels(device)
         if fast is not None:
-            paths["mamba_ssm"] = lambda x, dt, A, B, C: fast(x, dt, A, B, C, args.chunk)
+            paths["mamba_ssm"] = lambda x, dt, A, B, C: fast.scan(x, dt, A, B, C, args.chunk)
     return paths
 
 
@@ -140,20 +132,31 @@ def bench_scan(args, hidden: int, seq: int, device, dtype) -> list[dict]:
     return results
 
 
-def bench_layer(args, hidden: int, seq: int, device, dtype) -> list[dict]:
+def layer_paths(args, hidden: int, device, dtype) -> tuple[ModelConfig, dict]:
+    """The sublayer per path: the plain scan eager and compiled, and mamba_ssm's kernels."""
     cfg = ModelConfig(hidden_size=hidden, layer_pattern="M", num_layers=1,
                       mamba_state_dim=args.state, mamba_head_dim=args.head_dim,
-                      mamba_num_groups=args.groups, mamba_chunk_size=args.chunk)
+                      mamba_num_groups=args.groups, mamba_chunk_size=args.chunk,
+                      mamba_kernels="torch")
     layer = Mamba(cfg, ParallelContext()).to(device=device, dtype=dtype)
     with torch.no_grad():
         for name, p in layer.named_parameters():
             p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(0.5 if name != "A_log" else 0.0)
-    x = torch.randn(args.batch, seq, hidden, device=device, dtype=dtype, requires_grad=True)
-    dy = torch.randn_like(x)
-    flops = 6 * sublayer_flops(cfg, "M") * args.batch * seq
     paths = {"torch": layer}
     if device.type == "cuda":
         paths["compiled"] = torch.compile(layer)
+        if fast_ssd_kernels(device) is not None:
+            fast = Mamba(dataclasses.replace(cfg, mamba_kernels="mamba_ssm"), ParallelContext())
+            fast.load_state_dict(layer.state_dict())
+            paths["mamba_ssm"] = fast.to(device=device, dtype=dtype)
+    return cfg, paths
+
+
+def bench_layer(args, hidden: int, seq: int, device, dtype) -> list[dict]:
+    cfg, paths = layer_paths(args, hidden, device, dtype)
+    x = torch.randn(args.batch, seq, hidden, device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn_like(x)
+    flops = 6 * sublayer_flops(cfg, "M") * args.batch * seq
     results = []
     for name, module in paths.items():
         row = {"part": "layer", "path": name, "hidden": hidden, "seq": seq}
@@ -161,6 +164,8 @@ def bench_layer(args, hidden: int, seq: int, device, dtype) -> list[dict]:
             def step(module=module):
                 module(x).backward(dy)
 
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             row["seconds"] = time_it(step, device, args.iters, args.warmup)
             row["tokens_per_s"] = args.batch * seq / row["seconds"]
             row["tflops"] = flops / row["seconds"] / 1e12
@@ -201,7 +206,7 @@ def main(argv=None) -> int:
     print("\n" + table(rows))
     data = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "dtype": str(dtype), "args": vars(args), "rows": rows,
-            "mamba_ssm": mamba_ssm_scan() is not None}
+            "mamba_ssm": fast_ssd_kernels(device) is not None}
     out = Path(args.out)
     tt.write_json(out, data)
     if os.environ.get("OUT"):

@@ -2,6 +2,7 @@
 implementation, the decoding state against full recomputation, selective recomputation, FLOPs,
 and the mamba2-tiny / hybrid-tiny presets training."""
 
+import dataclasses
 import json
 import math
 import os
@@ -15,12 +16,14 @@ import torch.nn.functional as F
 from test_train import toy_data  # noqa: F401  (a fixture)
 
 from trireme.config import ModelConfig, load_config
-from trireme.errors import ConfigError
+from trireme.errors import ConfigError, TriremeError
 from trireme.inference.generate import generate
+from trireme.models import mamba as mamba_module
 from trireme.models.cache import InferenceCache
 from trireme.models.gpt import GPT
 from trireme.models.mamba import Mamba, MambaState
 from trireme.models.stages import layer_costs, stage_specs, sublayer_flops
+from trireme.ops.ssd import FastKernels, discretize_dt, ssd_recurrence
 from trireme.train import train
 from trireme.trainer import check_parallel
 
@@ -179,3 +182,41 @@ def test_the_gpu_hybrid_preset_has_its_size_and_balances_its_stages():
     costs = layer_costs(cfg.model)
     stage_costs = [sum(costs[s.start:s.stop]) for s in specs]
     assert max(stage_costs) < 1.15 * sum(costs) / 4  # balanced by FLOPs, not by layer count
+
+
+def test_the_fast_kernel_path_hands_mamba_ssm_what_it_expects(monkeypatch):
+    """The optional kernels' glue (raw dt with its bias, softplus and limits for the kernel,
+    the convolution on [b, d, l]) with stand-ins that follow mamba_ssm's and causal_conv1d's
+    signatures, built on the step-by-step recurrence: the same loss and gradients as the plain
+    path. Asking for mamba_ssm where it does not import is a one-line error."""
+    calls = []
+
+    def scan(x, dt, A, B, C, chunk_size, D=None, dt_bias=None, dt_softplus=False,
+             dt_limit=(0.0, float("inf"))):
+        calls.append("scan")
+        return ssd_recurrence(x, discretize_dt(dt, dt_bias, dt_softplus, dt_limit), A, B, C, D)[0]
+
+    def conv(x, weight, bias=None, activation=None):  # x [b, d, l], weight [d, w]
+        calls.append("conv")
+        out = F.conv1d(F.pad(x, (weight.shape[-1] - 1, 0)), weight.unsqueeze(1), bias,
+                       groups=x.shape[1])
+        return F.silu(out) if activation == "silu" else out
+
+    ids = torch.randint(0, 61, (2, 13), generator=torch.Generator().manual_seed(0))
+    cfg = hybrid_config(mamba_dt_limit_min=0.05, mamba_dt_limit_max=0.5)
+    results = []
+    for kernels in ("torch", "mamba_ssm"):
+        model = GPT(dataclasses.replace(cfg, mamba_kernels=kernels), seed=5)
+        if kernels == "mamba_ssm":
+            with pytest.raises(TriremeError, match="mamba_ssm does not import") as err:
+                model(ids, ids)
+            assert "\n" not in str(err.value)
+            monkeypatch.setattr(mamba_module, "fast_ssd_kernels",
+                                lambda device: FastKernels(scan, conv))
+        loss = model(ids, ids)
+        loss.backward()
+        results.append((loss, {n: p.grad for n, p in model.named_parameters()}))
+    assert calls.count("scan") == calls.count("conv") == 2  # two M layers, once each
+    torch.testing.assert_close(results[1][0], results[0][0])
+    for name, g in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], g, msg=name)

@@ -38,7 +38,15 @@ from trireme.config import ModelConfig
 from trireme.errors import TriremeError
 from trireme.models.init import InitRule
 from trireme.ops.recompute import recompute
-from trireme.ops.ssd import GatedRMSNorm, causal_conv1d, discretize_dt, ssd_scan, ssd_step
+from trireme.ops.ssd import (
+    FastKernels,
+    GatedRMSNorm,
+    causal_conv1d,
+    discretize_dt,
+    fast_ssd_kernels,
+    ssd_scan,
+    ssd_step,
+)
 from trireme.parallel.context import ParallelContext
 from trireme.parallel.random import dropout, name_seed
 from trireme.parallel.sharding import Sharding, even_sharding
@@ -116,6 +124,7 @@ class Mamba(nn.Module):
         self.tp_rank, self.tp_size = (tp.rank, tp.size) if tp is not None else (0, 1)
         self.resid_dropout = dropout(cfg.dropout, ctx.residual_rng)
         self.recompute_core = False  # selective recomputation: see set_recompute
+        self.kernels = cfg.mamba_kernels  # "auto", "torch" or "mamba_ssm" (model.mamba_kernels)
 
     def init_rules(self) -> dict[str, InitRule]:
         cfg, d_in, gn = self.cfg, self.cfg.mamba_inner_size, self.cfg.mamba_num_groups
@@ -188,6 +197,9 @@ class Mamba(nn.Module):
         b, s, _ = zxbcdt.shape
         g, n = self.groups, self.state_dim
         z, xbc, dt = zxbcdt.split([self.inner, self.conv_channels, self.heads], dim=-1)
+        fast = self._fast_kernels(zxbcdt.device) if cache is None else None
+        if fast is not None:
+            return self._fast_core(fast, z, xbc, dt)
         fresh = cache is None or start_pos == 0
         conv_state = None if fresh else cache.conv[:b]
         xbc, conv_state = causal_conv1d(xbc, self.conv1d.weight[:, 0], self.conv1d.bias,
@@ -208,3 +220,31 @@ class Mamba(nn.Module):
             cache.conv[:b].copy_(conv_state)
             cache.ssm[:b].copy_(ssm_state)
         return self.norm(y.reshape(b, s, self.inner), z)  # [b, s, d_in]
+
+    def _fast_kernels(self, device: torch.device) -> FastKernels | None:
+        if self.kernels == "torch":
+            return None
+        fast = fast_ssd_kernels(device)
+        if fast is None and self.kernels == "mamba_ssm":
+            raise TriremeError("model.mamba_kernels = 'mamba_ssm' but mamba_ssm does not import "
+                               f"(or the model is on {device.type}, not CUDA); pip install "
+                               "mamba-ssm causal-conv1d, or use 'auto' / 'torch'")
+        return fast
+
+    def _fast_core(self, fast: FastKernels, z: Tensor, xbc: Tensor, dt: Tensor) -> Tensor:
+        """`core` through mamba_ssm's scan (dt's bias, softplus and limits inside the kernel)
+        and causal_conv1d's convolution when it imports; the same numbers up to rounding."""
+        b, s, _ = z.shape
+        g, n = self.groups, self.state_dim
+        weight = self.conv1d.weight[:, 0]  # [channels, w]
+        if fast.conv is not None:
+            xbc = fast.conv(xbc.transpose(1, 2), weight, self.conv1d.bias,
+                            activation="silu").transpose(1, 2)
+        else:
+            xbc = causal_conv1d(xbc, weight, self.conv1d.bias)[0]
+        xs, B, C = xbc.split([self.inner, g * n, g * n], dim=-1)
+        y = fast.scan(xs.reshape(b, s, self.heads, self.head_dim), dt, -torch.exp(
+            self.A_log.float()), B.reshape(b, s, g, n), C.reshape(b, s, g, n),
+            self.cfg.mamba_chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
+            dt_limit=self.dt_limit)
+        return self.norm(y.reshape(b, s, self.inner), z)

@@ -26,9 +26,17 @@ nor the final state.
 `ssd_step` is one position of the recurrence (decoding). `causal_conv1d` is the depthwise causal
 convolution before the scan, `gated_rms_norm` the norm after it (both per channel / group, so a
 tensor-parallel rank runs them on its own heads).
+
+The fast GPU path is optional: `fast_ssd_kernels(device)` gives mamba_ssm's Triton chunked scan
+(and causal_conv1d's convolution, when that imports too) on CUDA when the packages are installed
+(`pip install mamba-ssm causal-conv1d`, the `mamba` extra), else None and the code above runs.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -196,3 +204,30 @@ class GatedRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, group_size={self.group_size}, eps={self.eps}"
+
+
+class FastKernels(NamedTuple):
+    """mamba_ssm's `mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=, dt_bias=,
+    dt_softplus=, dt_limit=)` and causal_conv1d's `causal_conv1d_fn(x [b, d, l], weight [d, w],
+    bias, activation=)` (None when only mamba_ssm imports)."""
+
+    scan: Callable[..., Tensor]
+    conv: Callable[..., Tensor] | None
+
+
+@functools.cache
+def _import_fast_kernels() -> FastKernels | None:
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except Exception:  # not installed, or built for another torch / CUDA: the plain path
+        return None
+    try:
+        from causal_conv1d import causal_conv1d_fn
+    except Exception:
+        causal_conv1d_fn = None
+    return FastKernels(mamba_chunk_scan_combined, causal_conv1d_fn)
+
+
+def fast_ssd_kernels(device: torch.device) -> FastKernels | None:
+    """The optional fast kernels for tensors on `device` (CUDA only), or None."""
+    return _import_fast_kernels() if device.type == "cuda" else None
