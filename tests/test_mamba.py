@@ -220,3 +220,8 @@ def test_the_fast_kernel_path_hands_mamba_ssm_what_it_expects(monkeypatch):
     torch.testing.assert_close(results[1][0], results[0][0])
     for name, g in results[0][1].items():
         torch.testing.assert_close(results[1][1][name], g, msg=name)
+
+
+def test_packed_documents_with_mamba_layers_are_refused():
+    with pytest.raises(ConfigError, match="reset_attention_mask .* Mamba-2 layers"):
+        load_config("hybrid-tiny", ["data.reset_attention_mask=true"])

@@ -825,6 +825,9 @@ def _check_model(cfg: Config, need_vocab: bool) -> None:
         _check_moe(m, p)
     if "M" in m.layer_pattern:
         _check_mamba(m, p)
+        if cfg.data.reset_attention_mask:
+            raise ConfigError("data.reset_attention_mask (packed documents) with Mamba-2 layers "
+                              "(M) is not implemented yet; set it to false")
     if m.head_dim == 0 and m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"model.hidden_size = {m.hidden_size} is not divisible by model.num_attention_heads = "
