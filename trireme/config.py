@@ -94,8 +94,9 @@ class ModelConfig:
         "entries never take part in the loss or in sampling."
     )
     seq_length: int = doc(256, "Tokens per training sample (context length).")
-    position_embedding: Literal["rope", "learned"] = doc(
-        "rope", "rope: rotary embeddings in attention (Llama); learned: an absolute table (GPT-2)."
+    position_embedding: Literal["rope", "learned", "none"] = doc(
+        "rope", "rope: rotary embeddings in attention (Llama); learned: an absolute table (GPT-2); "
+        "none: no position information (Nemotron-H: its Mamba layers see the order)."
     )
     rope_theta: float = doc(10000.0, "Base of the rotary frequencies.")
     rope_scaling: Literal["none", "llama3"] = doc(
@@ -107,8 +108,9 @@ class ModelConfig:
     rope_original_max_position: int = doc(8192, "llama3 scaling: original context length.")
     normalization: Literal["rmsnorm", "layernorm"] = doc("rmsnorm", "Normalization layer.")
     norm_eps: float = doc(1e-5, "Epsilon of the normalization layers.")
-    activation: Literal["swiglu", "gelu"] = doc(
-        "swiglu", "MLP: swiglu (gated, three matrices, Llama) or gelu (two matrices, GPT-2)."
+    activation: Literal["swiglu", "gelu", "relu2"] = doc(
+        "swiglu", "MLP: swiglu (gated, three matrices, Llama), gelu (two matrices, GPT-2) or "
+        "relu2 (squared ReLU, two matrices, Nemotron-H)."
     )
     fused_swiglu: bool = doc(
         False, "SwiGLU's backward as one Triton kernel on CUDA (reads gate, up and the output's "

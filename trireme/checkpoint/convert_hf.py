@@ -2,7 +2,8 @@
 
 Families: Llama-style decoders (model_type llama, mistral, qwen2, qwen3: RoPE, RMSNorm, SwiGLU, GQA,
 optional q/k/v biases or QK-norm), their mixture-of-experts kin (mixtral, qwen3_moe: hf_moe.py),
-GPT-2 (learned positions, LayerNorm, tanh GeLU, biases) and Mamba-2 (mamba2: hf_mamba.py).
+GPT-2 (learned positions, LayerNorm, tanh GeLU, biases), Mamba-2 and the Nemotron-H hybrids
+(mamba2, nemotron_h: hf_mamba.py).
 
 One table per family lists, for each trireme tensor, the Hugging Face tensors it is made of and how
 (hf_table.py). Reading runs the table forwards, writing backwards, so the two directions cannot
@@ -31,10 +32,13 @@ from trireme.checkpoint.converted import (
 )
 from trireme.checkpoint.hf_mamba import (
     MAMBA_TYPES,
-    check_mamba2_exportable,
     mamba2_entries,
     mamba2_hf_config,
     mamba2_model_config,
+    mamba_family,
+    nemotron_h_entries,
+    nemotron_h_hf_config,
+    nemotron_h_model_config,
 )
 from trireme.checkpoint.hf_moe import (
     ARCHITECTURES,
@@ -213,8 +217,9 @@ def _gpt2_model_config(hf: dict, has_lm_head: bool) -> tuple[ModelConfig, list[s
 def _hf_config(cfg: ModelConfig, kind: str, biases: Biases, dtype: torch.dtype) -> dict:
     common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
               "torch_dtype": _DTYPE_NAMES[dtype], "bos_token_id": None, "eos_token_id": None}
-    if kind == "mamba2":
-        return {**mamba2_hf_config(cfg), **common}
+    if kind in MAMBA_TYPES:
+        family = mamba2_hf_config(cfg) if kind == "mamba2" else nemotron_h_hf_config(cfg)
+        return {**family, **common}
     if kind == "gpt2":
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
                 "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers,
@@ -250,8 +255,7 @@ def _choose_architecture(cfg: ModelConfig, state: dict[str, Tensor]) -> tuple[st
     """The Hugging Face architecture (and its bias switches) that holds this model exactly."""
     shape = (cfg.position_embedding, cfg.normalization, cfg.activation)
     if "M" in cfg.layer_pattern:
-        check_mamba2_exportable(cfg)
-        return "mamba2", (cfg.bias, cfg.bias, False)
+        return mamba_family(cfg), (cfg.bias, cfg.bias, False)
     if shape == ("rope", "rmsnorm", "swiglu") and "E" in cfg.layer_pattern:
         return choose_moe_architecture(cfg), (cfg.bias, cfg.bias, False)
     if shape == ("learned", "layernorm", "gelu") and not cfg.qk_norm:
@@ -354,9 +358,12 @@ def hf_model_config(hf: dict, has_lm_head: bool) -> tuple[ModelConfig, list[Entr
         if kind in LLAMA_TYPES:
             cfg, biases, notes = _llama_model_config(hf, has_lm_head)
             return cfg, _llama_table(cfg, *biases, kind), notes
-        if kind in MAMBA_TYPES:
+        if kind == "mamba2":
             cfg, notes = mamba2_model_config(hf, has_lm_head)
             return cfg, mamba2_entries(cfg), notes
+        if kind == "nemotron_h":
+            cfg, notes = nemotron_h_model_config(hf, has_lm_head)
+            return cfg, nemotron_h_entries(cfg), notes
     except KeyError as e:
         raise CheckpointError(f"config.json lacks {e}, which a {kind} model needs") from None
     if kind == "qwen2_moe":
@@ -418,8 +425,8 @@ def write_hf(
 
     cfg = conv.model
     kind, biases = _choose_architecture(cfg, conv.state)
-    if kind == "mamba2":
-        table = mamba2_entries(cfg)
+    if kind in MAMBA_TYPES:
+        table = mamba2_entries(cfg) if kind == "mamba2" else nemotron_h_entries(cfg)
     else:
         table = _gpt2_table(cfg) if kind == "gpt2" else _llama_table(cfg, *biases, kind)
     tensors = cast_state(export_state(table, conv.state, cfg), dtype)

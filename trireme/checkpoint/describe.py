@@ -30,7 +30,7 @@ def model_summary(cfg: ModelConfig) -> str:
         heads += f" / {cfg.kv_heads} query groups"
     position = (f"rope (theta {cfg.rope_theta:g}"
                 + (", llama3 scaling)" if cfg.rope_scaling == "llama3" else ")")
-                if cfg.position_embedding == "rope" else "learned positions")
+                if cfg.position_embedding == "rope" else f"{cfg.position_embedding} positions")
     vocab = f"vocab {cfg.vocab_size}"
     if cfg.padded_vocab_size != cfg.vocab_size:
         vocab += f" (padded {cfg.padded_vocab_size})"
