@@ -33,7 +33,8 @@ FLOORS = [
 OPTIONAL = ("torchao", "triton", "torch.utils.tensorboard", "tensorboard", "tiktoken",
             "sentencepiece", "zstandard", "pyarrow", "resource", "fcntl", "megatron",
             "trireme.ops.swiglu_triton", "trireme.ops.moe_permute_triton",
-            "trireme.ops.accumulate_triton", "wandb", "mamba_ssm", "causal_conv1d")
+            "trireme.ops.accumulate_triton", "wandb", "mamba_ssm", "causal_conv1d",
+            "trireme.ops.ssd_triton")
 
 
 def module_files() -> dict[str, Path]:

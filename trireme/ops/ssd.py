@@ -105,12 +105,30 @@ def ssd_step(
     return y, state
 
 
+def intra_chunk(C: Tensor, B: Tensor, cs: Tensor, xdt: Tensor) -> Tensor:
+    """The within-chunk part of the scan, for N chunks of Q positions: C, B [N, Q, g, n], cs
+    [N, Q, h] (the running log decay), xdt [N, Q, h, p] -> y [N, Q, h, p] with
+    y_i = sum_{j <= i} (C_i . B_j) exp(cs_i - cs_j) xdt_j. Holds [N, h, Q, Q] matrices; the Triton
+    kernels of trireme.ops.ssd_triton compute the same without them."""
+    N, Q, g, n = C.shape
+    h, p = xdt.shape[2], xdt.shape[3]
+    k = h // g
+    scores = torch.einsum("zign,zjgn->zgij", C, B)  # [N, g, Q, Q]
+    csh = cs.view(N, Q, g, k).permute(0, 2, 3, 1)  # [N, g, k, Q]
+    diff = csh.unsqueeze(-1) - csh.unsqueeze(-2)  # [N, g, k, Q(i), Q(j)]
+    causal = torch.ones(Q, Q, dtype=torch.bool, device=C.device).tril()
+    decay = torch.exp(diff.masked_fill(~causal, float("-inf")))
+    y = torch.einsum("zgkij,zjgkp->zigkp", decay * scores.unsqueeze(2), xdt.view(N, Q, g, k, p))
+    return y.reshape(N, Q, h, p)
+
+
 def ssd_scan(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int,
-    D: Tensor | None = None, initial_state: Tensor | None = None,
+    D: Tensor | None = None, initial_state: Tensor | None = None, triton: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """The chunked scan (module docstring); the same arguments and results as `ssd_recurrence`.
-    Math in fp32; y in x's dtype."""
+    Math in fp32; y in x's dtype. `triton`: the within-chunk part by trireme.ops.ssd_triton's
+    kernels (CUDA, or Triton's CPU interpreter)."""
     b, length, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     k = _heads_per_group(x, B)
@@ -127,13 +145,12 @@ def ssd_scan(
     cs = torch.cumsum(dtc * _wide(A).view(g, k), dim=2)  # [b, c, Q, g, k]: log decay so far
     xdt = xc * dtc.unsqueeze(-1)  # [b, c, Q, g, k, p]
 
-    # within each chunk: (C_i . B_j) exp(cs_i - cs_j) for j <= i
-    scores = torch.einsum("bcign,bcjgn->bcgij", Cc, Bc)  # [b, c, g, Q, Q]
-    csh = cs.permute(0, 1, 3, 4, 2)  # [b, c, g, k, Q]
-    diff = csh.unsqueeze(-1) - csh.unsqueeze(-2)  # [b, c, g, k, Q(i), Q(j)]
-    causal = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()
-    decay = torch.exp(diff.masked_fill(~causal, float("-inf")))
-    y = torch.einsum("bcgkij,bcjgkp->bcigkp", decay * scores.unsqueeze(3), xdt)
+    # within each chunk: sum_j (C_i . B_j) exp(cs_i - cs_j) dt_j x_j for j <= i
+    intra = intra_chunk
+    if triton:  # the same numbers without the [Q, Q] matrices in memory
+        from trireme.ops.ssd_triton import intra_chunk_triton as intra
+    y = intra(Cc.reshape(b * c, Q, g, n), Bc.reshape(b * c, Q, g, n), cs.reshape(b * c, Q, h),
+              xdt.reshape(b * c, Q, h, p)).view(b, c, Q, g, k, p)
 
     # each chunk's own contribution to the state at its end: [b, c, g, k, p, n]
     to_end = torch.exp(cs[:, :, -1:] - cs)  # [b, c, Q, g, k]
