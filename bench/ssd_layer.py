@@ -7,11 +7,12 @@
 Shapes follow Nemotron-H's mixers: d_inner = 2 x hidden, head_dim 64, d_state 128, 8 groups,
 chunks of 128, batch 1 (--batch). For each (hidden, seq):
 1. scan: x, dt, A, B, C -> y (trireme.ops.ssd.ssd_scan), forward + backward, paths
-   `torch` (eager), `compiled` (torch.compile of the same function; CUDA only) and `mamba_ssm`
+   `torch` (eager), `compiled` (torch.compile of the same function; CUDA only), `triton`
+   (trireme's within-chunk kernels, trireme.ops.ssd_triton; CUDA only) and `mamba_ssm`
    (mamba_ssm's Triton mamba_chunk_scan_combined, when the package imports); the error of each
    against `torch` (relative max of y and dx) is reported.
 2. layer: the whole sublayer (in_proj, conv, scan, gated norm, out_proj; trireme.models.mamba),
-   `torch`, `compiled` and `mamba_ssm` (model.mamba_kernels = "mamba_ssm", when it imports).
+   `torch`, `compiled`, `triton` and `mamba_ssm` (model.mamba_kernels, when it imports).
    TFLOP/s count Megatron's FLOPs for the layer (trireme.models.stages: forward x 3).
 Times are the median of --iters after --warmup (CUDA synchronized). A path that runs out of
 memory is reported as "oom". Prints a table, writes bench/results/ssd_layer.json (and a copy to
@@ -99,6 +100,8 @@ def scan_paths(args, device):
     paths = {"torch": lambda x, dt, A, B, C: ssd_scan(x, dt, A, B, C, args.chunk)[0]}
     if device.type == "cuda":
         paths["compiled"] = torch.compile(paths["torch"])
+        paths["triton"] = lambda x, dt, A, B, C: ssd_scan(x, dt, A, B, C, args.chunk,
+                                                          triton=True)[0]
         fast = fast_ssd_kernels(device)
         if fast is not None:
             paths["mamba_ssm"] = lambda x, dt, A, B, C: fast.scan(x, dt, A, B, C, args.chunk)
@@ -145,6 +148,9 @@ def layer_paths(args, hidden: int, device, dtype) -> tuple[ModelConfig, dict]:
     paths = {"torch": layer}
     if device.type == "cuda":
         paths["compiled"] = torch.compile(layer)
+        own = Mamba(dataclasses.replace(cfg, mamba_kernels="triton"), ParallelContext())
+        own.load_state_dict(layer.state_dict())
+        paths["triton"] = own.to(device=device, dtype=dtype)
         if fast_ssd_kernels(device) is not None:
             fast = Mamba(dataclasses.replace(cfg, mamba_kernels="mamba_ssm"), ParallelContext())
             fast.load_state_dict(layer.state_dict())

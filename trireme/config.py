@@ -228,11 +228,13 @@ class ModelConfig:
     mamba_a_init_min: float = doc(
         1.0, "Mamba-2 init: A = -exp(A_log) with -A drawn uniform in [a_init_min, a_init_max].")
     mamba_a_init_max: float = doc(16.0, "Mamba-2 init: see mamba_a_init_min.")
-    mamba_kernels: Literal["auto", "torch", "mamba_ssm"] = doc(
+    mamba_kernels: Literal["auto", "torch", "triton", "mamba_ssm"] = doc(
         "auto", "Mamba-2 training kernels. torch: the plain chunked scan (trireme.ops.ssd); "
-        "mamba_ssm: mamba_ssm's Triton scan and causal_conv1d's convolution (optional packages, "
-        "CUDA); auto: mamba_ssm where it imports and the tensors are on CUDA, else torch. "
-        "Decoding always uses the plain recurrence.")
+        "triton: the same with trireme's Triton kernels for its within-chunk part (no "
+        "[chunk, chunk] matrices in memory; CUDA, the plain scan elsewhere); mamba_ssm: "
+        "mamba_ssm's Triton scan and causal_conv1d's convolution (optional packages, CUDA); "
+        "auto: mamba_ssm where it imports and the tensors are on CUDA, else torch. Decoding "
+        "always uses the plain recurrence.")
 
     @property
     def layer_symbols(self) -> list[str]:

@@ -21,6 +21,10 @@ divide the groups, so a group and the heads that read its B and C stay on one ra
 column-parallel over the five parts, the convolution, A_log, D, dt_bias and the norm hold this
 rank's channels, out_proj is row-parallel. Nothing in between needs communication.
 
+Kernels (model.mamba_kernels): the plain chunked scan, its within-chunk part as trireme's Triton
+kernels ("triton", CUDA), or mamba_ssm's scan and causal_conv1d's convolution ("mamba_ssm", or
+"auto" where they import); all compute the same numbers up to rounding.
+
 Decoding keeps a `MambaState` per sublayer (the convolution's last w - 1 inputs and the scan's
 [heads, p, n] state) instead of keys and values: one token costs the same at any position.
 """
@@ -214,15 +218,16 @@ class Mamba(nn.Module):
             y, ssm_state = ssd_step(xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], ssm_state, self.D)
             y = y.unsqueeze(1).to(xs.dtype)
         else:
+            triton = self.kernels == "triton" and xs.is_cuda and cache is None
             y, ssm_state = ssd_scan(xs, dt, A, B, C, self.cfg.mamba_chunk_size, self.D,
-                                    initial_state=ssm_state)
+                                    initial_state=ssm_state, triton=triton)
         if cache is not None:
             cache.conv[:b].copy_(conv_state)
             cache.ssm[:b].copy_(ssm_state)
         return self.norm(y.reshape(b, s, self.inner), z)  # [b, s, d_in]
 
     def _fast_kernels(self, device: torch.device) -> FastKernels | None:
-        if self.kernels == "torch":
+        if self.kernels in ("torch", "triton"):
             return None
         fast = fast_ssd_kernels(device)
         if fast is None and self.kernels == "mamba_ssm":
