@@ -78,8 +78,12 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-4) -> No
 
 
 @pytest.mark.parametrize("name", [*HF_MODELS, "nemotron-h"])
-def test_hf_mamba2_and_nemotron_h_both_ways_same_logits(tmp_path: Path, name: str) -> None:
+def test_hf_mamba2_and_nemotron_h_both_ways_same_logits(tmp_path: Path, capsys,
+                                                        name: str) -> None:
     hf = make_hf(name, tmp_path / "hf")
+    assert main(["inspect", str(tmp_path / "hf")]) == 0
+    heads = getattr(hf.config, "num_heads", None) or hf.config.mamba_num_heads
+    assert f"3 Mamba-2 layers ({heads} heads x " in capsys.readouterr().out
     ids = torch.randint(0, VOCAB, (2, 21), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = hf(ids).logits
