@@ -128,11 +128,11 @@ class Mamba(nn.Module):
         self.tp_rank, self.tp_size = (tp.rank, tp.size) if tp is not None else (0, 1)
         self.resid_dropout = dropout(cfg.dropout, ctx.residual_rng)
         self.recompute_core = False  # selective recomputation: see set_recompute
-        self.kernels = cfg.mamba_kernels  # "auto", "torch" or "mamba_ssm" (model.mamba_kernels)
+        self.kernels = cfg.mamba_kernels  # auto, torch, triton or mamba_ssm (model.mamba_kernels)
 
     def init_rules(self) -> dict[str, InitRule]:
-        cfg, d_in, gn = self.cfg, self.cfg.mamba_inner_size, self.cfg.mamba_num_groups
-        gn *= self.state_dim
+        cfg, d_in = self.cfg, self.cfg.mamba_inner_size
+        gn = cfg.mamba_num_groups * cfg.mamba_state_dim  # rows of B (and of C), all groups
         return {
             "in_proj.weight": InitRule(parts=(("z", d_in), ("x", d_in), ("B", gn), ("C", gn),
                                               ("dt", self.cfg.mamba_heads))),
