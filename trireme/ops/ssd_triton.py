@@ -17,7 +17,9 @@ j <= i, like a causal attention without softmax; `rows_backward` and `cols_backw
 tiles for the row-side (dC, dcs_i) and column-side (dxdt, dB, dcs_j) gradients. The plain PyTorch
 reference is trireme.ops.ssd.intra_chunk; tests compare the two through Triton's CPU interpreter.
 Inputs fp32, contiguous: C, B [N, Q, g, n]; cs [N, Q, h]; xdt [N, Q, h, p]. n and p are padded to
-powers of two inside the kernels (masked). On CUDA tl.dot may use TF32.
+powers of two inside the kernels (masked); offsets are 64-bit (the chunk index). On CUDA tl.dot
+may use TF32. Checked through the interpreter only so far: bench/ssd_layer.py reports the GPU
+path's error against the plain scan.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def _tile(C, B, cs, rows, cols, nq, grp, head, Q: tl.constexpr, G: tl.constexpr,
 def forward_kernel(C, B, cs, X, Y, Q: tl.constexpr, G: tl.constexpr, H: tl.constexpr,
                    NS: tl.constexpr, P: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr,
                    BLOCK: tl.constexpr):
-    nq, head, blk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    nq, head, blk = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     grp = head // (H // G)
     rows = blk * BLOCK + tl.arange(0, BLOCK)
     ps = tl.arange(0, BP)
@@ -68,7 +70,7 @@ def rows_backward(C, B, cs, X, DY, DC, DCS, Q: tl.constexpr, G: tl.constexpr, H:
                   NS: tl.constexpr, P: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr,
                   BLOCK: tl.constexpr):
     """dC_i (per head, [N, Q, H, NS]) and sum_j G_ij into DCS [N, Q, H]."""
-    nq, head, blk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    nq, head, blk = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     grp = head // (H // G)
     rows = blk * BLOCK + tl.arange(0, BLOCK)
     ps, ns = tl.arange(0, BP), tl.arange(0, BN)
@@ -94,7 +96,7 @@ def cols_backward(C, B, cs, X, DY, DX, DB, DCS, Q: tl.constexpr, G: tl.constexpr
                   H: tl.constexpr, NS: tl.constexpr, P: tl.constexpr, BN: tl.constexpr,
                   BP: tl.constexpr, BLOCK: tl.constexpr):
     """dxdt_j, dB_j (per head) and -sum_i G_ij added into DCS."""
-    nq, head, blk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    nq, head, blk = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     grp = head // (H // G)
     cols = blk * BLOCK + tl.arange(0, BLOCK)
     ps, ns = tl.arange(0, BP), tl.arange(0, BN)
