@@ -34,7 +34,8 @@ OPTIONAL = ("torchao", "triton", "torch.utils.tensorboard", "tensorboard", "tikt
             "sentencepiece", "zstandard", "pyarrow", "resource", "fcntl", "megatron",
             "trireme.ops.swiglu_triton", "trireme.ops.moe_permute_triton",
             "trireme.ops.accumulate_triton", "wandb", "trireme.ops.paged_attention_triton",
-            "uvicorn", "fastapi", "jinja2", "trireme.inference.server")
+            "uvicorn", "fastapi", "jinja2", "trireme.inference.server", "mamba_ssm",
+            "causal_conv1d", "trireme.ops.ssd_triton")
 
 
 def module_files() -> dict[str, Path]:

@@ -36,7 +36,6 @@ def test_pattern_cut_into_layers_at_each_mixer():
     ("*-*-", "2 mixers"),  # tiny has 4 layers
     ("-*-*-*-*", "must start with a mixer"),
     ("*x*-*-*-", "unknown symbol"),
-    ("M-M-M-M-", "'M' (Mamba-2 mixer) is not implemented yet"),
 ])
 def test_bad_patterns_are_one_line_errors(pattern, words):
     with pytest.raises(ConfigError, match=r"model.layer_pattern") as err:

@@ -39,7 +39,7 @@ class ResumeStep(str):
 
 MIXERS = "*M"  # sublayers that mix across positions; each starts a layer
 SYMBOLS = {"*": "self-attention", "-": "MLP", "E": "mixture-of-experts MLP", "M": "Mamba-2 mixer"}
-NOT_YET = {"M": "issue 18"}  # symbols whose sublayer has not landed
+NOT_YET: dict[str, str] = {}  # symbols whose sublayer has not landed (symbol -> issue)
 
 
 def parse_layer_pattern(pattern: str, num_layers: int) -> list[str]:
@@ -94,8 +94,9 @@ class ModelConfig:
         "entries never take part in the loss or in sampling."
     )
     seq_length: int = doc(256, "Tokens per training sample (context length).")
-    position_embedding: Literal["rope", "learned"] = doc(
-        "rope", "rope: rotary embeddings in attention (Llama); learned: an absolute table (GPT-2)."
+    position_embedding: Literal["rope", "learned", "none"] = doc(
+        "rope", "rope: rotary embeddings in attention (Llama); learned: an absolute table (GPT-2); "
+        "none: no position information (Nemotron-H: its Mamba layers see the order)."
     )
     rope_theta: float = doc(10000.0, "Base of the rotary frequencies.")
     rope_scaling: Literal["none", "llama3"] = doc(
@@ -107,8 +108,9 @@ class ModelConfig:
     rope_original_max_position: int = doc(8192, "llama3 scaling: original context length.")
     normalization: Literal["rmsnorm", "layernorm"] = doc("rmsnorm", "Normalization layer.")
     norm_eps: float = doc(1e-5, "Epsilon of the normalization layers.")
-    activation: Literal["swiglu", "gelu"] = doc(
-        "swiglu", "MLP: swiglu (gated, three matrices, Llama) or gelu (two matrices, GPT-2)."
+    activation: Literal["swiglu", "gelu", "relu2"] = doc(
+        "swiglu", "MLP: swiglu (gated, three matrices, Llama), gelu (two matrices, GPT-2) or "
+        "relu2 (squared ReLU, two matrices, Nemotron-H)."
     )
     fused_swiglu: bool = doc(
         False, "SwiGLU's backward as one Triton kernel on CUDA (reads gate, up and the output's "
@@ -199,6 +201,44 @@ class ModelConfig:
         "alltoall (each rank sends its tokens' assignments) or allgather (every rank gathers "
         "every rank's tokens; more traffic, no size exchange).")
 
+    mamba_state_dim: int = doc(
+        0, "Mamba-2 (M in layer_pattern): state size per head and channel (d_state; 128 in "
+        "Mamba-2 and Nemotron-H, 16 for small models). Must be set when the pattern has an M.")
+    mamba_head_dim: int = doc(
+        0, "Mamba-2: channels per head (headdim; 64 in Mamba-2). Must be set with an M.")
+    mamba_num_heads: int = doc(
+        0, "Mamba-2: number of heads. 0: mamba_expand * hidden_size / mamba_head_dim.")
+    mamba_expand: int = doc(
+        2, "Mamba-2: inner width d_inner = mamba_num_heads * mamba_head_dim, by default "
+        "expand * hidden_size.")
+    mamba_num_groups: int = doc(
+        1, "Mamba-2: groups of heads that share B and C (ngroups; 8 in Nemotron-H). Must divide "
+        "the heads, and be divisible by parallel.tensor.")
+    mamba_conv_kernel: int = doc(4, "Mamba-2: width of the depthwise causal convolution (d_conv).")
+    mamba_conv_bias: bool = doc(True, "Mamba-2: a bias in the convolution.")
+    mamba_chunk_size: int = doc(
+        128, "Mamba-2: positions per chunk of the chunked scan (the within-chunk matrices are "
+        "chunk x chunk; any sequence length works).")
+    mamba_dt_min: float = doc(
+        0.001, "Mamba-2 init: step sizes dt are drawn log-uniform in [dt_min, dt_max] and "
+        "dt_bias set to softplus^-1(dt).")
+    mamba_dt_max: float = doc(0.1, "Mamba-2 init: see mamba_dt_min.")
+    mamba_dt_init_floor: float = doc(1e-4, "Mamba-2 init: the drawn dt is at least this.")
+    mamba_dt_limit_min: float = doc(
+        0.0, "Mamba-2: every step size softplus(dt + dt_bias) is clamped to at least this.")
+    mamba_dt_limit_max: float = doc(
+        0.0, "Mamba-2: ... and at most this (0: no upper limit).")
+    mamba_a_init_min: float = doc(
+        1.0, "Mamba-2 init: A = -exp(A_log) with -A drawn uniform in [a_init_min, a_init_max].")
+    mamba_a_init_max: float = doc(16.0, "Mamba-2 init: see mamba_a_init_min.")
+    mamba_kernels: Literal["auto", "torch", "triton", "mamba_ssm"] = doc(
+        "auto", "Mamba-2 training kernels. torch: the plain chunked scan (trireme.ops.ssd); "
+        "triton: the same with trireme's Triton kernels for its within-chunk part (no "
+        "[chunk, chunk] matrices in memory; CUDA, the plain scan elsewhere); mamba_ssm: "
+        "mamba_ssm's Triton scan and causal_conv1d's convolution (optional packages, CUDA); "
+        "auto: mamba_ssm where it imports and the tensors are on CUDA, else torch. Decoding "
+        "always uses the plain recurrence.")
+
     @property
     def layer_symbols(self) -> list[str]:
         """Each layer's sublayers, e.g. ["*-", "*-"]: the pattern cut before every mixer."""
@@ -220,6 +260,16 @@ class ModelConfig:
     @property
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def mamba_heads(self) -> int:
+        return self.mamba_num_heads or (
+            self.mamba_expand * self.hidden_size // max(self.mamba_head_dim, 1))
+
+    @property
+    def mamba_inner_size(self) -> int:
+        """d_inner = heads * head_dim: the width of x, z and the gated norm."""
+        return self.mamba_heads * self.mamba_head_dim
 
     @property
     def moe_ffn_size(self) -> int:
@@ -321,7 +371,8 @@ class OptimizerConfig:
     min_lr: float = doc(3e-5, "Learning rate at the end of the decay.")
     weight_decay: float = doc(0.1, "Decoupled weight decay.")
     no_decay: list[str] = doc(
-        ["norm", "bias"], "Parameter kinds without weight decay: any of norm, bias, embedding."
+        ["norm", "bias", "ssm"], "Parameter kinds without weight decay: any of norm, bias, "
+        "embedding, ssm (Mamba-2's A_log, D and dt_bias, as the reference implementation)."
     )
     beta1: float = doc(0.9, "Adam beta1.")
     beta2: float = doc(0.95, "Adam beta2.")
@@ -784,6 +835,11 @@ def _check_model(cfg: Config, need_vocab: bool) -> None:
                           f"implemented yet ({NOT_YET[symbol]}); use *, - and E")
     if "E" in m.layer_pattern:
         _check_moe(m, p)
+    if "M" in m.layer_pattern:
+        _check_mamba(m, p)
+        if cfg.data.reset_attention_mask:
+            raise ConfigError("data.reset_attention_mask (packed documents) with Mamba-2 layers "
+                              "(M) is not implemented yet; set it to false")
     if m.head_dim == 0 and m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"model.hidden_size = {m.hidden_size} is not divisible by model.num_attention_heads = "
@@ -845,6 +901,41 @@ def _check_moe(m: ModelConfig, p: ParallelConfig) -> None:
                           "TP ranks share the tokens)")
 
 
+def _check_mamba(m: ModelConfig, p: ParallelConfig) -> None:
+    """The Mamba-2 keys, when the pattern has an M."""
+    for key in ("mamba_state_dim", "mamba_head_dim"):
+        if getattr(m, key) < 1:
+            raise ConfigError(f"model.{key} = {getattr(m, key)} must be at least 1 with Mamba-2 "
+                              "layers (M) in model.layer_pattern; e.g. mamba_state_dim = 128, "
+                              "mamba_head_dim = 64 (16 and 16 for a tiny model)")
+    for key in ("mamba_num_heads", "mamba_expand", "mamba_num_groups", "mamba_conv_kernel",
+                "mamba_chunk_size"):
+        if getattr(m, key) < (0 if key == "mamba_num_heads" else 1):
+            raise ConfigError(f"model.{key} = {getattr(m, key)} must be at least 1")
+    if not m.mamba_num_heads and (m.mamba_expand * m.hidden_size) % m.mamba_head_dim:
+        raise ConfigError(f"model.mamba_expand x hidden_size = {m.mamba_expand * m.hidden_size} "
+                          f"is not divisible by model.mamba_head_dim = {m.mamba_head_dim}; "
+                          "change one or set model.mamba_num_heads")
+    heads, groups = m.mamba_heads, m.mamba_num_groups
+    if heads % groups:
+        raise ConfigError(f"model.mamba_num_groups = {groups} must divide the {heads} Mamba "
+                          "heads (each group's B and C serve whole heads)")
+    if groups % p.tensor:
+        raise ConfigError(f"model.mamba_num_groups = {groups} is not divisible by "
+                          f"parallel.tensor = {p.tensor}; each tensor-parallel rank holds whole "
+                          "groups (and their heads)")
+    if not 0 < m.mamba_dt_min <= m.mamba_dt_max or m.mamba_dt_init_floor < 0:
+        raise ConfigError(f"model.mamba_dt_min = {m.mamba_dt_min} and mamba_dt_max = "
+                          f"{m.mamba_dt_max} must satisfy 0 < dt_min <= dt_max")
+    if not 0 < m.mamba_a_init_min <= m.mamba_a_init_max:
+        raise ConfigError(f"model.mamba_a_init_min = {m.mamba_a_init_min} and mamba_a_init_max "
+                          f"= {m.mamba_a_init_max} must satisfy 0 < min <= max")
+    if m.mamba_dt_limit_min < 0 or 0 < m.mamba_dt_limit_max < m.mamba_dt_limit_min:
+        raise ConfigError(f"model.mamba_dt_limit_min = {m.mamba_dt_limit_min} and "
+                          f"mamba_dt_limit_max = {m.mamba_dt_limit_max}: need 0 <= min <= max "
+                          "(max 0: no upper limit)")
+
+
 def _check_train(cfg: Config) -> None:
     m, t = cfg.model, cfg.train
     if t.recompute_layers > m.num_layers:
@@ -879,9 +970,9 @@ def _check_optimizer_and_data(cfg: Config) -> None:
     if not 0.0 <= cfg.schedule.wsd_decay_fraction <= 1.0:
         raise ConfigError("schedule.wsd_decay_fraction must be in [0, 1]")
     for kind in cfg.optimizer.no_decay:
-        if kind not in ("norm", "bias", "embedding"):
+        if kind not in ("norm", "bias", "embedding", "ssm"):
             raise ConfigError(
-                f"optimizer.no_decay entry {kind!r} is not one of: norm, bias, embedding"
+                f"optimizer.no_decay entry {kind!r} is not one of: norm, bias, embedding, ssm"
             )
     try:
         shares = [float(s) for s in cfg.data.split.split(",")]

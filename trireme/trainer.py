@@ -182,7 +182,8 @@ def check_context_parallel(cfg: Config) -> None:
         raise ConfigError("data.reset_attention_mask (packed documents) with parallel.context > 1 "
                           "needs parallel.context_mode = 'allgather'")
     unsupported = {"model.dropout > 0": m.dropout > 0,
-                   "mixture-of-experts layers (E)": "E" in m.layer_pattern}
+                   "mixture-of-experts layers (E)": "E" in m.layer_pattern,
+                   "Mamba-2 layers (M)": "M" in m.layer_pattern}
     for name, used in unsupported.items():
         if used:
             raise ConfigError(f"parallel.context > 1 with {name}: not implemented yet")

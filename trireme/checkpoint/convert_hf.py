@@ -1,8 +1,9 @@
 """Hugging Face folders (config.json + safetensors) to and from trireme's model.
 
 Families: Llama-style decoders (model_type llama, mistral, qwen2, qwen3: RoPE, RMSNorm, SwiGLU, GQA,
-optional q/k/v biases or QK-norm), their mixture-of-experts kin (mixtral, qwen3_moe: hf_moe.py)
-and GPT-2 (learned positions, LayerNorm, tanh GeLU, biases).
+optional q/k/v biases or QK-norm), their mixture-of-experts kin (mixtral, qwen3_moe: hf_moe.py),
+GPT-2 (learned positions, LayerNorm, tanh GeLU, biases), Mamba-2 and the Nemotron-H hybrids
+(mamba2, nemotron_h: hf_mamba.py).
 
 One table per family lists, for each trireme tensor, the Hugging Face tensors it is made of and how
 (hf_table.py). Reading runs the table forwards, writing backwards, so the two directions cannot
@@ -28,6 +29,16 @@ from trireme.checkpoint.converted import (
     atomic_output_dir,
     cast_state,
     copy_tokenizer_files,
+)
+from trireme.checkpoint.hf_mamba import (
+    MAMBA_TYPES,
+    mamba2_entries,
+    mamba2_hf_config,
+    mamba2_model_config,
+    mamba_family,
+    nemotron_h_entries,
+    nemotron_h_hf_config,
+    nemotron_h_model_config,
 )
 from trireme.checkpoint.hf_moe import (
     ARCHITECTURES,
@@ -206,6 +217,9 @@ def _gpt2_model_config(hf: dict, has_lm_head: bool) -> tuple[ModelConfig, list[s
 def _hf_config(cfg: ModelConfig, kind: str, biases: Biases, dtype: torch.dtype) -> dict:
     common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
               "torch_dtype": _DTYPE_NAMES[dtype], "bos_token_id": None, "eos_token_id": None}
+    if kind in MAMBA_TYPES:
+        family = mamba2_hf_config(cfg) if kind == "mamba2" else nemotron_h_hf_config(cfg)
+        return {**family, **common}
     if kind == "gpt2":
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
                 "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers,
@@ -240,6 +254,8 @@ def _hf_config(cfg: ModelConfig, kind: str, biases: Biases, dtype: torch.dtype) 
 def _choose_architecture(cfg: ModelConfig, state: dict[str, Tensor]) -> tuple[str, Biases]:
     """The Hugging Face architecture (and its bias switches) that holds this model exactly."""
     shape = (cfg.position_embedding, cfg.normalization, cfg.activation)
+    if "M" in cfg.layer_pattern:
+        return mamba_family(cfg), (cfg.bias, cfg.bias, False)
     if shape == ("rope", "rmsnorm", "swiglu") and "E" in cfg.layer_pattern:
         return choose_moe_architecture(cfg), (cfg.bias, cfg.bias, False)
     if shape == ("learned", "layernorm", "gelu") and not cfg.qk_norm:
@@ -342,6 +358,12 @@ def hf_model_config(hf: dict, has_lm_head: bool) -> tuple[ModelConfig, list[Entr
         if kind in LLAMA_TYPES:
             cfg, biases, notes = _llama_model_config(hf, has_lm_head)
             return cfg, _llama_table(cfg, *biases, kind), notes
+        if kind == "mamba2":
+            cfg, notes = mamba2_model_config(hf, has_lm_head)
+            return cfg, mamba2_entries(cfg), notes
+        if kind == "nemotron_h":
+            cfg, notes = nemotron_h_model_config(hf, has_lm_head)
+            return cfg, nemotron_h_entries(cfg), notes
     except KeyError as e:
         raise CheckpointError(f"config.json lacks {e}, which a {kind} model needs") from None
     if kind == "qwen2_moe":
@@ -350,7 +372,7 @@ def hf_model_config(hf: dict, has_lm_head: bool) -> tuple[ModelConfig, list[Entr
                               "trireme's MoE layer lacks")
     raise CheckpointError(
         f"config.json: model_type {kind!r} is not supported (supported: gpt2, "
-        f"{', '.join(LLAMA_TYPES)})"
+        f"{', '.join(LLAMA_TYPES + MAMBA_TYPES)})"
     )
 
 
@@ -363,6 +385,8 @@ def read_hf(folder: Path) -> Converted:
         tensors = _with_prefix(tensors, "transformer.", "wte.weight")
     elif kind in LLAMA_TYPES:
         tensors = _with_prefix(tensors, "model.", "embed_tokens.weight")
+    elif kind in MAMBA_TYPES:
+        tensors = _with_prefix(tensors, "backbone.", "embeddings.weight")
     cfg, table, notes = hf_model_config(hf, "lm_head.weight" in tensors)
     expected = their_shapes(table, cfg)
     missing = [n for n in expected if n not in tensors]
@@ -401,7 +425,10 @@ def write_hf(
 
     cfg = conv.model
     kind, biases = _choose_architecture(cfg, conv.state)
-    table = _gpt2_table(cfg) if kind == "gpt2" else _llama_table(cfg, *biases, kind)
+    if kind in MAMBA_TYPES:
+        table = mamba2_entries(cfg) if kind == "mamba2" else nemotron_h_entries(cfg)
+    else:
+        table = _gpt2_table(cfg) if kind == "gpt2" else _llama_table(cfg, *biases, kind)
     tensors = cast_state(export_state(table, conv.state, cfg), dtype)
     shards = _shard(tensors, shard_bytes)
     with atomic_output_dir(output) as tmp:

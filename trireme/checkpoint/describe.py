@@ -30,7 +30,7 @@ def model_summary(cfg: ModelConfig) -> str:
         heads += f" / {cfg.kv_heads} query groups"
     position = (f"rope (theta {cfg.rope_theta:g}"
                 + (", llama3 scaling)" if cfg.rope_scaling == "llama3" else ")")
-                if cfg.position_embedding == "rope" else "learned positions")
+                if cfg.position_embedding == "rope" else f"{cfg.position_embedding} positions")
     vocab = f"vocab {cfg.vocab_size}"
     if cfg.padded_vocab_size != cfg.vocab_size:
         vocab += f" (padded {cfg.padded_vocab_size})"
@@ -39,6 +39,11 @@ def model_summary(cfg: ModelConfig) -> str:
     if moe_layers:
         extras.append(f"{moe_layers} MoE layers ({cfg.moe_num_experts} experts x "
                       f"{cfg.moe_ffn_size}, top-{cfg.moe_top_k}, {cfg.moe_router})")
+    mamba_layers = "".join(cfg.layer_symbols).count("M")
+    if mamba_layers:
+        extras.append(f"{mamba_layers} Mamba-2 layers ({cfg.mamba_heads} heads x "
+                      f"{cfg.mamba_head_dim}, d_state {cfg.mamba_state_dim}, "
+                      f"{count_of(cfg.mamba_num_groups, 'group')})")
     return ", ".join([
         count_of(cfg.num_layers, "layer"), f"hidden {cfg.hidden_size}",
         f"{heads} (head {cfg.head_size})",

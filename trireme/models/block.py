@@ -27,6 +27,7 @@ from torch import nn
 from trireme.config import NOT_YET, SYMBOLS, ModelConfig
 from trireme.errors import ConfigError
 from trireme.models.attention import Attention, Rope
+from trireme.models.mamba import Mamba
 from trireme.models.mlp import MLP
 from trireme.models.moe import MoE
 from trireme.models.paged import PagedLayout
@@ -40,6 +41,7 @@ SUBLAYERS: dict[str, tuple[str, type[nn.Module]]] = {
     "*": ("attention", Attention),
     "-": ("mlp", MLP),
     "E": ("moe", MoE),
+    "M": ("mamba", Mamba),
 }
 
 

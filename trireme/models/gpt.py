@@ -6,7 +6,8 @@
         x = x + mlp(mlp_norm(x))
     logits = output(final_norm(x))[..., :vocab_size]                 [b, s, vocab]
 
-The config picks learned or rotary positions, LayerNorm or RMSNorm, GeLU or SwiGLU, MHA / GQA / MQA,
+The config picks learned, rotary or no positions, LayerNorm or RMSNorm, GeLU, SwiGLU or squared
+ReLU, MHA / GQA / MQA,
 QK-norm, biases and tied embeddings. Activations are [b, s, h] (batch first). The sublayers and
 their fused weights' row layouts: trireme/models/attention.py and mlp.py.
 The embedding (and an untied output layer) has cfg.padded_vocab_size rows; the rows past
@@ -90,12 +91,10 @@ class GPT(nn.Module):
         self.padded_vocab_size = padded_vocab_size(cfg, ctx.size("tensor"))
         if first or (last and cfg.tie_embeddings):  # the last stage's copy is the output layer
             self.embedding = vocab_embedding(self.padded_vocab_size, h, tp)
-        if cfg.position_embedding == "learned" and not first:
-            self.rope = None
-        elif cfg.position_embedding == "learned":
+        self.rope = None  # learned positions (on the first stage), or none at all
+        if cfg.position_embedding == "learned" and first:
             self.position_embedding = nn.Embedding(cfg.seq_length, h)
-            self.rope = None
-        else:
+        elif cfg.position_embedding == "rope":
             inv_freq = rope_frequencies(
                 cfg.head_size, cfg.rope_theta, cfg.rope_scaling, cfg.rope_scaling_factor,
                 cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
@@ -223,7 +222,7 @@ class GPT(nn.Module):
     def _check_inputs(self, input_ids, start_pos, kv_cache, position_ids, document_ids) -> None:
         end = start_pos + input_ids.shape[1]
         ragged = getattr(kv_cache, "ragged", False)  # a PagedCache takes per-token positions
-        if self.rope is None and end > self.cfg.seq_length and not ragged:
+        if self.cfg.position_embedding == "learned" and end > self.cfg.seq_length and not ragged:
             raise TriremeError(
                 f"positions up to {end} exceed model.seq_length = {self.cfg.seq_length} "
                 "(learned position embeddings have no rows past it)"
@@ -254,7 +253,7 @@ class GPT(nn.Module):
                position_ids: torch.Tensor | None) -> torch.Tensor:
         """[b, s, h] token (+ learned position) embeddings; under SP this rank's [b, s / T, h]."""
         x = self.embedding(input_ids)
-        if self.rope is not None:
+        if self.cfg.position_embedding != "learned":
             return x
         if position_ids is None:
             positions = torch.arange(start_pos, start_pos + input_ids.shape[1],

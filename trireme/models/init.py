@@ -14,6 +14,8 @@ The rule for a parameter comes from its role, which the module holding it declar
 - vocabulary tables (embedding, untied output layer): exactly vocab_size rows drawn, padded rows 0.
 - fused weights draw their parts as separate tensors named `<name>/<part>`: attention's
   `qkv.weight/q`, `/k`, `/v`, SwiGLU's `fc1.weight/gate`, `/up`.
+- a parameter with its own distribution (Mamba-2's A_log, dt_bias, D, convolution) names a
+  `draw(seed, name, shape, device)` function in its rule, also a function of (seed, name) only.
 
 A tensor-parallel parameter (one with a Sharding, trireme.parallel.sharding) is drawn whole and the
 rank keeps its slice: the same numbers as the single-process model's, whatever the degree.
@@ -22,6 +24,7 @@ rank keeps its slice: the same numbers as the single-process model's, whatever t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +60,8 @@ class InitRule:
     residual_output: bool = False  # std / sqrt(2 * num_layers) under cfg.scaled_init
     parts: tuple[tuple[str, int], ...] = ()  # a fused weight: (part name, full rows) in order
     vocab_rows: int = 0  # a vocabulary table: draw this many rows, the padding stays 0
+    # its own distribution: draw(seed, name, full shape, device) -> fp32 tensor
+    draw: Callable[[int, str, tuple[int, ...], torch.device], torch.Tensor] | None = None
 
 
 def declared_rules(model: nn.Module) -> dict[str, InitRule]:
@@ -74,6 +79,8 @@ def _weight_value(
     dev: torch.device,
 ) -> torch.Tensor:
     """The fp32 initial value of the full (unsharded) `shape` weight called `name`."""
+    if rule.draw is not None:
+        return rule.draw(seed, name, shape, dev)
     std = cfg.init_std
     if rule.residual_output and cfg.scaled_init:
         std = std / math.sqrt(2 * cfg.num_layers)
@@ -100,9 +107,9 @@ def init_parameters(model: nn.Module, seed: int) -> None:
         for short_name, param in module.named_parameters(recurse=False):
             name = f"{module_name}.{short_name}" if module_name else short_name
             rule = rules.get(name, InitRule())
-            if short_name == "bias":
+            if short_name == "bias" and rule.draw is None:
                 param.zero_()
-            elif is_norm:
+            elif is_norm and rule.draw is None:
                 param.fill_(1.0)
             elif name in shardings:  # tensor parallel: draw the full tensor, keep this rank's slice
                 sharding = shardings[name]

@@ -1,8 +1,9 @@
-"""The `-` sublayer: SwiGLU, fc2(silu(gate) * up) with fc1 = [gate; up], or GeLU, fc2(gelu(fc1(x))).
+"""The `-` sublayer: SwiGLU, fc2(silu(gate) * up) with fc1 = [gate; up], GeLU, fc2(gelu(fc1(x))),
+or squared ReLU (Nemotron-H), fc2(relu(fc1(x))^2).
 
-SwiGLU's `fc1.weight` is [2 * ffn, h]: rows [gate; up]; GeLU's is [ffn, h]. Under tensor
-parallelism fc1 is column-parallel (gate and up split alike, so silu(gate_r) * up_r needs no
-communication) and fc2 row-parallel.
+SwiGLU's `fc1.weight` is [2 * ffn, h]: rows [gate; up]; GeLU's and squared ReLU's are
+[ffn, h]. Under tensor parallelism fc1 is column-parallel (gate and up split alike, so
+silu(gate_r) * up_r needs no communication) and fc2 row-parallel.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
         super().__init__()
         self.swiglu = cfg.activation == "swiglu"
+        self.relu2 = cfg.activation == "relu2"
         self.fused_swiglu = self.swiglu and cfg.fused_swiglu  # trireme.ops.swiglu
         fc1_parts = [(cfg.ffn_size, 1)] * (2 if self.swiglu else 1)  # gate and up split alike
         self.fc1_parts = (("gate", cfg.ffn_size), ("up", cfg.ffn_size)) if self.swiglu else ()
@@ -44,8 +46,10 @@ class MLP(nn.Module):
     def set_recompute(self, selective: bool) -> None:
         """Selective recomputation reruns SwiGLU's activation in the backward instead of keeping
         silu(gate) ([b, s, ffn]). GeLU's backward needs only its input, which fc1's output is
-        anyway, and the fused SwiGLU keeps only h: nothing to save there."""
-        self.recompute_activation = selective and self.swiglu and not self.fused_swiglu
+        anyway, and the fused SwiGLU keeps only h: nothing to save there. Squared ReLU reruns
+        relu(h) instead of keeping it."""
+        self.recompute_activation = selective and (
+            (self.swiglu and not self.fused_swiglu) or self.relu2)
 
     def new_cache(self, batch_size: int, max_len: int, device: torch.device,
                   dtype: torch.dtype) -> None:
@@ -64,4 +68,6 @@ class MLP(nn.Module):
             return fused_swiglu(h)
         if self.swiglu:
             return swiglu(h)  # silu(gate) * up, gate and up [b, s, ffn] halves of h
+        if self.relu2:
+            return torch.square(F.relu(h))
         return F.gelu(h, approximate="tanh")

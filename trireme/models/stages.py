@@ -53,7 +53,11 @@ def sublayer_flops(cfg: ModelConfig, symbol: str, seq_length: int | None = None)
     if symbol == "E":  # the active parameters: router, top-k experts, the shared expert
         experts = cfg.moe_top_k * cfg.moe_ffn_size + cfg.moe_shared_ffn_hidden_size
         return h * cfg.moe_num_experts + 3 * h * experts
-    return mlp  # "-"; the sublayer still to come ("M") brings its own
+    if symbol == "M":  # Megatron's estimate: in_proj, the scan (7 d_in n / 2), out_proj
+        d_in, heads = cfg.mamba_inner_size, cfg.mamba_heads
+        in_proj = h * (2 * d_in + 2 * cfg.mamba_num_groups * cfg.mamba_state_dim + heads)
+        return in_proj + 3.5 * d_in * cfg.mamba_state_dim + d_in * h
+    return mlp  # "-"
 
 
 def layer_costs(cfg: ModelConfig) -> list[float]:

@@ -50,6 +50,7 @@ def is_no_decay(name: str, kinds: Sequence[str]) -> bool:
         ("norm" in kinds and "norm" in name)
         or ("bias" in kinds and (name == "bias" or name.endswith(".bias")))
         or ("embedding" in kinds and "embedding" in name)
+        or ("ssm" in kinds and name.endswith((".A_log", ".D", ".dt_bias")))  # Mamba-2's
     )
 
 
@@ -448,7 +449,8 @@ def build_optimizer(
 
     Weight decay applies to every parameter except the kinds in `opt.no_decay`: "norm" (names
     containing "norm"), "bias" (names ending in ".bias"), "embedding" (names containing
-    "embedding"). Load the model's weights before building it (or call `sync_master_from_params`).
+    "embedding"), "ssm" (Mamba-2's A_log, D, dt_bias). Load the model's weights before building
+    it (or call `sync_master_from_params`).
     """
     return MixedPrecisionOptimizer(
         named_trainable_parameters(model), opt, precision, device, grad_norm, layout

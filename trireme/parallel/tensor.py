@@ -107,12 +107,13 @@ def check_tensor_parallel(cfg: ModelConfig, size: int, sequence_parallel: bool) 
     """Raise a one-line ConfigError unless `cfg` splits over `size` tensor-parallel ranks."""
     if size == 1:
         return
-    if cfg.num_attention_heads % size:
+    attention = "*" in "".join(cfg.layer_symbols)  # a Mamba-only model has no attention heads
+    if attention and cfg.num_attention_heads % size:
         raise ConfigError(
             f"model.num_attention_heads = {cfg.num_attention_heads} is not divisible by "
             f"parallel.tensor = {size}; use a tensor degree that divides the heads"
         )
-    if cfg.kv_heads % size and size % cfg.kv_heads:
+    if attention and cfg.kv_heads % size and size % cfg.kv_heads:
         raise ConfigError(
             f"model.num_query_groups = {cfg.kv_heads} and parallel.tensor = {size}: one must "
             "divide the other (the key/value heads are split or replicated across the ranks)"

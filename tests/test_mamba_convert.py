@@ -1,0 +1,133 @@
+"""Mamba-2 and Nemotron-H to and from Hugging Face (`Mamba2ForCausalLM`, `NemotronHForCausalLM`):
+tiny random transformers models built here (no download), fp32 on CPU, through transformers' torch
+path (no kernels installed), give the same logits in trireme, come back identical, and continue a
+prompt with the same greedy tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from trireme.checkpoint.convert import convert
+from trireme.checkpoint.convert_hf import write_hf
+from trireme.checkpoint.converted import Converted
+from trireme.checkpoint.store import load_checkpoint, load_model_state
+from trireme.cli import main
+from trireme.config import config_from_toml
+from trireme.errors import CheckpointError
+from trireme.models.gpt import GPT
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 100
+HF_MODELS = {  # name: Mamba2Config keywords
+    "groups-2": dict(num_heads=8, head_dim=8, n_groups=2, chunk_size=8),
+    "one-group-tied-limited": dict(num_heads=4, head_dim=16, n_groups=1, chunk_size=16,
+                                   tie_word_embeddings=True, use_conv_bias=False,
+                                   time_step_limit=(0.01, 0.5)),
+}
+
+
+NEMOTRON_H = dict(  # M - * - M M -: the pattern "M-*-MM-"
+    layers_block_type=["linear_attention", "mlp", "full_attention", "mlp", "linear_attention",
+                       "linear_attention", "mlp"],
+    num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+    mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=8, n_groups=2, chunk_size=8,
+    max_position_embeddings=64, time_step_min=0.01)
+
+
+def make_hf(name: str, folder: Path) -> torch.nn.Module:
+    common = dict(vocab_size=VOCAB, hidden_size=32, bos_token_id=None, eos_token_id=None,
+                  pad_token_id=None)
+    if name == "nemotron-h":
+        config = transformers.NemotronHConfig(**common, **NEMOTRON_H)
+        model_class = transformers.NemotronHForCausalLM
+    else:
+        config = transformers.Mamba2Config(**common, num_hidden_layers=3, state_size=8,
+                                           expand=2, conv_kernel=4, **HF_MODELS[name])
+        model_class = transformers.Mamba2ForCausalLM
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    with torch.no_grad():  # everything away from its trivial init (D = 1, norms = 1, ...)
+        for n, p in model.named_parameters():
+            if n.endswith("A_log"):
+                p.uniform_(-1.0, 1.5)
+            elif n.endswith("dt_bias"):
+                p.uniform_(-3.0, 0.5)
+            else:
+                p.normal_(0.5, 0.2) if p.dim() == 1 else p.normal_(0.0, 0.2)
+    model.save_pretrained(folder)
+    return model
+
+
+def trireme_model(path: Path) -> GPT:
+    ckpt = load_checkpoint(path)
+    model = GPT(config_from_toml(ckpt.config_toml).model, seed=None)
+    load_model_state(model, ckpt.model)
+    return model.eval()
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-4) -> None:
+    assert got.shape == want.shape
+    diff = (got - want).abs().max().item()
+    assert diff <= tol * max(1.0, want.abs().max().item()), f"max |diff| {diff}"
+
+
+@pytest.mark.parametrize("name", [*HF_MODELS, "nemotron-h"])
+def test_hf_mamba2_and_nemotron_h_both_ways_same_logits(tmp_path: Path, capsys,
+                                                        name: str) -> None:
+    hf = make_hf(name, tmp_path / "hf")
+    assert main(["inspect", str(tmp_path / "hf")]) == 0
+    heads = getattr(hf.config, "num_heads", None) or hf.config.mamba_num_heads
+    assert f"3 Mamba-2 layers ({heads} heads x " in capsys.readouterr().out
+    ids = torch.randint(0, VOCAB, (2, 21), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits
+    assert want.std() > 0.1
+    convert("hf", "trireme", tmp_path / "hf", tmp_path / "tri")
+    model = trireme_model(tmp_path / "tri")
+    assert model.cfg.layer_pattern == ("M-*-MM-" if name == "nemotron-h" else "MMM")
+    assert model.cfg.mamba_num_groups == hf.config.n_groups
+    with torch.no_grad():
+        assert_close(model(ids), want)
+
+    convert("trireme", "hf", tmp_path / "tri", tmp_path / "back")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == (
+        hf.config.model_type)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32)
+    with torch.no_grad():
+        assert_close(back.eval()(ids).logits, want)
+    with (safe_open(tmp_path / "hf" / "model.safetensors", "pt") as a,
+          safe_open(tmp_path / "back" / "model.safetensors", "pt") as b):
+        assert sorted(a.keys()) == sorted(b.keys())
+        assert all(torch.equal(a.get_tensor(n), b.get_tensor(n)) for n in a.keys())
+
+
+@pytest.mark.parametrize("name", ["groups-2", "nemotron-h"])
+def test_trireme_generate_greedy_continues_as_hf(tmp_path: Path, capsys, name: str) -> None:
+    hf = make_hf(name, tmp_path / "hf")
+    convert("hf", "trireme", tmp_path / "hf", tmp_path / "tri")
+    prompt = [5, 17, 42, 3, 61, 8, 9, 10, 11]  # longer than a chunk: prefill in two chunks
+    eod = VOCAB - 1
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                       eos_token_id=eod, pad_token_id=eod)[0].tolist()
+    assert main(["generate", "--checkpoint", str(tmp_path / "tri"), "--prompt",
+                 " ".join(map(str, prompt)), "--max-new-tokens", "12", "--greedy",
+                 "--tokenizer", f"null:{eod}", "--device", "cpu"]) == 0
+    got = [int(t) for t in capsys.readouterr().out.split()]
+    assert got == want[: len(got)] and len(got) > len(prompt)
+
+
+def test_models_no_hugging_face_family_holds_are_one_line_errors(tmp_path: Path) -> None:
+    make_hf("groups-2", tmp_path / "hf")
+    convert("hf", "trireme", tmp_path / "hf", tmp_path / "tri")
+    cfg = config_from_toml(load_checkpoint(tmp_path / "tri").config_toml).model
+    cfg.layer_pattern, cfg.num_layers = "M-M-M-", 3  # a hybrid: Nemotron-H's shape, but SwiGLU
+    with pytest.raises(CheckpointError, match="NemotronHForCausalLM .* has no activation = "
+                       "'swiglu'") as err:
+        write_hf(Converted(model=cfg, state={}, source="test"), tmp_path / "out", torch.float32)
+    assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
