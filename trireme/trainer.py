@@ -39,6 +39,7 @@ from trireme.metrics import flops_per_token, memory_gib, peak_flops
 from trireme.models.gpt import GPT
 from trireme.models.init import init_parameters
 from trireme.models.stages import StageSpec, bubble_fraction, check_pipeline, rank_stages
+from trireme.models.vision import check_freeze_patterns, freeze_parameters
 from trireme.ops.fp8 import fp8_targets, to_fp8_training
 from trireme.optim.optimizer import MixedPrecisionOptimizer
 from trireme.parallel.context import ParallelContext, build_parallel_context
@@ -357,9 +358,23 @@ def build_trainer(cfg: Config, with_data: bool = True, force_data_parallel: bool
     else:
         stages = rank_stages(cfg.model, cfg.parallel, mesh.coordinate("pipeline"))
         chunks = [build_model(cfg, device, ctx, stage) for stage in stages]
+    apply_freeze(cfg, chunks)
     runner = build_step_runner(cfg, chunks, tp, mesh, device, force_data_parallel)
     return Trainer(cfg, device, chunks[0], runner.optimizer, tokenizer, train_data, valid_data,
                    mesh=mesh, env=env, chunks=chunks, runner=runner)
+
+
+def apply_freeze(cfg: Config, chunks: list[GPT]) -> None:
+    """model.freeze: the matching parameters of every chunk stop requiring gradients, before the
+    optimizer and the gradient buckets are built (they take only the trainable ones). A pattern
+    must match a name of the whole model (a stage may hold none of its parameters)."""
+    if not cfg.model.freeze:
+        return
+    with torch.device("meta"):
+        names = [name for name, _ in GPT(cfg.model, seed=None).named_parameters()]
+    check_freeze_patterns(names, cfg.model.freeze)
+    for chunk in chunks:
+        freeze_parameters(chunk, cfg.model.freeze)
 
 
 def build_runner(cfg: Config, chunks: list[GPT], mesh: ParallelMesh, device: torch.device,
