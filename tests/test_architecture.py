@@ -33,7 +33,7 @@ FLOORS = [
 OPTIONAL = ("torchao", "triton", "torch.utils.tensorboard", "tensorboard", "tiktoken",
             "sentencepiece", "zstandard", "pyarrow", "resource", "fcntl", "megatron",
             "trireme.ops.swiglu_triton", "trireme.ops.moe_permute_triton",
-            "trireme.ops.accumulate_triton", "wandb")
+            "trireme.ops.accumulate_triton", "wandb", "PIL")
 
 
 def module_files() -> dict[str, Path]:

@@ -1,7 +1,7 @@
 """The `trireme` command: one entry point with subcommands.
 
     trireme train [--config PRESET_OR_PATH] [--section.key=value ...]
-    trireme generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T] ...
+    trireme generate --checkpoint DIR --prompt TEXT [--image PATH] [--max-new-tokens N] ...
     trireme config [--config PRESET_OR_PATH] [--section.key=value ...]   print the resolved config
     trireme config-doc                                                   print the config reference
     trireme preprocess | data | tokenizer                                data tools (docs/data.md)

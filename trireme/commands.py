@@ -56,6 +56,8 @@ def generate_main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--tokenizer", default="", help="override the checkpoint's tokenizer")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--image", default="", metavar="PATH",
+                        help="an image the prompt asks about (a vision-language model)")
     args = parser.parse_args(argv)
     text = generate_from_checkpoint(
         args.checkpoint,
@@ -68,6 +70,7 @@ def generate_main(argv: list[str]) -> int:
         seed=args.seed,
         tokenizer=args.tokenizer,
         device=args.device,
+        image=args.image,
     )
     print(text)
     return 0

@@ -36,9 +36,6 @@ from trireme.models.mlp import MLP
 from trireme.parallel.context import ParallelContext
 from trireme.parallel.tensor import column_linear, row_linear
 
-# CLIP's pixel normalization: the data pipeline feeds (x / 255 - mean) / std per channel
-IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
-IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
 NORM_EPS = 1e-5  # CLIP's LayerNorm epsilon
 
 
@@ -142,7 +139,8 @@ def patchify(images: torch.Tensor, p: int) -> torch.Tensor:
 
 
 class VisionEncoder(nn.Module):
-    """The ViT (module docstring): images [b, 3, H, W] (normalized) -> features [b, n, w]."""
+    """The ViT (module docstring): images [b, 3, H, W] -> features [b, n, w]; the pixels are
+    normalized by the data pipeline (trireme.data.images.pixels, CLIP's mean and std)."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
         super().__init__()
