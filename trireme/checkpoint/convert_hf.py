@@ -29,14 +29,6 @@ from trireme.checkpoint.converted import (
     cast_state,
     copy_tokenizer_files,
 )
-from trireme.checkpoint.hf_moe import (
-    ARCHITECTURES,
-    MOE_TYPES,
-    choose_moe_architecture,
-    moe_entries,
-    moe_fields,
-    moe_hf_config,
-)
 from trireme.checkpoint.hf_llava import (
     canonical_names,
     ignorable,
@@ -44,6 +36,14 @@ from trireme.checkpoint.hf_llava import (
     vision_entries,
     vision_fields,
     written_name,
+)
+from trireme.checkpoint.hf_moe import (
+    ARCHITECTURES,
+    MOE_TYPES,
+    choose_moe_architecture,
+    moe_entries,
+    moe_fields,
+    moe_hf_config,
 )
 from trireme.checkpoint.hf_table import Entry, export_state, their_shapes, to_ours, weight_dtype
 from trireme.checkpoint.model_state import expected_shapes, listing

@@ -1,4 +1,6 @@
-"""Hugging Face `LlavaForConditionalGeneration` (CLIP vision tower + Llama) <-> trireme's vision GPT.
+"""Hugging Face `LlavaForConditionalGeneration` (CLIP vision tower + Llama) <-> trireme.
+
+The vision GPT of trireme.models.vision on one side, transformers' LLaVA on the other.
 
 The language model is the Llama table of convert_hf.py; this file adds the image side and the
 names around it. Checkpoints name the parts in two ways (the published llava-hf folders and what
