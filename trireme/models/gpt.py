@@ -170,7 +170,8 @@ class GPT(nn.Module):
         # Compile each block (not the whole model): small graphs, the same one reused by every
         # layer, and parameter names unchanged (nn.Module.compile works in place). CPU: skipped.
         if self._compile_pending and device.type == "cuda":
-            for block in self.layers.values():
+            vision = self.vision.layers.values() if hasattr(self, "vision") else []
+            for block in [*self.layers.values(), *vision]:
                 block.compile()
             self._compile_pending = False
 
