@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from trireme.config import ModelConfig
-from trireme.errors import ConfigError
+from trireme.errors import ConfigError, TriremeError
 from trireme.models.gpt import GPT
 from trireme.models.vision import (
     check_freeze_patterns,
@@ -13,6 +13,8 @@ from trireme.models.vision import (
     num_image_tokens,
     patchify,
 )
+from trireme.parallel.context import ParallelContext
+from trireme.parallel.tensor import TensorParallel
 
 IMAGE = 49  # the placeholder id of these tests
 
@@ -100,3 +102,9 @@ def test_freeze_patterns_and_their_errors():
     names = [n for n, _ in model.named_parameters()]
     with pytest.raises(ConfigError, match="'visoin.\\*' matches no parameter"):
         check_freeze_patterns(names, ["visoin.*"])
+
+
+def test_sequence_or_context_parallel_vision_is_a_one_line_error():
+    tp = TensorParallel(group=None, size=2, rank=0, sequence_parallel=True, rng=None)
+    with pytest.raises(TriremeError, match="sequence_parallel yet; turn them off"):
+        GPT(vlm_config(), seed=None, ctx=ParallelContext(tensor=tp))
