@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from test_train_parallel import losses
@@ -22,7 +23,7 @@ from trireme.errors import ConfigError
 from trireme.inference.captions import caption_accuracy
 from trireme.train import train
 
-pytest.importorskip("PIL")
+PIL = pytest.importorskip("PIL.Image")
 ROOT = Path(__file__).resolve().parent.parent
 STAGE1 = '["vision.*","layers.*","embedding.*","final_norm.*"]'
 
@@ -53,10 +54,8 @@ def test_llava_tiny_learns_to_caption(shapes_cache, tmp_path):
     print(f"held-out caption accuracy {accuracy} (chance: colour 1/6, shape 1/3)")
     assert accuracy["colour"] > 0.4  # chance is 1/6
 
-    from PIL import Image
-
-    image, attributes = draw_sample(__import__("numpy").random.default_rng(7), 32)
-    Image.fromarray(image).save(tmp_path / "shape.png")
+    image, _ = draw_sample(np.random.default_rng(7), 32)
+    PIL.fromarray(image).save(tmp_path / "shape.png")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-m", "trireme", "generate", "--checkpoint",
                         str(tmp_path / "ckpt"), "--image", str(tmp_path / "shape.png"),

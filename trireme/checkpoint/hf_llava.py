@@ -31,6 +31,7 @@ import re
 from trireme.checkpoint.hf_table import Entry
 from trireme.config import ModelConfig
 from trireme.errors import CheckpointError
+from trireme.models.vision import feature_blocks
 
 ACTIVATIONS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
 THEIR_ACTIVATION = {ours: theirs for theirs, ours in ACTIVATIONS.items()}
@@ -100,11 +101,6 @@ def vision_fields(hf: dict, cfg: ModelConfig) -> list[str]:
     return []
 
 
-def _feature_blocks(cfg: ModelConfig) -> int:
-    k = cfg.vision_feature_layer
-    return k if k >= 0 else cfg.vision_layers + 1 + k
-
-
 def vision_entries(cfg: ModelConfig) -> list[Entry]:
     """The vision tower's and the projector's tensors (canonical names)."""
     e, w = "vision_tower.embeddings.", cfg.vision_hidden_size
@@ -115,7 +111,7 @@ def vision_entries(cfg: ModelConfig) -> list[Entry]:
              Entry("vision.pre_norm.bias", ("vision_tower.pre_layrnorm.bias",))]
     pairs = {"attention_norm": "layer_norm1", "attention.out": "self_attn.out_proj",
              "mlp_norm": "layer_norm2", "mlp.fc1": "mlp.fc1", "mlp.fc2": "mlp.fc2"}
-    for i in range(_feature_blocks(cfg)):
+    for i in range(feature_blocks(cfg)):
         ours, theirs = f"vision.layers.{i}.", f"vision_tower.encoder.layers.{i}."
         for part in ("weight", "bias"):
             table.append(Entry(f"{ours}attention.qkv.{part}",
@@ -135,7 +131,7 @@ def ignorable(name: str, cfg: ModelConfig) -> bool:
     if name.startswith("vision_tower.post_layernorm."):
         return True
     found = re.match(r"vision_tower\.encoder\.layers\.(\d+)\.", name)
-    return bool(found) and int(found.group(1)) >= _feature_blocks(cfg)
+    return bool(found) and int(found.group(1)) >= feature_blocks(cfg)
 
 
 def llava_config(cfg: ModelConfig, text_config: dict) -> dict:
@@ -144,7 +140,7 @@ def llava_config(cfg: ModelConfig, text_config: dict) -> dict:
         raise CheckpointError("a CLIP vision tower has a class token and a pre-norm; this vision "
                               "encoder (vision_class_token / vision_pre_norm off) cannot be "
                               "exported to Hugging Face")
-    blocks = _feature_blocks(cfg)
+    blocks = feature_blocks(cfg)
     vision = {"model_type": "clip_vision_model", "hidden_size": cfg.vision_hidden_size,
               "intermediate_size": cfg.vision_ffn_hidden_size or 4 * cfg.vision_hidden_size,
               "num_hidden_layers": blocks, "num_attention_heads": cfg.vision_attention_heads,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,6 +128,13 @@ class MultimodalReport:
                + note
 
 
+def _reason(message: str) -> str:
+    """The kind of a line problem, for the --skip-bad-lines counts: its words after the file,
+    line and image name, before any detail in parentheses or after a semicolon."""
+    text = re.sub(r"^\S+:\d+: ", "", message.split(";")[0].split(" (")[0])
+    return re.sub(r"image '[^']*'", "image", text)
+
+
 def _parse(raw: bytes, where: str) -> dict:
     try:
         record = json.loads(raw.decode("utf-8"))
@@ -169,7 +177,7 @@ def preprocess_multimodal(inputs: list[str], output_prefix: str, tokenizer: Toke
                                 text = str(e) if isinstance(e, DataError) else f"{where}{e}"
                                 raise DataError(f"{text}; fix the line or pass --skip-bad-lines"
                                                 ) from None
-                            report.skipped[str(e).split(" (")[0].split(": ")[-1][:40]] += 1
+                            report.skipped[_reason(str(e))] += 1
                             continue
                         writer.add_document(np.concatenate(sequences),
                                             [len(s) for s in sequences])
