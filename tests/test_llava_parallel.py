@@ -1,6 +1,6 @@
 """llava-tiny across ranks (gloo, fp32): data, tensor and pipeline parallelism (the vision encoder
 on the first stage), and LLaVA's stage 1 (frozen vision and language model) under data
-parallelism with and without the distributed optimizer, each giving the one-process losses,
+parallelism with DDP, the distributed optimizer and FSDP, each giving the one-process losses,
 evaluation losses and gradient norms."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ LAYOUTS = {
     "pp2": ("--parallel.pipeline=2",),
     "dp2-stage1": (FREEZE,),
     "dp2-stage1-distopt": (FREEZE, "--parallel.distributed_optimizer=true"),
+    "dp2-stage1-fsdp": (FREEZE, "--parallel.data_parallel_mode=fsdp"),
 }
 
 
