@@ -116,12 +116,11 @@ def build_config(args: argparse.Namespace) -> tuple[Config, list[str]]:
         overrides.append(f"train.global_batch_size={args.global_batch_size}")
     if args.seq_length:
         overrides.append(f"model.seq_length={args.seq_length}")
-    if args.compile:
-        overrides.append("model.compile=true")
+    overrides.append(f"model.compile={'true' if args.compile else 'false'}")  # eager unless asked
     if getattr(args, "recompute", None):
         overrides.append(f"train.recompute={args.recompute}")
-    if getattr(args, "fused_cross_entropy", False):
-        overrides.append("model.fused_cross_entropy=true")
+    fused = getattr(args, "fused_cross_entropy", False)
+    overrides.append(f"model.fused_cross_entropy={'true' if fused else 'false'}")
     overrides += list(args.override)
     cfg = load_config(args.preset, overrides)
     if cfg.model.vocab_size == 0:  # presets that take the vocabulary from their tokenizer
@@ -247,7 +246,7 @@ def measure_trireme(cfg: Config, args: argparse.Namespace, device: torch.device,
     name = "trireme" + (f" {dp_path} path" if dp_path != "none" else "")
     name += " (compile)" if cfg.model.compile else ""
     name += " fp8" if cfg.model.precision == "fp8" else ""
-    name += " fused-ce" if cfg.model.fused_cross_entropy else ""
+    name += " fused-ce" if cfg.model.fused_cross_entropy == "true" else ""
     name += " fused-swiglu" if cfg.model.fused_swiglu and cfg.model.activation == "swiglu" else ""
     name += f" recompute={cfg.train.recompute}" if cfg.train.recompute != "none" else ""
     return summarize(name, run, cfg, flops_tok, peak, device,

@@ -33,7 +33,8 @@ FLOORS = [
 OPTIONAL = ("torchao", "triton", "torch.utils.tensorboard", "tensorboard", "tiktoken",
             "sentencepiece", "zstandard", "pyarrow", "resource", "fcntl", "megatron",
             "trireme.ops.swiglu_triton", "trireme.ops.moe_permute_triton",
-            "trireme.ops.accumulate_triton", "wandb", "PIL")
+            "trireme.ops.accumulate_triton", "wandb", "trireme.ops.paged_attention_triton",
+            "uvicorn", "fastapi", "jinja2", "trireme.inference.server", "PIL")
 
 
 def module_files() -> dict[str, Path]:

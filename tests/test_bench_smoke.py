@@ -138,3 +138,35 @@ def test_swiglu_check_cpu_smoke(tmp_path):
     assert data["checks"]["33x72"]["kernel"]["max_rel"] <= 2**-7
     r = data["bench"]["33x72"]
     assert r["plain"]["fwd_bwd_ms"] > 0 and r["fused"]["fwd_bwd_ms"] > 0 and r["kernel"]
+
+
+def test_ring_efficiency_cpu_smoke(tmp_path):
+    """One rank's ring blocks (every kernel choice) agree with full attention and are timed."""
+    out = tmp_path / "ring.json"
+    cmd = [sys.executable, str(REPO / "bench" / "ring_efficiency.py"), "--smoke", "--sizes", "2",
+           "4", "--kernels", "auto", "plain", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["C"], r["kernel"]) for r in rows] == [(2, "auto"), (2, "plain"), (4, "auto"),
+                                                     (4, "plain")]
+    assert all(r["check_max_error"] < 1e-4 and r["ring_ms"] > 0 for r in rows)
+
+
+def test_serve_throughput_cpu_smoke(tmp_path):
+    pytest.importorskip("transformers", reason="the HF baseline needs transformers")
+    out = tmp_path / "serve.json"
+    cmd = [sys.executable, str(REPO / "bench" / "serve_throughput.py"), "--smoke",
+           "--baseline", "hf", "--out", str(out)]
+    env = {**{k: v for k, v in os.environ.items() if k != "OUT"}, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "decode step vs bandwidth bound" in proc.stdout
+    data = json.loads(out.read_text())
+    systems = [(r["system"], r.get("concurrency")) for r in data["results"]]
+    assert systems == [("trireme", 1), ("trireme", 4), ("hf", 1), ("hf", 4)], systems
+    for r in data["results"]:
+        assert r["output_tokens_per_s"] > 0 and r["tpot_p50_ms"] > 0 and r["ttft_p99_ms"] > 0
+        assert r["output_tokens"] == r["prompts"] * 8  # every request made all its tokens
+    for b in data["decode_bound"]:
+        assert b["bound_ms"] > 0 and b["ratio_to_bound"] > 0 and b["context"] > 4

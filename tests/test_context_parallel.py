@@ -27,6 +27,7 @@ TWO_RANKS = {
     "cp2-ring": ("parallel.context=2", "parallel.context_mode=ring"),
     "cp2-distopt-recompute": ("parallel.context=2", "parallel.distributed_optimizer=true",
                               "train.recompute=full"),
+    "cp2-fsdp": ("parallel.context=2", "parallel.data_parallel_mode=fsdp"),
 }
 FOUR_RANKS = {
     "cp4-allgather": ("parallel.context=4",),
@@ -110,8 +111,7 @@ def test_bad_context_parallel_settings_are_one_line_errors():
                           "divide the 4 query and 1 key/value"),
                          (["data.reset_attention_mask=true", "parallel.context_mode=ring"],
                           "needs parallel.context_mode = 'allgather'"),
-                         (["model.dropout=0.1"], "dropout"),
-                         (["parallel.data_parallel_mode=fsdp"], "fsdp' with parallel.context")]:
+                         (["model.dropout=0.1"], "dropout")]:
         cfg = load_config("tiny", [*ARGS, "parallel.context=2", *extra])
         with pytest.raises(ConfigError, match=words) as err:
             check_parallel(cfg, 2)

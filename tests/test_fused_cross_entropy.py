@@ -98,7 +98,7 @@ def test_whole_model_grads_match(tied):
     loss_mask = torch.ones(2, 16)
     loss_mask[1, 10:] = 0
     results = []
-    for fused in (False, True):
+    for fused in ("false", "true"):
         model = GPT(dataclasses.replace(cfg, fused_cross_entropy=fused, loss_chunk_size=7),
                     seed=5)
         loss = model(tokens, labels, loss_mask=loss_mask)

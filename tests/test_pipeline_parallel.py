@@ -61,7 +61,7 @@ CASES = {
                         ParallelConfig(pipeline=2, tensor=2, sequence_parallel=True), 4),
     "pp2-vp2-tp2-uneven": (4, gpt2(num_layers=5), ParallelConfig(
         pipeline=2, virtual_pipeline=2, tensor=2, pipeline_layers=[2, 1, 0, 2]), 4),
-    "pp2-recompute-full-fused-loss": (2, llama(fused_cross_entropy=True, loss_chunk_size=5),
+    "pp2-recompute-full-fused-loss": (2, llama(fused_cross_entropy="true", loss_chunk_size=5),
                                       ParallelConfig(pipeline=2), 3),
     "pp2-tp2-sp-recompute-selective": (4, llama(), ParallelConfig(
         pipeline=2, tensor=2, sequence_parallel=True), 3),

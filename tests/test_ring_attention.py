@@ -21,13 +21,14 @@ from trireme.ops.attention_lse import (
     attention_with_lse,
     merge,
 )
+from trireme.ops.attention_lse_kernels import fused_block_backward, fused_block_forward
 from trireme.parallel.context_parallel import (
     MODES,
     ContextParallel,
     context_attention,
     zigzag_index,
 )
-from trireme.parallel.ring_attention import Ring
+from trireme.parallel.ring_attention import Ring, ring_attention
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
@@ -121,12 +122,38 @@ def test_ring_computes_half_of_every_other_ranks_zigzag_block():
     for rank in range(size):
         ring = Ring(None, size, rank, positions)
         for step in range(size):
-            rows, cols, mask = ring.block(step, torch.device("cpu"))
+            block = ring.block(step)
             src = (rank - step) % size
             full = positions[src].unsqueeze(0) <= positions[rank].unsqueeze(1)
-            assert not full.any() or full[rows, cols].sum() == full.sum()  # nothing seen is cut
-            assert mask.equal(full[rows, cols])
-            assert mask.numel() == (64 if step == 0 else 32)  # [8, 8] own, else half
+            seen = full[block.rows, block.cols]
+            assert not full.any() or seen.sum() == full.sum()  # nothing seen is cut
+            assert block.mask().equal(seen) and block.pairs() == int(seen.sum())
+            assert seen.numel() == (64 if step == 0 else 32)  # [8, 8] own, else half
+            # what the flash kernels run: the own block causal, every other one full
+            assert block.kind == ("causal" if step == 0 else "full")
+            assert seen.all() or seen.equal(seen.tril())
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_block_kernel_equals_plain_path(causal):
+    """The flash kernel of a block (forward with the LSE; backward from the whole attention's
+    final out and lse) equals the plain path, for a block of keys out of a larger set."""
+    q, k, v, dout = _inputs(7, 12)
+    rows, keys = slice(4, 12), slice(4, 12)  # the block: queries 4..11 over keys 4..11
+    mask = torch.ones(12, 12, dtype=torch.bool)
+    mask = mask.tril() if causal else mask
+    blocks = [torch.arange(0, 4), torch.arange(4, 12)]
+    out, lse = _merged(q[:, :, rows], k, v, mask[rows], blocks)  # the final attention
+    q_b, k_b, v_b, dout_b = q[:, :, rows], k[:, :, keys], v[:, :, keys], dout[:, :, rows]
+    got_out, got_lse, aux = fused_block_forward(q_b, k_b, v_b, causal, "cpu")
+    want_out, want_lse = attention_with_lse(q_b, k_b, v_b, mask[rows, keys])
+    torch.testing.assert_close(got_out, want_out, **TOL)
+    torch.testing.assert_close(got_lse, want_lse.float(), **TOL)
+    got = fused_block_backward(dout_b, q_b, k_b, v_b, out, lse.contiguous(), causal, aux, "cpu")
+    want = attention_block_backward(q_b, k_b, v_b, mask[rows, keys], lse,
+                                    attention_delta(out, dout_b), dout_b)
+    for g, w, name in zip(got, want, "qkv", strict=True):
+        torch.testing.assert_close(g, w, **TOL, msg=lambda m, n=name: f"d{n}: {m}")
 
 
 def _check_mode(mode: str, rank: int, world: int, inputs, want, want_grads) -> None:
@@ -151,6 +178,20 @@ def _modes(rank: int, world: int) -> None:
     want_grads = torch.autograd.grad(want, leaves, inputs[3])
     for mode in MODES:
         _check_mode(mode, rank, world, inputs, want, want_grads)
+    _check_plain_ring(rank, world, inputs, want, want_grads)
+
+
+def _check_plain_ring(rank: int, world: int, inputs, want, want_grads) -> None:
+    """The ring on the plain fp32 path (no flash kernel) agrees too."""
+    q, k, v, dout = inputs
+    index = zigzag_index(q.shape[2], world, rank)
+    positions = tuple(zigzag_index(q.shape[2], world, r) for r in range(world))
+    local = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*local, Ring(dist.group.WORLD, world, rank, positions, kernel="plain"))
+    torch.testing.assert_close(out, want[:, :, index], **TOL)
+    grads = torch.autograd.grad(out, local, dout[:, :, index])
+    for got, expected in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, expected[:, :, index], **TOL)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

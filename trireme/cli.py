@@ -2,6 +2,8 @@
 
     trireme train [--config PRESET_OR_PATH] [--section.key=value ...]
     trireme generate --checkpoint DIR --prompt TEXT [--image PATH] [--max-new-tokens N] ...
+    trireme generate --checkpoint DIR --input prompts.jsonl --output out.jsonl   batch of prompts
+    trireme serve --checkpoint DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY]  OpenAI API
     trireme config [--config PRESET_OR_PATH] [--section.key=value ...]   print the resolved config
     trireme config-doc                                                   print the config reference
     trireme preprocess | data | tokenizer                                data tools (docs/data.md)
@@ -69,6 +71,7 @@ COMMANDS = {
 HEAVY_COMMANDS = {
     "train": "trireme.commands:train_main",
     "generate": "trireme.commands:generate_main",
+    "serve": "trireme.inference.serve_cli:serve_main",
     "preprocess": "trireme.data.cli:preprocess_main",
     "data": "trireme.data.cli:data_main",
     "tokenizer": "trireme.data.cli:tokenizer_main",

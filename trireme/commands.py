@@ -7,8 +7,16 @@ import argparse
 
 from trireme.cli import split_overrides
 from trireme.config import load_config
-from trireme.inference.cli import generate_from_checkpoint
+from trireme.errors import TriremeError
+from trireme.inference.batch import generate_file
+from trireme.inference.cli import (
+    add_engine_arguments,
+    engine_from_args,
+    generate_from_checkpoint,
+    load_for_inference,
+)
 from trireme.inference.sample import print_sample
+from trireme.inference.sampling import SamplingParams
 from trireme.train import train
 
 TRAIN_EPILOG = """\
@@ -44,10 +52,23 @@ def train_main(argv: list[str]) -> int:
     return 0
 
 
+GENERATE_EPILOG = """\
+one prompt:     trireme generate --checkpoint DIR --prompt "def " --greedy
+a file of them: trireme generate --checkpoint DIR --input prompts.jsonl --output out.jsonl
+  each input line: {"prompt": "...", "max_tokens": 64, "temperature": 0.7, "stop": ["\\n\\n"]}
+  (optional per-line settings: max_tokens temperature top_k top_p seed greedy stop ignore_eos id;
+  the flags give the defaults). All prompts run together in the serving engine (docs/serving.md).
+"""
+
+
 def generate_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="trireme generate", description="Generate text.")
+    parser = argparse.ArgumentParser(
+        prog="trireme generate", description="Generate text from a checkpoint.",
+        epilog=GENERATE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="checkpoint dir (or its parent)")
-    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--prompt", help="text to continue")
+    parser.add_argument("--input", help="a JSONL file of prompts (offline batch mode)")
+    parser.add_argument("--output", help="where --input's results go (JSONL)")
     parser.add_argument("--max-new-tokens", type=int, default=100)
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-k", type=int, default=0)
@@ -58,7 +79,23 @@ def generate_main(argv: list[str]) -> int:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--image", default="", metavar="PATH",
                         help="an image the prompt asks about (a vision-language model)")
+    add_engine_arguments(parser)
     args = parser.parse_args(argv)
+    if (args.prompt is None) == (args.input is None):
+        raise TriremeError("give either --prompt TEXT or --input prompts.jsonl")
+    if args.image and args.input is not None:
+        raise TriremeError("--image goes with --prompt (one image), not with --input")
+    if args.input is not None:
+        if not args.output:
+            raise TriremeError("--input needs --output out.jsonl")
+        loaded = load_for_inference(args.checkpoint, args.tokenizer, args.device)
+        defaults = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
+                                  top_k=args.top_k, top_p=args.top_p, greedy=args.greedy,
+                                  seed=args.seed)
+        count = generate_file(args.input, args.output, engine_from_args(loaded, args),
+                              loaded.tokenizer, defaults)
+        print(f"trireme: wrote {count} completions to {args.output}")
+        return 0
     text = generate_from_checkpoint(
         args.checkpoint,
         args.prompt,

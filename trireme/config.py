@@ -146,11 +146,14 @@ class ModelConfig:
         "auto", "Attention kernel. auto: cuDNN on Hopper, then flash, efficient, math; "
         "reference: plain PyTorch softmax(QK^T)V."
     )
-    compile: bool = doc(False, "torch.compile each transformer block (GPU only; ignored on CPU).")
-    fused_cross_entropy: bool = doc(
-        False, "Compute the output layer and the loss in chunks of tokens (loss_chunk_size), "
-        "gradients included, without the full fp32 logits: less memory at a large vocabulary. "
-        "Not used under tensor parallelism (the vocabulary-parallel loss is used there)."
+    compile: bool = doc(
+        True, "torch.compile each transformer block on a GPU (the CPU always runs eagerly); "
+        "false: eager on the GPU too.")
+    fused_cross_entropy: Literal["auto", "true", "false"] = doc(
+        "auto", "Compute the output layer and the loss in chunks of tokens (loss_chunk_size), "
+        "gradients included, without the full fp32 logits: less memory at a large vocabulary, "
+        "and faster on a GPU. auto: on a GPU, not on the CPU. Not used under tensor "
+        "parallelism (the vocabulary-parallel loss is used there)."
     )
     loss_chunk_size: int = doc(
         4096, "fused_cross_entropy: tokens per chunk; each chunk holds a few [chunk, vocab] "
@@ -226,6 +229,11 @@ class ModelConfig:
     def layer_symbols(self) -> list[str]:
         """Each layer's sublayers, e.g. ["*-", "*-"]: the pattern cut before every mixer."""
         return parse_layer_pattern(self.layer_pattern, self.num_layers)
+
+    def fused_loss(self, on_gpu: bool) -> bool:
+        """Whether the output layer and loss run chunked (fused_cross_entropy; auto: on a GPU)."""
+        return self.fused_cross_entropy == "true" or (self.fused_cross_entropy == "auto"
+                                                      and on_gpu)
 
     @property
     def kv_heads(self) -> int:
@@ -829,7 +837,7 @@ def _check_model(cfg: Config, need_vocab: bool) -> None:
         raise ConfigError(f"model.dropout = {m.dropout} must be in [0, 1)")
     if need_vocab and m.vocab_size < 1:
         raise ConfigError("model.vocab_size must be set (or taken from the tokenizer)")
-    if m.fused_cross_entropy and m.loss_chunk_size < 1:
+    if m.fused_cross_entropy != "false" and m.loss_chunk_size < 1:
         raise ConfigError(
             f"model.loss_chunk_size = {m.loss_chunk_size} must be at least 1 with "
             "model.fused_cross_entropy = true"

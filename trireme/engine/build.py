@@ -121,7 +121,8 @@ def build_data_parallel_optimizer(
     if cfg.parallel.data_parallel_mode == "fsdp":
         for chunk in chunks:
             shard_model(chunk, mesh)
-        optimizer = FSDPOptimizer(chunks, cfg, device, mesh.group("data"), pipeline_group, skip)
+        optimizer = FSDPOptimizer(chunks, cfg, device, mesh.group("data_context"), pipeline_group,
+                                  skip)
         return optimizer, GradientSyncSwitch(chunks)
     named = named_trainable_parameters(chunks)
     tied = cfg.model.tie_embeddings and pipeline_group is not None

@@ -2,10 +2,11 @@
 
 Each transformer block, and then the whole model (embedding, final norm, output), becomes one
 FSDP unit: its parameters are stored as 1/DP shards (DTensors on the data-parallel axis of the
-mesh), all-gathered just before the unit's forward and backward, and its gradients are
-reduce-scattered (averaged over DP) right after its backward, so they overlap the rest of the
-backward by construction. Only the last micro batch of a step reduces: the earlier ones run with
-gradient sync off and accumulate unsharded gradients.
+mesh; under context parallelism on the flattened data x context axis, 1/(DP x CP) shards),
+all-gathered just before the unit's forward and backward, and its gradients are reduce-scattered
+(averaged) right after its backward, so they overlap the rest of the backward by construction.
+Only the last micro batch of a step reduces: the earlier ones run with gradient sync off and
+accumulate unsharded gradients.
 
 The optimizer is the fp32 AdamW of `trireme.optim.optimizer` over the sharded parameters; the
 gradient norm sums the squares of each rank's shards over the DP group (and the pipeline stages).
@@ -15,9 +16,9 @@ root; its reduction runs in its own last backward of the step. A tied embedding'
 sharded alike on the first and last stage, so their gradient shards are summed shard to shard.
 
 Limits of this first version (each a one-line ConfigError in `check_fsdp`): fp32 only (bf16 wants
-fully_shard's MixedPrecisionPolicy and fp32 sharded parameters), no tensor parallelism, and
-checkpoints in the sharded format only. The model is built and initialized whole on each rank
-before it is sharded, so it must fit on one device at the start.
+fully_shard's MixedPrecisionPolicy and fp32 sharded parameters), no tensor or expert
+parallelism, and checkpoints in the sharded format only. The model is built and initialized
+whole on each rank before it is sharded, so it must fit on one device at the start.
 """
 
 from __future__ import annotations
@@ -42,9 +43,6 @@ def check_fsdp(cfg: Config) -> None:
     if p.tensor > 1:
         raise ConfigError("parallel.data_parallel_mode = 'fsdp' with parallel.tensor > 1: not "
                           "implemented yet; use 'ddp'")
-    if p.context > 1:
-        raise ConfigError("parallel.data_parallel_mode = 'fsdp' with parallel.context > 1: not "
-                          "implemented yet; use 'ddp' (with parallel.distributed_optimizer)")
     if p.expert > 1:
         raise ConfigError("parallel.data_parallel_mode = 'fsdp' with parallel.expert > 1: not "
                           "implemented yet; use 'ddp' (with parallel.distributed_optimizer)")
@@ -57,9 +55,10 @@ def check_fsdp(cfg: Config) -> None:
 
 
 def shard_model(model: nn.Module, mesh: ParallelMesh) -> None:
-    """Apply fully_shard to each block, then to the model (in place)."""
-
-    dp_mesh = mesh.device_mesh["data"]
+    """Apply fully_shard to each block, then to the model (in place), over the data x context
+    ranks (under context parallelism they hold the same weights, and their gradients are
+    averaged together: each context rank's loss is scaled to the whole sequence's)."""
+    dp_mesh = mesh.data_context_mesh()
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)

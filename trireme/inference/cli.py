@@ -1,20 +1,58 @@
-"""`trireme generate`: load a checkpoint and continue a prompt."""
+"""`trireme generate` and `trireme serve`: load a checkpoint for inference; the engine's options."""
 
 from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from trireme.checkpoint.model_state import model_from_state
 from trireme.checkpoint.store import load_checkpoint
 from trireme.checkpoint.tokenizer_copy import tokenizer_for
-from trireme.config import config_from_toml
+from trireme.config import Config, config_from_toml
 from trireme.data.images import load_image, pixels
 from trireme.data.multimodal import image_prompt_ids, image_token_id
-from trireme.data.tokenizer import load_tokenizer
+from trireme.data.tokenizer import Tokenizer, load_tokenizer
 from trireme.errors import CheckpointError, ConfigError
+from trireme.inference.engine import Engine, EngineSettings
 from trireme.inference.generate import first_non_finite, generate, printable_ids
+from trireme.models.gpt import GPT
 from trireme.models.vision import num_image_tokens
 from trireme.trainer import DTYPES, pick_device
+
+
+@dataclass
+class LoadedModel:
+    """A checkpoint's model (eval mode, on its device), tokenizer and config."""
+
+    model: GPT
+    tokenizer: Tokenizer
+    cfg: Config
+    path: Path
+    tokenizer_spec: str
+
+
+def load_for_inference(checkpoint: str, tokenizer: str = "", device: str = "auto"
+                       ) -> LoadedModel:
+    """Build the model of `checkpoint` on `device` (no random init) with its tokenizer."""
+    ckpt = load_checkpoint(checkpoint, name="--checkpoint")
+    cfg = config_from_toml(ckpt.config_toml, f"{ckpt.path}/config.toml")
+    tok_spec = tokenizer_for(ckpt.path, cfg.data.tokenizer, tokenizer)
+    tok = load_tokenizer(tok_spec, name="--tokenizer" if tokenizer else "data.tokenizer")
+    dev = pick_device(device)
+    dtype = DTYPES[cfg.model.precision]
+    if dev.type == "cpu" and dtype == torch.float16:
+        dtype = torch.float32  # fp16 matmuls are slow or missing on CPU
+    # built on the meta device and filled from the checkpoint: no random init, no CPU copy
+    model = model_from_state(cfg.model, ckpt.model, dev, dtype).eval()
+    bad = first_non_finite(model)
+    if bad is not None:
+        raise CheckpointError(f"checkpoint {ckpt.path} holds non-finite weights ({bad!r} has a "
+                              "NaN or inf): the run diverged before it was saved; use an "
+                              "earlier checkpoint")
+    return LoadedModel(model, tok, cfg, Path(ckpt.path), tok_spec)
 
 
 def generate_from_checkpoint(
@@ -34,32 +72,19 @@ def generate_from_checkpoint(
     """Generate a continuation of `prompt` with the model saved in `checkpoint`. With `image`
     (a vision model), the prompt is a question about that image, framed as in training
     (trireme.data.multimodal.image_prompt_ids)."""
-    ckpt = load_checkpoint(checkpoint, name="--checkpoint")
-    cfg = config_from_toml(ckpt.config_toml, f"{ckpt.path}/config.toml")
-    tok_spec = tokenizer_for(ckpt.path, cfg.data.tokenizer, tokenizer)
-    tok = load_tokenizer(tok_spec, name="--tokenizer" if tokenizer else "data.tokenizer")
-    dev = pick_device(device)
-    dtype = DTYPES[cfg.model.precision]
-    if dev.type == "cpu" and dtype == torch.float16:
-        dtype = torch.float32  # fp16 matmuls are slow or missing on CPU
-    # built on the meta device and filled from the checkpoint: no random init, no CPU copy
-    model = model_from_state(cfg.model, ckpt.model, dev, dtype).eval()
-    bad = first_non_finite(model)
-    if bad is not None:
-        raise CheckpointError(f"checkpoint {ckpt.path} holds non-finite weights ({bad!r} has a "
-                              "NaN or inf): the run diverged before it was saved; use an "
-                              "earlier checkpoint")
+    loaded = load_for_inference(checkpoint, tokenizer, device)
+    tok, cfg, model = loaded.tokenizer, loaded.cfg, loaded.model
     ids, images = tok.encode(prompt) or [tok.eod], None
     if image:
         if not cfg.model.vision_layers:
-            raise ConfigError(f"--image: the model in {ckpt.path} has no vision encoder "
+            raise ConfigError(f"--image: the model in {loaded.path} has no vision encoder "
                               "(model.vision_layers = 0)")
         image_id = cfg.model.image_token_id
         if image_id < 0:
-            image_id = image_token_id(tok, tok_spec)
+            image_id = image_token_id(tok, loaded.tokenizer_spec)
         ids = image_prompt_ids(tok, prompt, image_id, num_image_tokens(cfg.model))
         images = pixels(load_image(image, cfg.model.vision_image_size, "--image: ")[None])
-        images = images.to(dev, dtype)
+        images = images.to(model.embedding.weight.device, model.embedding.weight.dtype)
     out = generate(model, ids, max_new_tokens, temperature=temperature, top_k=top_k,
                    top_p=top_p, greedy=greedy, seed=seed, eos_id=tok.eod, images=images)
     out_ids = out[0].tolist() if out.dim() == 2 else out.tolist()
@@ -68,3 +93,31 @@ def generate_from_checkpoint(
         return tok.decode(printable_ids(out_ids, len(ids) - num_image_tokens(cfg.model),
                                         tok.eod))
     return tok.decode(printable_ids(out_ids, len(ids), tok.eod))
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The serving engine's options (`trireme serve`, `trireme generate --input`)."""
+    group = parser.add_argument_group("engine (continuous batching, paged KV cache)")
+    group.add_argument("--max-memory", type=float, default=0.0, metavar="GIB",
+                       help="GiB for the KV block pool (default: 90%% of free GPU memory; on "
+                       "the CPU enough for --max-running full contexts, up to 1 GiB)")
+    group.add_argument("--num-blocks", type=int, default=0,
+                       help="KV blocks in the pool (overrides --max-memory)")
+    group.add_argument("--block-size", type=int, default=16, help="positions per KV block")
+    group.add_argument("--max-running", type=int, default=64,
+                       help="requests decoded together at most")
+    group.add_argument("--max-batch-tokens", type=int, default=512,
+                       help="tokens per step: one per decoding request, the rest prompt chunks")
+    group.add_argument("--max-queue", type=int, default=256,
+                       help="waiting requests at most (the server answers 429 beyond)")
+    group.add_argument("--cuda-graphs", action="store_true",
+                       help="replay decode steps as CUDA graphs (GPU; docs/serving.md)")
+
+
+def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> Engine:
+    settings = EngineSettings(
+        block_size=args.block_size, num_blocks=args.num_blocks, max_memory_gib=args.max_memory,
+        max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
+        max_queue=args.max_queue, seed=args.seed if args.seed is not None else 0,
+        cuda_graphs=args.cuda_graphs)
+    return Engine(loaded.model, settings, tokenizer=loaded.tokenizer)

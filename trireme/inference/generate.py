@@ -32,20 +32,43 @@ def sample_next(
                             "diverged in training; nothing to sample")
     if greedy or temperature <= 0.0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if 0 < top_k < logits.shape[-1]:
+    probs = filter_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+def filter_logits(
+    logits: torch.Tensor,
+    temperature: float | torch.Tensor,
+    top_k: int | torch.Tensor = 0,
+    top_p: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
+    """fp32 logits [b, vocab] / temperature, -inf outside the top_k best (0: none dropped) and
+    outside the smallest set whose probability reaches top_p. Each setting is one number, or a
+    [b] tensor with one per row (the serving engine samples rows of different requests)."""
+    logits = logits.float() / _per_row(temperature, logits)
+    vocab = logits.shape[-1]
+    if isinstance(top_k, torch.Tensor):
+        k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)  # [b], vocab: keep all
+        kth_best = logits.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1).unsqueeze(-1))
+        logits = logits.masked_fill(logits < kth_best, float("-inf"))
+    elif 0 < top_k < vocab:
         kth_best = logits.topk(top_k, dim=-1).values[:, -1:]  # [b, 1]
         logits = logits.masked_fill(logits < kth_best, float("-inf"))
-    if top_p < 1.0:
+    if isinstance(top_p, torch.Tensor) or top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # [b, vocab]
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # probability of the better tokens
-        drop_sorted = mass_before >= top_p
+        drop_sorted = mass_before >= _per_row(top_p, logits)
         drop_sorted[:, 0] = False  # the best token always stays, even for top_p = 0
         drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
         logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+    return logits
+
+
+def _per_row(value: float | torch.Tensor, logits: torch.Tensor) -> float | torch.Tensor:
+    """A number as it is; a [b] tensor as [b, 1], to broadcast over the vocabulary."""
+    return value.to(logits.device, torch.float32).unsqueeze(-1) if isinstance(
+        value, torch.Tensor) else value
 
 
 def first_non_finite(modules) -> str | None:

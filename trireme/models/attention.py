@@ -17,6 +17,7 @@ from torch import nn
 
 from trireme.config import ModelConfig
 from trireme.models.init import InitRule
+from trireme.models.paged import PagedKV, PagedLayout
 from trireme.ops.attention import attention
 from trireme.ops.norms import RMSNorm
 from trireme.ops.recompute import recompute
@@ -35,6 +36,7 @@ class Attention(nn.Module):
 
     symbol = "*"
     mixes = True
+    pages = True  # its cache can live in a paged pool (trireme.models.paged)
     causal = True  # the vision encoder's subclass attends both ways (trireme.models.vision)
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
@@ -70,8 +72,11 @@ class Attention(nn.Module):
         self.recompute_core = selective
 
     def new_cache(self, batch_size: int, max_len: int, device: torch.device,
-                  dtype: torch.dtype) -> LayerCache:
-        """Zeroed key and value buffers for `max_len` positions of `batch_size` sequences."""
+                  dtype: torch.dtype, paged: PagedLayout | None = None) -> LayerCache | PagedKV:
+        """Zeroed key and value buffers for `max_len` positions of `batch_size` sequences; with
+        `paged`, pools of blocks shared by the requests of a serving engine."""
+        if paged is not None:
+            return PagedKV(paged, self.num_kv_heads, self.head_size, device, dtype)
         shape = (batch_size, self.num_kv_heads, max_len, self.head_size)
         return (torch.zeros(shape, device=device, dtype=dtype),
                 torch.zeros(shape, device=device, dtype=dtype))
@@ -116,6 +121,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if isinstance(cache, PagedKV):  # a ragged batch of many requests (models/paged.py)
+            y = cache.attend(q, k, v, self.backend)  # [1, n_heads, T, d]
+            return y.transpose(1, 2).reshape(b, s, self.num_heads * d)
         if cache is not None:  # store this chunk's keys/values, attend over everything so far
             k_cache, v_cache = cache
             end = start_pos + s

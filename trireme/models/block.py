@@ -12,6 +12,8 @@ What a sublayer tells the block (and nobody pokes its attributes from outside):
 - `mixes`: whether it mixes positions (takes rope, a cache and the start position) or not;
 - `set_recompute(selective)`: what selective recomputation may rerun inside it;
 - `new_cache(batch, max_len, device, dtype)`: the state it keeps between decoding steps (None);
+  one that declares `pages = True` (attention) also takes `paged=PagedLayout(...)` and then
+  returns its share of a serving engine's block pool (trireme.models.paged);
 - `init_rules()`: the role of each of its weights (trireme.models.init).
 """
 
@@ -27,6 +29,7 @@ from trireme.errors import ConfigError
 from trireme.models.attention import Attention, Rope
 from trireme.models.mlp import MLP
 from trireme.models.moe import MoE
+from trireme.models.paged import PagedLayout
 from trireme.ops.norms import build_norm
 from trireme.ops.recompute import recompute
 from trireme.parallel.context import ParallelContext
@@ -81,10 +84,17 @@ class Block(nn.Module):
             getattr(self, name).set_recompute(selective)
 
     def new_cache(self, batch_size: int, max_len: int, device: torch.device,
-                  dtype: torch.dtype) -> dict[str, Any]:
-        """Each sublayer's decoding state, by name (sublayers that keep none are left out)."""
-        states = {name: getattr(self, name).new_cache(batch_size, max_len, device, dtype)
-                  for name in self.sublayers}
+                  dtype: torch.dtype, paged: PagedLayout | None = None) -> dict[str, Any]:
+        """Each sublayer's decoding state, by name (sublayers that keep none are left out).
+        `paged`: sublayers that page (attention) take their pool of that layout; the others
+        keep `batch_size` rows as usual (one per request slot of the serving engine)."""
+        states = {}
+        for name in self.sublayers:
+            sublayer = getattr(self, name)
+            if paged is not None and getattr(sublayer, "pages", False):
+                states[name] = sublayer.new_cache(batch_size, max_len, device, dtype, paged=paged)
+            else:
+                states[name] = sublayer.new_cache(batch_size, max_len, device, dtype)
         return {name: state for name, state in states.items() if state is not None}
 
     def forward(

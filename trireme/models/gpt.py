@@ -169,7 +169,9 @@ class GPT(nn.Module):
     def _maybe_compile(self, device: torch.device) -> None:
         # Compile each block (not the whole model): small graphs, the same one reused by every
         # layer, and parameter names unchanged (nn.Module.compile works in place). CPU: skipped.
-        if self._compile_pending and device.type == "cuda":
+        # Only when training: generation and serving (eval mode, a new shape every step) stay
+        # eager unless they compile themselves.
+        if self._compile_pending and device.type == "cuda" and self.training:
             vision = self.vision.layers.values() if hasattr(self, "vision") else []
             for block in [*self.layers.values(), *vision]:
                 block.compile()
@@ -187,6 +189,7 @@ class GPT(nn.Module):
         document_ids: torch.Tensor | None = None,
         hidden: torch.Tensor | None = None,
         context_split: bool = False,
+        output_index: torch.Tensor | None = None,
         images: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [b, s, vocab_size] (fp32 not guaranteed), or with `labels` [b, s] the mean
@@ -200,6 +203,10 @@ class GPT(nn.Module):
         A pipeline stage other than the first takes its input activations as `hidden` (input_ids
         still give the shape); one other than the last returns its output activations [b, s, h].
 
+        Serving (trireme.models.paged): a ragged `kv_cache` (a PagedCache) takes the tokens of
+        many requests packed as input_ids [1, T] with their `position_ids` [1, T];
+        `output_index` [n] picks the token positions whose logits are wanted ([1, n, vocab]).
+
         `images` [b_img, 3, H, W] (normalized pixels; a vision model, first stage): their
         projected features replace the model.image_token_id placeholders of `input_ids` in order,
         num_image_tokens(cfg) per image (trireme.models.vision).
@@ -207,13 +214,14 @@ class GPT(nn.Module):
         self._check_inputs(input_ids, start_pos, kv_cache, position_ids, document_ids)
         self._maybe_compile(input_ids.device)
         context = self._context(context_split)
-        rope = self._rope(input_ids, start_pos, position_ids)
+        rope = self._rope(input_ids, start_pos, position_ids,
+                          ragged=getattr(kv_cache, "ragged", False))
         if self.stage.first:
             x = self.dropout(self._embed(input_ids, start_pos, position_ids, images))
         else:  # the previous stage's activations (under SP [b, s / T, h])
             x = hidden
         out = self._blocks_and_head(x, rope, labels, loss_mask, kv_cache, start_pos,
-                                    document_ids, context)
+                                    document_ids, context, output_index)
         if context is not None and labels is not None and self.stage.last:
             out = out * context_loss_scale(labels, loss_mask, context)  # the sequence's mean
         return out
@@ -227,7 +235,8 @@ class GPT(nn.Module):
 
     def _check_inputs(self, input_ids, start_pos, kv_cache, position_ids, document_ids) -> None:
         end = start_pos + input_ids.shape[1]
-        if self.rope is None and end > self.cfg.seq_length:
+        ragged = getattr(kv_cache, "ragged", False)  # a PagedCache takes per-token positions
+        if self.rope is None and end > self.cfg.seq_length and not ragged:
             raise TriremeError(
                 f"positions up to {end} exceed model.seq_length = {self.cfg.seq_length} "
                 "(learned position embeddings have no rows past it)"
@@ -237,14 +246,19 @@ class GPT(nn.Module):
                 "generation with a KV cache under tensor parallelism is not implemented yet; "
                 "pass use_cache=False"
             )
-        if (position_ids is not None or document_ids is not None) and kv_cache is not None:
+        if (position_ids is not None and not ragged or document_ids is not None) and (
+                kv_cache is not None):
             raise TriremeError("position_ids / document_ids are for training, not a KV cache")
 
     def _rope(self, input_ids: torch.Tensor, start_pos: int,
-              position_ids: torch.Tensor | None) -> Rope | None:
-        """cos, sin for the positions of `input_ids` (None with learned positions)."""
+              position_ids: torch.Tensor | None, ragged: bool = False) -> Rope | None:
+        """cos, sin for the positions of `input_ids` (None with learned positions). `ragged`
+        (serving): looked up in the whole table, with no host sync for the largest position."""
         if self.rope is None:
             return None
+        if ragged and position_ids is not None:
+            cos, sin = self.rope(input_ids.device, length=self.cfg.seq_length)  # [seq, d]
+            return cos[position_ids], sin[position_ids]  # [b, s, d]
         if position_ids is not None:
             return self.rope(input_ids.device, position_ids=position_ids)  # 2 x [b, s, d]
         return self.rope(input_ids.device, offset=start_pos, length=input_ids.shape[1])  # [s, d]
@@ -282,6 +296,7 @@ class GPT(nn.Module):
         start_pos: int,
         document_ids: torch.Tensor | None = None,
         context: ContextParallel | None = None,
+        output_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         for name, block in self.layers.items():
             if kv_cache is None:
@@ -290,12 +305,14 @@ class GPT(nn.Module):
                 x = block.forward(x, rope, kv_cache[int(name)], start_pos)
         if not self.stage.last:
             return x  # [b, s, h]: the next stage's input
+        if output_index is not None:
+            x = x.index_select(1, output_index)  # [b, n, h]: only the logits asked for
         x = self.final_norm(x)
         if self.tp is not None:  # vocabulary split over the ranks: no full logits for the loss
             return parallel_output(
                 x, self.output_weight(), self.tp, self.cfg.vocab_size, labels, loss_mask
             )
-        if labels is not None and self.cfg.fused_cross_entropy:  # no [b, s, vocab] logits
+        if labels is not None and self.cfg.fused_loss(x.is_cuda):  # no [b, s, vocab] logits
             return fused_linear_cross_entropy(
                 x, self.output_weight(), labels, loss_mask, vocab_size=self.cfg.vocab_size,
                 chunk_size=self.cfg.loss_chunk_size, compile=self.cfg.compile and x.is_cuda,

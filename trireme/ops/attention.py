@@ -216,3 +216,33 @@ def available_backends(
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return [b for b in BACKENDS if b == "reference" or _probe(b, str(device), dtype, gqa)]
+
+
+def padded_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """One query per row over that row's first `lengths[r]` keys (decoding many sequences of
+    different lengths at once, keys padded to a common length).
+
+    q [r, n_heads, 1, d], k, v [r, n_kv, L, d], lengths [r] -> [r, n_heads, 1, d]. The query
+    heads that share a key/value head become that head's queries ([r, n_kv, groups, d]), so any
+    kernel that takes a mask runs it with no repeated keys (the memory-efficient one has no GQA).
+    """
+    r, n_heads, _, d = q.shape
+    n_kv, max_len = k.shape[1], k.shape[2]
+    q = q.reshape(r, n_kv, n_heads // n_kv, d)  # head h reads kv head h // groups
+    valid = torch.arange(max_len, device=q.device) < lengths.unsqueeze(1)  # [r, L]
+    mask = valid[:, None, None, :]  # [r, 1, 1, L]: shared by heads and queries
+    if backend == "reference":
+        scores = q.float() @ k.float().transpose(-2, -1) / math.sqrt(d)  # [r, n_kv, g, L]
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        y = (probs @ v.float()).to(q.dtype)
+    else:
+        if backend not in BACKENDS:
+            raise ConfigError(f"attention backend {backend!r} is not one of: {', '.join(BACKENDS)}")
+        choice = sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]) if (
+            backend == "auto" and q.is_cuda) else _kernel_choice(backend, q.device, True)
+        with choice:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return y.reshape(r, n_heads, 1, d)

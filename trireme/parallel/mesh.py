@@ -153,6 +153,7 @@ class ParallelMesh:
     rank: int = 0
     device_mesh: object | None = None  # torch.distributed.device_mesh.DeviceMesh
     _subgroups: dict[tuple[str, int], dist.ProcessGroup] = field(default_factory=dict, repr=False)
+    _flat_meshes: dict[str, object] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, dims: ParallelDims, device_type: str = "cpu") -> ParallelMesh:
@@ -186,6 +187,16 @@ class ParallelMesh:
                 group = dist.new_group(ranks)
                 if self.rank in ranks:
                     self._subgroups[(name, 0)] = group
+
+    def data_context_mesh(self):
+        """The 1-D DeviceMesh over this rank's data x context ranks (the data axis when context
+        is 1): what FSDP shards over, since those ranks hold the same weights."""
+        if self.dims.context == 1:
+            return self.device_mesh["data"]
+        if "data_context" not in self._flat_meshes:
+            sub = self.device_mesh["data", "context"]
+            self._flat_meshes["data_context"] = sub._flatten("data_context")
+        return self._flat_meshes["data_context"]
 
     def size(self, axis: str) -> int:
         """Ranks in this rank's group along `axis` (one of AXES or FLAT)."""

@@ -1,0 +1,382 @@
+"""Serving throughput of trireme's engine (continuous batching, paged KV cache), and of Hugging
+Face `generate` with static batches.
+
+    python bench/serve_throughput.py                        # llama3-1b shape, random weights, GPU
+    python bench/serve_throughput.py --baseline hf          # plus HF generate, in a fresh process
+    python bench/serve_throughput.py --smoke                # a tiny model on the CPU, seconds
+
+Workload: --num-prompts prompts of random token ids, lengths uniform in [--min-prompt,
+--max-prompt], each generating exactly --output-tokens tokens (greedy, no stop at eos). For each
+concurrency C the engine keeps C requests in flight (a new one joins as one ends) over
+min(num_prompts, max(4 C, 16)) prompts (all of them with --all-prompts). Reported per C: output
+tokens/s (all output tokens / wall time), TTFT (submit to first token) and TPOT (time per output
+token after the first) p50 / p99.
+
+Decode step time against the memory-bandwidth bound: B requests with --bound-context tokens
+cached each decode --bound-steps steps together (no prefill in those steps); the bound is the
+bytes a step must read, weights + B x context x (K and V bytes per token of every layer), over
+--bandwidth (4.2 TB/s, the H200's HBM3e peak as measured; 4.8 TB/s nominal).
+
+The HF baseline (LlamaForCausalLM, SDPA, bf16) runs in a fresh process: batches of C prompts
+left-padded to the longest, `generate(max_new_tokens=min_new_tokens=output_tokens)`; TTFT is a
+1-token generate of the batch, TPOT the rest divided by the remaining tokens.
+A table is printed and JSON written (default bench/results/serve_throughput-<preset>.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from trireme.config import load_config  # noqa: E402
+from trireme.inference.engine import Engine, EngineSettings  # noqa: E402
+from trireme.inference.sampling import SamplingParams  # noqa: E402
+from trireme.models.gpt import GPT  # noqa: E402
+from trireme.ops.paged_attention import (  # noqa: E402
+    kernel_available,
+    paged_decode_attention,
+    paged_decode_reference,
+)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+          "fp8": torch.bfloat16}
+SMOKE = ["model.vocab_size=256", "model.num_layers=2", "model.hidden_size=64",
+         "model.num_attention_heads=4", "model.num_query_groups=2", "model.ffn_hidden_size=128",
+         "model.seq_length=96", "model.precision=fp32"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="llama3-1b")
+    p.add_argument("--override", nargs="*", default=[], help="model.key=value ...")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--num-prompts", type=int, default=512)
+    p.add_argument("--all-prompts", action="store_true")
+    p.add_argument("--min-prompt", type=int, default=128)
+    p.add_argument("--max-prompt", type=int, default=1024)
+    p.add_argument("--output-tokens", type=int, default=256)
+    p.add_argument("--concurrency", default="1,16,64,256")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-batch-tokens", type=int, default=2048)
+    p.add_argument("--max-memory", type=float, default=0.0, help="GiB for the KV pool")
+    p.add_argument("--bound-batches", default="1,16,64,256")
+    p.add_argument("--bound-context", type=int, default=640,
+                   help="cached tokens per request in the decode-step measurement")
+    p.add_argument("--bound-steps", type=int, default=32)
+    p.add_argument("--bandwidth", type=float, default=4.2e12, help="bytes/s")
+    p.add_argument("--baseline", choices=["none", "hf"], default="none")
+    p.add_argument("--graphs", choices=["off", "on", "both"], default="both",
+                   help="CUDA graphs for decode steps: the throughput runs use them unless off; "
+                   "'both' also measures the decode steps without (GPU only)")
+    p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU")
+    p.add_argument("--out", default=None)
+    p.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.override = SMOKE + args.override
+        args.device = "cpu" if args.device == "auto" else args.device
+        args.num_prompts, args.min_prompt, args.max_prompt = 8, 4, 24
+        args.output_tokens, args.concurrency, args.bound_batches = 8, "1,4", "1,4"
+        args.bound_context, args.bound_steps, args.max_batch_tokens = 32, 4, 64
+    return args
+
+
+def build(args):
+    cfg = load_config(args.preset, args.override)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
+                          if args.device == "auto" else args.device)
+    dtype = DTYPES[cfg.model.precision]
+    with torch.device(device):
+        model = GPT(cfg.model, seed=None)  # random weights, drawn quickly on the device
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+    return cfg, model.to(dtype).eval(), device
+
+
+def make_prompts(args, vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(args.min_prompt, args.max_prompt + 1, (args.num_prompts,),
+                            generator=gen)
+    return [torch.randint(0, vocab, (int(n),), generator=gen).tolist() for n in lengths]
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
+
+
+def engine_for(model, args, max_running: int, graphs: bool) -> Engine:
+    settings = EngineSettings(block_size=args.block_size, max_running=max_running,
+                              max_batch_tokens=max(args.max_batch_tokens, max_running),
+                              max_queue=10**6, max_memory_gib=args.max_memory,
+                              cuda_graphs=graphs)
+    return Engine(model, settings)
+
+
+def graphs_active(engine: Engine) -> bool:
+    return engine.graphs is not None and not engine.graphs.broken
+
+
+def run_level(model, args, prompts: list[list[int]], concurrency: int) -> dict:
+    """Closed loop: `concurrency` requests in flight until every prompt is done."""
+    count = len(prompts) if args.all_prompts else min(len(prompts), max(4 * concurrency, 16))
+    engine = engine_for(model, args, concurrency, args.graphs != "off")
+    graphs = graphs_active(engine)
+    params = SamplingParams(max_tokens=args.output_tokens, greedy=True, ignore_eos=True)
+    finished_at: dict[str, float] = {}
+    on_output = lambda out: finished_at.__setitem__(out.request_id, time.monotonic()) if (
+        out.finished) else None
+    todo, requests = list(prompts[:count]), []
+    start = time.monotonic()  # the engine stamps requests with time.monotonic too
+    while todo or engine.has_work():
+        while todo and len(requests) - len(finished_at) < concurrency:
+            requests.append(engine.submit(todo.pop(), params, on_output))
+        engine.step()
+    wall = time.monotonic() - start
+    ttft = [r.first_token_at - r.arrival for r in requests]
+    tpot = [(finished_at[r.request_id] - r.first_token_at) / max(len(r.output_ids) - 1, 1)
+            for r in requests]
+    tokens = sum(len(r.output_ids) for r in requests)
+    graphs = graphs and graphs_active(engine)
+    del engine
+    free_memory()
+    return {"system": "trireme", "concurrency": concurrency, "prompts": count, "graphs": graphs,
+            "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
+            "ttft_p50_ms": 1e3 * percentile(ttft, 0.5), "ttft_p99_ms": 1e3 * percentile(ttft, 0.99),
+            "tpot_p50_ms": 1e3 * percentile(tpot, 0.5), "tpot_p99_ms": 1e3 * percentile(tpot, 0.99)}
+
+
+def free_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def decode_bound(model, cfg, args, batch: int, graphs: bool) -> dict:
+    """Pure decode steps of `batch` requests with args.bound_context tokens cached."""
+    engine = engine_for(model, args, batch, graphs)
+    context = min(args.bound_context, cfg.model.seq_length - args.bound_steps - 2)
+    params = SamplingParams(max_tokens=args.bound_steps + 8, greedy=True, ignore_eos=True)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(batch):
+        engine.submit(torch.randint(0, cfg.model.vocab_size, (context,), generator=gen).tolist(),
+                      params)
+    while any(r.prefilling for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # prefill (and the first tokens)
+    engine.step()  # one decode step untimed (allocator warm)
+    assert len(engine.scheduler.running) == batch, "the pool is too small for the batch"
+    cached = sum(r.num_cached for r in engine.scheduler.running) / batch
+    cached += args.bound_steps / 2  # the mean over the timed steps
+    times = []
+    for _ in range(args.bound_steps):
+        t = time.perf_counter()
+        engine.step()  # ends with the step's one host sync
+        times.append(time.perf_counter() - t)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_per_token = engine.cache.nbytes() / (engine.allocator.num_blocks * args.block_size)
+    read = weights + batch * cached * kv_per_token
+    bound = read / args.bandwidth
+    step = statistics.median(times)
+    graphs = graphs_active(engine)
+    engine.abort_all("cancelled")
+    del engine
+    free_memory()
+    return {"batch": batch, "graphs": graphs, "context": round(cached), "step_ms": 1e3 * step,
+            "bound_ms": 1e3 * bound, "ratio_to_bound": step / bound,
+            "weights_gib": weights / 2**30, "kv_read_gib": batch * cached * kv_per_token / 2**30,
+            "decode_tokens_per_s": batch / step}
+
+
+def kernel_error(cfg, device: torch.device, dtype: torch.dtype) -> float | None:
+    """Largest difference between the paged decode kernel and the plain gather path on random
+    pools of the model's head shape (None off CUDA, where there is no kernel; NaN if the kernel
+    failed)."""
+    if device.type != "cuda":
+        return None
+    gen = torch.Generator(device=device).manual_seed(0)
+    n_kv, d, block, lengths = cfg.kv_heads, cfg.head_size, 16, [1, 15, 16, 17, 300, 1000]
+    width = max(-(-n // block) for n in lengths)
+    pools = [torch.randn(1 + len(lengths) * width, block, n_kv, d, device=device, generator=gen,
+                         dtype=dtype) for _ in range(2)]
+    tables = torch.arange(1, 1 + len(lengths) * width, device=device).view(len(lengths), width)
+    q = torch.randn(len(lengths), cfg.num_attention_heads, d, device=device, generator=gen,
+                    dtype=dtype)
+    lengths_t = torch.tensor(lengths, device=device)
+    got = paged_decode_attention(q, *pools, tables, lengths_t)
+    if not kernel_available():  # it failed (warned) and the gather path answered
+        return float("nan")
+    want = paged_decode_reference(q, *pools, tables, lengths_t, backend="reference")
+    return (got.float() - want.float()).abs().max().item()
+
+
+def graphs_match_eager(model, args, prompts: list[list[int]]) -> bool | None:
+    """Greedy tokens of a few prompts with CUDA graphs equal those without (None: no graphs)."""
+    engine = engine_for(model, args, 8, True)
+    if not graphs_active(engine):
+        return None
+    params = [SamplingParams(max_tokens=24, greedy=True, ignore_eos=True)] * 8
+    with_graphs = [r.output_ids for r in engine.generate(prompts[:8], params)]
+    del engine
+    eager = [r.output_ids for r in engine_for(model, args, 8, False).generate(prompts[:8],
+                                                                              params)]
+    free_memory()
+    return with_graphs == eager
+
+
+# ---------------------------------------------------------------------------- HF baseline
+
+
+def hf_worker(args) -> None:
+    """In a fresh process: HF generate with static batches; prints one JSON line per level."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = load_config(args.preset, args.override).model
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
+                          if args.device == "auto" else args.device)
+    rope = None
+    if cfg.rope_scaling == "llama3":
+        rope = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
+                "low_freq_factor": cfg.rope_low_freq_factor,
+                "high_freq_factor": cfg.rope_high_freq_factor,
+                "original_max_position_embeddings": cfg.rope_original_max_position}
+    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                         intermediate_size=cfg.ffn_hidden_size,
+                         num_hidden_layers=cfg.num_layers,
+                         num_attention_heads=cfg.num_attention_heads,
+                         num_key_value_heads=cfg.kv_heads,
+                         max_position_embeddings=cfg.seq_length, rope_theta=cfg.rope_theta,
+                         rope_scaling=rope, tie_word_embeddings=cfg.tie_embeddings,
+                         attn_implementation="sdpa")
+    with torch.device(device):
+        model = LlamaForCausalLM(hf_cfg).to(DTYPES[cfg.precision]).eval()
+    prompts = make_prompts(args, cfg.vocab_size)
+    for concurrency in [int(c) for c in args.concurrency.split(",")]:
+        batch = prompts[:concurrency]
+        longest = max(len(p) for p in batch)
+        ids = torch.tensor([[0] * (longest - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in batch],
+                            device=device)
+
+        def run(new_tokens: int, ids=ids, mask=mask) -> float:
+            sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+            sync()
+            t = time.perf_counter()
+            with torch.no_grad():
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                               min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            sync()
+            return time.perf_counter() - t
+
+        run(2)  # warm up
+        ttft = run(1)
+        total = run(args.output_tokens)
+        tpot = (total - ttft) / max(args.output_tokens - 1, 1)
+        print(json.dumps({"system": "hf", "concurrency": concurrency, "prompts": len(batch),
+                          "output_tokens": len(batch) * args.output_tokens, "wall_s": total,
+                          "output_tokens_per_s": len(batch) * args.output_tokens / total,
+                          "ttft_p50_ms": 1e3 * ttft, "ttft_p99_ms": 1e3 * ttft,
+                          "tpot_p50_ms": 1e3 * tpot, "tpot_p99_ms": 1e3 * tpot}), flush=True)
+
+
+def run_hf(argv: list[str]) -> list[dict]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--hf-worker", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    if proc.returncode != 0:
+        return [{"system": "hf", "error": proc.stderr.strip().splitlines()[-1:]}]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def format_tables(levels: list[dict], bounds: list[dict]) -> str:
+    rows = ["system   conc  prompts  out tok/s   TTFT p50/p99 ms     TPOT p50/p99 ms  graphs"]
+    for r in levels:
+        if "error" in r:
+            rows.append(f"{r['system']:<8} error: {r['error']}")
+            continue
+        rows.append(f"{r['system']:<8} {r['concurrency']:>4}  {r['prompts']:>7}  "
+                    f"{r['output_tokens_per_s']:>9.1f}   {r['ttft_p50_ms']:>7.1f} / "
+                    f"{r['ttft_p99_ms']:<8.1f}  {r['tpot_p50_ms']:>6.2f} / "
+                    f"{r['tpot_p99_ms']:<6.2f}  {r.get('graphs', '')}")
+    rows += ["", "decode step vs bandwidth bound",
+             "batch  graphs  context  step ms  bound ms  ratio  decode tok/s"]
+    for b in bounds:
+        rows.append(f"{b['batch']:>5}  {str(b['graphs']):>6}  {b['context']:>7}  "
+                    f"{b['step_ms']:>7.2f}  "
+                    f"{b['bound_ms']:>8.3f}  {b['ratio_to_bound']:>5.2f}  "
+                    f"{b['decode_tokens_per_s']:>12.0f}")
+    return "\n".join(rows)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                              capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.hf_worker:
+        hf_worker(args)
+        return 0
+    cfg, model, device = build(args)
+    prompts = make_prompts(args, cfg.model.vocab_size)
+    error = kernel_error(cfg.model, device, next(model.parameters()).dtype)
+    if error is not None:
+        print(f"paged decode kernel vs the gather path: max |difference| {error:.2e}")
+    check = graphs_match_eager(model, args, prompts) if args.graphs != "off" else None
+    if check is not None:
+        print(f"CUDA graphs give the eager greedy tokens: {check}")
+    levels = [run_level(model, args, prompts, int(c)) for c in args.concurrency.split(",")]
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.graphs]
+    if device.type != "cuda":
+        modes = [False]
+    bounds = [decode_bound(model, cfg, args, int(b), graphs)
+              for graphs in modes for b in args.bound_batches.split(",")]
+    del model
+    free_memory()
+    if args.baseline == "hf":
+        levels += run_hf(argv)
+    print(format_tables(levels, bounds))
+    name = "smoke" if args.smoke else args.preset
+    out = Path(args.out) if args.out else REPO / "bench" / "results" / (
+        f"serve_throughput-{name}.json")
+    device_name = (torch.cuda.get_device_name() if device.type == "cuda"
+                   else platform.processor() or "cpu")
+    data = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "device": device_name,
+            "torch": torch.__version__, "git_commit": git_commit(),
+            "settings": {k: v for k, v in vars(args).items() if k != "hf_worker"},
+            "results": levels, "decode_bound": bounds, "graphs_match_eager": check,
+            "kernel_max_error": error}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,422 @@
+"""`trireme serve` against the official `openai` client on loopback: concurrent greedy requests
+return what `trireme generate --greedy` returns for each prompt alone; streaming equals the whole
+answer; stop strings, bad input (400 / 401 / 413), the bounded queue (429), metrics, chat
+templates, disconnects and SIGTERM; and the offline batch mode."""
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import openai
+import pytest
+import torch
+import uvicorn
+
+from trireme.checkpoint.store import save_checkpoint
+from trireme.cli import main as trireme_main
+from trireme.config import Config, ModelConfig
+from trireme.data.tokenizer import load_tokenizer
+from trireme.inference.chat import (
+    ChatFormat,
+    find_chat_template,
+    find_special_token,
+    plain_chat_prompt,
+)
+from trireme.inference.cli import load_for_inference
+from trireme.inference.engine import Engine, EngineSettings
+from trireme.inference.openai_api import ApiError, parse_chat, parse_completion
+from trireme.inference.runner import EngineThread
+from trireme.inference.serve_cli import chat_format
+from trireme.inference.server import ServerSettings, build_app
+from trireme.models.gpt import GPT
+
+REPO = Path(__file__).resolve().parents[1]
+CONTEXT = 96
+PROMPTS = ["def ", "import os\n", "a", "The quick brown fox jumps over the lazy dog. " * 2,
+           "class Foo:\n    def __init__(self):", "x = [1, 2, 3]\nfor i in x:\n", "hello world",
+           "# comment", "return None", "while True:\n    pass\n" * 2]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A tiny Llama-shaped model (GQA, untied) with large random weights (clear greedy choices),
+    saved as a checkpoint with the byte tokenizer."""
+    root = tmp_path_factory.mktemp("serve") / "ckpt"
+    cfg = Config()
+    cfg.model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                            num_query_groups=2, ffn_hidden_size=128, vocab_size=257,
+                            seq_length=CONTEXT, position_embedding="rope",
+                            normalization="rmsnorm", activation="swiglu", precision="fp32")
+    cfg.data.tokenizer = "bytes"
+    model = GPT(cfg.model, seed=3)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(8.0)
+    state = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    save_checkpoint(root, 0, model=state, optimizer={}, trainer={"step": 0},
+                    config_toml=cfg.to_toml())
+    return root
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The server, its engine and 32 client threads share this process: one torch thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@contextmanager
+def live_server(checkpoint: Path, api_key: str = "", **engine_settings):
+    """`trireme serve`'s app under uvicorn on a free loopback port, in this process."""
+    loaded = load_for_inference(str(checkpoint), device="cpu")
+    settings = EngineSettings(**{"max_running": 32, "max_batch_tokens": 256, **engine_settings})
+    engine = Engine(loaded.model, settings, tokenizer=loaded.tokenizer)
+    app = build_app(EngineThread(engine), chat_format(loaded),
+                    ServerSettings("tiny", api_key, max_body_bytes=64 * 1024))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", engine
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    with live_server(checkpoint, api_key="secret") as (url, engine):
+        yield url, engine
+
+
+def client(url: str, key: str = "secret") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def plain_request(url: str, method: str = "GET", body: bytes | dict | None = None, key: str = ""
+         ) -> tuple[int, str]:
+    """(status, body text) of one plain HTTP request."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    if isinstance(body, dict):
+        body = json.dumps(body).encode()
+    conn.request(method, parts.path, body=body, headers=headers)
+    reply = conn.getresponse()
+    text = reply.read().decode()
+    conn.close()
+    return reply.status, text
+
+
+@contextmanager
+def stream_lines(url: str, body: dict, key: str = ""):
+    """The non-empty lines of a streamed answer, as they come (closing hangs up)."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    conn.request("POST", parts.path, body=json.dumps(body).encode(), headers=headers)
+    reply = conn.getresponse()
+
+    def lines():
+        while True:
+            line = reply.readline()
+            if not line:
+                return
+            if line.strip():
+                yield line.decode().strip()
+
+    try:
+        yield lines()
+    finally:
+        conn.close()
+
+
+def cli_generate(checkpoint: Path, prompt: str, max_tokens: int, capsys) -> str:
+    """What `trireme generate --greedy` prints for one prompt (prompt + continuation)."""
+    capsys.readouterr()
+    assert trireme_main(["generate", "--checkpoint", str(checkpoint), "--prompt", prompt,
+                         "--max-new-tokens", str(max_tokens), "--greedy", "--device", "cpu"]) == 0
+    return capsys.readouterr().out[:-1]  # print's newline
+
+
+def test_concurrent_greedy_requests_equal_trireme_generate(server, checkpoint, capsys):
+    url, engine = server
+    api = client(url)
+    jobs = [((PROMPTS[i % len(PROMPTS)] * (1 + i // len(PROMPTS)))[:80], 4 + (7 * i) % 29)
+            for i in range(32)]  # mixed prompt lengths (1 to 80 bytes) and output lengths
+
+    def ask(job):
+        prompt, max_tokens = job
+        return api.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
+                                      temperature=0)
+
+    steps_before = engine.counters["steps"]
+    with ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(ask, jobs))
+    steps = engine.counters["steps"] - steps_before
+    assert steps < sum(m for _, m in jobs) / 4  # really batched, not one request at a time
+    for (prompt, max_tokens), answer in zip(jobs, answers):
+        choice = answer.choices[0]
+        expected = cli_generate(checkpoint, prompt, max_tokens, capsys)
+        assert prompt + choice.text == expected, (prompt, max_tokens)
+        assert answer.usage.prompt_tokens == len(prompt.encode())
+        assert choice.finish_reason in ("stop", "length")
+        if choice.finish_reason == "length":
+            limit = min(max_tokens, CONTEXT - len(prompt.encode()))
+            assert answer.usage.completion_tokens == limit
+    assert engine.allocator.used == 0
+
+
+def test_streaming_equals_the_whole_answer(server):
+    url, _ = server
+    api = client(url)
+    for prompt, max_tokens in [("def ", 20), ("hello world", 40), ("é" * 5, 12)]:
+        whole = api.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
+                                       temperature=0)
+        chunks = list(api.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
+                                             temperature=0, stream=True,
+                                             stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == whole.choices[0].text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == (
+            whole.choices[0].finish_reason)
+        assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+        assert all(c.usage is None for c in chunks[:-1])
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    whole = api.chat.completions.create(model="tiny", messages=messages, max_tokens=15,
+                                        temperature=0)
+    chunks = list(api.chat.completions.create(model="tiny", messages=messages, max_tokens=15,
+                                              temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == (
+        whole.choices[0].message.content)
+    assert whole.usage.prompt_tokens == len(plain_chat_prompt(messages).encode())
+
+
+def test_stop_strings(server):
+    url, _ = server
+    api = client(url)
+    full = api.completions.create(model="tiny", prompt="import os\n", max_tokens=30,
+                                  temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[6:8]
+    cut = full[: full.index(stop)]
+    for stream in (False, True):
+        answer = api.completions.create(model="tiny", prompt="import os\n", max_tokens=30,
+                                        temperature=0, stop=[stop, "\x00never"], stream=stream,
+                                        extra_body={"ignore_eos": True})
+        if stream:
+            chunks = list(answer)
+            text = "".join(c.choices[0].text for c in chunks)
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            text, reason = answer.choices[0].text, answer.choices[0].finish_reason
+        assert text == cut and reason == "stop"
+
+
+def test_bad_input_gets_openai_errors(server):
+    url, _ = server
+    api = client(url)
+    with pytest.raises(openai.AuthenticationError):
+        client(url, key="wrong").completions.create(model="tiny", prompt="a", max_tokens=2)
+    assert plain_request(f"{url}/v1/models")[0] == 401  # no key at all
+    assert [m.id for m in api.models.list()] == ["tiny"]
+    bad_fields = [dict(max_tokens="5"), dict(max_tokens=0), dict(max_tokens=-3),
+                  dict(temperature="hot"), dict(top_p=2.0), dict(stop=[3]), dict(n=2),
+                  dict(prompt=5), dict(prompt="x" * CONTEXT), dict(stream="yes")]
+    for fields in bad_fields:
+        body = {"model": "tiny", "prompt": "a", "max_tokens": 3, **fields}
+        with pytest.raises(openai.BadRequestError) as caught:
+            api.completions.create(**body)
+        error = caught.value.body
+        assert error["type"] == "invalid_request_error" and error["message"], fields
+    with pytest.raises(openai.BadRequestError, match="context"):
+        api.completions.create(model="tiny", prompt="x" * CONTEXT, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        api.chat.completions.create(model="tiny", messages=[{"content": "no role"}])
+    for raw in (b'{"prompt": "a", "max_tokens":', b"[1, 2]", b"\xff\xfe"):
+        status, text = plain_request(f"{url}/v1/completions", "POST", raw, key="secret")
+        assert status == 400 and json.loads(text)["error"]["message"]
+    big = json.dumps({"prompt": "a" * 70_000}).encode()
+    status, text = plain_request(f"{url}/v1/completions", "POST", big, key="secret")
+    assert status == 413 and json.loads(text)["error"]["code"] == "body_too_large"
+    # the server is still fine
+    assert api.completions.create(model="tiny", prompt="a", max_tokens=2).usage.total_tokens == 3
+
+
+def test_a_full_queue_answers_429(checkpoint):
+    with live_server(checkpoint, max_running=1, max_queue=2) as (url, engine):
+        api = client(url, key="any")  # no key required by this server
+
+        def ask(_):
+            try:
+                return api.completions.create(model="tiny", prompt="a", max_tokens=90,
+                                              temperature=0, extra_body={"ignore_eos": True})
+            except openai.RateLimitError as e:
+                return e
+
+        with ThreadPoolExecutor(10) as pool:
+            results = list(pool.map(ask, range(10)))
+        limited = [r for r in results if isinstance(r, openai.RateLimitError)]
+        served = [r for r in results if not isinstance(r, Exception)]
+        assert limited and len(served) >= 3 and len(limited) + len(served) == 10
+        assert limited[0].body["type"] == "rate_limit_error"
+        assert all(r.choices[0].text == served[0].choices[0].text for r in served)
+        metrics = plain_request(f"{url}/metrics")[1]
+        for name in ("queue_length", "running_requests", "kv_blocks_used",
+                     "output_tokens_per_second"):
+            assert f'trireme_{name}{{model="tiny"}} ' in metrics
+        assert 'trireme_generation_tokens_total{model="tiny"} ' + str(90 * len(served)) in metrics
+        assert json.loads(plain_request(f"{url}/health")[1]) == {"status": "ok"}
+
+
+def test_a_client_that_goes_away_is_cancelled(server, monkeypatch):
+    url, engine = server
+    finished = engine.counters["requests_finished"]
+    reasons = []
+    release = engine.scheduler.release
+    monkeypatch.setattr(engine.scheduler, "release",
+                        lambda request: reasons.append(request.finish_reason) or release(request))
+    body = {"prompt": "a", "max_tokens": 90, "stream": True, "ignore_eos": True}
+    with stream_lines(f"{url}/v1/completions", body, key="secret") as lines:
+        next(lines)  # the first chunk, then hang up
+    deadline = time.monotonic() + 10
+    while engine.counters["requests_finished"] == finished and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reasons == ["cancelled"]  # not run to its 90 tokens
+    assert engine.allocator.used == 0 and not engine.scheduler.running
+
+
+def test_chat_templates(tmp_path):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert plain_chat_prompt(messages) == "user: hi\nassistant: yo\nassistant:"
+    assert find_chat_template([tmp_path]) is None
+    template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{{ eos_token }}{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "eos_token": {"content": "</s>"}}))
+    eos = find_special_token([tmp_path], "eos_token")
+    chat = ChatFormat(find_chat_template([tmp_path]), eos_token=eos)
+    assert chat.render(messages) == "<user>hi</s><assistant>yo</s><assistant>"
+    assert chat.stop == ("</s>",) and ChatFormat(None, eos_token="</s>").stop == ()
+    tok = load_tokenizer("bytes")
+    body = {"messages": messages, "stop": "x", "temperature": 0}
+    parsed = parse_chat(body, tok, chat, context=64)
+    assert tok.decode(parsed.prompt_ids) == chat.render(messages)
+    assert parsed.params.stop == ("x", "</s>") and parsed.params.greedy
+    assert parsed.params.max_tokens == 64
+    sneaky = ChatFormat("{{ messages.__class__.__mro__ }}")  # the sandbox refuses internals
+    with pytest.raises(Exception, match="chat template|unsafe|attribute"):
+        sneaky.render(messages)
+
+
+def test_offline_batch_mode(checkpoint, tmp_path, capsys):
+    lines = [{"prompt": p, "max_tokens": 6 + i, "id": i} for i, p in enumerate(PROMPTS[:6])]
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    out = tmp_path / "out.jsonl"
+    assert trireme_main(["generate", "--checkpoint", str(checkpoint), "--input", str(source),
+                         "--output", str(out), "--greedy", "--device", "cpu",
+                         "--max-running", "4", "--max-batch-tokens", "16"]) == 0
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in results] == list(range(6))
+    for line, result in zip(lines, results):
+        expected = cli_generate(checkpoint, line["prompt"], line["max_tokens"], capsys)
+        assert line["prompt"] + result["text"] == expected
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{"prompt": "b", "top_p": "high"}\n')
+    target = tmp_path / "never.jsonl"
+    code = trireme_main(["generate", "--checkpoint", str(checkpoint), "--input", str(bad),
+                         "--output", str(target), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{bad}:2: top_p" in err and err.count("\n") == 1
+    assert not target.exists() and list(tmp_path.glob(".never*")) == []
+
+
+def test_sigterm_lets_running_requests_finish(checkpoint):
+    """A real `trireme serve` process: SIGTERM while a streamed answer runs; the answer ends
+    normally, then the process exits 0."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trireme", "serve", "--checkpoint", str(checkpoint), "--port",
+         "0", "--device", "cpu", "--max-running", "2"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = wait_for_url(proc)
+        body = {"prompt": "a", "max_tokens": 80, "stream": True, "ignore_eos": True}
+        with stream_lines(f"{url}/v1/completions", body) as lines:
+            first = next(lines)
+            proc.send_signal(signal.SIGTERM)
+            rest = list(lines)
+        assert first.startswith("data: {") and rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def wait_for_url(proc: subprocess.Popen) -> str:
+    """The server's address from its first line, once it answers /health."""
+    for line in proc.stdout:
+        if " on http://" in line:
+            url = line.split(" on ")[-1].strip()
+            break
+    else:
+        raise AssertionError("the server never started")
+    for _ in range(600):
+        try:
+            if plain_request(f"{url}/health")[0] == 200:
+                return url
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError("the server never answered /health")
+
+
+def test_request_bodies_parse_to_prompts_and_settings():
+    tok = load_tokenizer("bytes")
+    for prompt in ("hi", ["hi"], [104, 105], [[104, 105]]):
+        parsed = parse_completion({"prompt": prompt}, tok)
+        assert parsed.prompt_ids == [104, 105] and parsed.params.max_tokens == 16
+    parsed = parse_completion({"prompt": "", "temperature": 0.5, "top_k": 3, "seed": 7,
+                               "stop": "\n", "stream": True,
+                               "stream_options": {"include_usage": True}}, tok)
+    assert parsed.prompt_ids == [tok.eod] and parsed.stream and parsed.include_usage
+    p = parsed.params
+    assert (p.temperature, p.top_k, p.seed, p.stop, p.greedy) == (0.5, 3, 7, ("\n",), False)
+    for bad in ({"prompt": ["a", "b"]}, {"prompt": []}, {"prompt": [1, True]},
+                {"prompt": "a", "max_tokens": True}, {"prompt": "a", "echo": True},
+                {"prompt": "a", "presence_penalty": 0.5}, {"prompt": "a", "stop": [""]},
+                {"prompt": "a", "stream_options": {"include_usage": "yes"}}, ["prompt"], {}):
+        with pytest.raises(ApiError) as caught:
+            parse_completion(bad, tok)
+        assert caught.value.status == 400 and caught.value.body()["error"]["message"]
+    chat = ChatFormat(None)
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    parsed = parse_chat({"messages": [{"role": "user", "content": parts}],
+                         "max_completion_tokens": 5}, tok, chat, context=64)
+    assert tok.decode(parsed.prompt_ids) == "user: ab\nassistant:" and parsed.params.max_tokens == 5
+    for bad in ({"messages": []}, {"messages": [{"role": "robot", "content": "x"}]},
+                {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}):
+        with pytest.raises(ApiError):
+            parse_chat(bad, tok, chat, context=64)

@@ -1,0 +1,106 @@
+"""Chat messages to a prompt: the tokenizer's chat template when the checkpoint has one, else a
+plain one.
+
+The template is looked for as "chat_template" in a tokenizer_config.json (or a
+chat_template.jinja file) in the tokenizer's folder or the checkpoint's folder (and its parent,
+the run's checkpoint root). It is Jinja, rendered in Jinja's immutable sandbox (a template from a
+downloaded model is code from a stranger) with `messages`, `add_generation_prompt=True`,
+`bos_token` and `eos_token`, as Hugging Face renders it; the eos_token (tokenizer_config.json's)
+also ends a chat answer, as a stop string.
+
+The plain template, for checkpoints without one (models trained with trireme on raw text):
+
+    system: You are terse.
+    user: Hello!
+    assistant: Hi.
+    user: And now?
+    assistant:
+
+one line per message, "role: content", ending with "assistant:" for the model to continue.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from trireme.errors import ConfigError, TriremeError
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def find_chat_template(folders: list[Path]) -> str | None:
+    """The first chat template found in `folders` (module docstring), or None."""
+    for folder in folders:
+        jinja = folder / "chat_template.jinja"
+        if jinja.is_file():
+            return jinja.read_text(encoding="utf-8")
+        config = folder / "tokenizer_config.json"
+        if config.is_file():
+            try:
+                template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+            except (json.JSONDecodeError, AttributeError):
+                raise ConfigError(f"{config} is not a JSON object; fix or remove it") from None
+            if isinstance(template, list):  # named templates: take the default one
+                named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+                template = named.get("default")
+            if isinstance(template, str) and template:
+                return template
+    return None
+
+
+def find_special_token(folders: list[Path], name: str) -> str:
+    """tokenizer_config.json's `name` ("eos_token", "bos_token": a string or {"content": ...})
+    from the first folder that has one, else ""."""
+    for folder in folders:
+        config = folder / "tokenizer_config.json"
+        if config.is_file():
+            try:
+                value = json.loads(config.read_text(encoding="utf-8")).get(name)
+            except (json.JSONDecodeError, AttributeError):
+                return ""
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str):
+                return value
+    return ""
+
+
+def plain_chat_prompt(messages: list[dict[str, str]]) -> str:
+    lines = [f"{m['role']}: {m['content']}\n" for m in messages]
+    return "".join(lines) + "assistant:"
+
+
+class ChatFormat:
+    """Renders a list of {"role", "content"} messages into the prompt text."""
+
+    def __init__(self, template: str | None, bos_token: str = "", eos_token: str = "") -> None:
+        self.template = None
+        self.source = "plain"
+        if template is not None:
+            try:
+                from jinja2.sandbox import ImmutableSandboxedEnvironment
+            except ImportError:
+                raise ConfigError("the checkpoint's tokenizer has a chat template, which needs "
+                                  "jinja2: pip install jinja2") from None
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            self.template = env.from_string(template)
+            self.source = "tokenizer"
+        self.bos_token, self.eos_token = bos_token, eos_token
+        # a model tuned on the template ends its turn with the eos token: its text ends the answer
+        self.stop = (eos_token,) if self.template is not None and eos_token else ()
+
+    def render(self, messages: list[dict[str, str]]) -> str:
+        if self.template is None:
+            return plain_chat_prompt(messages)
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=True,
+                                        bos_token=self.bos_token, eos_token=self.eos_token)
+        except TriremeError:
+            raise
+        except Exception as e:  # the template's own checks (roles, order) fail this way
+            raise TriremeError(f"the chat template refused these messages: {e}") from None
+
+
+def _raise(message: str) -> None:
+    raise TriremeError(str(message))

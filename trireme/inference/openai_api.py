@@ -1,0 +1,215 @@
+"""The OpenAI API's request bodies and answers, without the HTTP: parsing with checks that name
+the field, and the JSON of completions, chat completions and their streamed chunks.
+
+Accepted (besides `model`, which is not checked against the served name, and fields this server
+ignores such as `user`): prompt (a string, token ids, or a list of one of either), messages,
+max_tokens / max_completion_tokens, temperature (0: greedy), top_p, seed, stop (a string or a
+list), stream, stream_options.include_usage; extensions top_k and ignore_eos. Refused with a 400:
+n, best_of != 1, echo, logprobs, suffix, logit_bias, nonzero presence / frequency penalties.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any
+
+from trireme.errors import TriremeError
+from trireme.inference.chat import ROLES, ChatFormat
+from trireme.inference.sampling import SamplingParams
+
+
+class ApiError(TriremeError):
+    """An HTTP error with the OpenAI error body: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = (
+            status, message, param, code, kind)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+@dataclass
+class ParsedRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+
+
+NUMBER = (int, float)
+TYPE_NAMES = {str: "string", int: "integer", bool: "boolean", list: "list", dict: "object"}
+
+
+def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
+    """body[name] if present and not null, checked against `kinds` (bool is not a number)."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        want = "number" if kinds == NUMBER else " or ".join(TYPE_NAMES[k] for k in kinds)
+        raise ApiError(400, f"{name} must be of type {want}, not {type(value).__name__}", name)
+    return value
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for name, allowed in (("n", 1), ("best_of", 1)):
+        if body.get(name) not in (None, allowed):
+            raise ApiError(400, f"{name} must be 1: this server returns one choice", name)
+    for name in ("echo", "logprobs", "top_logprobs", "suffix", "logit_bias"):
+        if body.get(name) not in (None, False, {}):
+            raise ApiError(400, f"{name} is not supported by this server", name)
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _field(body, name, NUMBER, 0.0)
+        if value != 0:
+            raise ApiError(400, f"{name} is not supported (only 0)", name)
+
+
+def sampling_from(body: dict, default_max_tokens: int, max_tokens_name: str = "max_tokens"
+                  ) -> SamplingParams:
+    _refuse_unsupported(body)
+    max_tokens = _field(body, max_tokens_name, (int,), None)
+    if max_tokens is None and max_tokens_name != "max_tokens":
+        max_tokens = _field(body, "max_tokens", (int,), None)
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    if max_tokens <= 0:
+        raise ApiError(400, f"{max_tokens_name} must be at least 1, got {max_tokens}",
+                       max_tokens_name)
+    stop = _field(body, "stop", (str, list), [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) and s for s in stop):
+        raise ApiError(400, "stop must be a string or a list of non-empty strings", "stop")
+    temperature = float(_field(body, "temperature", NUMBER, 1.0))
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_k=_field(body, "top_k", (int,), 0),
+        top_p=float(_field(body, "top_p", NUMBER, 1.0)), greedy=temperature == 0.0,
+        seed=_field(body, "seed", (int,), None), stop=tuple(stop),
+        ignore_eos=_field(body, "ignore_eos", (bool,), False))
+    problem = params.problem()
+    if problem:
+        raise ApiError(400, problem, problem.split()[0])
+    return params
+
+
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    stream = _field(body, "stream", (bool,), False)
+    options = _field(body, "stream_options", (dict,), {})
+    return stream, bool(_field(options, "include_usage", (bool,), False))
+
+
+def parse_completion(body: Any, tokenizer) -> ParsedRequest:
+    """POST /v1/completions' body -> prompt ids and settings (ApiError 400 if malformed)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    if "prompt" not in body:
+        raise ApiError(400, "prompt is required", "prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt) or [tokenizer.eod]
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+        ids = list(prompt)
+    else:
+        raise ApiError(400, "prompt must be a string or a non-empty list of token ids (one "
+                       "prompt per request)", "prompt")
+    params = sampling_from(body, default_max_tokens=16)
+    return ParsedRequest(ids, params, *_stream_flags(body))
+
+
+def parse_chat(body: Any, tokenizer, chat: ChatFormat, context: int) -> ParsedRequest:
+    """POST /v1/chat/completions' body -> the templated prompt's ids and settings."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list", "messages")
+    plain = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise ApiError(400, f"messages[{i}] needs a role, one of {', '.join(ROLES)}",
+                           "messages")
+        plain.append({"role": message["role"], "content": _content(message.get("content"), i)})
+    try:
+        text = chat.render(plain)
+    except TriremeError as e:
+        raise ApiError(400, str(e), "messages") from None
+    ids = tokenizer.encode(text) or [tokenizer.eod]
+    params = sampling_from(body, default_max_tokens=context,
+                           max_tokens_name="max_completion_tokens")
+    if chat.stop and not set(chat.stop) <= set(params.stop):
+        params = replace(params, stop=params.stop + chat.stop)  # the template's end of turn
+    return ParsedRequest(ids, params, *_stream_flags(body))
+
+
+def _content(content: Any, i: int) -> str:
+    """A message's text: a string, or the text parts of a list of content parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content):
+        return "".join(p["text"] for p in content)
+    raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
+                   "messages")
+
+
+# ---------------------------------------------------------------------------- answers
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Answer:
+    """Builds the JSON of one request's answer, whole or as stream chunks; `chat` picks the
+    chat.completion shapes."""
+
+    def __init__(self, model: str, chat: bool) -> None:
+        self.model, self.chat = model, chat
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = int(time.time())
+
+    def _head(self, kind: str) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def whole(self, text: str, finish_reason: str, prompt_tokens: int,
+              completion_tokens: int) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": finish_reason}
+            head = self._head("chat.completion")
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            head = self._head("text_completion")
+        return {**head, "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None,
+              first: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            if text:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None,
+                      "finish_reason": finish_reason}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": 0, "text": text or "", "logprobs": None,
+                  "finish_reason": finish_reason}
+        return {**self._head("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._head(kind), "choices": [], "usage": usage(prompt_tokens,
+                                                                  completion_tokens)}

@@ -1,0 +1,116 @@
+"""`trireme serve --checkpoint DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY] ...`.
+
+Loads the checkpoint, starts the engine and serves the OpenAI API with uvicorn until SIGTERM /
+Ctrl-C; then new connections are refused, running requests get --drain-timeout seconds to
+finish, and what is left is cancelled (trireme.inference.server). FastAPI and uvicorn are the
+optional extra `serve` (pip install 'trireme[serve]').
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from trireme.errors import TriremeError
+from trireme.inference.chat import ChatFormat, find_chat_template, find_special_token
+from trireme.inference.cli import (
+    LoadedModel,
+    add_engine_arguments,
+    engine_from_args,
+    load_for_inference,
+)
+from trireme.inference.runner import EngineThread
+
+EPILOG = """\
+endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics (Prometheus). The API key may also come from the TRIREME_API_KEY variable.
+example:
+  trireme serve --checkpoint runs/tiny/checkpoints --port 8000
+  curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+       -d '{"prompt": "def ", "max_tokens": 32, "temperature": 0}'
+"""
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trireme serve", description="Serve a checkpoint over an OpenAI-compatible API.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="checkpoint dir (or its parent)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default loopback only; 0.0.0.0 for all)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("TRIREME_API_KEY", ""),
+                        help="require 'Authorization: Bearer KEY' on /v1/*")
+    parser.add_argument("--model-name", default="", help="the model's id in the API "
+                        "(default: the checkpoint folder's name)")
+    parser.add_argument("--tokenizer", default="", help="override the checkpoint's tokenizer")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--seed", type=int, default=None, help="seed of unseeded sampling")
+    parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                        help="largest request body accepted (413 beyond)")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds running requests get to finish after SIGTERM")
+    add_engine_arguments(parser)
+    return parser
+
+
+def chat_format(loaded: LoadedModel) -> ChatFormat:
+    """The checkpoint's chat template (trireme.inference.chat), else the plain one."""
+    spec = Path(loaded.tokenizer_spec.split(":", 1)[-1])
+    folders = [spec if spec.is_dir() else spec.parent, loaded.path, loaded.path.parent]
+    tok = loaded.tokenizer
+    eos = find_special_token(folders, "eos_token")
+    if not eos and loaded.tokenizer_spec not in ("bytes", ""):
+        eos = tok.decode([tok.eod])
+    return ChatFormat(find_chat_template(folders), bos_token=find_special_token(folders,
+                      "bos_token"), eos_token=eos)
+
+
+def serve_main(argv: list[str]) -> int:
+    args = serve_parser().parse_args(argv)
+    try:
+        import uvicorn
+
+        from trireme.inference.server import ServerSettings, build_app
+    except ImportError as e:
+        raise TriremeError(f"trireme serve needs FastAPI and uvicorn ({e}); "
+                           "pip install 'trireme[serve]'") from None
+    loaded = load_for_inference(args.checkpoint, args.tokenizer, args.device)
+    engine = engine_from_args(loaded, args)
+    name = args.model_name or Path(args.checkpoint).resolve().name
+    settings = ServerSettings(name, args.api_key, args.max_body_bytes)
+    app = build_app(EngineThread(engine), chat_format(loaded), settings)
+    if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"trireme: warning: listening on {args.host} with no --api-key: anyone who can "
+              "reach this port can use the model", file=sys.stderr, flush=True)
+    sock = bind(args.host, args.port)
+    port = sock.getsockname()[1]
+    print(f"trireme: serving {name!r} ({engine.allocator.usable} KV blocks of "
+          f"{engine.settings.block_size}) on http://{args.host}:{port}", flush=True)
+    config = uvicorn.Config(app, log_level="warning",
+                            timeout_graceful_shutdown=args.drain_timeout)
+    # uvicorn drains on SIGTERM / SIGINT, then raises the signal again for the handler that was
+    # there before it: make that one a no-op, so that a drained server exits with status 0
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.Server(config).run(sockets=[sock])
+    print("trireme: server stopped", flush=True)
+    return 0
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening address, bound here so that --port 0 (any free port) can be printed."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise TriremeError(f"cannot listen on {host}:{port} ({e.strerror}); pick another "
+                           "--port or --host") from None
+    return sock

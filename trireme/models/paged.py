@@ -1,0 +1,164 @@
+"""A paged decoding state for many requests at once (what the serving engine steps the model with).
+
+Keys and values live in a pool of fixed-size blocks per attention sublayer,
+
+    k_pool, v_pool: [num_blocks, block_size, n_kv, d]
+
+and request r's position p sits in block `table_r[p // block_size]` at offset p % block_size, so
+a request holds only the blocks it needs and gives them back when it ends. Block 0 is never
+handed out: padding entries of the block tables point at it (it stays zero, and is masked out).
+
+One engine step runs the model once on a ragged batch: T tokens of several requests packed as
+[1, T] (each request's tokens contiguous, at their own positions). `PagedStep` describes it:
+
+    slot_ids  [T]                 pool row (block * block_size + offset) each token's k, v go to
+    decode rows 0..num_decode-1   one token per request: decode_tables [n_dec, nb] of block ids,
+                                  decode_lengths [n_dec] keys each may see (its position + 1)
+    prefills                      (first row, count, table [nb], start position) of each chunk of
+                                  a prompt (chunked prefill), causal within the chunk
+    requests                      (first row, count, slot, start position) of every request, for
+                                  sublayers that keep one state per request (below)
+
+Sublayers ask for their state through `new_cache` (trireme.models.block): one that declares
+`pages = True` (attention) gets `paged=PagedLayout(...)` and returns a `PagedKV`; any other mixer
+is asked for `new_cache(slots, max_len, ...)` as usual, one row per request slot, and at each step
+receives `SlotState(state, step)`: its rows for `step.requests`' slots (a recurrent state; a
+request's first chunk has start position 0, and the slot then still holds an earlier request's
+state, to be ignored); it declares `slot_states = True` when its forward understands that
+(tests/test_serve_engine.py has a small recurrent mixer that does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from trireme.errors import ConfigError
+from trireme.ops.attention import attention
+from trireme.ops.paged_attention import gather_blocks, paged_decode_attention
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    """The shape of a paged pool: `num_blocks` blocks of `block_size` positions."""
+
+    num_blocks: int
+    block_size: int
+
+
+@dataclass
+class PagedStep:
+    """The ragged batch of one engine step (module docstring); device tensors, built once per
+    step and shared by every layer."""
+
+    slot_ids: torch.Tensor  # [T] long
+    num_decode: int = 0
+    decode_tables: torch.Tensor | None = None  # [n_dec, nb] long
+    decode_lengths: torch.Tensor | None = None  # [n_dec] long
+    prefills: list[tuple[int, int, torch.Tensor, int]] = field(default_factory=list)
+    requests: list[tuple[int, int, int, int]] = field(default_factory=list)
+
+
+class PagedKV:
+    """One attention sublayer's key/value pools; `attend` stores a step's keys and values and
+    attends each token over its own request's keys."""
+
+    def __init__(self, layout: PagedLayout, n_kv: int, head_size: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        shape = (layout.num_blocks, layout.block_size, n_kv, head_size)
+        self.k_pool = torch.zeros(shape, device=device, dtype=dtype)
+        self.v_pool = torch.zeros(shape, device=device, dtype=dtype)
+        self.block_size = layout.block_size
+        self.step: PagedStep | None = None  # set by PagedCache.begin before each forward
+
+    def nbytes(self) -> int:
+        return 2 * self.k_pool.numel() * self.k_pool.element_size()
+
+    def gather(self, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys, values [r, n_kv, nb * block_size, d] of the blocks in `tables` [r, nb]
+        (one index_select per pool, then a view: no per-request copies)."""
+        return gather_blocks(self.k_pool, tables), gather_blocks(self.v_pool, tables)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               backend: str = "auto") -> torch.Tensor:
+        """q [1, n_heads, T, d], k, v [1, n_kv, T, d] (RoPE'd) -> y [1, n_heads, T, d]."""
+        step = self.step
+        assert step is not None, "PagedKV used outside a step (PagedCache.begin)"
+        n_kv, d = self.k_pool.shape[2], self.k_pool.shape[3]
+        k_rows = self.k_pool.view(-1, n_kv, d)  # [num_blocks * bs, n_kv, d]
+        v_rows = self.v_pool.view(-1, n_kv, d)
+        k_rows.index_copy_(0, step.slot_ids, k[0].transpose(0, 1))  # [T, n_kv, d]
+        v_rows.index_copy_(0, step.slot_ids, v[0].transpose(0, 1))
+        parts = []
+        if step.num_decode:
+            q_dec = q[0, :, : step.num_decode].transpose(0, 1)  # [n_dec, H, d]
+            y = paged_decode_attention(q_dec, self.k_pool, self.v_pool, step.decode_tables,
+                                       step.decode_lengths, backend)  # [n_dec, H, d]
+            parts.append(y.transpose(0, 1).unsqueeze(0))  # [1, H, n_dec, d]
+        for first, count, table, start in step.prefills:
+            if start == 0:  # a whole prompt (or its first chunk): its keys are this step's
+                keys, values = k[:, :, first : first + count], v[:, :, first : first + count]
+            else:
+                keys, values = self.gather(table.unsqueeze(0))  # [1, n_kv, nb * bs, d]
+                keys, values = keys[:, :, : start + count], values[:, :, : start + count]
+            if start > 0 and q.is_cuda and keys.shape[1] != q.shape[1]:
+                # a later chunk needs an explicit causal mask, which flash does not take and
+                # the memory-efficient kernel takes only without GQA: repeat the kv heads
+                groups = q.shape[1] // keys.shape[1]
+                keys = keys.repeat_interleave(groups, dim=1)
+                values = values.repeat_interleave(groups, dim=1)
+            parts.append(attention(q[:, :, first : first + count], keys, values, causal=True,
+                                   backend=backend, q_offset=start))  # [1, H, count, d]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+class SlotState:
+    """A per-request state (one row per request slot) and the step that reads it: a sublayer
+    that keeps a recurrent state finds its requests' rows in `step.requests`."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+        self.step: PagedStep | None = None
+
+
+class PagedCache:
+    """The paged decoding state of a whole model: layer i's states are `cache[i]` (sublayer name
+    -> PagedKV or SlotState), made by each block's `new_cache`. `ragged`: the model takes
+    per-token positions with it (GPT.forward's position_ids)."""
+
+    ragged = True
+
+    def __init__(self, model: torch.nn.Module, layout: PagedLayout, slots: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.layout = layout
+        self.layers: dict[int, dict[str, Any]] = {}
+        for name, block in model.layers.items():
+            states = block.new_cache(slots, model.cfg.seq_length, device, dtype, paged=layout)
+            for sub, state in states.items():
+                sublayer = getattr(block, sub)
+                if not isinstance(state, PagedKV) and not getattr(sublayer, "slot_states", False):
+                    raise ConfigError(f"layer {name}'s {sub!r} sublayer keeps a state the paged "
+                                      "engine cannot hand it yet (it needs slot_states = True); "
+                                      "use `trireme generate` for this model")
+            self.layers[int(name)] = {sub: s if isinstance(s, PagedKV) else SlotState(s)
+                                      for sub, s in states.items()}
+
+    def states(self) -> list[PagedKV | SlotState]:
+        return [s for layer in self.layers.values() for s in layer.values()]
+
+    def begin(self, step: PagedStep) -> None:
+        """Point every layer's state at this step's batch."""
+        for state in self.states():
+            state.step = step
+
+    def nbytes(self) -> int:
+        """Bytes of the key/value pools."""
+        return sum(s.nbytes() for s in self.states() if isinstance(s, PagedKV))
+
+    def __getitem__(self, layer: int) -> dict[str, Any]:
+        return self.layers[layer]
+
+    def __len__(self) -> int:
+        return len(self.layers)
