@@ -39,12 +39,17 @@ VOCAB = 100
 
 
 def trireme_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    return trireme_logits_of(path, ids)
+
+
+def trireme_logits_of(path: Path, ids: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
+    """Logits of the trireme checkpoint at `path` (model keyword inputs such as images)."""
     ckpt = load_checkpoint(path)
     cfg = config_from_toml(ckpt.config_toml)
     model = GPT(cfg.model, seed=None)
     load_model_state(model, ckpt.model)
     with torch.no_grad():
-        return model.eval()(ids)
+        return model.eval()(ids, **inputs)
 
 
 def hf_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:

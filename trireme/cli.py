@@ -1,7 +1,7 @@
 """The `trireme` command: one entry point with subcommands.
 
     trireme train [--config PRESET_OR_PATH] [--section.key=value ...]
-    trireme generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T] ...
+    trireme generate --checkpoint DIR --prompt TEXT [--image PATH] [--max-new-tokens N] ...
     trireme generate --checkpoint DIR --input prompts.jsonl --output out.jsonl   batch of prompts
     trireme serve --checkpoint DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY]  OpenAI API
     trireme config [--config PRESET_OR_PATH] [--section.key=value ...]   print the resolved config

@@ -77,10 +77,14 @@ def generate_main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--tokenizer", default="", help="override the checkpoint's tokenizer")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--image", default="", metavar="PATH",
+                        help="an image the prompt asks about (a vision-language model)")
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
     if (args.prompt is None) == (args.input is None):
         raise TriremeError("give either --prompt TEXT or --input prompts.jsonl")
+    if args.image and args.input is not None:
+        raise TriremeError("--image goes with --prompt (one image), not with --input")
     if args.input is not None:
         if not args.output:
             raise TriremeError("--input needs --output out.jsonl")
@@ -103,6 +107,7 @@ def generate_main(argv: list[str]) -> int:
         seed=args.seed,
         tokenizer=args.tokenizer,
         device=args.device,
+        image=args.image,
     )
     print(text)
     return 0

@@ -200,6 +200,32 @@ class ModelConfig:
         "alltoall", "MoE under parallel.expert > 1: how tokens reach their experts' ranks: "
         "alltoall (each rank sends its tokens' assignments) or allgather (every rank gathers "
         "every rank's tokens; more traffic, no size exchange).")
+    # A LLaVA-style vision encoder + projector (trireme/models/vision.py, docs/multimodal.md)
+    vision_layers: int = doc(
+        0, "Vision: blocks of the ViT image encoder as published (CLIP ViT-L: 24); only those up "
+        "to vision_feature_layer are built and run. 0: a text-only model.")
+    vision_image_size: int = doc(224, "Vision: image side in pixels (square RGB input).")
+    vision_patch_size: int = doc(14, "Vision: patch side; (image / patch)^2 patch tokens.")
+    vision_hidden_size: int = doc(1024, "Vision: width of the encoder's residual stream.")
+    vision_attention_heads: int = doc(16, "Vision: attention heads (non-causal).")
+    vision_ffn_hidden_size: int = doc(0, "Vision: MLP hidden width. 0 means 4 * width.")
+    vision_activation: Literal["quick_gelu", "gelu", "gelu_tanh"] = doc(
+        "quick_gelu", "Vision MLP activation: quick_gelu x*sigmoid(1.702x) (OpenAI CLIP), gelu "
+        "(exact), gelu_tanh (SigLIP).")
+    vision_class_token: bool = doc(True, "Vision: a learned class token before the patches.")
+    vision_pre_norm: bool = doc(True, "Vision: LayerNorm on the embeddings (CLIP's pre-norm).")
+    vision_feature_layer: int = doc(
+        -2, "Vision: which hidden state feeds the projector: 0 the embeddings, k the output of "
+        "block k, negative counts from the end (-1 the last block; LLaVA uses -2).")
+    vision_feature_select: Literal["patch", "full"] = doc(
+        "patch", "Vision: patch drops the class token's feature (LLaVA's 'default'), full keeps "
+        "it; the image then takes that many placeholder tokens.")
+    image_token_id: int = doc(
+        -1, "Vision: the placeholder token id that image features replace. -1: the tokenizer's "
+        "<image> token.")
+    freeze: list[str] = doc(
+        [], "Glob patterns (fnmatch) of parameter names not trained, e.g. ['vision.*', "
+        "'layers.*', 'embedding.*', 'final_norm.*', 'output.*'] for LLaVA stage 1.")
 
     mamba_state_dim: int = doc(
         0, "Mamba-2 (M in layer_pattern): state size per head and channel (d_state; 128 in "
@@ -360,6 +386,10 @@ class DataConfig:
     )
     reset_attention_mask: bool = doc(
         False, "Tokens attend only within their own document (a dense mask: slower)."
+    )
+    mask_prompt: bool = doc(
+        False, "Multimodal data: no loss on the prompt (user turns), only on the responses; "
+        "image placeholders never have a loss."
     )
 
 

@@ -26,6 +26,13 @@ from trireme.data.batch import Batch, BatchOptions, get_micro_batch
 from trireme.data.cache import index_cache_dir
 from trireme.data.corpus import default_corpus
 from trireme.data.gpt_dataset import GPTDataset
+from trireme.data.multimodal import (
+    IMAGES_SUFFIX,
+    image_token_id,
+    is_multimodal,
+    multimodal_datasets,
+)
+from trireme.data.shapes import shapes_corpus
 from trireme.data.sources import DataSources, build_split_datasets, open_sources
 from trireme.data.tokenizer import Tokenizer, absolute_spec, load_tokenizer
 from trireme.engine.build import DTYPES, build_schedule, build_step_runner
@@ -39,6 +46,7 @@ from trireme.metrics import flops_per_token, memory_gib, peak_flops
 from trireme.models.gpt import GPT
 from trireme.models.init import init_parameters
 from trireme.models.stages import StageSpec, bubble_fraction, check_pipeline, rank_stages
+from trireme.models.vision import check_freeze_patterns, freeze_parameters, num_image_tokens
 from trireme.ops.fp8 import fp8_targets, to_fp8_training
 from trireme.optim.optimizer import MixedPrecisionOptimizer
 from trireme.parallel.context import ParallelContext, build_parallel_context
@@ -265,8 +273,12 @@ def setup_determinism(cfg: Config) -> None:
 def resolve_data(cfg: Config) -> tuple[DataSources, Tokenizer | None]:
     """Open the datasets (one prefix or a weighted blend) and the tokenizer; build the embedded
     corpus when no path is given; open nothing for data.mock."""
-    if not cfg.data.path and not cfg.data.mock:
-
+    vision = cfg.model.vision_layers > 0
+    if not cfg.data.path and not cfg.data.mock and vision:  # images drawn by code, captions
+        prefix, tok_path = shapes_corpus(cfg.data.cache_dir or None, cfg.model.vision_image_size)
+        cfg.data.path = str(prefix)
+        cfg.data.tokenizer = cfg.data.tokenizer or str(tok_path)
+    elif not cfg.data.path and not cfg.data.mock:
         prefix, tok_path = default_corpus(cfg.data.cache_dir or None, cfg.data.embedded_vocab_size)
         cfg.data.path = str(prefix)
         cfg.data.tokenizer = cfg.data.tokenizer or str(tok_path)
@@ -275,6 +287,10 @@ def resolve_data(cfg: Config) -> tuple[DataSources, Tokenizer | None]:
     tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
     cfg.data.tokenizer = absolute_spec(cfg.data.tokenizer)  # saved configs work from anywhere
     sources.eod = tokenizer.eod if tokenizer is not None else -1
+    if vision and cfg.model.image_token_id < 0:
+        if tokenizer is None:
+            raise ConfigError("model.image_token_id = -1 needs a data.tokenizer with <image>")
+        cfg.model.image_token_id = image_token_id(tokenizer, cfg.data.tokenizer)
     if cfg.model.vocab_size == 0:
         if tokenizer is None:
             raise ConfigError("model.vocab_size = 0 needs data.tokenizer to take the size from")
@@ -290,6 +306,8 @@ def resolve_data(cfg: Config) -> tuple[DataSources, Tokenizer | None]:
 def build_datasets(cfg: Config, sources: DataSources) -> tuple[GPTDataset, GPTDataset | None]:
     """Train and validation datasets (GPTDataset, a BlendedDataset, or mock data)."""
     d = cfg.data
+    if cfg.model.vision_layers:
+        return build_multimodal_datasets(cfg, sources)
     options = BatchOptions(sources.eod, d.eod_mask_loss, d.reset_position_ids,
                            d.reset_attention_mask)
     return build_split_datasets(
@@ -298,6 +316,20 @@ def build_datasets(cfg: Config, sources: DataSources) -> tuple[GPTDataset, GPTDa
         mock_vocab_size=cfg.model.vocab_size, want_valid=bool(cfg.train.eval_interval),
         log_samples=cfg.train.steps * cfg.train.global_batch_size,
     )
+
+
+def build_multimodal_datasets(cfg: Config, sources: DataSources):
+    """Train and validation datasets of image + text samples (trireme.data.multimodal)."""
+    m, d = cfg.model, cfg.data
+    if len(sources.datasets) != 1 or not is_multimodal(sources.datasets[0].prefix):
+        raise ConfigError(f"model.vision_layers = {m.vision_layers} needs one multimodal dataset "
+                          f"(a prefix with {IMAGES_SUFFIX}, `trireme preprocess --images`), not "
+                          f"data.path = {d.path!r}" + (" (data.mock)" if d.mock else ""))
+    return multimodal_datasets(
+        sources.datasets[0].prefix, seq_length=m.seq_length, seed=cfg.train.seed, split=d.split,
+        image_size=m.vision_image_size, image_id=m.image_token_id,
+        image_tokens=num_image_tokens(m), eod=sources.eod, mask_prompt=d.mask_prompt,
+        want_valid=bool(cfg.train.eval_interval))
 
 
 def build_model(
@@ -358,9 +390,23 @@ def build_trainer(cfg: Config, with_data: bool = True, force_data_parallel: bool
     else:
         stages = rank_stages(cfg.model, cfg.parallel, mesh.coordinate("pipeline"))
         chunks = [build_model(cfg, device, ctx, stage) for stage in stages]
+    apply_freeze(cfg, chunks)
     runner = build_step_runner(cfg, chunks, tp, mesh, device, force_data_parallel)
     return Trainer(cfg, device, chunks[0], runner.optimizer, tokenizer, train_data, valid_data,
                    mesh=mesh, env=env, chunks=chunks, runner=runner)
+
+
+def apply_freeze(cfg: Config, chunks: list[GPT]) -> None:
+    """model.freeze: the matching parameters of every chunk stop requiring gradients, before the
+    optimizer and the gradient buckets are built (they take only the trainable ones). A pattern
+    must match a name of the whole model (a stage may hold none of its parameters)."""
+    if not cfg.model.freeze:
+        return
+    with torch.device("meta"):
+        names = [name for name, _ in GPT(cfg.model, seed=None).named_parameters()]
+    check_freeze_patterns(names, cfg.model.freeze)
+    for chunk in chunks:
+        freeze_parameters(chunk, cfg.model.freeze)
 
 
 def build_runner(cfg: Config, chunks: list[GPT], mesh: ParallelMesh, device: torch.device,

@@ -30,6 +30,14 @@ from trireme.checkpoint.converted import (
     cast_state,
     copy_tokenizer_files,
 )
+from trireme.checkpoint.hf_llava import (
+    canonical_names,
+    ignorable,
+    llava_config,
+    vision_entries,
+    vision_fields,
+    written_name,
+)
 from trireme.checkpoint.hf_mamba import (
     MAMBA_TYPES,
     mamba2_entries,
@@ -352,6 +360,15 @@ def hf_model_config(hf: dict, has_lm_head: bool) -> tuple[ModelConfig, list[Entr
     lm_head.weight, which decides tying when config.json does not say)."""
     kind = hf.get("model_type")
     try:
+        if kind == "llava":  # a Llama language model with a CLIP vision tower (hf_llava.py)
+            text = hf.get("text_config") or {}
+            if text.get("model_type", "llama") != "llama":
+                raise CheckpointError(f"config.json: llava with a {text['model_type']!r} "
+                                      "language model is not supported (llama only)")
+            cfg, biases, notes = _llama_model_config({"model_type": "llama", **text},
+                                                     has_lm_head)
+            notes += vision_fields(hf, cfg)
+            return cfg, _llama_table(cfg, *biases) + vision_entries(cfg), notes
         if kind == "gpt2":
             cfg, notes = _gpt2_model_config(hf, has_lm_head)
             return cfg, _gpt2_table(cfg), notes
@@ -381,7 +398,9 @@ def read_hf(folder: Path) -> Converted:
     hf = read_json_file(folder / "config.json")
     kind = hf.get("model_type")
     tensors = read_hf_tensors(folder)
-    if kind == "gpt2":
+    if kind == "llava":
+        tensors = canonical_names(tensors)
+    elif kind == "gpt2":
         tensors = _with_prefix(tensors, "transformer.", "wte.weight")
     elif kind in LLAMA_TYPES:
         tensors = _with_prefix(tensors, "model.", "embed_tokens.weight")
@@ -392,9 +411,9 @@ def read_hf(folder: Path) -> Converted:
     missing = [n for n in expected if n not in tensors]
     mismatched = [f"{n}: {tuple(tensors[n].shape)} vs {expected[n]}" for n in expected
                   if n in tensors and tuple(tensors[n].shape) != expected[n]]
-    ignorable = lambda n: (n.endswith(IGNORED_SUFFIXES)
-                           or (n == "lm_head.weight" and cfg.tie_embeddings))
-    unexpected = [n for n in tensors if n not in expected and not ignorable(n)]
+    ignored = lambda n: (n.endswith(IGNORED_SUFFIXES) or (kind == "llava" and ignorable(n, cfg))
+                         or (n == "lm_head.weight" and cfg.tie_embeddings))
+    unexpected = [n for n in tensors if n not in expected and not ignored(n)]
     problems = [listing(label, items) for label, items in (
         ("missing", missing), ("unexpected", unexpected),
         ("shapes (file vs config.json)", mismatched)) if items]
@@ -429,7 +448,16 @@ def write_hf(
         table = mamba2_entries(cfg) if kind == "mamba2" else nemotron_h_entries(cfg)
     else:
         table = _gpt2_table(cfg) if kind == "gpt2" else _llama_table(cfg, *biases, kind)
-    tensors = cast_state(export_state(table, conv.state, cfg), dtype)
+    if cfg.vision_layers:
+        table, config = _llava_export(cfg, kind, biases, dtype, table)
+        kind = "llava"
+    tensors = export_state(table, conv.state, cfg)
+    if kind == "llava":  # names as transformers saves them; CLIP's unused post_layernorm
+        tensors = {written_name(n): t for n, t in tensors.items()}
+        w = cfg.vision_hidden_size
+        tensors["vision_tower.post_layernorm.weight"] = torch.ones(w)
+        tensors["vision_tower.post_layernorm.bias"] = torch.zeros(w)
+    tensors = cast_state(tensors, dtype)
     shards = _shard(tensors, shard_bytes)
     with atomic_output_dir(output) as tmp:
         if len(shards) == 1:
@@ -443,10 +471,21 @@ def write_hf(
             total = sum(t.numel() * t.element_size() for t in tensors.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
-        config = {**_hf_config(cfg, kind, biases, dtype), **_special_tokens(conv.tokenizer_dir)}
+        if kind != "llava":
+            config = _hf_config(cfg, kind, biases, dtype)
+        config = {**config, **_special_tokens(conv.tokenizer_dir)}
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         copy_tokenizer_files(conv.tokenizer_dir, tmp)
     return kind
+
+
+def _llava_export(cfg: ModelConfig, kind: str, biases: Biases, dtype: torch.dtype,
+                  table: list[Entry]) -> tuple[list[Entry], dict]:
+    """The llava table and config.json for a vision model whose language model is `kind`."""
+    if kind != "llama":
+        raise CheckpointError(f"a vision model exports as Hugging Face llava, whose language "
+                              f"model must be llama (this one is {kind})")
+    return table + vision_entries(cfg), llava_config(cfg, _hf_config(cfg, kind, biases, dtype))
 
 
 def _special_tokens(tokenizer_dir: Path | None) -> dict:

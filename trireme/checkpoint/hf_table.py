@@ -6,6 +6,7 @@ One `Entry` per trireme tensor names the Hugging Face tensors it is made of and 
            sides), gate/up -> our SwiGLU fc1 ([gate; up])
   conv1d   transposed: GPT-2's Conv1D stores [in, out], nn.Linear [out, in]
   vocab    embedding rows: ours are padded to padded_vocab_size with zero rows, theirs are not
+  patch    a vision patch embedding: their conv weight [w, 3, p, p] is our linear's [w, 3 p p]
   experts  one [E, in, out] tensor from E groups of nn.Linear weights, `sizes` rows each:
            ours[e] = cat(group e)^T, so x @ ours[e] = [x W_1^T | x W_2^T ...] (fc1: the groups
            are (gate, up), fc2: (down,))
@@ -31,7 +32,7 @@ class Entry:
 
     ours: str
     theirs: tuple[str, ...]
-    kind: str = "copy"  # copy | cat | conv1d | vocab | experts
+    kind: str = "copy"  # copy | cat | conv1d | vocab | experts | patch
     sizes: tuple[int, ...] = ()  # cat: rows of each part; experts: rows of each part of a group
 
 
@@ -41,6 +42,8 @@ def to_ours(entry: Entry, parts: list[Tensor], cfg: ModelConfig) -> Tensor:
         return torch.cat(parts)
     if entry.kind == "conv1d":
         return parts[0].t()
+    if entry.kind == "patch":
+        return parts[0].reshape(parts[0].shape[0], -1)
     if entry.kind == "experts":
         n = len(entry.sizes)
         return torch.stack([torch.cat(parts[i : i + n]).t() for i in range(0, len(parts), n)])
@@ -57,6 +60,8 @@ def _to_theirs(entry: Entry, t: Tensor, cfg: ModelConfig) -> list[Tensor]:
         return list(t.split(list(entry.sizes)))
     if entry.kind == "conv1d":
         return [t.t()]
+    if entry.kind == "patch":
+        return [t.reshape(t.shape[0], 3, cfg.vision_patch_size, cfg.vision_patch_size)]
     if entry.kind == "experts":
         return [part for expert in t for part in expert.t().split(list(entry.sizes))]
     if entry.kind == "vocab":
@@ -99,6 +104,8 @@ def their_shapes(table: list[Entry], cfg: ModelConfig) -> dict[str, tuple[int, .
             out.update((n, (size, shape[1])) for n, size in zip(entry.theirs, sizes))
         elif entry.kind == "conv1d":
             out[entry.theirs[0]] = tuple(reversed(shape))
+        elif entry.kind == "patch":
+            out[entry.theirs[0]] = (shape[0], 3, cfg.vision_patch_size, cfg.vision_patch_size)
         elif entry.kind == "vocab":
             out[entry.theirs[0]] = (cfg.vocab_size, *shape[1:])
         else:

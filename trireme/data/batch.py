@@ -49,6 +49,7 @@ class Batch:
     position_ids: torch.Tensor | None = None  # int64 [b, s], with reset_position_ids
     document_ids: torch.Tensor | None = None  # int64 [b, s], with reset_attention_mask
     context_split: bool = False  # this context-parallel rank's share of the sequence
+    images: torch.Tensor | None = None  # float32 [b, 3, S, S]: a vision model's images
 
     def masked_labels(self) -> torch.Tensor:
         """labels with -100 (ignored by the loss) where loss_mask is 0 (only eod_mask_loss sets
@@ -66,12 +67,12 @@ class Batch:
             return None if t is None else t.to(device, non_blocking=True)
 
         return Batch(move(self.tokens), move(self.masked_labels()), None,
-                     move(self.position_ids), move(self.document_ids))
+                     move(self.position_ids), move(self.document_ids), images=move(self.images))
 
     def model_kwargs(self) -> dict[str, torch.Tensor | bool]:
-        """The model's keyword inputs this batch has (loss_mask, position_ids, document_ids, and
-        context_split when set)."""
-        names = ("loss_mask", "position_ids", "document_ids")
+        """The model's keyword inputs this batch has (loss_mask, position_ids, document_ids,
+        images, and context_split when set)."""
+        names = ("loss_mask", "position_ids", "document_ids", "images")
         out: dict[str, torch.Tensor | bool] = {
             n: t for n in names if (t := getattr(self, n)) is not None}
         if self.context_split:
@@ -113,7 +114,10 @@ def attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
 
 def get_micro_batch(dataset, consumed_samples: int, batch_size: int) -> Batch:
     """Samples `consumed_samples .. + batch_size - 1` as a Batch (depends only on the dataset's
-    seed and `consumed_samples`, so a resumed run continues the order)."""
+    seed and `consumed_samples`, so a resumed run continues the order). A dataset with its own
+    `get_batch(indices)` (multimodal samples, trireme.data.multimodal) builds the Batch itself."""
+    if hasattr(dataset, "get_batch"):
+        return dataset.get_batch(np.arange(consumed_samples, consumed_samples + batch_size))
     samples = dataset.get_samples(np.arange(consumed_samples, consumed_samples + batch_size))
     return make_batch(samples, getattr(dataset, "options", BatchOptions()))
 

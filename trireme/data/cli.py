@@ -16,6 +16,7 @@ import numpy as np
 
 from trireme.data.indexed import IndexedDataset, check_writable
 from trireme.data.jsonl import Piece, parse_lines, read_blocks
+from trireme.data.multimodal import preprocess_multimodal
 from trireme.data.preprocess import PreprocessOptions, merge_datasets, preprocess
 from trireme.data.tokenizer import load_tokenizer, train_bpe
 from trireme.errors import ConfigError, DataError
@@ -49,7 +50,20 @@ def preprocess_main(argv: list[str]) -> int:
                         help="auto: encode byte-level BPE tokenizer.json files with tiktoken "
                         "when installed (same ids, faster); hf: always the tokenizers library")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--images", action="store_true",
+                        help="multimodal JSONL ({image, text} or {image, conversations}): write "
+                        "P.bin/.idx and P.images.npy (docs/data.md, 'Multimodal samples')")
+    parser.add_argument("--image-size", type=int, default=224, metavar="S",
+                        help="with --images: resize every image to S x S (model.vision_image_size)")
     args = parser.parse_args(argv)
+    if args.images:
+        if args.image_size < 1:
+            raise ConfigError(f"--image-size {args.image_size} must be at least 1")
+        report = preprocess_multimodal(args.input, args.output_prefix,
+                                       load_tokenizer(args.tokenizer, name="--tokenizer"),
+                                       args.image_size, args.skip_bad_lines)
+        print(report.summary(args.output_prefix))
+        return 0
     options = PreprocessOptions(
         inputs=args.input, output_prefix=args.output_prefix, tokenizer=args.tokenizer,
         json_keys=args.json_keys, append_eod=args.append_eod, workers=args.workers,

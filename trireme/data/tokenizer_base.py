@@ -40,6 +40,10 @@ class Tokenizer(ABC):
         """Token ids of each text; implementations may do this in parallel."""
         return [self.encode(t) for t in texts]
 
+    def token_id(self, token: str) -> int | None:
+        """The id of a special token such as "<image>", None if the vocabulary lacks it."""
+        return None
+
 
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes as ids 0-255, plus the end-of-document id 256: no training, no files."""
@@ -161,6 +165,9 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size}, eod={self.eod})"

@@ -67,6 +67,8 @@ class PartialGradSync:
             defaultdict(list)
         )
         for name, param in model.named_parameters():
+            if not param.requires_grad:  # frozen (model.freeze): no gradient to finish
+                continue
             sharding = shardings.get(name)
             if sharding is None:
                 wrapped = f".{name}."

@@ -12,11 +12,14 @@ from trireme.checkpoint.model_state import model_from_state
 from trireme.checkpoint.store import load_checkpoint
 from trireme.checkpoint.tokenizer_copy import tokenizer_for
 from trireme.config import Config, config_from_toml
+from trireme.data.images import load_image, pixels
+from trireme.data.multimodal import image_prompt_ids, image_token_id
 from trireme.data.tokenizer import Tokenizer, load_tokenizer
-from trireme.errors import CheckpointError
+from trireme.errors import CheckpointError, ConfigError
 from trireme.inference.engine import Engine, EngineSettings
 from trireme.inference.generate import first_non_finite, generate, printable_ids
 from trireme.models.gpt import GPT
+from trireme.models.vision import num_image_tokens
 from trireme.trainer import DTYPES, pick_device
 
 
@@ -64,14 +67,31 @@ def generate_from_checkpoint(
     seed: int | None = None,
     tokenizer: str = "",
     device: str = "auto",
+    image: str = "",
 ) -> str:
-    """Generate a continuation of `prompt` with the model saved in `checkpoint`."""
+    """Generate a continuation of `prompt` with the model saved in `checkpoint`. With `image`
+    (a vision model), the prompt is a question about that image, framed as in training
+    (trireme.data.multimodal.image_prompt_ids)."""
     loaded = load_for_inference(checkpoint, tokenizer, device)
-    tok = loaded.tokenizer
-    ids = tok.encode(prompt) or [tok.eod]
-    out = generate(loaded.model, ids, max_new_tokens, temperature=temperature, top_k=top_k,
-                   top_p=top_p, greedy=greedy, seed=seed, eos_id=tok.eod)
+    tok, cfg, model = loaded.tokenizer, loaded.cfg, loaded.model
+    ids, images = tok.encode(prompt) or [tok.eod], None
+    if image:
+        if not cfg.model.vision_layers:
+            raise ConfigError(f"--image: the model in {loaded.path} has no vision encoder "
+                              "(model.vision_layers = 0)")
+        image_id = cfg.model.image_token_id
+        if image_id < 0:
+            image_id = image_token_id(tok, loaded.tokenizer_spec)
+        ids = image_prompt_ids(tok, prompt, image_id, num_image_tokens(cfg.model))
+        images = pixels(load_image(image, cfg.model.vision_image_size, "--image: ")[None])
+        images = images.to(model.embedding.weight.device, model.embedding.weight.dtype)
+    out = generate(model, ids, max_new_tokens, temperature=temperature, top_k=top_k,
+                   top_p=top_p, greedy=greedy, seed=seed, eos_id=tok.eod, images=images)
     out_ids = out[0].tolist() if out.dim() == 2 else out.tolist()
+    if image:  # the question and the answer, without the image's placeholder tokens
+        out_ids = [i for i in out_ids if i != image_id]
+        return tok.decode(printable_ids(out_ids, len(ids) - num_image_tokens(cfg.model),
+                                        tok.eod))
     return tok.decode(printable_ids(out_ids, len(ids), tok.eod))
 
 

@@ -108,13 +108,15 @@ def generate(
     eos_id: int | None = None,
     seed: int | None = None,
     use_cache: bool = True,
+    images: torch.Tensor | None = None,
 ) -> torch.LongTensor:
     """Continue `prompt_ids` ([s] / list, or [b, s]) by up to `max_new_tokens` tokens.
 
     Returns prompt + generated ids, [b, total] (or [total] for a 1-D prompt). Generation stops at
     model.seq_length tokens; with `eos_id`, a sequence that has produced it is padded with eos_id
     and the loop stops once every sequence has. `seed` makes sampling reproducible. The model's
-    training/eval mode is restored afterwards.
+    training/eval mode is restored afterwards. `images` [b, 3, S, S] (a vision model): their
+    features replace the prompt's image placeholder tokens (trireme.models.vision).
     """
     device = model.embedding.weight.device
     one_dim = not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() == 1
@@ -132,7 +134,7 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        out = _decode(model, ids, total, pick, eos_id, use_cache)
+        out = _decode(model, ids, total, pick, eos_id, use_cache, images)
     finally:
         model.train(was_training)
     return out[0] if one_dim else out
@@ -157,7 +159,7 @@ def _check_prompt(ids: torch.Tensor, cfg) -> None:
 
 
 def _decode(model: GPT, ids: torch.Tensor, total: int, pick, eos_id: int | None,
-            use_cache: bool) -> torch.Tensor:
+            use_cache: bool, images: torch.Tensor | None = None) -> torch.Tensor:
     """[b, <= total]: `ids` extended one token at a time by `pick` (prefill, then decode)."""
     b, s = ids.shape
     out = torch.empty(b, total, dtype=torch.long, device=ids.device)
@@ -166,7 +168,7 @@ def _decode(model: GPT, ids: torch.Tensor, total: int, pick, eos_id: int | None,
     cache = InferenceCache.for_model(model, b, total) if use_cache else None
     pos = s  # position of the next token to produce
     if pos < total:  # prefill; the logits have no padded ids, so none can be sampled
-        logits = model(ids, kv_cache=cache)[:, -1]  # [b, vocab]
+        logits = model(ids, kv_cache=cache, images=images)[:, -1]  # [b, vocab]
     while pos < total:
         next_ids = pick(logits)  # [b]
         if eos_id is not None:
@@ -179,5 +181,5 @@ def _decode(model: GPT, ids: torch.Tensor, total: int, pick, eos_id: int | None,
         if cache is not None:
             logits = model(out[:, pos - 1 : pos], kv_cache=cache, start_pos=pos - 1)[:, -1]
         else:
-            logits = model(out[:, :pos])[:, -1]
+            logits = model(out[:, :pos], images=images)[:, -1]
     return out[:, :pos]

@@ -37,6 +37,7 @@ class Attention(nn.Module):
     symbol = "*"
     mixes = True
     pages = True  # its cache can live in a paged pool (trireme.models.paged)
+    causal = True  # the vision encoder's subclass attends both ways (trireme.models.vision)
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
         super().__init__()
@@ -135,7 +136,7 @@ class Attention(nn.Module):
             return y.transpose(1, 2).reshape(b, s, self.num_heads * d)
         with fork_rng(self.head_rng, dropout_p > 0.0):
             y = attention(
-                q, k, v, causal=True, backend=self.backend, dropout_p=dropout_p,
+                q, k, v, causal=self.causal, backend=self.backend, dropout_p=dropout_p,
                 q_offset=start_pos, document_ids=document_ids,
             )  # [b, n_heads, s, d]
         return y.transpose(1, 2).reshape(b, s, self.num_heads * d)  # [b, s, n_heads * d]

@@ -44,6 +44,7 @@ from trireme.models.block import Block
 from trireme.models.init import InitRule, init_parameters
 from trireme.models.moe import MoE
 from trireme.models.stages import StageSpec, rank_stages
+from trireme.models.vision import Projector, VisionEncoder, merge_images
 from trireme.ops.cross_entropy import cross_entropy
 from trireme.ops.fused_cross_entropy import fused_linear_cross_entropy
 from trireme.ops.norms import build_norm
@@ -91,6 +92,12 @@ class GPT(nn.Module):
         self.padded_vocab_size = padded_vocab_size(cfg, ctx.size("tensor"))
         if first or (last and cfg.tie_embeddings):  # the last stage's copy is the output layer
             self.embedding = vocab_embedding(self.padded_vocab_size, h, tp)
+        if first and cfg.vision_layers:  # LLaVA-style: the image side lives on the first stage
+            if ctx.context is not None or (tp is not None and tp.sequence_parallel):
+                raise TriremeError("model.vision_layers > 0 does not support parallel.context > 1 "
+                                   "or parallel.sequence_parallel yet; turn them off")
+            self.vision = VisionEncoder(cfg, ctx)
+            self.projector = Projector(cfg, ctx)
         self.rope = None  # learned positions (on the first stage), or none at all
         if cfg.position_embedding == "learned" and first:
             self.position_embedding = nn.Embedding(cfg.seq_length, h)
@@ -164,7 +171,8 @@ class GPT(nn.Module):
         # Only when training: generation and serving (eval mode, a new shape every step) stay
         # eager unless they compile themselves.
         if self._compile_pending and device.type == "cuda" and self.training:
-            for block in self.layers.values():
+            vision = self.vision.layers.values() if hasattr(self, "vision") else []
+            for block in [*self.layers.values(), *vision]:
                 block.compile()
             self._compile_pending = False
 
@@ -181,6 +189,7 @@ class GPT(nn.Module):
         hidden: torch.Tensor | None = None,
         context_split: bool = False,
         output_index: torch.Tensor | None = None,
+        images: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [b, s, vocab_size] (fp32 not guaranteed), or with `labels` [b, s] the mean
         cross-entropy (fp32 scalar) over tokens with labels != -100 and loss_mask (if given) != 0.
@@ -196,6 +205,10 @@ class GPT(nn.Module):
         Serving (trireme.models.paged): a ragged `kv_cache` (a PagedCache) takes the tokens of
         many requests packed as input_ids [1, T] with their `position_ids` [1, T];
         `output_index` [n] picks the token positions whose logits are wanted ([1, n, vocab]).
+
+        `images` [b_img, 3, H, W] (normalized pixels; a vision model, first stage): their
+        projected features replace the model.image_token_id placeholders of `input_ids` in order,
+        num_image_tokens(cfg) per image (trireme.models.vision).
         """
         self._check_inputs(input_ids, start_pos, kv_cache, position_ids, document_ids)
         self._maybe_compile(input_ids.device)
@@ -203,7 +216,7 @@ class GPT(nn.Module):
         rope = self._rope(input_ids, start_pos, position_ids,
                           ragged=getattr(kv_cache, "ragged", False))
         if self.stage.first:
-            x = self.dropout(self._embed(input_ids, start_pos, position_ids))
+            x = self.dropout(self._embed(input_ids, start_pos, position_ids, images))
         else:  # the previous stage's activations (under SP [b, s / T, h])
             x = hidden
         out = self._blocks_and_head(x, rope, labels, loss_mask, kv_cache, start_pos,
@@ -249,10 +262,17 @@ class GPT(nn.Module):
             return self.rope(input_ids.device, position_ids=position_ids)  # 2 x [b, s, d]
         return self.rope(input_ids.device, offset=start_pos, length=input_ids.shape[1])  # [s, d]
 
-    def _embed(self, input_ids: torch.Tensor, start_pos: int,
-               position_ids: torch.Tensor | None) -> torch.Tensor:
-        """[b, s, h] token (+ learned position) embeddings; under SP this rank's [b, s / T, h]."""
+    def _embed(self, input_ids: torch.Tensor, start_pos: int, position_ids: torch.Tensor | None,
+               images: torch.Tensor | None = None) -> torch.Tensor:
+        """[b, s, h] token (+ learned position) embeddings; under SP this rank's [b, s / T, h].
+        Images: their features in place of the placeholder tokens' embeddings."""
         x = self.embedding(input_ids)
+        if images is not None:
+            if not hasattr(self, "vision"):
+                raise TriremeError("images were given to a model without a vision encoder "
+                                   "(model.vision_layers = 0)")
+            features = self.projector(self.vision(images))  # [b_img, n, h]
+            x = merge_images(x, input_ids, features, self.cfg.image_token_id)
         if self.cfg.position_embedding != "learned":
             return x
         if position_ids is None:

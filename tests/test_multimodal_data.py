@@ -1,0 +1,151 @@
+"""Multimodal samples: preprocessing to .bin/.idx + .images.npy, the bad-input errors, and the
+batches (placeholders expanded, loss masked on images, prompts and padding)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from trireme.data.images import IMAGE_MEAN, load_image, pixels
+from trireme.data.multimodal import (
+    IMAGES_SUFFIX,
+    MultimodalDataset,
+    MultimodalSource,
+    image_prompt_ids,
+    preprocess_multimodal,
+)
+from trireme.data.shapes import _tokenizer_json
+from trireme.data.tokenizer import load_tokenizer
+from trireme.errors import DataError
+
+PIL = pytest.importorskip("PIL.Image")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def tok(tmp_path):
+    _tokenizer_json(tmp_path / "tokenizer.json")
+    return load_tokenizer(str(tmp_path / "tokenizer.json"))
+
+
+def write_png(path, width=20, height=12, colour=(200, 30, 30)):
+    PIL.new("RGB", (width, height), colour).save(path)
+
+
+def write_jsonl(path, records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n"
+                            for r in records))
+    return str(path)
+
+
+def good_records():
+    return [{"image": "a.png", "text": "a red circle"},
+            {"image": "a.png", "conversations": [
+                {"from": "human", "value": "what is in the <image> image ?"},
+                {"from": "gpt", "value": "a red square"},
+                {"role": "user", "content": "what is at the top ?"},
+                {"role": "assistant", "content": "a circle"}]}]
+
+
+def test_load_image_pads_to_a_square_and_resizes(tmp_path):
+    write_png(tmp_path / "a.png", 20, 12)  # padded by 4 rows above and below
+    image = load_image(tmp_path / "a.png", 20)  # no resize: the padding exactly
+    mean = tuple(int(round(255 * m)) for m in IMAGE_MEAN)
+    assert (image[:4] == mean).all() and (image[16:] == mean).all()
+    assert (image[4:16] == (200, 30, 30)).all()
+    image = load_image(tmp_path / "a.png", 8)
+    assert image.shape == (8, 8, 3) and image.dtype == np.uint8
+    assert np.abs(image[4, 4].astype(int) - (200, 30, 30)).max() <= 20
+    x = pixels(image[None])
+    assert x.shape == (1, 3, 8, 8) and x.dtype == torch.float32
+
+
+def test_preprocess_and_batches(tmp_path, tok):
+    write_png(tmp_path / "a.png")
+    data = write_jsonl(tmp_path / "d.jsonl", good_records())
+    report = preprocess_multimodal([data], str(tmp_path / "out"), tok, 8)
+    assert report.documents == 2
+    source = MultimodalSource(str(tmp_path / "out"), 8)
+    assert source.images.shape == (2, 8, 8, 3)
+    assert list(source.indexed.document_indices) == [0, 2, 6]  # prompt/response sequences
+    image = tok.token_id("<image>")
+    for mask_prompt in (False, True):
+        ds = MultimodalDataset(source, np.arange(2), 40, 0, image, 4, tok.eod, mask_prompt)
+        ids, keep = ds.sample(1)  # the conversation
+        assert (ids == image).sum() == 4  # the placeholder expanded to 4 image tokens
+        assert not keep[ids == image].any()
+        text = tok.decode(ids[keep].tolist())
+        want = "a red square a circle" if mask_prompt else "what is in the"
+        assert want in text and ("user" in text) != mask_prompt
+        assert keep[np.flatnonzero(ids == tok.eod)[0]]  # the answer's end counts
+        assert not keep[np.flatnonzero(ids == tok.eod)[1:]].any()  # the padding does not
+        ids, keep = ds.sample(0)  # the caption: the image first, all text counted
+        assert (ids[:4] == image).all() and tok.decode(ids[keep].tolist()).startswith("a red")
+    batch = ds.get_batch(np.arange(3))  # past the end: the next epoch
+    assert batch.tokens.shape == (3, 40) and batch.images.shape == (3, 3, 8, 8)
+    assert torch.equal(batch.labels[:, :-1], batch.tokens[:, 1:])
+    masked = batch.masked_labels()
+    assert (masked[batch.labels == image] == -100).all()
+    prompt = image_prompt_ids(tok, "what is in the image ?", image, 4)
+    assert prompt.count(image) == 4 and tok.decode(prompt).endswith("assistant :")
+
+
+@pytest.mark.parametrize("line, words", [
+    ('{"image": "a.png", "text": ', "d.jsonl:2: malformed JSON"),
+    ('[1, 2]', "d.jsonl:2: not a JSON object"),
+    ('{"text": "a red circle"}', "d.jsonl:2: missing key 'image'"),
+    ('{"image": "missing.png", "text": "a"}', "d.jsonl:2: image '.*missing.png' not found"),
+    ('{"image": "broken.png", "text": "a"}', "d.jsonl:2: image '.*broken.png' is not a readable"),
+    ('{"image": "a.png", "conversations": [{"from": "gpt", "value": "a"}]}', "in pairs"),
+    ('{"image": "a.png", "conversations": [{"from": "human", "value": "<image> <image>"}, '
+     '{"from": "gpt", "value": "a"}]}', "appears 2 times"),
+])
+def test_bad_lines_name_file_and_line(tmp_path, tok, line, words):
+    write_png(tmp_path / "a.png")
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    data = write_jsonl(tmp_path / "d.jsonl", [good_records()[0], line])
+    with pytest.raises(DataError, match=words) as e:
+        preprocess_multimodal([data], str(tmp_path / "out"), tok, 8)
+    assert "\n" not in str(e.value) and "--skip-bad-lines" in str(e.value)
+    assert not os.path.exists(tmp_path / f"out{IMAGES_SUFFIX}")  # nothing half-written
+    report = preprocess_multimodal([data], str(tmp_path / "out"), tok, 8, skip_bad_lines=True)
+    assert report.documents == 1 and sum(report.skipped.values()) == 1
+
+
+def test_wrong_image_size_and_missing_array(tmp_path, tok):
+    write_png(tmp_path / "a.png")
+    data = write_jsonl(tmp_path / "d.jsonl", good_records())
+    preprocess_multimodal([data], str(tmp_path / "out"), tok, 8)
+    with pytest.raises(DataError, match=r"8x8 images but model.vision_image_size = 16; "
+                                         "preprocess again with --image-size 16"):
+        MultimodalSource(str(tmp_path / "out"), 16)
+    os.remove(tmp_path / f"out{IMAGES_SUFFIX}")
+    with pytest.raises(DataError, match="out.images.npy not found"):
+        MultimodalSource(str(tmp_path / "out"), 8)
+
+
+def test_image_tokens_must_fit_the_sequence(tmp_path, tok):
+    write_png(tmp_path / "a.png")
+    data = write_jsonl(tmp_path / "d.jsonl", good_records())
+    preprocess_multimodal([data], str(tmp_path / "out"), tok, 8)
+    source = MultimodalSource(str(tmp_path / "out"), 8)
+    ds = MultimodalDataset(source, np.arange(2), 12, 0, tok.token_id("<image>"), 16, tok.eod,
+                           False)
+    with pytest.raises(DataError, match="raise seq_length"):
+        ds.sample(0)
+
+
+def test_preprocess_command_one_line_error(tmp_path, tok):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"image": "nope.png", "text": "a"}])
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    r = subprocess.run([sys.executable, "-m", "trireme", "preprocess", "--images", "--input",
+                        data, "--output-prefix", str(tmp_path / "out"), "--tokenizer",
+                        str(tmp_path / "tokenizer.json"), "--image-size", "8"],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 2
+    assert "d.jsonl:1: image" in r.stderr and "nope.png" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
