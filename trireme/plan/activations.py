@@ -28,7 +28,7 @@ copy (top_k of them) its row (h), fc1 (2 F_moe), silu (F_moe), the product (F_mo
 (h).
 
 The output layer and loss ("head"), per token of the last stage: the final norm, the output
-layer's input (e h), then the loss: the plain loss keeps the fp32 log-probabilities (4 V) and
+layer's input (e h; not with the fused loss), then the loss: the plain loss keeps the fp32 log-probabilities (4 V) and
 at its peak holds the logits (e V_p), their fp32 copy (4 V) and those; the fused loss
 (model.fused_cross_entropy) keeps the input's gradient (e h) and an fp32 weight gradient
 (4 V_p h, per micro batch, not per token); the vocabulary-parallel loss under TP keeps the fp32
@@ -174,7 +174,7 @@ def head_bytes(cfg: Config, s: Shape, tokens: int) -> Head:
     if m.fused_cross_entropy:
         chunk = min(m.loss_chunk_size, tokens)
         grad_w = 4 * padded * s.h
-        kept = norm + h_in + s.e * s.h * tokens + grad_w + labels
+        kept = norm + s.e * s.h * tokens + grad_w  # the input's gradient, not the input
         # a chunk's logits, their fp32 copy (low precision) and the gradient cast back
         temps = chunk * vocab * (2 * s.e if m.compile else s.e + (4 + s.e if s.e < 4 else 0))
         return Head(kept, kept + temps)

@@ -45,6 +45,7 @@ from trireme.plan.rates import Rates
 
 ELEMENTWISE_PASSES = {True: 5.0, False: 16.0}  # compiled blocks / eager
 OPTIMIZER_BYTES = 64.0
+RING_SLOWDOWN = 3.0  # ring context parallelism runs plain-torch attention per block (for now)
 
 
 @dataclass
@@ -99,6 +100,8 @@ def micro_batch_seconds(cfg: Config, deg: Degrees, rank: int, rates: Rates,
             att_b = 2 * core * tokens / (rates.attention_tflops["backward"] * 1e12)
             ew = ELEMENTWISE_PASSES[m.compile] * layer_bytes(cfg, s, symbols[i], "none") * tokens / (
                 rates.memory_tbps * 1e12)
+            if deg.context > 1 and p.context_mode == "ring":  # plain-torch blocks for now
+                att_f, att_b = RING_SLOWDOWN * att_f, RING_SLOWDOWN * att_b
             out["matmul"] += mm
             out["attention"] += att_f + att_b
             out["elementwise"] += ew
