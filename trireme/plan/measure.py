@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import weakref
 
-
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten

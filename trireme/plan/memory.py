@@ -19,7 +19,8 @@ For each pipeline rank (the worst one is reported), in bytes:
                  or the optimizer step: foreach AdamW's one fp32 temporary per master element
                  (the fused kernel on CUDA has none); the step's token ids and labels (int64).
     comm         a reduce-scatter's output (one bucket / DP) under the distributed optimizer;
-                 FSDP's gathered parameters and gradients of one block.
+                 FSDP's gathered parameters and gradients of one block, plus about one whole
+                 unsharded copy of the parameters (fitted to one CPU measurement: approximate).
     overhead     the device allocator's (rates: `allocator_overhead` x the rest), not on CPU.
 
 The prediction is checked against measured peaks (tests/test_plan_accuracy.py on CPU,
@@ -258,7 +259,10 @@ def _comm_bytes(cfg: Config, deg: Degrees, params: RankParams) -> float:
     if p.data_parallel_mode == "fsdp":
         block = max(layer_params(cfg.model, sym, deg.tensor, deg.expert)[0]
                     for sym in set(cfg.model.layer_symbols))
-        return 2 * 4 * block  # one block's gathered parameters and unsharded gradients
+        # one block's gathered parameters and unsharded gradients, and about one whole unsharded
+        # copy of the parameters at the backward's start (FSDP2's all-gather outputs: the
+        # root's parameters stay gathered; fitted to the CPU measurement, see docs/plan.md)
+        return 2 * 4 * block + 4 * params.total
     if p.distributed_optimizer:
         return 4 * min(p.bucket_size, params.total) / deg.data_context
     return 0.0

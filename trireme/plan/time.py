@@ -98,8 +98,8 @@ def micro_batch_seconds(cfg: Config, deg: Degrees, rank: int, rates: Rates,
             mm = 3 * lin * tokens / mm_rate
             att_f = core * tokens / (rates.attention_tflops["forward"] * 1e12)
             att_b = 2 * core * tokens / (rates.attention_tflops["backward"] * 1e12)
-            ew = ELEMENTWISE_PASSES[m.compile] * layer_bytes(cfg, s, symbols[i], "none") * tokens / (
-                rates.memory_tbps * 1e12)
+            kept = layer_bytes(cfg, s, symbols[i], "none") * tokens
+            ew = ELEMENTWISE_PASSES[m.compile] * kept / (rates.memory_tbps * 1e12)
             if deg.context > 1 and p.context_mode == "ring":  # plain-torch blocks for now
                 att_f, att_b = RING_SLOWDOWN * att_f, RING_SLOWDOWN * att_b
             out["matmul"] += mm
