@@ -29,10 +29,10 @@ copy (top_k of them) its row (h), fc1 (2 F_moe), silu (F_moe), the product (F_mo
 
 The output layer and loss ("head"), per token of the last stage: the final norm, the output
 layer's input (e h; not with the fused loss), then the loss: the plain loss keeps the fp32
-log-probabilities (4 V) and at its peak holds the logits (e V_p), their fp32 copy (4 V) and those; the fused loss
-(model.fused_cross_entropy) keeps the input's gradient (e h) and an fp32 weight gradient
-(4 V_p h, per micro batch, not per token); the vocabulary-parallel loss under TP keeps the fp32
-softmax of its V_p / T columns.
+log-probabilities (4 V) and at its peak holds the logits (e V_p), their fp32 copy (4 V) and
+those; the fused loss (model.fused_cross_entropy) keeps the input's gradient (e h) and an fp32
+weight gradient (4 V_p h, per micro batch, not per token); the vocabulary-parallel loss under TP
+keeps the fp32 softmax of its V_p / T columns.
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ import argparse
 import json
 import sys
 
-from trireme.cli import split_overrides
 from trireme.config import Config, load_config
 from trireme.errors import ConfigError
 from trireme.plan.calibrate import calibrate
@@ -50,7 +49,6 @@ def plan_json(plan: Plan, top: int) -> dict:
 
 
 def plan_main(argv: list[str]) -> int:
-    own, overrides = split_overrides(argv, set())
     parser = argparse.ArgumentParser(prog="trireme plan", description=(
         "Predict memory and speed of the parallel layouts of a config, best first."))
     parser.add_argument("--config", default="tiny", help="preset name or a .toml path")
@@ -62,7 +60,8 @@ def plan_main(argv: list[str]) -> int:
     parser.add_argument("--calibrate", action="store_true",
                         help="measure this device's rate table and write it (--out)")
     parser.add_argument("--out", default="rates.json", help="--calibrate: the file to write")
-    args = parser.parse_args(own)
+    args, rest = parser.parse_known_args(argv)
+    overrides = _overrides(rest)
     if args.calibrate:
         rates = calibrate(args.out)
         print(rates.to_json(), end="")
@@ -82,6 +81,21 @@ def plan_main(argv: list[str]) -> int:
     else:
         print(format_plan(plan, args.top, args.gpus, rates))
     return 0
+
+
+def _overrides(rest: list[str]) -> list[str]:
+    """`--section.key=value` (or `--section.key value`) arguments; anything else is an error."""
+    out, i = [], 0
+    while i < len(rest):
+        arg = rest[i]
+        if not (arg.startswith("--") and "." in arg.split("=", 1)[0]):
+            raise ConfigError(f"trireme plan: unknown argument {arg!r}; config keys are given "
+                              "as --section.key=value")
+        if "=" not in arg and i + 1 < len(rest):
+            arg, i = f"{arg}={rest[i + 1]}", i + 1
+        out.append(arg[2:])
+        i += 1
+    return out
 
 
 def memory_check(cfg: Config, world: int, device_gib: float, device_name: str) -> None:
