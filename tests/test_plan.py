@@ -105,3 +105,21 @@ def test_memory_check_refuses_with_a_fitting_alternative():
     with pytest.raises(ConfigError, match=r"needs about .* GiB per GPU .* fits: --parallel"):
         memory_check(cfg, 8, 80.0, "NVIDIA H100 80GB HBM3")
     memory_check(load_config("llama3-1b"), 1, 140.0, "NVIDIA H200")  # fits: no error
+
+
+def test_plan_accuracy_bench_smoke(tmp_path):
+    """bench/plan_accuracy.py on CPU: one tiny configuration, its JSON, memory within 10%."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "plan_accuracy.py"
+    spec = importlib.util.spec_from_file_location("plan_accuracy", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "acc.json"
+    bench.main(["--smoke", "--only", "none-mb4", "--warmup", "1", "--steps", "1",
+                "--out", str(out)])
+    data = json.loads(out.read_text())
+    (row,) = data["results"]
+    assert row["name"] == "none-mb4" and abs(row["memory_error"]) < 0.10
+    assert row["predicted"]["step_s"] > 0 and row["measured"]["step_s"] > 0
