@@ -1,6 +1,6 @@
 """Predicted peak memory (trireme.plan.memory) against the measured one, within 10%, on CPU:
-tiny fp32 / bf16 models, one process and gloo groups of 2 (DDP, distributed optimizer, FSDP,
-TP + SP, PP). Measured as the live tensor bytes after every op (trireme.plan.measure.LiveBytes:
+tiny fp32 / bf16 / fp8 (emulated) models, one process and gloo groups of 2 (DDP, distributed optimizer, FSDP,
+TP + SP, PP, interleaved PP). Measured as the live tensor bytes after every op (trireme.plan.measure.LiveBytes:
 parameters, gradients, optimizer state, activations, communication buffers; docs/plan.md)."""
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ ONE_PROCESS = {
                       "train.recompute": "full"},
     "bf16-fused-loss-mb2": {"model.precision": "bf16", "model.fused_cross_entropy": True,
                             "train.micro_batch_size": 2, "model.tie_embeddings": False},
+    "fp8-emulated-mb4": {"model.precision": "fp8", "model.fp8_emulate": True,
+                         "train.micro_batch_size": 4},
 }
 
 
@@ -64,6 +66,8 @@ TWO_PROCESSES = {
     "tp2-sp": {"model.precision": "bf16", "parallel.tensor": 2,
                "parallel.sequence_parallel": True, "train.recompute": "selective"},
     "pp2": {"model.precision": "bf16", "parallel.pipeline": 2, "train.micro_batch_size": 2},
+    "pp2-interleaved": {"model.precision": "bf16", "parallel.pipeline": 2,
+                        "parallel.virtual_pipeline": 2, "train.micro_batch_size": 2},
 }
 
 
