@@ -18,7 +18,8 @@ For each pipeline rank (the worst one is reported), in bytes:
                  gradient before its hook adds it to the main gradient (the largest one);
                  or the optimizer step: foreach AdamW's one fp32 temporary per master element
                  (the fused kernel on CUDA has none); the step's token ids and labels (int64).
-    comm         a reduce-scatter's output (one bucket / DP) under the distributed optimizer;
+    comm         a reduce-scatter's output (one bucket / DP) under the distributed optimizer,
+                 when there is more than one bucket;
                  FSDP's gathered parameters and gradients of one block, plus about one whole
                  unsharded copy of the parameters (fitted to one CPU measurement: approximate).
     overhead     the device allocator's (rates: `allocator_overhead` x the rest), not on CPU.
@@ -263,8 +264,10 @@ def _comm_bytes(cfg: Config, deg: Degrees, params: RankParams) -> float:
         # copy of the parameters at the backward's start (FSDP2's all-gather outputs: the
         # root's parameters stay gathered; fitted to the CPU measurement, see docs/plan.md)
         return 2 * 4 * block + 4 * params.total
-    if p.distributed_optimizer:
-        return 4 * min(p.bucket_size, params.total) / deg.data_context
+    if p.distributed_optimizer and params.total > p.bucket_size:
+        # an early bucket's reduce-scatter output, while activations are still held (with one
+        # bucket the reduction starts after the backward, when they are gone)
+        return 4 * p.bucket_size / deg.data_context
     return 0.0
 
 

@@ -11,6 +11,8 @@ Per micro batch on the slowest pipeline rank (its layers, on this TP rank's shar
                  few times each in forward and backward). 5 with model.compile fits the H200
                  profile of llama3-1b (bench/RESULTS.md), 16 eager fits the eager preset's
                  48.3k tokens/s against 62.3k compiled at micro batch 4
+    fp8          FP8_CAST_BYTES per element each fp8 linear quantizes (its input, its output's
+                 gradient): 12 fits the H200 profile's 0.12 s of casts per llama3-1b step
     recompute    selective: the attention forward again; full: the whole forward again
     TP           two all-reduces (or all-gather + reduce-scatter) of [tokens, h] per sublayer,
                  each way: 2 (T - 1) / T x bytes / bandwidth, not overlapped
@@ -45,6 +47,7 @@ from trireme.plan.rates import Rates
 
 ELEMENTWISE_PASSES = {True: 5.0, False: 16.0}  # compiled blocks / eager
 OPTIMIZER_BYTES = 64.0
+FP8_CAST_BYTES = 12.0  # per element quantized: amax pass, cast pass, both ways (fits the profile)
 RING_SLOWDOWN = 3.0  # ring context parallelism runs plain-torch attention per block (for now)
 
 
@@ -79,6 +82,19 @@ def _layer_matmul_flops(cfg: Config, symbols: str, tensor: int) -> tuple[float, 
     return lin, core
 
 
+def _fp8_elements(cfg: Config, s, symbols: str) -> float:
+    """Per token: the elements the fp8 linears of a layer quantize (inputs and output
+    gradients)."""
+    layers = set(cfg.model.fp8_layers)
+    sizes = {"qkv": s.h + s.q + 2 * s.k, "out": s.q + s.h,
+             "fc1": s.h + s.ffn * (2 if s.swiglu else 1), "fc2": s.ffn + s.h}
+    total = 0.0
+    for sym in symbols:
+        names = ("qkv", "out") if sym == "*" else ("fc1", "fc2") if sym == "-" else ()
+        total += sum(sizes[n] for n in names if n in layers)
+    return total
+
+
 def micro_batch_seconds(cfg: Config, deg: Degrees, rank: int, rates: Rates,
                         per_node: int) -> dict[str, float]:
     """Compute and in-line communication of one micro batch on pipeline rank `rank`."""
@@ -100,6 +116,9 @@ def micro_batch_seconds(cfg: Config, deg: Degrees, rank: int, rates: Rates,
             att_b = 2 * core * tokens / (rates.attention_tflops["backward"] * 1e12)
             kept = layer_bytes(cfg, s, symbols[i], "none") * tokens
             ew = ELEMENTWISE_PASSES[m.compile] * kept / (rates.memory_tbps * 1e12)
+            if prec == "fp8":  # amax and cast of every fp8 linear's input and output gradient
+                ew += FP8_CAST_BYTES * _fp8_elements(cfg, s, symbols[i]) * tokens / (
+                    rates.memory_tbps * 1e12)
             if deg.context > 1 and p.context_mode == "ring":  # plain-torch blocks for now
                 att_f, att_b = RING_SLOWDOWN * att_f, RING_SLOWDOWN * att_b
             out["matmul"] += mm
