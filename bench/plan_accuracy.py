@@ -159,7 +159,7 @@ def write(rows: list[dict], args, preset: str, rates_name: str) -> None:
     out = Path(args.out or REPO / "bench" / "results" / (
         f"plan_accuracy-{'smoke' if args.smoke else rates_name}.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
-    data = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": device,
+    data = {"date": datetime.datetime.now(datetime.UTC).isoformat(), "device": device,
             "torch": torch.__version__, "git_commit": commit, "preset": preset,
             "rates": rates_name, "warmup": args.warmup, "steps": args.steps, "results": rows}
     tmp = out.with_suffix(".tmp")

@@ -79,7 +79,7 @@ def test_live_bytes_sees_a_tensor_that_is_kept_and_forgets_a_freed_one():
 
 
 def test_plan_json_ranks_fitting_layouts_and_reports_the_given_one(capsys):
-    assert plan_main(["--config", "llama3-8b", "--gpus", "8", "--top", "3", "--json"]) == 0
+    assert plan_main(["--config", "llama3-8b", "--gpus", "2", "--top", "3", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     given = out["given"]
     assert given["error"] is None and given["memory_gib"] > 141  # plain DDP: 18 B/param
@@ -89,7 +89,7 @@ def test_plan_json_ranks_fitting_layouts_and_reports_the_given_one(capsys):
     for c in out["candidates"]:
         assert c["fits"] and c["memory_gib"] < 140 and c["mfu"] > 0 and c["reason"]
         cfg = load_config("llama3-8b", [o[2:] for o in c["overrides"]])
-        assert check_layout(cfg, 8) is None  # the trainer accepts it
+        assert check_layout(cfg, 2) is None  # the trainer accepts it
 
 
 def test_plan_names_the_trainers_error_for_a_refused_layout():
@@ -103,7 +103,7 @@ def test_plan_names_the_trainers_error_for_a_refused_layout():
 def test_memory_check_refuses_with_a_fitting_alternative():
     cfg = load_config("llama3-8b")
     with pytest.raises(ConfigError, match=r"needs about .* GiB per GPU .* fits: --parallel"):
-        memory_check(cfg, 8, 80.0, "NVIDIA H100 80GB HBM3")
+        memory_check(cfg, 2, 80.0, "NVIDIA H100 80GB HBM3")
     memory_check(load_config("llama3-1b"), 1, 140.0, "NVIDIA H200")  # fits: no error
 
 
@@ -123,3 +123,22 @@ def test_plan_accuracy_bench_smoke(tmp_path):
     (row,) = data["results"]
     assert row["name"] == "none-mb4" and abs(row["memory_error"]) < 0.10
     assert row["predicted"]["step_s"] > 0 and row["measured"]["step_s"] > 0
+
+
+def test_train_refuses_before_building_on_a_small_gpu(monkeypatch):
+    """`trireme train` on a (pretend) 80 GiB GPU: one line naming the predicted size and a
+    layout that fits, and nothing built; train.skip_memory_check lets it through."""
+    from types import SimpleNamespace
+
+    from trireme import commands
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(
+        total_memory=80 * 2**30, name="NVIDIA H100 80GB HBM3"))
+    built = []
+    monkeypatch.setattr(commands, "train", lambda cfg, on_finish=None: built.append(cfg))
+    with pytest.raises(ConfigError, match=r"about \d+\.\d GiB per GPU.*skip_memory_check"):
+        commands.train_main(["--config", "llama3-8b"])
+    assert not built
+    assert commands.train_main(["--config", "llama3-8b", "--train.skip_memory_check=true"]) == 0
+    assert len(built) == 1

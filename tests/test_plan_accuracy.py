@@ -1,7 +1,8 @@
 """Predicted peak memory (trireme.plan.memory) against the measured one, within 10%, on CPU:
-tiny fp32 / bf16 / fp8 (emulated) models, one process and gloo groups of 2 (DDP, distributed optimizer, FSDP,
-TP + SP, PP, interleaved PP). Measured as the live tensor bytes after every op (trireme.plan.measure.LiveBytes:
-parameters, gradients, optimizer state, activations, communication buffers; docs/plan.md)."""
+tiny fp32 / bf16 / fp8 (emulated) models, one process and gloo groups of 2 (DDP, distributed
+optimizer, FSDP, TP + SP, interleaved PP). Measured as the live tensor bytes after every op
+(trireme.plan.measure.LiveBytes: parameters, gradients, optimizer state, activations,
+communication buffers; docs/plan.md)."""
 
 from __future__ import annotations
 
@@ -65,7 +66,6 @@ TWO_PROCESSES = {
     "fsdp": {"parallel.data_parallel_mode": "fsdp", "train.micro_batch_size": 4},
     "tp2-sp": {"model.precision": "bf16", "parallel.tensor": 2,
                "parallel.sequence_parallel": True, "train.recompute": "selective"},
-    "pp2": {"model.precision": "bf16", "parallel.pipeline": 2, "train.micro_batch_size": 2},
     "pp2-interleaved": {"model.precision": "bf16", "parallel.pipeline": 2,
                         "parallel.virtual_pipeline": 2, "train.micro_batch_size": 2},
 }

@@ -30,6 +30,7 @@ bench/plan_accuracy.py on the GPU).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from torch.utils.weak import WeakIdKeyDictionary
@@ -135,9 +136,10 @@ def chunk_activation_bytes(cfg: Config, rates: Rates, stage, tokens: int, mode_o
     s = shape_of(cfg, rates.norm_fused)
     symbols = cfg.model.layer_symbols
     total = 0.0
-    for j, i in enumerate(stage.layers):
-        total += layer_bytes(cfg, s, symbols[i], mode_of(j)) * tokens
-        total += fp8_weight_bytes(cfg, s, symbols[i]) if mode_of(j) != "full" else 0.0
+    kinds = Counter((symbols[i], mode_of(j)) for j, i in enumerate(stage.layers))
+    for (kind, mode), count in kinds.items():  # alike layers computed once
+        total += count * layer_bytes(cfg, s, kind, mode) * tokens
+        total += count * fp8_weight_bytes(cfg, s, kind) if mode != "full" else 0.0
     if stage.first:
         total += 8 * tokens  # the embedding keeps the token ids
     if stage.last:

@@ -17,6 +17,7 @@ A test builds the model and counts its parameters (tests/test_plan.py).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from trireme.config import ModelConfig
@@ -96,10 +97,10 @@ def stage_params(cfg: ModelConfig, stage: StageSpec, tensor: int, expert: int,
     if stage.first and cfg.position_embedding == "learned":
         dense += cfg.seq_length * h
     symbols = cfg.layer_symbols
-    for i in stage.layers:
-        d, e = layer_params(cfg, symbols[i], tensor, expert)
-        dense, experts = dense + d, experts + e
-        largest = max(largest, _largest_in_layer(cfg, symbols[i], tensor, expert))
+    for kind, count in Counter(symbols[i] for i in stage.layers).items():  # alike layers once
+        d, e = layer_params(cfg, kind, tensor, expert)
+        dense, experts = dense + count * d, experts + count * e
+        largest = max(largest, _largest_in_layer(cfg, kind, tensor, expert))
     if stage.last:
         dense += _norm(cfg)
         if not cfg.tie_embeddings:

@@ -36,6 +36,7 @@ else `inter_node_gbps`. The GPU accuracy check is bench/plan_accuracy.py.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from trireme.config import Config
@@ -98,49 +99,55 @@ def _fp8_elements(cfg: Config, s, symbols: str) -> float:
 def micro_batch_seconds(cfg: Config, deg: Degrees, rank: int, rates: Rates,
                         per_node: int) -> dict[str, float]:
     """Compute and in-line communication of one micro batch on pipeline rank `rank`."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
+    m, t = cfg.model, cfg.train
     tokens = t.micro_batch_size * m.seq_length / deg.context
-    prec = m.precision
-    mm_rate = rates.matmul_tflops.get(prec, rates.matmul_tflops["bf16"]) * 1e12
-    head_rate = rates.matmul_tflops["fp32" if prec == "fp32" else "bf16"] * 1e12
-    s = shape_of(cfg, rates.norm_fused)
+    head_rate = rates.matmul_tflops["fp32" if m.precision == "fp32" else "bf16"] * 1e12
     symbols = m.layer_symbols
     out = dict(matmul=0.0, attention=0.0, elementwise=0.0, recompute=0.0, tp=0.0, cp=0.0,
                ep=0.0)
-    tp_bw = _bandwidth(rates, 1, deg.tensor, per_node)
     for stage in stages_of(cfg, rank):
-        for i in stage.layers:
-            lin, core = _layer_matmul_flops(cfg, symbols[i], deg.tensor)
-            mm = 3 * lin * tokens / mm_rate
-            att_f = core * tokens / (rates.attention_tflops["forward"] * 1e12)
-            att_b = 2 * core * tokens / (rates.attention_tflops["backward"] * 1e12)
-            kept = layer_bytes(cfg, s, symbols[i], "none") * tokens
-            ew = ELEMENTWISE_PASSES[m.compile] * kept / (rates.memory_tbps * 1e12)
-            if prec == "fp8":  # amax and cast of every fp8 linear's input and output gradient
-                ew += FP8_CAST_BYTES * _fp8_elements(cfg, s, symbols[i]) * tokens / (
-                    rates.memory_tbps * 1e12)
-            if deg.context > 1 and p.context_mode == "ring":  # plain-torch blocks for now
-                att_f, att_b = RING_SLOWDOWN * att_f, RING_SLOWDOWN * att_b
-            out["matmul"] += mm
-            out["attention"] += att_f + att_b
-            out["elementwise"] += ew
-            if t.recompute == "selective":
-                out["recompute"] += att_f
-            elif t.recompute == "full":
-                out["recompute"] += mm / 3 + att_f + ew / 3
-            if deg.tensor > 1:
-                msg = s.e * s.h * tokens
-                out["tp"] += 2 * len(symbols[i]) * 2 * (deg.tensor - 1) / deg.tensor * msg / tp_bw
-            if deg.context > 1:
-                out["cp"] += _context_seconds(cfg, deg, s, tokens, rates, per_node)
-            if "E" in symbols[i] and deg.expert > 1:
-                rows = tokens * m.moe_top_k * s.e * s.h
-                bw = _bandwidth(rates, deg.tensor, deg.expert, per_node)
-                out["ep"] += 4 * (deg.expert - 1) / deg.expert * rows / bw
+        for kind, count in Counter(symbols[i] for i in stage.layers).items():  # alike: once
+            for key, value in layer_seconds(cfg, deg, kind, tokens, rates, per_node).items():
+                out[key] += count * value
         if stage.last:
             vocab = m.padded_vocab_size / deg.tensor
             out["matmul"] += 6 * m.hidden_size * vocab * tokens / head_rate
             out["elementwise"] += 3 * 4 * vocab * tokens / (rates.memory_tbps * 1e12)
+    return out
+
+
+def layer_seconds(cfg: Config, deg: Degrees, kind: str, tokens: float, rates: Rates,
+                  per_node: int) -> dict[str, float]:
+    """One layer with sublayers `kind` (e.g. "*-"), one micro batch of `tokens` on this rank."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    s = shape_of(cfg, rates.norm_fused)
+    bw_mem = rates.memory_tbps * 1e12
+    mm_rate = rates.matmul_tflops.get(m.precision, rates.matmul_tflops["bf16"]) * 1e12
+    lin, core = _layer_matmul_flops(cfg, kind, deg.tensor)
+    mm = 3 * lin * tokens / mm_rate
+    att_f = core * tokens / (rates.attention_tflops["forward"] * 1e12)
+    att_b = 2 * core * tokens / (rates.attention_tflops["backward"] * 1e12)
+    if deg.context > 1 and p.context_mode == "ring":  # plain-torch blocks for now
+        att_f, att_b = RING_SLOWDOWN * att_f, RING_SLOWDOWN * att_b
+    ew = ELEMENTWISE_PASSES[m.compile] * layer_bytes(cfg, s, kind, "none") * tokens / bw_mem
+    if m.precision == "fp8":  # amax and cast of every fp8 linear's input and output gradient
+        ew += FP8_CAST_BYTES * _fp8_elements(cfg, s, kind) * tokens / bw_mem
+    out = dict(matmul=mm, attention=att_f + att_b, elementwise=ew, recompute=0.0, tp=0.0,
+               cp=0.0, ep=0.0)
+    if t.recompute == "selective":
+        out["recompute"] = att_f
+    elif t.recompute == "full":
+        out["recompute"] = mm / 3 + att_f + ew / 3
+    if deg.tensor > 1:
+        msg = s.e * s.h * tokens
+        bw = _bandwidth(rates, 1, deg.tensor, per_node)
+        out["tp"] = 2 * len(kind) * 2 * (deg.tensor - 1) / deg.tensor * msg / bw
+    if deg.context > 1:
+        out["cp"] = _context_seconds(cfg, deg, s, tokens, rates, per_node)
+    if "E" in kind and deg.expert > 1:
+        rows = tokens * m.moe_top_k * s.e * s.h
+        bw = _bandwidth(rates, deg.tensor, deg.expert, per_node)
+        out["ep"] = 4 * (deg.expert - 1) / deg.expert * rows / bw
     return out
 
 
