@@ -1,6 +1,6 @@
 """Predicted peak memory (trireme.plan.memory) against the measured one, within 10%, on CPU:
-tiny fp32 / bf16 / fp8 (emulated) models, one process and gloo groups of 2 (DDP, distributed
-optimizer, FSDP, TP + SP, interleaved PP). Measured as the live tensor bytes after every op
+tiny fp32 / bf16 / fp8 (emulated) / MoE models, one process and gloo groups of 2 (DDP, distributed
+optimizer, FSDP, TP + SP, interleaved PP, MoE with EP). Measured as the live tensor bytes after every op
 (trireme.plan.measure.LiveBytes: parameters, gradients, optimizer state, activations,
 communication buffers; docs/plan.md)."""
 
@@ -24,7 +24,9 @@ BASE = {"data.mock": True, "model.vocab_size": 1000, "train.steps": 2, "train.ev
 
 
 def config(tmp_path, overrides: dict):
-    return load_config("tiny", {**BASE, "run.dir": str(tmp_path / "run"), **overrides})
+    overrides = dict(overrides)
+    preset = overrides.pop("preset", "tiny")
+    return load_config(preset, {**BASE, "run.dir": str(tmp_path / "run"), **overrides})
 
 
 def predicted(cfg, world: int) -> float:
@@ -41,6 +43,7 @@ ONE_PROCESS = {
                       "train.recompute": "full"},
     "bf16-fused-loss-mb2": {"model.precision": "bf16", "model.fused_cross_entropy": True,
                             "train.micro_batch_size": 2, "model.tie_embeddings": False},
+    "moe": {"preset": "moe-tiny"},
     "fp8-emulated-mb4": {"model.precision": "fp8", "model.fp8_emulate": True,
                          "train.micro_batch_size": 4},
 }
@@ -66,6 +69,8 @@ TWO_PROCESSES = {
     "fsdp": {"parallel.data_parallel_mode": "fsdp", "train.micro_batch_size": 4},
     "tp2-sp": {"model.precision": "bf16", "parallel.tensor": 2,
                "parallel.sequence_parallel": True, "train.recompute": "selective"},
+    "moe-ep2-distopt": {"preset": "moe-tiny", "model.precision": "bf16", "parallel.expert": 2,
+                        "parallel.distributed_optimizer": True},
     "pp2-interleaved": {"model.precision": "bf16", "parallel.pipeline": 2,
                         "parallel.virtual_pipeline": 2, "train.micro_batch_size": 2},
 }
