@@ -1,8 +1,8 @@
 """Predicted peak memory (trireme.plan.memory) against the measured one, within 10%, on CPU:
-tiny fp32 / bf16 / fp8 (emulated) / MoE models, one process and gloo groups of 2 (DDP, distributed
-optimizer, FSDP, TP + SP, interleaved PP, MoE with EP). Measured as the live tensor bytes after every op
-(trireme.plan.measure.LiveBytes: parameters, gradients, optimizer state, activations,
-communication buffers; docs/plan.md)."""
+tiny fp32 / bf16 / fp8 (emulated) / MoE models, one process and gloo groups of 2 (DDP,
+distributed optimizer, FSDP, TP + SP, interleaved PP, MoE with EP). Measured as the live tensor
+bytes after every op (trireme.plan.measure.LiveBytes: parameters, gradients, optimizer state,
+activations, communication buffers; docs/plan.md)."""
 
 from __future__ import annotations
 
