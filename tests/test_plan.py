@@ -142,3 +142,16 @@ def test_train_refuses_before_building_on_a_small_gpu(monkeypatch):
     assert not built
     assert commands.train_main(["--config", "llama3-8b", "--train.skip_memory_check=true"]) == 0
     assert len(built) == 1
+
+
+def test_calibrate_writes_a_table_the_planner_loads(tmp_path, capsys):
+    """`trireme plan --calibrate` on the CPU: a rate table with measured (positive) rates, the
+    CPU's decomposed RMSNorm detected, loadable by --gpu FILE."""
+    out = tmp_path / "rates.json"
+    assert plan_main(["--calibrate", "--out", str(out)]) == 0
+    rates = load_rates(str(out))
+    assert rates.matmul_tflops["fp32"] > 0 and rates.attention_tflops["backward"] > 0
+    assert rates.memory_tbps > 0 and rates.norm_fused is False and not rates.optimizer_fused
+    capsys.readouterr()
+    assert plan_main(["--config", "tiny", "--model.vocab_size=1000", "--gpu", str(out)]) == 0
+    assert "trireme plan: 1 x cpu" in capsys.readouterr().out
