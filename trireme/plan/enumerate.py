@@ -79,8 +79,7 @@ def apply_layout(cfg: Config, layout: Layout) -> Config:
     p, t = out.parallel, out.train
     p.tensor, p.pipeline, p.virtual_pipeline = layout.tensor, layout.pipeline, \
         layout.virtual_pipeline
-    p.sequence_parallel = layout.tensor > 1 and (cfg.parallel.sequence_parallel
-                                                 or cfg.parallel.tensor != layout.tensor)
+    p.sequence_parallel = layout.tensor > 1  # always with TP: the same traffic, less memory
     p.context, p.context_mode, p.expert = layout.context, layout.context_mode, layout.expert
     p.data_parallel_mode = "fsdp" if layout.dp_mode == "fsdp" else "ddp"
     p.distributed_optimizer = layout.dp_mode == "distopt"
