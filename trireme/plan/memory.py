@@ -106,16 +106,13 @@ def static_bytes(cfg: Config, deg: Degrees, params: RankParams, rates: Rates) ->
         return {"parameters": 4 * n / deg.data,
                 "gradients": 4 * n if whole_grads else 4 * n / deg.data,
                 "optimizer": 8 * n / deg.data}
-    shard = 1
     if p.distributed_optimizer and deg.data_context > 1:
-        sharded = dense / deg.data_context + experts / deg.expert_data
+        shard = dense / deg.data_context + experts / deg.expert_data
     else:
-        sharded = dense + experts
-    shard = sharded
-    out = {"parameters": (2 if low else 4) * (dense + experts),
-           "gradients": 4 * (dense + experts),
-           "optimizer": (12 if low else 8) * shard}
-    return out
+        shard = dense + experts
+    return {"parameters": (2 if low else 4) * (dense + experts),
+            "gradients": 4 * (dense + experts),
+            "optimizer": (12 if low else 8) * shard}
 
 
 def optimizer_step_bytes(cfg: Config, deg: Degrees, params: RankParams, rates: Rates) -> float:
@@ -139,7 +136,8 @@ def chunk_activation_bytes(cfg: Config, rates: Rates, stage, tokens: int, mode_o
     kinds = Counter((symbols[i], mode_of(j)) for j, i in enumerate(stage.layers))
     for (kind, mode), count in kinds.items():  # alike layers computed once
         total += count * layer_bytes(cfg, s, kind, mode) * tokens
-        total += count * fp8_weight_bytes(cfg, s, kind) if mode != "full" else 0.0
+        if mode != "full":
+            total += count * fp8_weight_bytes(cfg, s, kind)
     if stage.first:
         total += 8 * tokens  # the embedding keeps the token ids
     if stage.last:
