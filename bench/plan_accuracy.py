@@ -3,8 +3,8 @@
     python bench/plan_accuracy.py                     # GPU: 5 llama3-1b configurations
     python bench/plan_accuracy.py --smoke             # CPU: tiny ones (live tensor bytes)
 
-Each configuration is trained in this process for --warmup + --steps steps on mock data (no
-files); measured: the peak of torch.cuda.max_memory_allocated over the timed steps (the CPU
+Each configuration is trained for --warmup + --steps steps on mock data (no files), on the GPU
+each in a fresh process (--separate); measured: the peak of torch.cuda.max_memory_allocated over the timed steps (the CPU
 smoke run: trireme.plan.measure.LiveBytes) and the mean wall time of a timed step (synchronized).
 Predicted: trireme.plan.memory.estimate_memory and trireme.plan.time.estimate_time with the rate
 table of --gpu. The goal (issue 20): memory within 10%, step time within 15%.
@@ -62,6 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--only", nargs="*", default=None, help="names of configurations to run")
     p.add_argument("--out", default=None)
+    p.add_argument("--separate", action=argparse.BooleanOptionalAction, default=None,
+                   help="each configuration in its own process (default on the GPU, so one "
+                        "run's memory cannot count in the next one's peak)")
     return p.parse_args(argv)
 
 
@@ -118,6 +121,12 @@ def main(argv=None) -> None:
     configs = SMOKE_CONFIGS if args.smoke else GPU_CONFIGS
     names = args.only or list(configs)
     run_dir = tempfile.mkdtemp()
+    separate = args.separate if args.separate is not None else not args.smoke
+    if separate and len(names) > 1:
+        rows = [run_child(name, args, run_dir) for name in names]
+        print_table(rows)
+        write(rows, args, preset, rates.name)
+        return
     rows = []
     for name in names:
         overrides = {"data.mock": True, "train.eval_interval": 0, "run.dir": run_dir,
@@ -136,6 +145,20 @@ def main(argv=None) -> None:
               f"{got['step_s']:7.3f} s ({100 * row['time_error']:+5.1f}%)", flush=True)
     print_table(rows)
     write(rows, args, preset, rates.name)
+
+
+def run_child(name: str, args, run_dir: str) -> dict:
+    """One configuration in a fresh process (its JSON read back)."""
+    out = Path(run_dir) / f"{name}.json"
+    cmd = [sys.executable, __file__, "--only", name, "--warmup", str(args.warmup), "--steps",
+           str(args.steps), "--out", str(out), "--no-separate"]
+    for flag, value in (("--preset", args.preset), ("--gpu", args.gpu)):
+        if value:
+            cmd += [flag, value]
+    if args.smoke:
+        cmd.append("--smoke")
+    subprocess.run(cmd, check=True)
+    return json.loads(out.read_text())["results"][0]
 
 
 def print_table(rows: list[dict]) -> None:
