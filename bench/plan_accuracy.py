@@ -4,8 +4,9 @@
     python bench/plan_accuracy.py --smoke             # CPU: tiny ones (live tensor bytes)
 
 Each configuration is trained for --warmup + --steps steps on mock data (no files), on the GPU
-each in a fresh process (--separate); measured: the peak of torch.cuda.max_memory_allocated over the timed steps (the CPU
-smoke run: trireme.plan.measure.LiveBytes) and the mean wall time of a timed step (synchronized).
+each in a fresh process (--separate); measured: the peak of torch.cuda.max_memory_allocated over
+the timed steps (the CPU smoke run: trireme.plan.measure.LiveBytes) and the mean wall time of a
+timed step (synchronized).
 Predicted: trireme.plan.memory.estimate_memory and trireme.plan.time.estimate_time with the rate
 table of --gpu. The goal (issue 20): memory within 10%, step time within 15%.
 Prints a table and writes bench/results/plan_accuracy-<device>.json.
