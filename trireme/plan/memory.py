@@ -30,6 +30,7 @@ bench/plan_accuracy.py on the GPU).
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -44,7 +45,7 @@ from trireme.plan.activations import (
     layer_bytes,
     shape_of,
 )
-from trireme.plan.params import RankParams, layer_params, stage_params
+from trireme.plan.params import RankParams, layer_params, layer_symbols, stage_params
 from trireme.plan.rates import Rates
 
 GIB = 2**30
@@ -131,7 +132,7 @@ def optimizer_step_bytes(cfg: Config, deg: Degrees, params: RankParams, rates: R
 def chunk_activation_bytes(cfg: Config, rates: Rates, stage, tokens: int, mode_of) -> float:
     """Bytes one micro batch keeps in one model chunk (stage) until its backward."""
     s = shape_of(cfg, rates.norm_fused)
-    symbols = cfg.model.layer_symbols
+    symbols = layer_symbols(cfg.model)
     total = 0.0
     kinds = Counter((symbols[i], mode_of(j)) for j, i in enumerate(stage.layers))
     for (kind, mode), count in kinds.items():  # alike layers computed once
@@ -159,6 +160,11 @@ def recompute_mode(cfg: Config):
     return mode
 
 
+@functools.cache
+def _order(rank: int, pipeline: int, virtual: int, num_micro: int) -> tuple:
+    return tuple(one_f_one_b(rank, pipeline, virtual, num_micro))
+
+
 def in_flight_peak(per_chunk: list[float], rank: int, deg: Degrees, num_micro: int) -> float:
     """The most activation bytes rank `rank` holds at once under (interleaved) 1F1B."""
     if deg.pipeline == 1:
@@ -169,7 +175,7 @@ def in_flight_peak(per_chunk: list[float], rank: int, deg: Degrees, num_micro: i
     cap = min(num_micro, -(-(warm // deg.virtual + 2 * deg.pipeline) // deg.pipeline)
               * deg.pipeline)
     held, peak = 0.0, 0.0
-    for p in one_f_one_b(rank, deg.pipeline, deg.virtual, cap):
+    for p in _order(rank, deg.pipeline, deg.virtual, cap):
         if p.kind == FORWARD:
             held += per_chunk[p.chunk]
             peak = max(peak, held)
@@ -182,7 +188,7 @@ def backward_transient(cfg: Config, rates: Rates, tokens: int, recompute: str) -
     """Gradients in flight in one layer's backward and, under full recomputation, the layer's
     rebuilt activations (module docstring)."""
     s = shape_of(cfg, rates.norm_fused)
-    symbols = cfg.model.layer_symbols
+    symbols = layer_symbols(cfg.model)
     widest = max(layer_bytes(cfg, s, sym, "none") for sym in set(symbols))
     ffn = s.ffn if "-" in "".join(symbols) else cfg.model.moe_ffn_size * cfg.model.moe_top_k
     if recompute == "full":  # the rebuilt layer and the residual stream's gradient
@@ -259,7 +265,7 @@ def _comm_bytes(cfg: Config, deg: Degrees, params: RankParams) -> float:
         return 0.0
     if p.data_parallel_mode == "fsdp":
         block = max(layer_params(cfg.model, sym, deg.tensor, deg.expert)[0]
-                    for sym in set(cfg.model.layer_symbols))
+                    for sym in set(layer_symbols(cfg.model)))
         # one block's gathered parameters and unsharded gradients, and about one whole unsharded
         # copy of the parameters at the backward's start (FSDP2's all-gather outputs: the
         # root's parameters stay gathered; fitted to the CPU measurement, see docs/plan.md)

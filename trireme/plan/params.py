@@ -20,10 +20,21 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from torch.utils.weak import WeakIdKeyDictionary
+
 from trireme.config import ModelConfig
 from trireme.models.block import sublayer_names
 from trireme.models.stages import StageSpec
 from trireme.parallel.vocab import padded_vocab_size
+
+_SYMBOLS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def layer_symbols(cfg: ModelConfig) -> list[str]:
+    """cfg.layer_symbols, parsed once per model config (the planner asks thousands of times)."""
+    if cfg not in _SYMBOLS:
+        _SYMBOLS[cfg] = cfg.layer_symbols
+    return _SYMBOLS[cfg]
 
 
 @dataclass(frozen=True)
@@ -96,7 +107,7 @@ def stage_params(cfg: ModelConfig, stage: StageSpec, tensor: int, expert: int,
         largest = vocab
     if stage.first and cfg.position_embedding == "learned":
         dense += cfg.seq_length * h
-    symbols = cfg.layer_symbols
+    symbols = layer_symbols(cfg)
     for kind, count in Counter(symbols[i] for i in stage.layers).items():  # alike layers once
         d, e = layer_params(cfg, kind, tensor, expert)
         dense, experts = dense + count * d, experts + count * e

@@ -44,6 +44,7 @@ from trireme.metrics import flops_per_token
 from trireme.models.stages import sublayer_flops
 from trireme.plan.activations import layer_bytes, shape_of
 from trireme.plan.memory import Degrees, micro_batches, stages_of
+from trireme.plan.params import layer_symbols
 from trireme.plan.rates import Rates
 
 ELEMENTWISE_PASSES = {True: 5.0, False: 16.0}  # compiled blocks / eager
@@ -102,7 +103,7 @@ def micro_batch_seconds(cfg: Config, deg: Degrees, rank: int, rates: Rates,
     m, t = cfg.model, cfg.train
     tokens = t.micro_batch_size * m.seq_length / deg.context
     head_rate = rates.matmul_tflops["fp32" if m.precision == "fp32" else "bf16"] * 1e12
-    symbols = m.layer_symbols
+    symbols = layer_symbols(m)
     out = dict(matmul=0.0, attention=0.0, elementwise=0.0, recompute=0.0, tp=0.0, cp=0.0,
                ep=0.0)
     for stage in stages_of(cfg, rank):
