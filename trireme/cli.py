@@ -8,6 +8,7 @@
     trireme config-doc                                                   print the config reference
     trireme preprocess | data | tokenizer                                data tools (docs/data.md)
     trireme convert | inspect                                            checkpoint tools
+    trireme plan --config P --gpus N [--gpu h200] [--top 5] [--json]     rank parallel layouts
 
 Errors the user can fix are printed as one line on stderr with exit status 2, never a traceback.
 """
@@ -77,6 +78,7 @@ HEAVY_COMMANDS = {
     "tokenizer": "trireme.data.cli:tokenizer_main",
     "convert": "trireme.checkpoint.cli:convert_main",
     "inspect": "trireme.checkpoint.cli:inspect_main",
+    "plan": "trireme.plan.cli:plan_main",
 }
 
 

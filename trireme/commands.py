@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from trireme.cli import split_overrides
-from trireme.config import load_config
+from trireme.config import Config, load_config
 from trireme.errors import TriremeError
 from trireme.inference.batch import generate_file
 from trireme.inference.cli import (
@@ -17,6 +19,8 @@ from trireme.inference.cli import (
 )
 from trireme.inference.sample import print_sample
 from trireme.inference.sampling import SamplingParams
+from trireme.parallel.mesh import launched_world_size
+from trireme.plan.cli import memory_check
 from trireme.train import train
 
 TRAIN_EPILOG = """\
@@ -48,8 +52,21 @@ def train_main(argv: list[str]) -> int:
     )
     args = parser.parse_args(own)
     cfg = load_config(args.config, overrides)
+    check_memory(cfg)
     train(cfg, on_finish=print_sample)
     return 0
+
+
+def check_memory(cfg: Config) -> None:
+    """Refuse, before anything is allocated, a CUDA run predicted not to fit (trireme.plan);
+    skipped on the CPU, with train.skip_memory_check, or without a known vocabulary size."""
+    t = cfg.train
+    if t.skip_memory_check or cfg.model.vocab_size < 1 or not torch.cuda.is_available():
+        return
+    if t.device == "cpu":
+        return
+    props = torch.cuda.get_device_properties(0)
+    memory_check(cfg, launched_world_size(), props.total_memory / 2**30, props.name)
 
 
 GENERATE_EPILOG = """\

@@ -454,6 +454,9 @@ class TrainConfig:
     eval_steps: int = doc(4, "Micro batches per evaluation.")
     log_interval: int = doc(10, "Log metrics every this many steps.")
     device: Literal["auto", "cpu", "cuda"] = doc("auto", "auto: cuda when available, else cpu.")
+    skip_memory_check: bool = doc(
+        False, "CUDA: `trireme train` stops before allocating when `trireme plan` predicts more "
+        "memory per GPU than the device has (naming a layout that fits); true skips the check.")
     cpu_threads: int = doc(
         0, "Intra-op threads of each process when training on the CPU; a value here wins over "
         "OMP_NUM_THREADS. 0: OMP_NUM_THREADS if set, else the cores this process may use / the "

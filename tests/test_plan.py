@@ -1,0 +1,157 @@
+"""trireme plan: parameter counts against built models, the activation formulas against what
+autograd keeps, the live-bytes measurement, the CLI and the train-time memory check."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from trireme.config import load_config
+from trireme.errors import ConfigError
+from trireme.models.gpt import GPT
+from trireme.plan.activations import head_bytes, layer_bytes, shape_of
+from trireme.plan.cli import memory_check, plan_main
+from trireme.plan.enumerate import check_layout
+from trireme.plan.measure import LiveBytes
+from trireme.plan.params import total_params
+from trireme.plan.planner import make_plan
+from trireme.plan.rates import load_rates
+
+
+@pytest.mark.parametrize("preset,overrides", [
+    ("tiny", {}),
+    ("moe-tiny", {}),
+    ("tiny", {"model.tie_embeddings": False, "model.bias": True, "model.normalization":
+              "layernorm", "model.activation": "gelu", "model.position_embedding": "learned",
+              "model.qk_norm": True}),
+])
+def test_parameter_count_matches_the_built_model(preset, overrides):
+    cfg = load_config(preset, {"model.vocab_size": 1000, **overrides})
+    with torch.device("meta"):
+        model = GPT(cfg.model, seed=None)
+    assert total_params(cfg.model) == model.num_parameters()
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_kept_activations_match_what_autograd_saves(mode, fused):
+    """The per-token formulas (norm, attention, MLP, head) against the saved tensors of a real
+    forward (fp32, CPU: decomposed RMSNorm)."""
+    cfg = load_config("tiny", {"model.vocab_size": 1000, "model.num_layers": 2,
+                               "model.fused_cross_entropy": fused})
+    model = GPT(cfg.model)
+    model.set_recompute(mode)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    b, s = 2, 128
+    ids, labels = torch.randint(0, 1000, (b, s)), torch.randint(0, 1000, (b, s))
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, labels)
+    shape = shape_of(cfg, norm_fused=False)
+    tokens = b * s
+    predicted = sum(layer_bytes(cfg, shape, sym, mode) for sym in cfg.model.layer_symbols)
+    predicted = predicted * tokens + head_bytes(cfg, shape, tokens).kept + 8 * tokens
+    rope = 2 * 128 * 32 * 4 if mode != "full" else 0  # the shared cos / sin table
+    measured = sum(saved.values()) - rope
+    assert abs(predicted - measured) / measured < 0.01, (predicted, measured)
+
+
+def test_live_bytes_sees_a_tensor_that_is_kept_and_forgets_a_freed_one():
+    with LiveBytes() as mode:
+        a = torch.ones(1 << 20)  # 4 MiB
+        b = a.view(1024, 1024) * 2  # 4 MiB more; the view is free
+        assert mode.live == 8 << 20
+        del b
+        c = a + 1
+        assert mode.live == 8 << 20 and mode.peak == 8 << 20
+        del a, c
+        torch.zeros(1)
+    assert mode.live == 4 and mode.peak == 8 << 20
+
+
+def test_plan_json_ranks_fitting_layouts_and_reports_the_given_one(capsys):
+    assert plan_main(["--config", "llama3-8b", "--gpus", "2", "--top", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    given = out["given"]
+    assert given["error"] is None and given["memory_gib"] > 141  # plain DDP: 18 B/param
+    assert not given["fits"]
+    tps = [c["tokens_per_s"] for c in out["candidates"]]
+    assert len(tps) == 3 and tps == sorted(tps, reverse=True)
+    for c in out["candidates"]:
+        assert c["fits"] and c["memory_gib"] < 140 and c["mfu"] > 0 and c["reason"]
+        cfg = load_config("llama3-8b", [o[2:] for o in c["overrides"]])
+        assert check_layout(cfg, 2) is None  # the trainer accepts it
+
+
+def test_plan_names_the_trainers_error_for_a_refused_layout():
+    cfg = load_config("llama3-1b", {"parallel.tensor": 3})
+    plan = make_plan(cfg, 6, 8, load_rates("h200"))
+    assert plan.given.error is not None and "parallel.tensor" in plan.given.error.replace(
+        "attention_heads", "")
+    assert all(c.layout.tensor != 3 for c in plan.candidates)
+
+
+def test_memory_check_refuses_with_a_fitting_alternative():
+    cfg = load_config("llama3-8b")
+    with pytest.raises(ConfigError, match=r"needs about .* GiB per GPU .* fits: --parallel"):
+        memory_check(cfg, 2, 80.0, "NVIDIA H100 80GB HBM3")
+    memory_check(load_config("llama3-1b"), 1, 140.0, "NVIDIA H200")  # fits: no error
+
+
+def test_plan_accuracy_bench_smoke(tmp_path):
+    """bench/plan_accuracy.py on CPU: one tiny configuration, its JSON, memory within 10%."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "plan_accuracy.py"
+    spec = importlib.util.spec_from_file_location("plan_accuracy", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "acc.json"
+    bench.main(["--smoke", "--only", "none-mb4", "--warmup", "1", "--steps", "1",
+                "--out", str(out)])
+    data = json.loads(out.read_text())
+    (row,) = data["results"]
+    assert row["name"] == "none-mb4" and abs(row["memory_error"]) < 0.10
+    assert row["predicted"]["step_s"] > 0 and row["measured"]["step_s"] > 0
+
+
+def test_train_refuses_before_building_on_a_small_gpu(monkeypatch):
+    """`trireme train` on a (pretend) 80 GiB GPU: one line naming the predicted size and a
+    layout that fits, and nothing built; train.skip_memory_check lets it through."""
+    from types import SimpleNamespace
+
+    from trireme import commands
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(
+        total_memory=80 * 2**30, name="NVIDIA H100 80GB HBM3"))
+    built = []
+    monkeypatch.setattr(commands, "train", lambda cfg, on_finish=None: built.append(cfg))
+    with pytest.raises(ConfigError, match=r"about \d+\.\d GiB per GPU.*skip_memory_check"):
+        commands.train_main(["--config", "llama3-8b"])
+    assert not built
+    assert commands.train_main(["--config", "llama3-8b", "--train.skip_memory_check=true"]) == 0
+    assert len(built) == 1
+
+
+def test_calibrate_writes_a_table_the_planner_loads(tmp_path, capsys):
+    """`trireme plan --calibrate` on the CPU: a rate table with measured (positive) rates, the
+    CPU's decomposed RMSNorm detected, loadable by --gpu FILE."""
+    out = tmp_path / "rates.json"
+    assert plan_main(["--calibrate", "--out", str(out)]) == 0
+    rates = load_rates(str(out))
+    assert rates.matmul_tflops["fp32"] > 0 and rates.attention_tflops["backward"] > 0
+    assert rates.memory_tbps > 0 and rates.norm_fused is False and not rates.optimizer_fused
+    capsys.readouterr()
+    assert plan_main(["--config", "tiny", "--model.vocab_size=1000", "--gpu", str(out)]) == 0
+    assert "trireme plan: 1 x cpu" in capsys.readouterr().out

@@ -1,0 +1,5 @@
+"""The layout planner (`trireme plan`, docs/plan.md): layouts through the trainer's own checks
+(enumerate.py), parameters per rank (params.py), kept activations (activations.py), peak memory
+(memory.py), step time from a rate table (time.py, rates.py, rates/*.json, calibrate.py), the
+ranking (planner.py), the command and the train-time memory check (cli.py), and the CPU
+measurement the accuracy tests hold it to (measure.py)."""

@@ -1,0 +1,187 @@
+"""Activation memory: the bytes autograd keeps for the backward, per token, read off the model code.
+
+Notation: e = bytes of an activation element (4 fp32, 2 bf16 / fp16 / fp8), h hidden, q = n * d
+and k = g * d the query and key/value widths of this TP rank (n / T, max(g / T, 1) heads), F the
+MLP width / T, N the tokens of a micro batch on this rank (b * s / C). What each op saves
+(trireme.models.attention, mlp, block; checked op by op with saved-tensor hooks in
+tests/test_plan.py):
+
+    norm (rmsnorm)  fused kernel (CUDA): its input (e) and 1 / rms (4);
+                    the decomposed CPU op: x and x / rms in fp32 (4 + 4) and 1 / rms (4)
+    norm (layernorm) input (e), mean and 1 / std (8)
+    attention  none       norm + qkv's input h + qkv (q + 2k) + RoPE'd q and k (q + k)
+                          + the kernel's output (q, also out's input) + log-sum-exp (4 n)
+               selective  norm + h + qkv (the checkpoint's input) + out's input (q)
+    MLP        none       norm + h + fc1 (2F) + silu(gate) (F) + fc2's input (F)     (SwiGLU)
+               selective  norm + h + fc1 (2F) + fc2's input (F)  (also model.fused_swiglu, or
+                          a compiled block, whose partitioner recomputes silu)
+               GeLU       norm + h + fc1 (F) + fc2's input (F)
+    full                  the block's input only (h); the backward reruns one block at a time
+    fp8 linears           keep their input in fp8 (1 byte instead of e) and their weight in fp8
+                          (1 byte per weight, per micro batch in flight)
+
+Under tensor parallelism with sequence parallelism the norms see N / T tokens; the column
+layers' inputs are gathered to all N tokens (they are kept whole). Context parallelism cuts N
+(allgather mode also keeps the gathered K and V of the whole sequence: k * C). MoE (approximate,
+not yet checked by measurement): router logits and probabilities (4 E x 2), then per routed
+copy (top_k of them) its row (h), fc1 (2 F_moe), silu (F_moe), the product (F_moe), its output
+(h).
+
+The output layer and loss ("head"), per token of the last stage: the final norm, the output
+layer's input (e h; not with the fused loss), then the loss: the plain loss keeps the fp32
+log-probabilities (4 V) and at its peak holds the logits (e V_p), their fp32 copy (4 V) and
+those; the fused loss (model.fused_cross_entropy) keeps the input's gradient (e h) and an fp32
+weight gradient (4 V_p h, per micro batch, not per token); the vocabulary-parallel loss under TP
+keeps the fp32 softmax of its V_p / T columns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trireme.config import Config
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The per-rank sizes activations depend on."""
+
+    e: int  # bytes per activation element
+    h: int
+    q: int  # query width on this TP rank
+    k: int  # key/value width on this TP rank
+    heads: int  # query heads on this TP rank
+    ffn: int  # MLP width on this TP rank
+    tensor: int
+    sequence_parallel: bool
+    context: int
+    context_mode: str
+    fp8: bool
+    norm_fused: bool
+    layernorm: bool
+    swiglu: bool
+    activation_recomputed: bool  # fused SwiGLU or a compiled block: silu(gate) not kept
+
+
+def shape_of(cfg: Config, norm_fused: bool) -> Shape:
+    m, p = cfg.model, cfg.parallel
+    d = m.head_size
+    heads, kv = m.num_attention_heads // p.tensor, max(m.kv_heads // p.tensor, 1)
+    return Shape(
+        e=4 if m.precision == "fp32" else 2, h=m.hidden_size, q=heads * d, k=kv * d,
+        heads=heads, ffn=m.ffn_size // p.tensor, tensor=p.tensor,
+        sequence_parallel=p.sequence_parallel and p.tensor > 1, context=p.context,
+        context_mode=p.context_mode, fp8=m.precision == "fp8", norm_fused=norm_fused,
+        layernorm=m.normalization == "layernorm", swiglu=m.activation == "swiglu",
+        activation_recomputed=m.fused_swiglu or m.compile)
+
+
+def norm_bytes(s: Shape) -> float:
+    """Bytes per token one norm keeps (per token of the full micro batch on this rank)."""
+    if s.layernorm:
+        per = s.e * s.h + 8
+    elif s.norm_fused:
+        per = s.e * s.h + 4
+    else:
+        per = 8 * s.h + 4
+    return per / (s.tensor if s.sequence_parallel else 1)
+
+
+def attention_bytes(s: Shape, mode: str) -> float:
+    """Bytes per token an attention sublayer keeps (its norm included)."""
+    lin = 1 if s.fp8 else s.e  # a linear's kept input
+    base = norm_bytes(s) + lin * s.h + s.e * (s.q + 2 * s.k)
+    if s.context > 1 and s.context_mode == "allgather":
+        base += s.e * 2 * s.k * (s.context - 1)  # the gathered K and V of the other ranks
+    if mode == "selective":
+        return base + s.e * s.q + (s.q if s.fp8 else 0)
+    core = s.e * (s.q + s.k) + s.e * s.q + 4 * s.heads
+    return base + core + (s.q if s.fp8 else 0)
+
+
+def mlp_bytes(s: Shape, mode: str) -> float:
+    """Bytes per token a dense MLP sublayer keeps (its norm included)."""
+    lin = 1 if s.fp8 else s.e
+    if not s.swiglu:
+        return norm_bytes(s) + lin * s.h + s.e * s.ffn + lin * s.ffn
+    silu = 0 if mode == "selective" or s.activation_recomputed else s.e * s.ffn
+    return norm_bytes(s) + lin * s.h + s.e * 2 * s.ffn + silu + lin * s.ffn
+
+
+def moe_bytes(cfg: Config, s: Shape) -> float:
+    """Bytes per token an MoE sublayer keeps (approximate; module docstring)."""
+    m = cfg.model
+    f = m.moe_ffn_size
+    routed = m.moe_top_k * s.e * (2 * s.h + 4 * f)
+    shared = 0.0
+    if m.moe_shared_ffn_hidden_size:
+        fs = m.moe_shared_ffn_hidden_size // s.tensor
+        shared = s.e * (s.h + 4 * fs)
+    return norm_bytes(s) + 8 * m.moe_num_experts + routed + shared
+
+
+def layer_bytes(cfg: Config, s: Shape, symbols: str, mode: str) -> float:
+    """Bytes per token one layer keeps under recompute `mode` ("none", "selective", "full")."""
+    if mode == "full":
+        return s.e * s.h / (s.tensor if s.sequence_parallel else 1)
+    total = 0.0
+    for symbol in symbols:
+        if symbol == "*":
+            total += attention_bytes(s, mode)
+        elif symbol == "-":
+            total += mlp_bytes(s, mode)
+        elif symbol == "E":
+            total += moe_bytes(cfg, s)
+    return total
+
+
+def fp8_weight_bytes(cfg: Config, s: Shape, symbols: str) -> float:
+    """fp8: the quantized weights each fp8 linear keeps per micro batch (1 byte each)."""
+    if not s.fp8:
+        return 0.0
+    layers = set(cfg.model.fp8_layers)
+    sizes = {"qkv": s.h * (s.q + 2 * s.k), "out": s.q * s.h,
+             "fc1": s.h * s.ffn * (2 if s.swiglu else 1), "fc2": s.ffn * s.h}
+    total = 0.0
+    for symbol in symbols:
+        names = ("qkv", "out") if symbol == "*" else ("fc1", "fc2") if symbol == "-" else ()
+        total += sum(sizes[n] for n in names if n in layers)
+    return total
+
+
+@dataclass(frozen=True)
+class Head:
+    """The last stage's output layer and loss for one micro batch: bytes kept until its backward
+    (`kept`) and the most held at once around the loss (`peak`, kept included)."""
+
+    kept: float
+    peak: float
+
+
+def head_bytes(cfg: Config, s: Shape, tokens: int) -> Head:
+    """The head of a micro batch of `tokens` tokens on this rank (module docstring)."""
+    m = cfg.model
+    vocab, padded = m.vocab_size, m.padded_vocab_size
+    h_in = s.e * s.h * tokens  # the output layer's input (gathered under SP)
+    norm = norm_bytes(s) * tokens
+    labels = 8 * tokens
+    if s.tensor > 1:
+        local = padded * 1.0 / s.tensor
+        logits = s.e * local * tokens
+        soft = 4 * local * tokens
+        kept = norm + h_in + soft + labels
+        return Head(kept, kept + logits + soft)
+    if m.fused_cross_entropy:
+        chunk = min(m.loss_chunk_size, tokens)
+        grad_w = 4 * padded * s.h
+        kept = norm + s.e * s.h * tokens + grad_w  # the input's gradient, not the input
+        # a chunk's logits, their fp32 copy (low precision) and the gradient cast back
+        temps = chunk * vocab * (2 * s.e if m.compile else s.e + (4 + s.e if s.e < 4 else 0))
+        return Head(kept, kept + temps)
+    logits = s.e * padded * tokens
+    copy = 0 if (s.e == 4 and vocab == padded) else 4 * vocab * tokens
+    logprobs = 4 * vocab * tokens
+    kept = norm + h_in + logprobs + labels
+    forward = kept + logits + copy
+    backward = kept + 2 * 4 * vocab * tokens  # the loss's gradient, then log_softmax's
+    return Head(kept, max(forward, backward))

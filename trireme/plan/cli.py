@@ -1,0 +1,126 @@
+"""`trireme plan`: the layouts of a config on a cluster, ranked by predicted speed.
+
+    trireme plan --config llama3-8b --gpus 8 [--gpus-per-node 8] [--gpu h200] [--top 5] [--json]
+    trireme plan --calibrate [--out rates.json]      measure this device's rate table
+
+Also `memory_check`, which `trireme train` runs before building anything (trireme.commands).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from trireme.config import Config, load_config
+from trireme.errors import ConfigError
+from trireme.plan.calibrate import calibrate
+from trireme.plan.planner import Plan, Prediction, make_plan, predict_given
+from trireme.plan.rates import Rates, load_rates
+
+
+def _row(i: str, p: Prediction) -> str:
+    lay = p.layout
+    par = f"TP{lay.tensor} PP{lay.pipeline}" + (f"x{lay.virtual_pipeline}" if
+                                                   lay.virtual_pipeline > 1 else "")
+    par += f" CP{lay.context}" + (f"/{lay.context_mode}" if lay.context > 1 else "")
+    par += f" EP{lay.expert} {lay.dp_mode}"
+    return (f"{i:>5} {par:<34} {lay.recompute:<9} {lay.micro_batch_size:>3} "
+            f"{p.memory_gib:>8.1f} {p.tokens_per_s:>11,.0f} {100 * p.mfu:>5.1f}%  {p.reason()}")
+
+
+def format_plan(plan: Plan, top: int, gpus: int, rates: Rates) -> str:
+    head = (f"{'':>5} {'layout':<34} {'recompute':<9} {'mb':>3} {'GiB/GPU':>8} "
+            f"{'tokens/s':>11} {'MFU':>6}  why")
+    lines = [f"trireme plan: {gpus} x {rates.name} ({rates.memory_gib:.0f} GiB each); "
+             f"{plan.considered} valid layouts, {len(plan.candidates)} fit", head]
+    g = plan.given
+    lines.append(f"given {g.error}" if g.error else _row("given", g) +
+                 ("" if g.fits else "  (does not fit)"))
+    for i, p in enumerate(plan.candidates[:top], 1):
+        lines.append(_row(str(i), p))
+    return "\n".join(lines)
+
+
+def plan_json(plan: Plan, top: int) -> dict:
+    return {"given": plan.given.to_dict(),
+            "candidates": [p.to_dict() for p in plan.candidates[:top]],
+            "considered": plan.considered}
+
+
+def plan_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="trireme plan", description=(
+        "Predict memory and speed of the parallel layouts of a config, best first."))
+    parser.add_argument("--config", default="tiny", help="preset name or a .toml path")
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs in the run")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--gpu", default="h200", help="h200, h100, a100, cpu or a rates .json")
+    parser.add_argument("--top", type=int, default=5)
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure this device's rate table and write it (--out)")
+    parser.add_argument("--out", default="rates.json", help="--calibrate: the file to write")
+    args, rest = parser.parse_known_args(argv)
+    overrides = _overrides(rest)
+    if args.calibrate:
+        rates = calibrate(args.out)
+        print(rates.to_json(), end="")
+        print(f"trireme plan: wrote {args.out}; use it with --gpu {args.out}", file=sys.stderr)
+        return 0
+    if args.gpus < 1 or args.gpus_per_node < 1:
+        raise ConfigError(f"--gpus = {args.gpus} and --gpus-per-node = {args.gpus_per_node} "
+                          "must be at least 1")
+    cfg = load_config(args.config, overrides)
+    if cfg.model.vocab_size == 0:
+        raise ConfigError("model.vocab_size = 0: the planner needs the vocabulary size; set "
+                          "--model.vocab_size")
+    rates = load_rates(args.gpu)
+    plan = make_plan(cfg, args.gpus, args.gpus_per_node, rates)
+    if args.json:
+        print(json.dumps(plan_json(plan, args.top), indent=2))
+    else:
+        print(format_plan(plan, args.top, args.gpus, rates))
+    return 0
+
+
+def _overrides(rest: list[str]) -> list[str]:
+    """`--section.key=value` (or `--section.key value`) arguments; anything else is an error."""
+    out, i = [], 0
+    while i < len(rest):
+        arg = rest[i]
+        if not (arg.startswith("--") and "." in arg.split("=", 1)[0]):
+            raise ConfigError(f"trireme plan: unknown argument {arg!r}; config keys are given "
+                              "as --section.key=value")
+        if "=" not in arg and i + 1 < len(rest):
+            arg, i = f"{arg}={rest[i + 1]}", i + 1
+        out.append(arg[2:])
+        i += 1
+    return out
+
+
+def memory_check(cfg: Config, world: int, device_gib: float, device_name: str) -> None:
+    """Before `trireme train` allocates: a one-line ConfigError when the predicted peak per GPU
+    exceeds `device_gib`, naming the planner's fastest layout that fits (train.skip_memory_check
+    turns it off)."""
+    rates = load_rates(_rates_name(device_name))
+    rates = Rates(**{**rates.__dict__, "memory_gib": device_gib})
+    given = predict_given(cfg, world, rates)
+    if given.error or given.fits:
+        return
+    plan = make_plan(cfg, world, min(world, 8), rates)
+    alt = ("no layout of this config fits; use more GPUs or a smaller micro batch"
+           if not plan.candidates else
+           "the planner's best that fits: " + " ".join(plan.candidates[0].layout.overrides())
+           + f" ({plan.candidates[0].memory_gib:.1f} GiB)")
+    raise ConfigError(
+        f"this run needs about {given.memory_gib:.1f} GiB per GPU (predicted by trireme plan) "
+        f"but the {device_name} has {device_gib:.1f} GiB; {alt}; or set "
+        "--train.skip_memory_check=true")
+
+
+def _rates_name(device_name: str) -> str:
+    name = device_name.lower()
+    for key in ("h200", "h100", "a100"):
+        if key in name:
+            return key
+    return "h100"

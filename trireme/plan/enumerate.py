@@ -1,0 +1,150 @@
+"""Every layout of a config on a cluster, each checked by the trainer's own validation.
+
+A layout sets parallel.tensor (with sequence parallelism when > 1), pipeline,
+virtual_pipeline, context (+ context_mode), expert, the data-parallel mode (DDP, DDP with the
+distributed optimizer, FSDP), train.recompute and train.micro_batch_size; data parallelism is
+what is left of the GPUs. A layout is kept only if `trireme.config.validate` and
+`trireme.trainer.check_parallel` (the checks `trireme train` runs before anything starts) accept
+it, so the planner never proposes a layout the trainer refuses.
+
+Pruning (stated, so nothing surprises): tensor parallelism stays inside a node (T divides
+--gpus-per-node); context parallelism is tried when the sequence is at least 8192 tokens or the
+config already uses it; virtual stages up to 4; micro batches are the divisors of the batch per
+replica up to 16.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+from trireme.config import Config, validate
+from trireme.errors import ConfigError
+from trireme.parallel.context_parallel import MODES as CONTEXT_MODES
+from trireme.trainer import check_parallel
+
+RECOMPUTE = ("none", "selective", "full")
+DP_MODES = ("ddp", "distopt", "fsdp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    tensor: int = 1
+    pipeline: int = 1
+    virtual_pipeline: int = 1
+    context: int = 1
+    context_mode: str = "allgather"
+    expert: int = 1
+    dp_mode: str = "ddp"
+    recompute: str = "none"
+    micro_batch_size: int = 1
+
+    @classmethod
+    def of(cls, cfg: Config) -> Layout:
+        p = cfg.parallel
+        mode = "fsdp" if p.data_parallel_mode == "fsdp" else (
+            "distopt" if p.distributed_optimizer else "ddp")
+        return cls(p.tensor, p.pipeline, p.virtual_pipeline, p.context, p.context_mode, p.expert,
+                   mode, cfg.train.recompute, cfg.train.micro_batch_size)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def overrides(self) -> list[str]:
+        """The command-line overrides that select this layout."""
+        out = [f"--parallel.tensor={self.tensor}", f"--parallel.pipeline={self.pipeline}"]
+        if self.tensor > 1:
+            out.append("--parallel.sequence_parallel=true")
+        if self.virtual_pipeline > 1:
+            out.append(f"--parallel.virtual_pipeline={self.virtual_pipeline}")
+        if self.context > 1:
+            out += [f"--parallel.context={self.context}",
+                    f"--parallel.context_mode={self.context_mode}"]
+        if self.expert > 1:
+            out.append(f"--parallel.expert={self.expert}")
+        if self.dp_mode == "distopt":
+            out.append("--parallel.distributed_optimizer=true")
+        if self.dp_mode == "fsdp":
+            out.append("--parallel.data_parallel_mode=fsdp")
+        out += [f"--train.recompute={self.recompute}",
+                f"--train.micro_batch_size={self.micro_batch_size}"]
+        return out
+
+
+def apply_layout(cfg: Config, layout: Layout) -> Config:
+    """A copy of `cfg` with `layout`'s settings."""
+    out = copy.copy(cfg)  # the model config is shared (never changed here)
+    out.parallel, out.train = copy.deepcopy(cfg.parallel), copy.deepcopy(cfg.train)
+    p, t = out.parallel, out.train
+    p.tensor, p.pipeline, p.virtual_pipeline = layout.tensor, layout.pipeline, \
+        layout.virtual_pipeline
+    p.sequence_parallel = layout.tensor > 1  # always with TP: the same traffic, less memory
+    p.context, p.context_mode, p.expert = layout.context, layout.context_mode, layout.expert
+    p.data_parallel_mode = "fsdp" if layout.dp_mode == "fsdp" else "ddp"
+    p.distributed_optimizer = layout.dp_mode == "distopt"
+    if layout.pipeline != cfg.parallel.pipeline or layout.virtual_pipeline != \
+            cfg.parallel.virtual_pipeline:
+        p.pipeline_layers = []
+    t.recompute, t.micro_batch_size = layout.recompute, layout.micro_batch_size
+    if layout.recompute != "full":
+        t.recompute_layers = 0
+    return out
+
+
+def check_layout(cfg: Config, world: int) -> str | None:
+    """None when `trireme train` would accept `cfg` on `world` processes, else its one-line
+    error. Mutates `cfg` as the trainer does (a derived micro batch is resolved)."""
+    try:
+        validate(cfg, need_vocab=False)
+        check_parallel(cfg, world)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def _divisors(n: int, limit: int | None = None) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0 and (limit is None or d <= limit)]
+
+
+def candidate_layouts(cfg: Config, world: int, per_node: int) -> Iterator[Layout]:
+    """Every layout to try (module docstring), before validation."""
+    m = cfg.model
+    moe = "E" in m.layer_pattern
+    contexts = [1]
+    if m.seq_length >= 8192 or cfg.parallel.context > 1:
+        contexts = [c for c in (1, 2, 4, 8) if world % c == 0]
+    experts = _divisors(m.moe_num_experts) if moe else [1]
+    for tensor in [t for t in _divisors(per_node) if world % t == 0]:
+        for pipeline in _divisors(world // tensor, m.num_layers):
+            for context in contexts:
+                rest = world // (tensor * pipeline)
+                if rest % context:
+                    continue
+                data = rest // context
+                yield from _inner(cfg, tensor, pipeline, context, data, experts)
+
+
+def _inner(cfg: Config, tensor: int, pipeline: int, context: int, data: int,
+           experts: list[int]) -> Iterator[Layout]:
+    virtuals = [1] if pipeline == 1 else [v for v in (1, 2, 4)]
+    modes = [cfg.parallel.context_mode] if context == 1 else list(CONTEXT_MODES)
+    per_replica = cfg.train.global_batch_size // data if cfg.train.global_batch_size % data == 0 \
+        else 0
+    micro = _divisors(per_replica, 16) if per_replica else [1]
+    dp_modes = DP_MODES if data * context > 1 else ("ddp",)
+    for v in virtuals:
+        for mode in modes:
+            for ep in [e for e in experts if (data * context) % e == 0]:
+                for dp_mode in dp_modes:
+                    for rec in RECOMPUTE:
+                        for mb in micro:
+                            yield Layout(tensor, pipeline, v, context, mode, ep, dp_mode, rec, mb)
+
+
+def valid_layouts(cfg: Config, world: int, per_node: int) -> Iterator[tuple[Layout, Config]]:
+    """(layout, its config) for every layout the trainer accepts."""
+    for layout in candidate_layouts(cfg, world, per_node):
+        laid = apply_layout(cfg, layout)
+        if check_layout(laid, world) is None:
+            yield layout, laid

@@ -1,0 +1,288 @@
+"""Peak memory per GPU of a training run, predicted from the config (nothing is allocated).
+
+For each pipeline rank (the worst one is reported), in bytes:
+
+    static       parameters (4 fp32, 2 bf16 / fp16 / fp8) + main gradients (4: fp32 flat buffer,
+                 or fp32 `.grad`) + fp32 master weights (4, low precision only) + AdamW's two
+                 moments (8). The distributed optimizer divides masters and moments by the
+                 data x context degree (routed experts: by the expert-data degree); FSDP divides
+                 parameters, gradients and moments by DP (gradients stay whole while micro
+                 batches accumulate, M > 1).
+    activations  per micro batch in flight: every layer's kept bytes (trireme.plan.activations)
+                 x tokens, the head on the last stage; 1F1B keeps up to P - p micro batches on
+                 pipeline rank p (counted by walking trireme.engine.schedules.one_f_one_b, so the
+                 interleaved schedule's chunks come out right); a stage's output is also kept
+                 (trireme.engine.pipeline), received activations wait in an inbox.
+    transients   the peak of the backward: one layer's gradients in flight (and under full
+                 recomputation that layer's activations rebuilt), a low-precision weight
+                 gradient before its hook adds it to the main gradient (the largest one);
+                 or the optimizer step: foreach AdamW's one fp32 temporary per master element
+                 (the fused kernel on CUDA has none); the step's token ids and labels (int64).
+    comm         a reduce-scatter's output (one bucket / DP) under the distributed optimizer,
+                 when there is more than one bucket;
+                 FSDP's gathered parameters and gradients of one block, plus about one whole
+                 unsharded copy of the parameters (fitted to one CPU measurement: approximate).
+    overhead     the device allocator's (rates: `allocator_overhead` x the rest), not on CPU.
+
+The prediction is checked against measured peaks (tests/test_plan_accuracy.py on CPU,
+bench/plan_accuracy.py on the GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from dataclasses import dataclass, field
+
+from torch.utils.weak import WeakIdKeyDictionary
+
+from trireme.config import Config
+from trireme.engine.schedules import FORWARD, one_f_one_b
+from trireme.models.stages import StageSpec, rank_stages
+from trireme.plan.activations import (
+    fp8_weight_bytes,
+    head_bytes,
+    layer_bytes,
+    shape_of,
+)
+from trireme.plan.params import RankParams, layer_params, layer_symbols, stage_params
+from trireme.plan.rates import Rates
+
+GIB = 2**30
+
+
+@dataclass
+class Degrees:
+    """The layout's degrees for a world size (data = world / (pipeline x context x tensor))."""
+
+    world: int
+    tensor: int
+    pipeline: int
+    virtual: int
+    context: int
+    expert: int
+    data: int
+
+    @property
+    def data_context(self) -> int:
+        return self.data * self.context
+
+    @property
+    def expert_data(self) -> int:
+        return max(self.data_context // self.expert, 1)
+
+    @classmethod
+    def of(cls, cfg: Config, world: int) -> Degrees:
+        p = cfg.parallel
+        data = world // (p.pipeline * p.context * p.tensor)
+        return cls(world, p.tensor, p.pipeline, p.virtual_pipeline, p.context, p.expert, data)
+
+
+@dataclass
+class MemoryEstimate:
+    """The worst rank's predicted peak and its parts (bytes), and which pipeline rank it is."""
+
+    total: float
+    parts: dict[str, float] = field(default_factory=dict)
+    pipeline_rank: int = 0
+
+    @property
+    def gib(self) -> float:
+        return self.total / GIB
+
+
+def micro_batches(cfg: Config, deg: Degrees) -> int:
+    t = cfg.train
+    return t.global_batch_size // (t.micro_batch_size * deg.data)
+
+
+def static_bytes(cfg: Config, deg: Degrees, params: RankParams, rates: Rates) -> dict[str, float]:
+    """Parameters, main gradients, masters and moments of one rank (module docstring)."""
+    precision, p = cfg.model.precision, cfg.parallel
+    low = precision != "fp32"
+    dense, experts = params.dense, params.experts
+    if p.data_parallel_mode == "fsdp" and deg.data > 1:
+        n = dense + experts
+        whole_grads = micro_batches(cfg, deg) > 1
+        return {"parameters": 4 * n / deg.data,
+                "gradients": 4 * n if whole_grads else 4 * n / deg.data,
+                "optimizer": 8 * n / deg.data}
+    if p.distributed_optimizer and deg.data_context > 1:
+        shard = dense / deg.data_context + experts / deg.expert_data
+    else:
+        shard = dense + experts
+    return {"parameters": (2 if low else 4) * (dense + experts),
+            "gradients": 4 * (dense + experts),
+            "optimizer": (12 if low else 8) * shard}
+
+
+def optimizer_step_bytes(cfg: Config, deg: Degrees, params: RankParams, rates: Rates) -> float:
+    """The optimizer step's temporaries (foreach AdamW: one fp32 tensor per master element)."""
+    p = cfg.parallel
+    n = params.dense + params.experts
+    if p.data_parallel_mode == "fsdp" and deg.data > 1:
+        n = n / deg.data
+    elif p.distributed_optimizer and deg.data_context > 1:
+        n = params.dense / deg.data_context + params.experts / deg.expert_data
+        if cfg.model.precision != "fp32":  # the shard cast to the parameters' dtype to gather
+            return (0 if rates.optimizer_fused else 4 * n) + 2 * n
+    return 0 if rates.optimizer_fused else 4 * n
+
+
+def chunk_activation_bytes(cfg: Config, rates: Rates, stage, tokens: int, mode_of) -> float:
+    """Bytes one micro batch keeps in one model chunk (stage) until its backward."""
+    s = shape_of(cfg, rates.norm_fused)
+    symbols = layer_symbols(cfg.model)
+    total = 0.0
+    kinds = Counter((symbols[i], mode_of(j)) for j, i in enumerate(stage.layers))
+    for (kind, mode), count in kinds.items():  # alike layers computed once
+        total += count * layer_bytes(cfg, s, kind, mode) * tokens
+        if mode != "full":
+            total += count * fp8_weight_bytes(cfg, s, kind)
+    if stage.first:
+        total += 8 * tokens  # the embedding keeps the token ids
+    if stage.last:
+        total += head_bytes(cfg, s, tokens).kept
+    else:
+        total += s.e * s.h * tokens / (s.tensor if s.sequence_parallel else 1)  # the output
+    return total
+
+
+def recompute_mode(cfg: Config):
+    """layer index within a chunk -> its recompute mode (train.recompute, recompute_layers)."""
+    t = cfg.train
+
+    def mode(j: int) -> str:
+        if t.recompute == "full":
+            return "full" if t.recompute_layers == 0 or j < t.recompute_layers else "none"
+        return t.recompute
+
+    return mode
+
+
+@functools.cache
+def _order(rank: int, pipeline: int, virtual: int, num_micro: int) -> tuple:
+    return tuple(one_f_one_b(rank, pipeline, virtual, num_micro))
+
+
+def in_flight_peak(per_chunk: list[float], rank: int, deg: Degrees, num_micro: int) -> float:
+    """The most activation bytes rank `rank` holds at once under (interleaved) 1F1B."""
+    if deg.pipeline == 1:
+        return per_chunk[0]
+    # the peak comes within the warm-up and the first steady passes, whose order does not depend
+    # on how many micro batches follow: walk a short schedule of the same start
+    warm = 2 * deg.pipeline + (deg.virtual - 1) * deg.pipeline + 2
+    cap = min(num_micro, -(-(warm // deg.virtual + 2 * deg.pipeline) // deg.pipeline)
+              * deg.pipeline)
+    held, peak = 0.0, 0.0
+    for p in _order(rank, deg.pipeline, deg.virtual, cap):
+        if p.kind == FORWARD:
+            held += per_chunk[p.chunk]
+            peak = max(peak, held)
+        else:
+            held -= per_chunk[p.chunk]
+    return peak
+
+
+def backward_transient(cfg: Config, rates: Rates, tokens: int, recompute: str) -> float:
+    """Gradients in flight in one layer's backward and, under full recomputation, the layer's
+    rebuilt activations (module docstring)."""
+    s = shape_of(cfg, rates.norm_fused)
+    symbols = layer_symbols(cfg.model)
+    widest = max(layer_bytes(cfg, s, sym, "none") for sym in set(symbols))
+    ffn = s.ffn if "-" in "".join(symbols) else cfg.model.moe_ffn_size * cfg.model.moe_top_k
+    if recompute == "full":  # the rebuilt layer and the residual stream's gradient
+        return (widest + 2 * s.e * s.h) * tokens
+    return s.e * tokens * (2 * s.h + 3 * ffn)
+
+
+_STAGES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def stages_of(cfg: Config, rank: int) -> list[StageSpec]:
+    """rank_stages, remembered per model config (the planner asks for them thousands of times;
+    layouts share their model config)."""
+    p = cfg.parallel
+    key = (p.pipeline, p.virtual_pipeline, tuple(p.pipeline_layers),
+           p.pipeline_embedding_as_layer, rank)
+    cache = _STAGES.setdefault(cfg.model, {})
+    if key not in cache:
+        cache[key] = rank_stages(cfg.model, p, rank)
+    return cache[key]
+
+
+def rank_params(cfg: Config, deg: Degrees, rank: int) -> RankParams:
+    """The parameters pipeline rank `rank` holds (all its chunks)."""
+    params = RankParams(0, 0, 0)
+    for st in stages_of(cfg, rank):
+        sp = stage_params(cfg.model, st, deg.tensor, deg.expert, deg.pipeline > 1)
+        params = RankParams(params.dense + sp.dense, params.experts + sp.experts,
+                            max(params.largest, sp.largest))
+    return params
+
+
+def rank_memory(cfg: Config, deg: Degrees, rank: int, rates: Rates) -> MemoryEstimate:
+    """The predicted peak of pipeline rank `rank`: the larger of the backward's start (every
+    activation in flight) and the optimizer step (module docstring)."""
+    stages = stages_of(cfg, rank)
+    params = rank_params(cfg, deg, rank)
+    static = static_bytes(cfg, deg, params, rates)
+    mb, seq = cfg.train.micro_batch_size, cfg.model.seq_length
+    tokens = mb * seq // deg.context
+    num_micro = micro_batches(cfg, deg)
+    mode = recompute_mode(cfg)
+    per_chunk = [chunk_activation_bytes(cfg, rates, st, tokens, mode) for st in stages]
+    acts = in_flight_peak(per_chunk, rank, deg, num_micro)
+    s = shape_of(cfg, rates.norm_fused)
+    if deg.pipeline > 1:
+        acts += 2 * s.e * s.h * tokens  # received activations / gradients waiting
+    head = 0.0
+    if stages[-1].last:
+        hb = head_bytes(cfg, s, tokens)
+        head = hb.peak - hb.kept
+    transient = max(head, backward_transient(cfg, rates, tokens, cfg.train.recompute))
+    low = cfg.model.precision != "fp32"
+    transient += 2 * params.largest if low else 0.0  # a weight's gradient before its hook
+    # fp32 without a flat buffer (no DP): .grad is made in the backward, after the peak
+    lazy = not low and deg.data_context == 1 and num_micro == 1
+    grads_at_peak = 4 * params.largest if lazy else static["gradients"]
+    data = 16 * num_micro * mb * seq  # token ids and labels of the step (int64)
+    comm = _comm_bytes(cfg, deg, params)
+    backward = static["parameters"] + static["optimizer"] + grads_at_peak + acts + transient
+    step = sum(static.values()) + optimizer_step_bytes(cfg, deg, params, rates)
+    if backward >= step:
+        parts = dict(static, gradients=grads_at_peak, activations=acts, transients=transient)
+    else:
+        parts = dict(static, activations=0.0, transients=step - sum(static.values()))
+    parts.update(data=data, comm=comm)
+    parts["overhead"] = rates.allocator_overhead * sum(parts.values())
+    return MemoryEstimate(sum(parts.values()), parts, rank)
+
+
+def _comm_bytes(cfg: Config, deg: Degrees, params: RankParams) -> float:
+    p = cfg.parallel
+    if deg.data_context == 1:
+        return 0.0
+    if p.data_parallel_mode == "fsdp":
+        block = max(layer_params(cfg.model, sym, deg.tensor, deg.expert)[0]
+                    for sym in set(layer_symbols(cfg.model)))
+        # one block's gathered parameters and unsharded gradients, and about one whole unsharded
+        # copy of the parameters at the backward's start (FSDP2's all-gather outputs: the
+        # root's parameters stay gathered; fitted to the CPU measurement, see docs/plan.md)
+        return 2 * 4 * block + 4 * params.total
+    if p.distributed_optimizer and params.total > p.bucket_size:
+        # an early bucket's reduce-scatter output, while activations are still held (with one
+        # bucket the reduction starts after the backward, when they are gone)
+        return 4 * p.bucket_size / deg.data_context
+    return 0.0
+
+
+def estimate_memory(cfg: Config, world: int, rates: Rates) -> MemoryEstimate:
+    """The worst rank's predicted peak for `cfg` on `world` devices (a validated layout)."""
+    deg = Degrees.of(cfg, world)
+    worst = None
+    for rank in range(deg.pipeline):
+        est = rank_memory(cfg, deg, rank, rates)
+        if worst is None or est.total > worst.total:
+            worst = est
+    return worst

@@ -1,0 +1,93 @@
+"""The planner: predict the given layout, enumerate the others, rank those that fit.
+
+    plan = make_plan(cfg, gpus=8, per_node=8, rates=load_rates("h200"))
+    plan.given          the config as given (a Prediction; `error` set if the trainer refuses it)
+    plan.candidates     every valid layout that fits, fastest first (predicted tokens/s)
+
+A layout fits when its predicted peak (allocator overhead included) plus the CUDA context is
+within the device's memory (`fits`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+from trireme.config import Config
+from trireme.plan.enumerate import Layout, check_layout, valid_layouts
+from trireme.plan.memory import GIB, Degrees, estimate_memory, rank_params
+from trireme.plan.rates import Rates
+from trireme.plan.time import estimate_time
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    memory_gib: float = 0.0
+    step_s: float = 0.0
+    tokens_per_s: float = 0.0
+    mfu: float = 0.0
+    fits: bool = False
+    memory_parts: dict[str, float] = field(default_factory=dict)
+    time_parts: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+    def reason(self) -> str:
+        """One line: where the memory and the time go."""
+        if self.error:
+            return self.error
+        mem = sorted(self.memory_parts.items(), key=lambda kv: -kv[1])[:2]
+        tim = sorted(self.time_parts.items(), key=lambda kv: -kv[1])[:3]
+        m = ", ".join(f"{k} {v:.1f}" for k, v in mem)
+        t = ", ".join(f"{k} {100 * v / self.step_s:.0f}%" for k, v in tim)
+        return f"GiB: {m}; time: {t}"
+
+    def to_dict(self) -> dict:
+        return {"layout": self.layout.to_dict(), "overrides": self.layout.overrides(),
+                "memory_gib": round(self.memory_gib, 3), "step_s": round(self.step_s, 4),
+                "tokens_per_s": round(self.tokens_per_s, 1), "mfu": round(self.mfu, 4),
+                "fits": self.fits, "reason": self.reason(), "error": self.error,
+                "memory_parts_gib": {k: round(v, 3) for k, v in self.memory_parts.items()},
+                "time_parts_s": {k: round(v, 4) for k, v in self.time_parts.items()}}
+
+
+@dataclass
+class Plan:
+    given: Prediction
+    candidates: list[Prediction]
+    considered: int
+
+
+def predict(cfg: Config, world: int, rates: Rates, per_node: int = 8) -> Prediction:
+    """Memory and time of `cfg` (already validated for `world`)."""
+    layout = Layout.of(cfg)
+    mem = estimate_memory(cfg, world, rates)
+    deg = Degrees.of(cfg, world)
+    params = max(rank_params(cfg, deg, r).total for r in range(deg.pipeline))
+    t = estimate_time(cfg, world, rates, per_node, params)
+    gib = mem.total / GIB
+    return Prediction(layout, gib, t.step_s, t.tokens_per_s, t.mfu,
+                      gib + rates.context_gib <= rates.memory_gib,
+                      {k: v / GIB for k, v in mem.parts.items()}, t.parts)
+
+
+def predict_given(cfg: Config, world: int, rates: Rates, per_node: int = 8) -> Prediction:
+    """The prediction of the config as given, or its one-line error if the trainer refuses it."""
+    cfg = copy.deepcopy(cfg)
+    error = check_layout(cfg, world)
+    if error is not None:
+        return Prediction(Layout.of(cfg), error=error)
+    return predict(cfg, world, rates, per_node)
+
+
+def make_plan(cfg: Config, gpus: int, per_node: int, rates: Rates) -> Plan:
+    """The given config's prediction and every fitting layout, fastest first."""
+    given = predict_given(cfg, gpus, rates, per_node)
+    fitting, considered = [], 0
+    for _layout, laid in valid_layouts(cfg, gpus, per_node):
+        considered += 1
+        pred = predict(laid, gpus, rates, per_node)
+        if pred.fits:
+            fitting.append(pred)
+    fitting.sort(key=lambda p: (-p.tokens_per_s, p.memory_gib))
+    return Plan(given, fitting, considered)

@@ -1,0 +1,214 @@
+"""Step time of a layout, predicted from the rate table (trireme.plan.rates).
+
+Per micro batch on the slowest pipeline rank (its layers, on this TP rank's share):
+
+    matmuls      6 x (the linear weights a token goes through) x tokens / matmul rate
+                 (fp8: the blocks' linears at the fp8 rate, the output layer at bf16)
+    attention    forward 2 q s / 2 per token (causal), backward twice that, at the measured
+                 forward / backward rates
+    elementwise  ELEMENTWISE_PASSES x the bytes a layer keeps (trireme.plan.activations), over
+                 the memory bandwidth (norms, RoPE, SwiGLU, casts, the loss: read and written a
+                 few times each in forward and backward). 5 with model.compile fits the H200
+                 profile of llama3-1b (bench/RESULTS.md), 16 eager fits the eager preset's
+                 48.3k tokens/s against 62.3k compiled at micro batch 4
+    fp8          FP8_CAST_BYTES per element each fp8 linear quantizes (its input, its output's
+                 gradient): 12 fits the H200 profile's 0.12 s of casts per llama3-1b step
+    recompute    selective: the attention forward again; full: the whole forward again
+    TP           two all-reduces (or all-gather + reduce-scatter) of [tokens, h] per sublayer,
+                 each way: 2 (T - 1) / T x bytes / bandwidth, not overlapped
+    CP           the K/V all-gather (or a2a: four all-to-alls of q, k, v, out), each way
+    EP           two all-to-alls of the routed rows per MoE sublayer, each way
+
+then, per step:
+
+    pipeline     M micro batches x (1 + (P - 1) / (V M)) (the 1F1B bubble) + p2p transfers
+    DP           the gradient reduction (fp32 all-reduce, or reduce-scatter then a bf16 all-gather
+                 of the parameters under the distributed optimizer; FSDP: gathers per micro
+                 batch): what does not fit under the last micro batch's backward is exposed
+    optimizer    OPTIMIZER_BYTES per parameter of this rank's shard, over the memory bandwidth
+    overhead     rates.step_overhead_s, and rates.micro_batch_overhead_s per micro batch (kernel
+                 launches and host work: what makes small micro batches slower)
+
+Bandwidths: `intra_node_gbps` when the group fits inside a node (ranks are ordered pipeline,
+data, context, tensor, tensor innermost: a group of stride S and size G spans S x G ranks),
+else `inter_node_gbps`. The GPU accuracy check is bench/plan_accuracy.py.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from trireme.config import Config
+from trireme.metrics import flops_per_token
+from trireme.models.stages import sublayer_flops
+from trireme.plan.activations import layer_bytes, shape_of
+from trireme.plan.memory import Degrees, micro_batches, stages_of
+from trireme.plan.params import layer_symbols
+from trireme.plan.rates import Rates
+
+ELEMENTWISE_PASSES = {True: 5.0, False: 16.0}  # compiled blocks / eager
+OPTIMIZER_BYTES = 64.0
+FP8_CAST_BYTES = 12.0  # per element quantized: amax pass, cast pass, both ways (fits the profile)
+RING_SLOWDOWN = 3.0  # ring context parallelism runs plain-torch attention per block (for now)
+
+
+@dataclass
+class TimeEstimate:
+    step_s: float
+    parts: dict[str, float]
+    tokens_per_s: float
+    mfu: float
+
+
+def _bandwidth(rates: Rates, stride: int, size: int, per_node: int) -> float:
+    """Bytes/s a collective over `size` ranks `stride` apart reaches."""
+    gbps = rates.intra_node_gbps if stride * size <= per_node else rates.inter_node_gbps
+    return gbps * 1e9
+
+
+def _layer_matmul_flops(cfg: Config, symbols: str, tensor: int) -> tuple[float, float]:
+    """(forward matmul FLOPs per token excluding the attention core, attention core forward
+    FLOPs per token) of one layer on one TP rank."""
+    m = cfg.model
+    s = m.seq_length
+    lin, core = 0.0, 0.0
+    for sym in symbols:
+        f = sublayer_flops(m, sym)
+        if sym == "*":
+            q = m.num_attention_heads * m.head_size
+            core += 2 * q * s / tensor  # QK^T and PV, 2 FLOPs each, halved for causality
+            lin += 2 * (f - q * s) / tensor
+        else:
+            lin += 2 * f / (tensor if sym == "-" else 1)
+    return lin, core
+
+
+def _fp8_elements(cfg: Config, s, symbols: str) -> float:
+    """Per token: the elements the fp8 linears of a layer quantize (inputs and output
+    gradients)."""
+    layers = set(cfg.model.fp8_layers)
+    sizes = {"qkv": s.h + s.q + 2 * s.k, "out": s.q + s.h,
+             "fc1": s.h + s.ffn * (2 if s.swiglu else 1), "fc2": s.ffn + s.h}
+    total = 0.0
+    for sym in symbols:
+        names = ("qkv", "out") if sym == "*" else ("fc1", "fc2") if sym == "-" else ()
+        total += sum(sizes[n] for n in names if n in layers)
+    return total
+
+
+def micro_batch_seconds(cfg: Config, deg: Degrees, rank: int, rates: Rates,
+                        per_node: int) -> dict[str, float]:
+    """Compute and in-line communication of one micro batch on pipeline rank `rank`."""
+    m, t = cfg.model, cfg.train
+    tokens = t.micro_batch_size * m.seq_length / deg.context
+    head_rate = rates.matmul_tflops["fp32" if m.precision == "fp32" else "bf16"] * 1e12
+    symbols = layer_symbols(m)
+    out = dict(matmul=0.0, attention=0.0, elementwise=0.0, recompute=0.0, tp=0.0, cp=0.0,
+               ep=0.0)
+    for stage in stages_of(cfg, rank):
+        for kind, count in Counter(symbols[i] for i in stage.layers).items():  # alike: once
+            for key, value in layer_seconds(cfg, deg, kind, tokens, rates, per_node).items():
+                out[key] += count * value
+        if stage.last:
+            vocab = m.padded_vocab_size / deg.tensor
+            out["matmul"] += 6 * m.hidden_size * vocab * tokens / head_rate
+            out["elementwise"] += 3 * 4 * vocab * tokens / (rates.memory_tbps * 1e12)
+    return out
+
+
+def layer_seconds(cfg: Config, deg: Degrees, kind: str, tokens: float, rates: Rates,
+                  per_node: int) -> dict[str, float]:
+    """One layer with sublayers `kind` (e.g. "*-"), one micro batch of `tokens` on this rank."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    s = shape_of(cfg, rates.norm_fused)
+    bw_mem = rates.memory_tbps * 1e12
+    mm_rate = rates.matmul_tflops.get(m.precision, rates.matmul_tflops["bf16"]) * 1e12
+    lin, core = _layer_matmul_flops(cfg, kind, deg.tensor)
+    mm = 3 * lin * tokens / mm_rate
+    att_f = core * tokens / (rates.attention_tflops["forward"] * 1e12)
+    att_b = 2 * core * tokens / (rates.attention_tflops["backward"] * 1e12)
+    if deg.context > 1 and p.context_mode == "ring":  # plain-torch blocks for now
+        att_f, att_b = RING_SLOWDOWN * att_f, RING_SLOWDOWN * att_b
+    ew = ELEMENTWISE_PASSES[m.compile] * layer_bytes(cfg, s, kind, "none") * tokens / bw_mem
+    if m.precision == "fp8":  # amax and cast of every fp8 linear's input and output gradient
+        ew += FP8_CAST_BYTES * _fp8_elements(cfg, s, kind) * tokens / bw_mem
+    out = dict(matmul=mm, attention=att_f + att_b, elementwise=ew, recompute=0.0, tp=0.0,
+               cp=0.0, ep=0.0)
+    if t.recompute == "selective":
+        out["recompute"] = att_f
+    elif t.recompute == "full":
+        out["recompute"] = mm / 3 + att_f + ew / 3
+    if deg.tensor > 1:
+        msg = s.e * s.h * tokens
+        bw = _bandwidth(rates, 1, deg.tensor, per_node)
+        out["tp"] = 2 * len(kind) * 2 * (deg.tensor - 1) / deg.tensor * msg / bw
+    if deg.context > 1:
+        out["cp"] = _context_seconds(cfg, deg, s, tokens, rates, per_node)
+    if "E" in kind and deg.expert > 1:
+        rows = tokens * m.moe_top_k * s.e * s.h
+        bw = _bandwidth(rates, deg.tensor, deg.expert, per_node)
+        out["ep"] = 4 * (deg.expert - 1) / deg.expert * rows / bw
+    return out
+
+
+def _context_seconds(cfg: Config, deg: Degrees, s, tokens: float, rates: Rates,
+                     per_node: int) -> float:
+    bw = _bandwidth(rates, deg.tensor, deg.context, per_node)
+    frac = (deg.context - 1) / deg.context
+    if cfg.parallel.context_mode == "a2a":
+        return 2 * frac * s.e * (2 * s.q + 2 * s.k) * tokens / bw
+    return 2 * frac * s.e * 2 * s.k * tokens * deg.context / bw  # K and V of the whole sequence
+
+
+def estimate_time(cfg: Config, world: int, rates: Rates, per_node: int = 8,
+                  params_per_rank: float = 0.0) -> TimeEstimate:
+    """The predicted step time, tokens/s and MFU of `cfg` on `world` devices (module
+    docstring). `params_per_rank`: the largest rank's parameters (trireme.plan.memory)."""
+    deg = Degrees.of(cfg, world)
+    m, p = cfg.model, cfg.parallel
+    num_micro = micro_batches(cfg, deg)
+    per_rank = [micro_batch_seconds(cfg, deg, r, rates, per_node) for r in range(deg.pipeline)]
+    slowest = max(per_rank, key=lambda d: sum(d.values()))
+    slowest["launch"] = rates.micro_batch_overhead_s
+    mb_s = sum(slowest.values())
+    parts = {k: v * num_micro for k, v in slowest.items()}
+    bubble = (deg.pipeline - 1) / (deg.virtual * num_micro) if deg.pipeline > 1 else 0.0
+    parts["bubble"] = bubble * mb_s * num_micro
+    if deg.pipeline > 1:
+        e = 4 if m.precision == "fp32" else 2
+        msg = e * cfg.train.micro_batch_size * m.seq_length / deg.context * m.hidden_size
+        bw = _bandwidth(rates, deg.data * deg.context * deg.tensor, 2, per_node)
+        hops = 2 * deg.virtual * num_micro
+        parts["pp"] = hops * (msg / bw + rates.p2p_latency_us * 1e-6)
+    parts["dp"] = _data_parallel_seconds(cfg, deg, rates, per_node, params_per_rank, mb_s)
+    shard = params_per_rank
+    if p.distributed_optimizer or p.data_parallel_mode == "fsdp":
+        shard /= max(deg.data_context, 1)
+    parts["optimizer"] = OPTIMIZER_BYTES * shard / (rates.memory_tbps * 1e12)
+    parts["overhead"] = rates.step_overhead_s
+    step = sum(parts.values())
+    tokens = cfg.train.global_batch_size * m.seq_length
+    tps = tokens / step
+    mfu = tps * flops_per_token(m) / world / (rates.peak_tflops * 1e12)
+    return TimeEstimate(step, parts, tps, mfu)
+
+
+def _data_parallel_seconds(cfg: Config, deg: Degrees, rates: Rates, per_node: int,
+                           params: float, mb_s: float) -> float:
+    """The exposed part of the data-parallel gradient reduction (module docstring)."""
+    n = deg.data_context
+    if n == 1:
+        return 0.0
+    p = cfg.parallel
+    bw = _bandwidth(rates, deg.tensor, n, per_node)
+    frac = (n - 1) / n
+    backward = 2 / 3 * mb_s  # the last micro batch's backward hides what it can
+    if p.data_parallel_mode == "fsdp":
+        gathers = 2 * micro_batches(cfg, deg) * frac * 4 * params / bw
+        return max(0.0, gathers - 3 * mb_s * micro_batches(cfg, deg) * 0.9) + frac * 4 * params / bw
+    if p.distributed_optimizer:
+        scatter = frac * 4 * params / bw
+        gather = frac * (4 if cfg.model.precision == "fp32" else 2) * params / bw
+        return max(0.0, scatter - backward) + gather
+    return max(0.0, 2 * frac * 4 * params / bw - backward)
