@@ -61,9 +61,13 @@ class Shape:
     layernorm: bool
     swiglu: bool
     activation_recomputed: bool  # fused SwiGLU or a compiled block: silu(gate) not kept
+    compiled: bool  # model.compile on a GPU (the CPU always runs eagerly)
+    fused_loss: bool  # model.fused_cross_entropy, "auto" resolved for the device
 
 
-def shape_of(cfg: Config, norm_fused: bool) -> Shape:
+def shape_of(cfg: Config, norm_fused: bool, gpu: bool) -> Shape:
+    """The sizes the formulas read; `gpu`: whether the device compiles (model.compile) and takes
+    the fused loss under "auto"."""
     m, p = cfg.model, cfg.parallel
     d = m.head_size
     heads, kv = m.num_attention_heads // p.tensor, max(m.kv_heads // p.tensor, 1)
@@ -73,7 +77,8 @@ def shape_of(cfg: Config, norm_fused: bool) -> Shape:
         sequence_parallel=p.sequence_parallel and p.tensor > 1, context=p.context,
         context_mode=p.context_mode, fp8=m.precision == "fp8", norm_fused=norm_fused,
         layernorm=m.normalization == "layernorm", swiglu=m.activation == "swiglu",
-        activation_recomputed=m.fused_swiglu or m.compile)
+        activation_recomputed=m.fused_swiglu or (m.compile and gpu),
+        compiled=m.compile and gpu, fused_loss=m.fused_loss(gpu))
 
 
 def norm_bytes(s: Shape) -> float:
@@ -171,12 +176,12 @@ def head_bytes(cfg: Config, s: Shape, tokens: int) -> Head:
         soft = 4 * local * tokens
         kept = norm + h_in + soft + labels
         return Head(kept, kept + logits + soft)
-    if m.fused_cross_entropy:
+    if s.fused_loss:
         chunk = min(m.loss_chunk_size, tokens)
         grad_w = 4 * padded * s.h
         kept = norm + s.e * s.h * tokens + grad_w  # the input's gradient, not the input
         # a chunk's logits, their fp32 copy (low precision) and the gradient cast back
-        temps = chunk * vocab * (2 * s.e if m.compile else s.e + (4 + s.e if s.e < 4 else 0))
+        temps = chunk * vocab * (2 * s.e if s.compiled else s.e + (4 + s.e if s.e < 4 else 0))
         return Head(kept, kept + temps)
     logits = s.e * padded * tokens
     copy = 0 if (s.e == 4 and vocab == padded) else 4 * vocab * tokens

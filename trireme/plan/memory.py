@@ -131,7 +131,7 @@ def optimizer_step_bytes(cfg: Config, deg: Degrees, params: RankParams, rates: R
 
 def chunk_activation_bytes(cfg: Config, rates: Rates, stage, tokens: int, mode_of) -> float:
     """Bytes one micro batch keeps in one model chunk (stage) until its backward."""
-    s = shape_of(cfg, rates.norm_fused)
+    s = shape_of(cfg, rates.norm_fused, rates.gpu)
     symbols = layer_symbols(cfg.model)
     total = 0.0
     kinds = Counter((symbols[i], mode_of(j)) for j, i in enumerate(stage.layers))
@@ -187,7 +187,7 @@ def in_flight_peak(per_chunk: list[float], rank: int, deg: Degrees, num_micro: i
 def backward_transient(cfg: Config, rates: Rates, tokens: int, recompute: str) -> float:
     """Gradients in flight in one layer's backward and, under full recomputation, the layer's
     rebuilt activations (module docstring)."""
-    s = shape_of(cfg, rates.norm_fused)
+    s = shape_of(cfg, rates.norm_fused, rates.gpu)
     symbols = layer_symbols(cfg.model)
     widest = max(layer_bytes(cfg, s, sym, "none") for sym in set(symbols))
     ffn = s.ffn if "-" in "".join(symbols) else cfg.model.moe_ffn_size * cfg.model.moe_top_k
@@ -233,7 +233,7 @@ def rank_memory(cfg: Config, deg: Degrees, rank: int, rates: Rates) -> MemoryEst
     mode = recompute_mode(cfg)
     per_chunk = [chunk_activation_bytes(cfg, rates, st, tokens, mode) for st in stages]
     acts = in_flight_peak(per_chunk, rank, deg, num_micro)
-    s = shape_of(cfg, rates.norm_fused)
+    s = shape_of(cfg, rates.norm_fused, rates.gpu)
     if deg.pipeline > 1:
         acts += 2 * s.e * s.h * tokens  # received activations / gradients waiting
     head = 0.0

@@ -44,6 +44,11 @@ class Rates:
     context_gib: float = 0.6
     description: str = ""
 
+    @property
+    def gpu(self) -> bool:
+        """A GPU's table: compile and the fused loss's "auto" apply (the CPU runs eagerly)."""
+        return self.name != "cpu"
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
 

@@ -121,7 +121,7 @@ def layer_seconds(cfg: Config, deg: Degrees, kind: str, tokens: float, rates: Ra
                   per_node: int) -> dict[str, float]:
     """One layer with sublayers `kind` (e.g. "*-"), one micro batch of `tokens` on this rank."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    s = shape_of(cfg, rates.norm_fused)
+    s = shape_of(cfg, rates.norm_fused, rates.gpu)
     bw_mem = rates.memory_tbps * 1e12
     mm_rate = rates.matmul_tflops.get(m.precision, rates.matmul_tflops["bf16"]) * 1e12
     lin, core = _layer_matmul_flops(cfg, kind, deg.tensor)
@@ -130,7 +130,7 @@ def layer_seconds(cfg: Config, deg: Degrees, kind: str, tokens: float, rates: Ra
     att_b = 2 * core * tokens / (rates.attention_tflops["backward"] * 1e12)
     if deg.context > 1 and p.context_mode == "ring":  # plain-torch blocks for now
         att_f, att_b = RING_SLOWDOWN * att_f, RING_SLOWDOWN * att_b
-    ew = ELEMENTWISE_PASSES[m.compile] * layer_bytes(cfg, s, kind, "none") * tokens / bw_mem
+    ew = ELEMENTWISE_PASSES[s.compiled] * layer_bytes(cfg, s, kind, "none") * tokens / bw_mem
     if m.precision == "fp8":  # amax and cast of every fp8 linear's input and output gradient
         ew += FP8_CAST_BYTES * _fp8_elements(cfg, s, kind) * tokens / bw_mem
     out = dict(matmul=mm, attention=att_f + att_b, elementwise=ew, recompute=0.0, tp=0.0,
