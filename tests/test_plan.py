@@ -3,6 +3,7 @@ autograd keeps, the live-bytes measurement, the CLI and the train-time memory ch
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -155,3 +156,46 @@ def test_calibrate_writes_a_table_the_planner_loads(tmp_path, capsys):
     capsys.readouterr()
     assert plan_main(["--config", "tiny", "--model.vocab_size=1000", "--gpu", str(out)]) == 0
     assert "trireme plan: 1 x cpu" in capsys.readouterr().out
+
+
+def test_auto_micro_batch_fits_the_device_and_grows_with_it(monkeypatch):
+    """train.micro_batch_size = -1 on a (pretend) GPU: the planner's choice divides the batch,
+    is predicted to fit in 85% of the memory, is at least as large on a larger GPU, and is
+    said in a line; a size the user sets is left alone; no GPU: the trainer's fallback."""
+    from types import SimpleNamespace
+
+    from trireme import commands
+    from trireme.plan.planner import best_micro_batch, predict_given
+
+    chosen = {}
+    for gib in (80, 140):
+        rates = dataclasses.replace(load_rates("h200"), memory_gib=gib)
+        pick = best_micro_batch(load_config("llama3-1b"), 1, rates)
+        size = pick.layout.micro_batch_size
+        assert 16 % size == 0 and pick.memory_gib + rates.context_gib <= 0.85 * gib
+        cfg = load_config("llama3-1b", [f"train.micro_batch_size={2 * size}"])
+        bigger = predict_given(cfg, 1, rates)
+        assert size == 16 or bigger.memory_gib + rates.context_gib > 0.85 * gib or (
+            bigger.tokens_per_s < 1.01 * pick.tokens_per_s)  # the next size is no better
+        chosen[gib] = size
+    assert chosen[80] <= chosen[140]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(
+        total_memory=140 * 2**30, name="NVIDIA H200"))
+    built = []
+    monkeypatch.setattr(commands, "train", lambda cfg, on_finish=None: built.append(cfg))
+    commands.train_main(["--config", "llama3-1b"])
+    commands.train_main(["--config", "llama3-1b", "--train.micro_batch_size=2"])
+    assert [c.train.micro_batch_size for c in built] == [chosen[140], 2]
+
+
+def test_auto_micro_batch_without_a_gpu_is_the_largest_of_4_2_1_that_divides():
+    from trireme.trainer import check_parallel
+
+    for batch, want in [(16, 4), (6, 2), (3, 1)]:
+        cfg = load_config("tiny", ["train.micro_batch_size=-1", f"train.global_batch_size={batch}"])
+        check_parallel(cfg, 1)
+        assert cfg.train.micro_batch_size == want
+    with pytest.raises(ConfigError, match="micro_batch_size = -2: use a positive size"):
+        load_config("tiny", ["train.micro_batch_size=-2"])

@@ -20,6 +20,7 @@ from typing import Any, Literal, get_args, get_origin
 from trireme.errors import ConfigError
 from trireme.words import count_of
 
+AUTO_MICRO_BATCH = -1  # train.micro_batch_size: fit the device (TrainConfig)
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
 FP8_LAYER_NAMES = ("qkv", "out", "fc1", "fc2")  # the block linears model.fp8_layers can name
 
@@ -445,9 +446,14 @@ class TrainConfig:
         16, "Sequences per optimizer step, over all data-parallel ranks and micro batches."
     )
     micro_batch_size: int = doc(
-        4, "Sequences per forward/backward pass on one rank. 0: derived from the launch, "
-        "global_batch_size / (data-parallel degree x pipeline degree) (one micro batch per "
-        "replica, or one per stage under pipeline parallelism), said in a log line.")
+        -1, "Sequences per forward/backward pass on one rank. -1 (auto): fit the device: on a "
+        "GPU, `trireme train` takes the micro batch `trireme plan` predicts fastest among those "
+        "that divide the global batch per data-parallel replica (up to 16) and fit in 85% of "
+        "the GPU's memory (the smallest within 1% of the fastest); without a GPU (or through "
+        "the Python API) the largest of 4, 2, 1 that divides; said in a log line. 0: derived "
+        "from the launch, global_batch_size / (data-parallel degree x pipeline degree) (one "
+        "micro batch per replica, or one per stage under pipeline parallelism), said in a log "
+        "line.")
     eval_interval: int = doc(
         50, "Evaluate on the validation split every this many steps; 0: never."
     )
@@ -840,7 +846,6 @@ def _check_ranges(cfg: Config) -> None:
         ("model.ffn_hidden_size", m.ffn_hidden_size),
         ("model.vocab_size", m.vocab_size),
         ("train.steps", t.steps),
-        ("train.micro_batch_size", t.micro_batch_size),
         ("train.eval_interval", t.eval_interval),
         ("train.eval_steps", t.eval_steps),
         ("train.cpu_threads", t.cpu_threads),
@@ -982,7 +987,10 @@ def _check_train(cfg: Config) -> None:
     if cfg.checkpoint.async_save and cfg.checkpoint.format != "sharded":
         raise ConfigError("checkpoint.async_save = true needs checkpoint.format = 'sharded' "
                           f"(it is {cfg.checkpoint.format!r})")
-    if t.micro_batch_size and t.global_batch_size % t.micro_batch_size:
+    if t.micro_batch_size < AUTO_MICRO_BATCH:
+        raise ConfigError(f"train.micro_batch_size = {t.micro_batch_size}: use a positive size, "
+                          "0 (derived from the launch) or -1 (auto: fit the device)")
+    if t.micro_batch_size > 0 and t.global_batch_size % t.micro_batch_size:
         raise ConfigError(
             f"train.global_batch_size = {t.global_batch_size} is not divisible by "
             f"train.micro_batch_size = {t.micro_batch_size} (times the data-parallel degree)"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from trireme.config import Config, validate
+from trireme.config import AUTO_MICRO_BATCH, Config, validate
 from trireme.cpu_threads import set_cpu_threads
 from trireme.data.batch import Batch, BatchOptions, get_micro_batch
 from trireme.data.cache import index_cache_dir
@@ -238,23 +238,30 @@ def check_parallel(cfg: Config, world_size: int | None = None) -> ParallelDims:
 
 def resolve_micro_batch(cfg: Config, dims: ParallelDims) -> None:
     """train.micro_batch_size = 0: global batch / (DP x PP) when that divides, else global / DP
-    (one micro batch per replica); a set value is left alone. `build_trainer` says what it chose
-    once the launch is known to be sound."""
+    (one micro batch per replica); -1 (auto) left for here (no GPU, or the Python API): the
+    largest of 4, 2, 1 dividing global / DP; a set value is left alone. `build_trainer` says
+    what it chose once the launch is known to be sound."""
     t = cfg.train
-    if t.micro_batch_size:
+    if t.micro_batch_size > 0:
         return
     if t.global_batch_size % dims.data:
         raise ConfigError(
             f"train.global_batch_size = {t.global_batch_size} does not split over the "
             f"data-parallel degree {dims.data}; change the batch size or the number of processes")
     per_replica = t.global_batch_size // dims.data
+    if t.micro_batch_size == AUTO_MICRO_BATCH:  # not fitted to a GPU by `trireme train`
+        t.micro_batch_size = max(d for d in (4, 2, 1) if per_replica % d == 0)
+        return
     stages = dims.pipeline if per_replica % dims.pipeline == 0 else 1
     t.micro_batch_size = per_replica // stages
 
 
-def micro_batch_note(cfg: Config, dims: ParallelDims) -> str:
-    """The log line for a derived micro batch."""
+def micro_batch_note(cfg: Config, dims: ParallelDims, auto: bool = False) -> str:
+    """The log line for a derived (or, `auto`, a not-fitted automatic) micro batch."""
     t = cfg.train
+    if auto:
+        return (f"trireme: train.micro_batch_size = {t.micro_batch_size} (auto without a GPU "
+                "to fit: the largest of 4, 2, 1 that divides the batch; set it to choose)")
     per_replica = t.global_batch_size // dims.data
     stages = per_replica // t.micro_batch_size
     return (f"trireme: train.micro_batch_size = {t.micro_batch_size} (train.global_batch_size "
@@ -362,12 +369,13 @@ def build_trainer(cfg: Config, with_data: bool = True, force_data_parallel: bool
     """
     if launched_rank() == 0:  # before any work: the run directory must be writable
         check_run_dir(cfg)
-    derived = cfg.train.micro_batch_size == 0
+    derived = cfg.train.micro_batch_size in (0, AUTO_MICRO_BATCH)
+    auto = cfg.train.micro_batch_size == AUTO_MICRO_BATCH
     dims = check_parallel(cfg)
     device = pick_device(cfg.train.device)
     env = init_distributed(device.type, cfg.parallel.timeout_minutes)
     if derived and env.is_main and cfg.train.micro_batch_size != cfg.train.global_batch_size:
-        print(micro_batch_note(cfg, dims), file=sys.stderr)
+        print(micro_batch_note(cfg, dims, auto), file=sys.stderr)
     if device.type == "cuda" and env.world_size > 1:
         device = torch.device("cuda", env.local_rank)
     mesh = ParallelMesh.build(dims, device.type)

@@ -15,7 +15,7 @@ import sys
 from trireme.config import Config, load_config
 from trireme.errors import ConfigError
 from trireme.plan.calibrate import calibrate
-from trireme.plan.planner import Plan, Prediction, make_plan, predict_given
+from trireme.plan.planner import Plan, Prediction, best_micro_batch, make_plan, predict_given
 from trireme.plan.rates import Rates, load_rates
 
 
@@ -102,8 +102,7 @@ def memory_check(cfg: Config, world: int, device_gib: float, device_name: str) -
     """Before `trireme train` allocates: a one-line ConfigError when the predicted peak per GPU
     exceeds `device_gib`, naming the planner's fastest layout that fits (train.skip_memory_check
     turns it off)."""
-    rates = load_rates(_rates_name(device_name))
-    rates = Rates(**{**rates.__dict__, "memory_gib": device_gib})
+    rates = device_rates(device_name, device_gib)
     given = predict_given(cfg, world, rates)
     if given.error or given.fits:
         return
@@ -116,6 +115,25 @@ def memory_check(cfg: Config, world: int, device_gib: float, device_name: str) -
         f"this run needs about {given.memory_gib:.1f} GiB per GPU (predicted by trireme plan) "
         f"but the {device_name} has {device_gib:.1f} GiB; {alt}; or set "
         "--train.skip_memory_check=true")
+
+
+def fit_micro_batch(cfg: Config, world: int, device_gib: float, device_name: str) -> str | None:
+    """train.micro_batch_size = -1 (auto): set it to the planner's choice for this GPU
+    (planner.best_micro_batch); -> the log line, or None when nothing fits (the trainer's
+    fallback then applies and the memory check speaks)."""
+    choice = best_micro_batch(cfg, world, device_rates(device_name, device_gib))
+    if choice is None:
+        return None
+    cfg.train.micro_batch_size = choice.layout.micro_batch_size
+    return (f"trireme: train.micro_batch_size = {cfg.train.micro_batch_size} (auto: predicted "
+            f"{choice.memory_gib:.0f} GiB of {device_gib:.0f} and {choice.tokens_per_s:,.0f} "
+            "tokens/s by trireme plan; set it to choose)")
+
+
+def device_rates(device_name: str, device_gib: float) -> Rates:
+    """The rate table of the nearest known GPU, with this device's memory."""
+    rates = load_rates(_rates_name(device_name))
+    return Rates(**{**rates.__dict__, "memory_gib": device_gib})
 
 
 def _rates_name(device_name: str) -> str:

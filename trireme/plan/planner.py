@@ -91,3 +91,27 @@ def make_plan(cfg: Config, gpus: int, per_node: int, rates: Rates) -> Plan:
             fitting.append(pred)
     fitting.sort(key=lambda p: (-p.tokens_per_s, p.memory_gib))
     return Plan(given, fitting, considered)
+
+
+def best_micro_batch(cfg: Config, world: int, rates: Rates, fraction: float = 0.85,
+                     limit: int = 16, per_node: int = 8) -> Prediction | None:
+    """train.micro_batch_size = -1 (auto) on a GPU: of the micro batches that divide the global
+    batch per data-parallel replica (at most `limit`), those predicted to fit in `fraction` of
+    the device's memory; the fastest predicted, or the smallest within 1% of it (the same speed
+    for less memory). None when none fits or the trainer refuses the layout."""
+    per_replica, data = 0, Degrees.of(cfg, world).data
+    if data and cfg.train.global_batch_size % data == 0:
+        per_replica = cfg.train.global_batch_size // data
+    fitting = []
+    for size in (n for n in range(1, min(per_replica, limit) + 1) if per_replica % n == 0):
+        sized = copy.deepcopy(cfg)
+        sized.train.micro_batch_size = size
+        pred = predict_given(sized, world, rates, per_node)
+        room = fraction * rates.memory_gib - rates.context_gib
+        if pred.error is None and pred.memory_gib <= room:
+            fitting.append(pred)
+    if not fitting:
+        return None
+    best = max(p.tokens_per_s for p in fitting)
+    return min((p for p in fitting if p.tokens_per_s >= 0.99 * best),
+               key=lambda p: p.layout.micro_batch_size)
