@@ -57,6 +57,8 @@ SMOKE = {"model.vocab_size": 1000, "train.global_batch_size": 8, "model.num_laye
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny CPU configurations")
+    p.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="config overrides for every configuration, e.g. model.compile=false")
     p.add_argument("--preset", default=None, help="llama3-1b (GPU) / tiny (--smoke)")
     p.add_argument("--gpu", default=None, help="rate table (h200 on the GPU, cpu for --smoke)")
     p.add_argument("--warmup", type=int, default=2)
@@ -131,7 +133,8 @@ def main(argv=None) -> None:
     rows = []
     for name in names:
         overrides = {"data.mock": True, "train.eval_interval": 0, "run.dir": run_dir,
-                     **(SMOKE if args.smoke else {}), **configs[name]}
+                     **(SMOKE if args.smoke else {}), **configs[name],
+                     **dict(o.split("=", 1) for o in args.override)}
         if args.smoke:
             overrides["train.device"] = "cpu"
         cfg = load_config(preset, overrides)
@@ -158,6 +161,8 @@ def run_child(name: str, args, run_dir: str) -> dict:
             cmd += [flag, value]
     if args.smoke:
         cmd.append("--smoke")
+    if args.override:
+        cmd += ["--override", *args.override]
     subprocess.run(cmd, check=True)
     return json.loads(out.read_text())["results"][0]
 

@@ -92,8 +92,7 @@ def build_config(args: argparse.Namespace) -> Config:
                  f"train.global_batch_size={args.global_batch_size}",
                  f"model.freeze={FREEZE[args.stage]!r}".replace("'", '"'),
                  "logging.tensorboard=false", *args.override]
-    if args.compile:
-        overrides.append("model.compile=true")
+    overrides.append(f"model.compile={'true' if args.compile else 'false'}")  # eager unless asked
     cfg = load_config(args.preset, overrides)
     if cfg.model.image_token_id < 0:
         cfg.model.image_token_id = cfg.model.vocab_size - 1  # any id: random text avoids it
