@@ -173,7 +173,9 @@ def decode_bound(model, cfg, args, batch: int, graphs: bool) -> dict:
     """Pure decode steps of `batch` requests with args.bound_context tokens cached."""
     engine = engine_for(model, args, batch, graphs)
     context = min(args.bound_context, cfg.model.seq_length - args.bound_steps - 2)
-    params = SamplingParams(max_tokens=args.bound_steps + 8, greedy=True, ignore_eos=True)
+    # long enough that no request ends while the last ones still prefill (they are cancelled)
+    params = SamplingParams(max_tokens=cfg.model.seq_length - context - 1, greedy=True,
+                            ignore_eos=True)
     gen = torch.Generator().manual_seed(1)
     for _ in range(batch):
         engine.submit(torch.randint(0, cfg.model.vocab_size, (context,), generator=gen).tolist(),
