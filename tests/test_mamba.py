@@ -227,3 +227,20 @@ def test_the_fast_kernel_path_hands_mamba_ssm_what_it_expects(monkeypatch):
 def test_packed_documents_with_mamba_layers_are_refused():
     with pytest.raises(ConfigError, match="reset_attention_mask .* Mamba-2 layers"):
         load_config("hybrid-tiny", ["data.reset_attention_mask=true"])
+
+
+@torch.no_grad()
+def test_the_serving_engine_decodes_a_hybrid_model_as_generate_does():
+    """Continuous batching with per-request Mamba states (slots reused by later requests, prompts
+    prefilled in chunks next to decoding ones) gives each prompt generate's greedy tokens."""
+    from trireme.inference.engine import Engine, EngineSettings
+    from trireme.inference.sampling import SamplingParams
+
+    model = GPT(hybrid_config(layer_pattern="M*-M-"), seed=5).eval()
+    gen = torch.Generator().manual_seed(1)
+    texts = [torch.randint(0, 61, (n,), generator=gen).tolist() for n in (3, 11, 7, 17, 5)]
+    params = [SamplingParams(max_tokens=4 + i % 3, greedy=True) for i in range(len(texts))]
+    engine = Engine(model, EngineSettings(block_size=4, max_running=2, max_batch_tokens=9))
+    for prompt, p, request in zip(texts, params, engine.generate(texts, params)):
+        want = generate(model, prompt, p.max_tokens, greedy=True).tolist()[len(prompt):]
+        assert request.output_ids == want

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from trireme.config import ModelConfig
 from trireme.errors import TriremeError
 from trireme.models.init import InitRule
+from trireme.models.paged import SlotState
 from trireme.ops.recompute import recompute
 from trireme.ops.ssd import (
     FastKernels,
@@ -100,7 +101,10 @@ def draw_ones(seed: int, name: str, shape: tuple[int, ...], device: torch.device
 
 
 class Mamba(nn.Module):
-    """The Mamba-2 mixer (module docstring). A mixer: it sees positions and keeps a state."""
+    """The Mamba-2 mixer (module docstring). A mixer: it sees positions and keeps a state, one
+    row per sequence, which the serving engine hands over per request (slot_states)."""
+
+    slot_states = True
 
     symbol = "M"
     mixes = True
@@ -188,11 +192,23 @@ class Mamba(nn.Module):
             raise TriremeError("Mamba-2 layers do not support packed documents or context "
                                "parallelism yet")
         zxbcdt = self.in_proj(x)  # [b, s, 2 d_in + 2 g n + heads] (this rank's)
+        if isinstance(cache, SlotState):  # the serving engine's ragged step
+            return self.resid_dropout(self.out_proj(self._slots(zxbcdt, cache)))
         if self.recompute_core and cache is None and torch.is_grad_enabled():
             y = recompute(self.core, zxbcdt)
         else:
             y = self.core(zxbcdt, cache, start_pos)
         return self.resid_dropout(self.out_proj(y))
+
+    def _slots(self, zxbcdt: Tensor, cache: SlotState) -> Tensor:
+        """A serving step ([1, T, ...]: every request's new tokens, one after another): each
+        request's tokens continue from its own rows of the state (its slot; fresh at start
+        position 0), one request at a time."""
+        state, pieces = cache.state, []
+        for first, count, slot, start in cache.step.requests:
+            rows = MambaState(state.conv[slot:slot + 1], state.ssm[slot:slot + 1])  # views
+            pieces.append(self.core(zxbcdt[:, first:first + count], rows, start))
+        return torch.cat(pieces, dim=1)  # [1, T, d_in]
 
     def core(self, zxbcdt: Tensor, cache: MambaState | None = None,
              start_pos: int = 0) -> Tensor:
