@@ -12,14 +12,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from tests.converted import trireme_model
 from trireme.checkpoint.convert import convert
 from trireme.checkpoint.convert_hf import write_hf
 from trireme.checkpoint.converted import Converted
-from trireme.checkpoint.store import load_checkpoint, load_model_state
+from trireme.checkpoint.store import load_checkpoint
 from trireme.cli import main
 from trireme.config import config_from_toml
 from trireme.errors import CheckpointError
-from trireme.models.gpt import GPT
 
 transformers = pytest.importorskip("transformers")
 
@@ -62,13 +62,6 @@ def make_hf(name: str, folder: Path) -> torch.nn.Module:
                 p.normal_(0.5, 0.2) if p.dim() == 1 else p.normal_(0.0, 0.2)
     model.save_pretrained(folder)
     return model
-
-
-def trireme_model(path: Path) -> GPT:
-    ckpt = load_checkpoint(path)
-    model = GPT(config_from_toml(ckpt.config_toml).model, seed=None)
-    load_model_state(model, ckpt.model)
-    return model.eval()
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-4) -> None:

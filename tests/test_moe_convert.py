@@ -15,12 +15,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from tests.converted import trireme_model
 from trireme.checkpoint.convert import convert
 from trireme.checkpoint.convert_hf import read_hf, write_hf
 from trireme.checkpoint.model_state import expected_shapes
-from trireme.checkpoint.store import load_checkpoint, load_model_state
 from trireme.cli import main
-from trireme.config import ModelConfig, config_from_toml, load_config
+from trireme.config import ModelConfig, load_config
 from trireme.errors import CheckpointError
 from trireme.metrics import flops_per_token
 from trireme.models.gpt import GPT
@@ -56,13 +56,6 @@ def make_hf(name: str, folder: Path) -> torch.nn.Module:
             p.normal_(0.3, 0.2) if p.dim() == 1 else p.normal_(0.0, 0.15)
     model.save_pretrained(folder)
     return model
-
-
-def trireme_model(path: Path) -> GPT:
-    ckpt = load_checkpoint(path)
-    model = GPT(config_from_toml(ckpt.config_toml).model, seed=None)
-    load_model_state(model, ckpt.model)
-    return model.eval()
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-4) -> None:
