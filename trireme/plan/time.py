@@ -50,7 +50,6 @@ from trireme.plan.rates import Rates
 ELEMENTWISE_PASSES = {True: 5.0, False: 16.0}  # compiled blocks / eager
 OPTIMIZER_BYTES = 64.0
 FP8_CAST_BYTES = 12.0  # per element quantized: amax pass, cast pass, both ways (fits the profile)
-RING_SLOWDOWN = 3.0  # ring context parallelism runs plain-torch attention per block (for now)
 
 
 @dataclass
@@ -120,7 +119,7 @@ def micro_batch_seconds(cfg: Config, deg: Degrees, rank: int, rates: Rates,
 def layer_seconds(cfg: Config, deg: Degrees, kind: str, tokens: float, rates: Rates,
                   per_node: int) -> dict[str, float]:
     """One layer with sublayers `kind` (e.g. "*-"), one micro batch of `tokens` on this rank."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
+    m, t = cfg.model, cfg.train
     s = shape_of(cfg, rates.norm_fused, rates.gpu)
     bw_mem = rates.memory_tbps * 1e12
     mm_rate = rates.matmul_tflops.get(m.precision, rates.matmul_tflops["bf16"]) * 1e12
@@ -128,8 +127,8 @@ def layer_seconds(cfg: Config, deg: Degrees, kind: str, tokens: float, rates: Ra
     mm = 3 * lin * tokens / mm_rate
     att_f = core * tokens / (rates.attention_tflops["forward"] * 1e12)
     att_b = 2 * core * tokens / (rates.attention_tflops["backward"] * 1e12)
-    if deg.context > 1 and p.context_mode == "ring":  # plain-torch blocks for now
-        att_f, att_b = RING_SLOWDOWN * att_f, RING_SLOWDOWN * att_b
+    # ring context parallelism: its blocks run on the same kernels at the same rate (95-104% of
+    # one SDPA call on an H200, bench/RESULTS.md), the transfers in _context_seconds
     ew = ELEMENTWISE_PASSES[s.compiled] * layer_bytes(cfg, s, kind, "none") * tokens / bw_mem
     if m.precision == "fp8":  # amax and cast of every fp8 linear's input and output gradient
         ew += FP8_CAST_BYTES * _fp8_elements(cfg, s, kind) * tokens / bw_mem
