@@ -96,7 +96,6 @@ def _as_batch(prompt_ids: list[int] | torch.Tensor, device: torch.device) -> tor
 
 
 @torch.no_grad()
-@torch.compiler.set_stance("force_eager")  # blocks compiled for training: a new shape each step
 def generate(
     model: GPT,
     prompt_ids: list[int] | torch.Tensor,
