@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
+import torch
 
 SLOW_MODULES = {"test_bench_smoke", "test_data_bench_smoke", "test_checkpoint_kill",
                 "test_resilience", "test_train_pipeline", "test_train_parallel"}
@@ -34,3 +35,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         module = item.module.__name__ if item.module is not None else ""
         if module in SLOW_MODULES or _starts_ranks(item):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module (`pytestmark = pytest.mark.usefixtures(...)`): tiny
+    matmuls, or a server, its engine and client threads in one process, run faster than with
+    several threads fighting over shared cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

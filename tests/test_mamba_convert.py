@@ -5,14 +5,12 @@ prompt with the same greedy tokens."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
-from tests.converted import trireme_model
+from tests.converted import assert_exports_back, assert_generate_matches_hf, trireme_model
 from trireme.checkpoint.convert import convert
 from trireme.checkpoint.convert_hf import write_hf
 from trireme.checkpoint.converted import Converted
@@ -88,31 +86,14 @@ def test_hf_mamba2_and_nemotron_h_both_ways_same_logits(tmp_path: Path, capsys,
     with torch.no_grad():
         assert_close(model(ids), want)
 
-    convert("trireme", "hf", tmp_path / "tri", tmp_path / "back")
-    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == (
-        hf.config.model_type)
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32)
-    with torch.no_grad():
-        assert_close(back.eval()(ids).logits, want)
-    with (safe_open(tmp_path / "hf" / "model.safetensors", "pt") as a,
-          safe_open(tmp_path / "back" / "model.safetensors", "pt") as b):
-        assert sorted(a.keys()) == sorted(b.keys())
-        assert all(torch.equal(a.get_tensor(n), b.get_tensor(n)) for n in a.keys())
+    assert_exports_back(tmp_path, hf, ids, want, assert_close)
 
 
 @pytest.mark.parametrize("name", ["groups-2", "nemotron-h"])
 def test_trireme_generate_greedy_continues_as_hf(tmp_path: Path, capsys, name: str) -> None:
     hf = make_hf(name, tmp_path / "hf")
-    convert("hf", "trireme", tmp_path / "hf", tmp_path / "tri")
     prompt = [5, 17, 42, 3, 61, 8, 9, 10, 11]  # longer than a chunk: prefill in two chunks
-    eod = VOCAB - 1
-    want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                       eos_token_id=eod, pad_token_id=eod)[0].tolist()
-    assert main(["generate", "--checkpoint", str(tmp_path / "tri"), "--prompt",
-                 " ".join(map(str, prompt)), "--max-new-tokens", "12", "--greedy",
-                 "--tokenizer", f"null:{eod}", "--device", "cpu"]) == 0
-    got = [int(t) for t in capsys.readouterr().out.split()]
-    assert got == want[: len(got)] and len(got) > len(prompt)
+    assert_generate_matches_hf(tmp_path, hf, prompt, VOCAB - 1, capsys)
 
 
 def test_models_no_hugging_face_family_holds_are_one_line_errors(tmp_path: Path) -> None:

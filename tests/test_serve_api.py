@@ -68,13 +68,7 @@ def checkpoint(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The server, its engine and 32 client threads share this process: one torch thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @contextmanager

@@ -42,13 +42,7 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: one torch thread is faster than several fighting over shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def model_of(cfg: ModelConfig, seed: int = 0) -> GPT:
@@ -142,17 +136,21 @@ def test_eos_stops_a_request():
     assert ignoring.output_ids == greedy and ignoring.finish_reason == "length"
 
 
-def test_text_stream_pieces_join_to_the_text_and_stop_strings_cut_it():
-    tok = load_tokenizer("bytes")
-    text = "héllo wörld, stop here. more"
-    ids = tok.encode(text)  # multi-byte characters arrive one byte at a time
-    stream = TextStream(tok)
+def streamed(stream: TextStream, ids: list[int]) -> list[str]:
+    """The pieces `stream` gives as `ids` arrive one at a time, and the last at the finish."""
     pieces = []
     for token in ids:
         stream.add(token)
         pieces.append(stream.delta())
     stream.finish()
-    pieces.append(stream.delta())
+    return [*pieces, stream.delta()]
+
+
+def test_text_stream_pieces_join_to_the_text_and_stop_strings_cut_it():
+    tok = load_tokenizer("bytes")
+    text = "héllo wörld, stop here. more"
+    ids = tok.encode(text)  # multi-byte characters arrive one byte at a time
+    pieces = streamed(TextStream(tok), ids)
     assert "".join(pieces) == text and "\ufffd" not in "".join(pieces)
     stream = TextStream(tok, stop=("stop here", "zzz"))
     pieces = []
@@ -321,11 +319,4 @@ def test_text_stream_of_a_byte_level_bpe_joins_to_the_decoded_text(tmp_path):
     cases = [tok.encode(texts[0][:200])]  # real text, and random ids (broken characters)
     cases += [torch.randint(1, tok.vocab_size, (30,), generator=gen).tolist() for _ in range(50)]
     for ids in cases:
-        stream = TextStream(tok)
-        pieces = []
-        for token in ids:
-            stream.add(token)
-            pieces.append(stream.delta())
-        stream.finish()
-        pieces.append(stream.delta())
-        assert "".join(pieces) == tok.decode(ids)
+        assert "".join(streamed(TextStream(tok), ids)) == tok.decode(ids)
