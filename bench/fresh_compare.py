@@ -106,13 +106,20 @@ def main(argv=None) -> None:
     runs: dict[str, list[float]] = {s: [] for s in args.system}
     for round_ in range(args.repeats):
         for name, (kind, extra) in zip(args.system, systems):
-            with tempfile.TemporaryDirectory() as tmp:
-                rate = (run_train(args, extra, Path(tmp)) if kind == "train"
-                        else run_harness(args, kind, extra, Path(tmp)))
+            try:
+                with tempfile.TemporaryDirectory() as tmp:
+                    rate = (run_train(args, extra, Path(tmp)) if kind == "train"
+                            else run_harness(args, kind, extra, Path(tmp)))
+            except (RuntimeError, subprocess.TimeoutExpired) as e:  # one failed run: go on
+                print(f"round {round_ + 1}: {name}: failed: {e}", flush=True)
+                continue
             runs[name].append(rate)
             print(f"round {round_ + 1}: {name}: {rate:,.0f} tokens/s", flush=True)
+    runs = {name: rates for name, rates in runs.items() if rates}
+    if not runs:
+        raise SystemExit("every run failed")
     medians = {name: statistics.median(rates) for name, rates in runs.items()}
-    last = args.system[-1]
+    last = list(runs)[-1]
     print(f"\n{args.preset}, {args.repeats} fresh processes per system, alternated\n")
     print(f"| system | runs (tokens/s) | median | spread | vs {last} |\n|---|---|---:|---:|---:|")
     for name, rates in runs.items():

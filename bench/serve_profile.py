@@ -1,0 +1,193 @@
+"""Where a serving decode step's time goes: host work, graph replay, sampling, and each kernel.
+
+    python bench/serve_profile.py                   # llama3-1b shape, random weights, GPU
+    python bench/serve_profile.py --smoke           # a tiny model on the CPU, seconds
+
+For each batch B (--batches), B requests with --context tokens cached decode together. Reported:
+- step: Engine.step as the serving loop calls it (median of --steps);
+- its parts, each timed alone with a sync before and after: building the step's tensors on the
+  host (Engine._batch), the forward (a CUDA graph replay when graphs are on), sampling plus the
+  one host sync, the rest (bookkeeping, outputs);
+- the kernels of one eager decode step (torch.profiler): the top --top by time, with counts, and
+  the sum, against the bandwidth bound (weights + KV bytes read / --bandwidth).
+Prints tables; writes JSON (default bench/results/serve_profile-<preset>.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from serve_throughput import DTYPES, SMOKE, build, free_memory  # noqa: E402, F401
+
+from trireme.inference.engine import Engine, EngineSettings  # noqa: E402
+from trireme.inference.sampling import SamplingParams, sample_rows  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="llama3-1b")
+    p.add_argument("--override", nargs="*", default=[])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--batches", default="1,64")
+    p.add_argument("--context", type=int, default=640)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--graphs", choices=["on", "off"], default="on")
+    p.add_argument("--bandwidth", type=float, default=4.2e12)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.override = SMOKE + args.override
+        args.device = "cpu" if args.device == "auto" else args.device
+        args.batches, args.context, args.steps = "1,4", 32, 3
+    return args
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def filled_engine(model, cfg, batch: int, context: int, graphs: bool) -> Engine:
+    settings = EngineSettings(max_running=batch, max_batch_tokens=max(2048, batch),
+                              max_queue=10**6, cuda_graphs=graphs)
+    engine = Engine(model, settings)
+    params = SamplingParams(max_tokens=cfg.model.seq_length - context - 1, greedy=True,
+                            ignore_eos=True)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(batch):
+        engine.submit(torch.randint(0, cfg.model.vocab_size, (context,), generator=gen).tolist(),
+                      params)
+    while any(r.prefilling for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    engine.step()
+    return engine
+
+
+def timed(fn, device):
+    sync(device)
+    t = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, 1e3 * (time.perf_counter() - t)
+
+
+def parts_of_step(engine: Engine, device: torch.device) -> dict[str, float]:
+    """One decode step split into its parts, each between syncs (ms)."""
+    with torch.inference_mode():
+        plan = engine.scheduler.plan()
+        (ids, positions, step, output_index, sampled), host = timed(
+            lambda: engine._batch(plan), device)
+
+        def forward():
+            if engine.graphs is not None:
+                return engine.graphs.run(ids, positions, step)
+            engine.cache.begin(step)
+            return engine.model(ids.unsqueeze(0), kv_cache=engine.cache,
+                                position_ids=positions.unsqueeze(0),
+                                output_index=output_index)[0]
+
+        logits, fwd = timed(forward, device)
+
+        def sample():
+            next_ids = sample_rows(logits, [r.params for r in sampled],
+                                   [r.generator for r in sampled], engine.generator)
+            finite = torch.isfinite(logits).all(dim=-1)
+            return torch.stack([next_ids, finite.long()]).tolist()
+
+        _, samp = timed(sample, device)
+    return {"host_batch_ms": host, "forward_ms": fwd, "sample_sync_ms": samp}
+
+
+def kernel_table(engine: Engine, device: torch.device, top: int) -> dict:
+    """The kernels of one eager decode step, by total time."""
+    graphs, engine.graphs = engine.graphs, None
+    engine.step()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    reps = 3
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(reps):
+            engine.step()
+        sync(device)
+    engine.graphs = graphs
+    totals, counts = defaultdict(float), defaultdict(int)
+    for e in prof.events():
+        if device.type == "cuda" and e.device_type == torch.autograd.DeviceType.CUDA:
+            totals[e.name[:90]] += e.device_time / reps
+            counts[e.name[:90]] += 1
+    rows = sorted(totals.items(), key=lambda kv: -kv[1])
+    return {"kernel_us_total": sum(totals.values()), "kernels_per_step": sum(counts.values()) / reps,
+            "top": [{"name": n, "us": round(t, 1), "count": counts[n] / reps}
+                    for n, t in rows[:top]]}
+
+
+def bound_ms(model, engine: Engine, batch: int, context: int, bandwidth: float) -> float:
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv = engine.cache.nbytes() / (engine.allocator.num_blocks * engine.settings.block_size)
+    return 1e3 * (weights + batch * context * kv) / bandwidth
+
+
+def profile_batch(model, cfg, args, batch: int, device: torch.device) -> dict:
+    engine = filled_engine(model, cfg, batch, args.context, args.graphs == "on")
+    graphs = engine.graphs is not None and not engine.graphs.broken
+    steps = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        engine.step()
+        steps.append(1e3 * (time.perf_counter() - t))
+    parts = [parts_of_step(engine, device) for _ in range(max(3, args.steps // 4))]
+    medians = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+    kernels = kernel_table(engine, device, args.top)
+    result = {"batch": batch, "graphs": graphs, "context": args.context,
+              "step_ms": statistics.median(steps), **medians,
+              "bound_ms": bound_ms(model, engine, batch, args.context, args.bandwidth),
+              "eager": kernels}
+    engine.abort_all("cancelled")
+    del engine
+    free_memory()
+    return result
+
+
+def print_result(r: dict) -> None:
+    print(f"\nbatch {r['batch']} (graphs {r['graphs']}, context {r['context']}): step "
+          f"{r['step_ms']:.3f} ms, bound {r['bound_ms']:.3f} ms; host batch "
+          f"{r['host_batch_ms']:.3f}, forward {r['forward_ms']:.3f}, sample+sync "
+          f"{r['sample_sync_ms']:.3f}")
+    k = r["eager"]
+    print(f"eager step kernels: {k['kernels_per_step']:.0f} launches, "
+          f"{k['kernel_us_total'] / 1e3:.3f} ms of kernel time")
+    for row in k["top"]:
+        print(f"  {row['us']:>9.1f} us  x{row['count']:<5.0f} {row['name']}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cfg, model, device = build(args)
+    results = [profile_batch(model, cfg, args, int(b), device) for b in args.batches.split(",")]
+    for r in results:
+        print_result(r)
+    out = Path(args.out or HERE / "results" / f"serve_profile-{args.preset}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"preset": args.preset, "torch": torch.__version__,
+                               "device": torch.cuda.get_device_name() if device.type == "cuda"
+                               else "cpu", "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
