@@ -10,6 +10,16 @@ ragged batch [1, T] over the paged cache (trireme.models.paged), samples one tok
 request whose row ends its known tokens, and hands each request its new text through
 `on_output` (also returned). Per step there is one host sync: the sampled ids (and whether each
 row's logits were finite) come back to the CPU together.
+
+Overlap (EngineSettings.overlap, on with CUDA graphs): the host's work of a step (reading the
+sampled ids, outputs, stop strings, planning) runs while the GPU computes the next one. A call
+to `step` launches step N+1's forward with step N's sampled ids as its input (they stay on the
+device), then waits for step N's ids, hands them out, and plans step N+1 exactly as the serial
+engine would; the early forward is kept when the plan's requests are its requests (minus any that
+ended at step N: their rows are dropped before sampling), else it is discarded and the plan runs
+(a join, a prompt chunk, a cancellation). Sampling happens after the plan is known, in the
+serial order, so every token (seeded, shared-generator or greedy) is the serial engine's; each
+call returns the previous step's outputs. The serial path (overlap off) is the reference.
 """
 
 from __future__ import annotations
@@ -27,9 +37,10 @@ from trireme.inference.blocks import BlockAllocator, pool_blocks
 from trireme.inference.graphs import DecodeGraphs, graphs_supported
 from trireme.inference.sampling import SamplingParams, request_generator, sample_rows
 from trireme.inference.scheduler import Request, RequestOutput, Scheduler, StepPlan
+from trireme.inference.step_inputs import SlotTables, StepBatch
 from trireme.inference.text import TextStream
 from trireme.models.gpt import GPT
-from trireme.models.paged import PagedCache, PagedLayout, PagedStep
+from trireme.models.paged import PagedCache, PagedKV, PagedLayout
 
 
 class RequestError(TriremeError):
@@ -46,7 +57,9 @@ class EngineSettings:
     from free GPU memory, or on the CPU enough for max_running full contexts, up to 1 GiB);
     max_running: requests decoded together; max_batch_tokens: tokens per step (decode + prompt
     chunks); max_queue: waiting requests before `submit` raises QueueFull; seed: the shared
-    sampler's; cuda_graphs: replay decode-only steps as CUDA graphs (trireme.inference.graphs)."""
+    sampler's; cuda_graphs: replay decode-only steps as CUDA graphs (trireme.inference.graphs);
+    overlap: launch each decode step before reading the previous one's tokens (module
+    docstring; None: on when CUDA graphs are)."""
 
     block_size: int = 16
     num_blocks: int = 0
@@ -56,6 +69,7 @@ class EngineSettings:
     max_queue: int = 256
     seed: int = 0
     cuda_graphs: bool = False
+    overlap: bool | None = None
 
     def check(self) -> None:
         for name in ("block_size", "max_running", "max_batch_tokens", "max_queue"):
@@ -63,6 +77,34 @@ class EngineSettings:
                 raise TriremeError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.num_blocks < 0 or self.max_memory_gib < 0:
             raise TriremeError("num_blocks and max_memory_gib must not be negative")
+
+
+@dataclass
+class Launched:
+    """A step whose tokens are sampled on the device but maybe not yet read by the host."""
+
+    sampled: list[Request]  # the requests of the sampled rows, in row order
+    next_ids: torch.Tensor  # [n] on the device: the sampled ids
+    host: torch.Tensor  # [2, n] ids and finite flags (pinned on a GPU, copied asynchronously)
+    event: torch.cuda.Event | None  # recorded after the copy (None on the CPU)
+    decodes: list[Request] | None  # the step's requests when it had no prompt chunks
+
+
+@dataclass
+class Ahead:
+    """A forward launched before the previous step's tokens were read: its requests, in row
+    order, and its logits [len(decodes), vocab]."""
+
+    decodes: list[Request]
+    logits: torch.Tensor
+
+    def rows_for(self, plan: StepPlan) -> list[int] | None:
+        """The rows of `plan`'s requests when the plan is these decodes or fewer; else None."""
+        if plan.prefills:
+            return None
+        index = {id(r): i for i, r in enumerate(self.decodes)}
+        rows = [index.get(id(r), -1) for r in plan.decodes]
+        return None if -1 in rows else rows
 
 
 class Engine:
@@ -98,6 +140,17 @@ class Engine:
                                        settings.block_size)
             with torch.inference_mode():
                 self.graphs.capture_all()
+        only_attention = all(isinstance(s, PagedKV) for s in self.cache.states())
+        self.slot_tables = SlotTables(settings.max_running, self.cfg.seq_length,
+                                      settings.block_size, self.device,
+                                      slot_states=not only_attention)
+        overlap = settings.overlap
+        self.overlap = self.graphs is not None if overlap is None else overlap
+        # an early forward that is discarded must leave no trace: only key/value writes, which
+        # the forward that replaces it rewrites (per-request recurrent states would advance)
+        self.can_launch_ahead = self.overlap and only_attention
+        self.pending: Launched | None = None  # overlap: the launched step not yet read
+        self.ahead = {"launched": 0, "used": 0, "discarded": 0}
         self.lock = threading.Lock()  # submit / cancel (any thread) against step (one thread)
         self.to_cancel: set[str] = set()
         self.ids = itertools.count()
@@ -151,7 +204,8 @@ class Engine:
 
     def has_work(self) -> bool:
         with self.lock:
-            return bool(self.scheduler.waiting or self.scheduler.running or self.to_cancel)
+            return bool(self.scheduler.waiting or self.scheduler.running or self.to_cancel
+                        or self.pending)
 
     def stats(self) -> dict[str, int]:
         """Queue length, running requests, KV blocks used / total, and the counters."""
@@ -165,83 +219,134 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """One forward over every running request (module docstring); the outputs it made."""
+        """One forward over every running request (module docstring); the outputs it made (with
+        overlap: the outputs of the step launched by the previous call)."""
+        if self.overlap:
+            return self._overlapped_step()
         with self.lock:
             outputs = self._cancel_requested()
-            self.scheduler.admit()
-            plan = self.scheduler.plan()
+            plan = self._plan()
         if plan.num_tokens == 0:
             return outputs
-        ids, positions, step, output_index, sampled = self._batch(plan)
-        logits = None  # [n, vocab]
+        return outputs + self._read(self._launch(plan))
+
+    def _overlapped_step(self) -> list[RequestOutput]:
+        """Launch step N+1's forward (from step N's samples, still on the device) before reading
+        step N's tokens; then read them, plan N+1 as the serial engine would, and keep the early
+        forward if its requests cover that plan (else run the plan's own forward)."""
+        previous, self.pending = self.pending, None
+        ahead = self._launch_ahead(previous) if previous is not None else None
+        outputs = self._read(previous) if previous is not None else []
+        with self.lock:
+            outputs += self._cancel_requested()
+            plan = self._plan()
+        rows = ahead.rows_for(plan) if ahead is not None else None
+        if plan.num_tokens == 0:
+            pass
+        elif rows is None:
+            self.pending = self._launch(plan)
+        else:
+            logits = ahead.logits
+            if rows != list(range(len(ahead.decodes))):  # some requests ended at step N
+                logits = logits.index_select(0, self.slot_tables.to_device(rows))
+            self._commit(plan)
+            self.pending = self._sample(plan.decodes, logits, plan.decodes)
+        if ahead is not None:
+            self.ahead["used" if rows is not None and plan.num_tokens else "discarded"] += 1
+        return outputs
+
+    def _launch_ahead(self, previous: Launched) -> Ahead | None:
+        """Step N+1's forward for step N's decoding requests, or None when its plan will
+        differ: step N had prompt chunks, a cancellation waits, or a waiting request will be
+        admitted. Requests whose last token (max_len) is step N's are left out; a request that
+        ends at step N by eos / a stop string is still in it (its row is dropped: its key and
+        value land in its own blocks, reserved for max_len; the blocks go back after step N is
+        read, and any later step that reuses them runs after this one on the stream)."""
+        decodes = previous.decodes
+        if not self.can_launch_ahead or decodes is None or len(decodes) != len(previous.sampled):
+            return None
+        with self.lock:
+            if self.to_cancel or len(self.scheduler.running) != len(decodes):
+                return None
+            last = [r.num_tokens + 1 >= r.max_len for r in decodes]  # step N ends them
+            if self.scheduler.waiting and (any(last) or self.scheduler.can_admit()):
+                return None
+        keep = [i for i, done in enumerate(last) if not done]
+        if not keep:
+            return None
+        ids = previous.next_ids  # [n]
+        if len(keep) < len(decodes):
+            ids = ids.index_select(0, self.slot_tables.to_device(keep))
+            decodes = [decodes[i] for i in keep]
+        plan = StepPlan(decodes, [])
+        logits = self._forward(plan, self.slot_tables.build(plan, decode_ids=ids))
+        self.ahead["launched"] += 1
+        return Ahead(decodes, logits)
+
+    def _plan(self) -> StepPlan:
+        """Admit what fits (writing the new requests' block tables), then plan; under the lock."""
+        self.slot_tables.assign(self.scheduler.admit())
+        return self.scheduler.plan()
+
+    def _batch(self, plan: StepPlan) -> StepBatch:
+        """The step's device tensors (trireme.inference.step_inputs)."""
+        return self.slot_tables.build(plan)
+
+    def _launch(self, plan: StepPlan) -> Launched:
+        batch = self._batch(plan)
+        logits = self._forward(plan, batch)
+        self._commit(plan)
+        return self._sample(batch.sampled, logits, None if plan.prefills else plan.decodes)
+
+    def _forward(self, plan: StepPlan, batch: StepBatch) -> torch.Tensor:
+        """Logits [n, vocab] of the sampled rows: a graph replay for decode-only steps."""
+        logits = None
         if self.graphs is not None and not plan.prefills:
-            logits = self.graphs.run(ids, positions, step)
+            logits = self.graphs.run(batch.ids, batch.positions, batch.step)
         if logits is None:
-            self.cache.begin(step)
-            logits = self.model(ids.unsqueeze(0), kv_cache=self.cache,
-                                position_ids=positions.unsqueeze(0),
-                                output_index=output_index)[0]
-        next_ids = sample_rows(logits, [r.params for r in sampled],
-                               [r.generator for r in sampled], self.generator)
-        finite = torch.isfinite(logits).all(dim=-1)
-        tokens, ok = torch.stack([next_ids, finite.long()]).tolist()  # the step's one sync
+            self.cache.begin(batch.step)
+            logits = self.model(batch.ids.unsqueeze(0), kv_cache=self.cache,
+                                position_ids=batch.positions.unsqueeze(0),
+                                output_index=batch.output_index)[0]
+        return logits
+
+    def _commit(self, plan: StepPlan) -> None:
+        """The plan's keys and values are (being) written: count them as cached."""
         for request in plan.decodes:
             request.num_cached += 1
         for request, count in plan.prefills:
             request.num_cached += count
             self.counters["prompt_tokens"] += count
-        with self.lock:
-            for request, token, good in zip(sampled, tokens, ok):
-                outputs.append(self._take_token(request, token, bool(good)))
         self.counters["steps"] += 1
+
+    def _sample(self, sampled: list[Request], logits: torch.Tensor,
+                decodes: list[Request] | None) -> Launched:
+        """Sample the rows on the device and start copying the ids (and whether each row's
+        logits were finite) to the host; nothing waits here."""
+        next_ids = sample_rows(logits, [r.params for r in sampled],
+                               [r.generator for r in sampled], self.generator)
+        both = torch.stack([next_ids, torch.isfinite(logits).all(dim=-1).long()])  # [2, n]
+        event = None
+        if both.is_cuda:
+            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            host.copy_(both, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = both
+        return Launched(sampled, next_ids, host, event, decodes)
+
+    def _read(self, launched: Launched) -> list[RequestOutput]:
+        """Wait for a launched step's tokens (the step's one host sync) and hand them out."""
+        if launched.event is not None:
+            launched.event.synchronize()
+        tokens, ok = launched.host.tolist()
+        outputs = []
+        with self.lock:
+            for request, token, good in zip(launched.sampled, tokens, ok):
+                if request.finish_reason is None:
+                    outputs.append(self._take_token(request, token, bool(good)))
         return outputs
-
-    def _batch(self, plan: StepPlan):
-        """Device tensors of the step: token ids [T], positions [T], the PagedStep, the rows
-        whose logits are sampled [n], and the requests they belong to."""
-        bs = self.settings.block_size
-        ids, positions, slots, outputs, requests = [], [], [], [], []
-        sampled: list[Request] = []
-
-        def add(request: Request, start: int, count: int) -> None:
-            requests.append((len(ids), count, request.slot, start))
-            if count == 1:
-                ids.append(request.token(start))
-            else:  # a prompt chunk
-                ids.extend(request.prompt_ids[start : start + count])
-            blocks = request.blocks
-            positions.extend(range(start, start + count))
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + count))
-            if start + count == request.num_tokens:  # its last known token: sample the next
-                outputs.append(len(ids) - 1)
-                sampled.append(request)
-
-        for request in plan.decodes:
-            add(request, request.num_cached, 1)
-        n_dec = len(plan.decodes)
-        width = max((-(-(r.num_cached + 1) // bs) for r in plan.decodes), default=0)
-        tables = [r.blocks[:width] + [0] * (width - len(r.blocks[:width])) for r in plan.decodes]
-        lengths = [r.num_cached + 1 for r in plan.decodes]
-        chunks = []
-        for request, count in plan.prefills:
-            chunks.append((len(ids), count, request.num_cached))
-            add(request, request.num_cached, count)
-        prefill_tables = [plan.prefills[i][0].blocks[: -(-(start + count) // bs)]
-                          for i, (_, count, start) in enumerate(chunks)]
-        flat_tables = list(itertools.chain.from_iterable(tables))
-        parts = [ids, positions, slots, outputs, flat_tables, lengths, *prefill_tables]
-        flat = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long)
-        if self.device.type == "cuda":
-            flat = flat.pin_memory()
-        pieces = flat.to(self.device, non_blocking=True).split([len(p) for p in parts])
-        ids_t, pos_t, slots_t, out_t, tables_t, lengths_t = pieces[:6]
-        step = PagedStep(
-            slot_ids=slots_t, num_decode=n_dec, decode_tables=tables_t.view(n_dec, width),
-            decode_lengths=lengths_t,
-            prefills=[(first, count, table, start)
-                      for (first, count, start), table in zip(chunks, pieces[6:])],
-            requests=requests)
-        return ids_t, pos_t, step, out_t, sampled
 
     def _take_token(self, request: Request, token: int, finite: bool) -> RequestOutput:
         """Append a sampled token; finish the request on eos, a stop string or its length."""
@@ -278,6 +383,7 @@ class Engine:
     def abort_all(self, reason: str) -> None:
         """End every waiting and running request with `reason` (a failed step, shutdown)."""
         with self.lock:
+            self.pending = None  # its tokens are dropped with their requests
             for request in [*self.scheduler.waiting, *self.scheduler.running]:
                 self._output(request, [], reason)
             self.to_cancel.clear()

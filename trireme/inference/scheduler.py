@@ -96,15 +96,24 @@ class Scheduler:
     def blocks_needed(self, request: Request) -> int:
         return blocks_for(request.max_len, self.block_size)
 
-    def admit(self) -> None:
-        """Move waiting requests to running while a slot and their blocks are free."""
+    def admit(self) -> list[Request]:
+        """Move waiting requests to running while a slot and their blocks are free; the ones
+        moved."""
+        admitted = []
         while self.waiting and self.free_slots:
             blocks = self.allocator.take(self.blocks_needed(self.waiting[0]))
             if blocks is None:
-                return  # first come, first served: nobody overtakes the head of the queue
+                break  # first come, first served: nobody overtakes the head of the queue
             request = self.waiting.popleft()
             request.blocks, request.slot = blocks, self.free_slots.pop()
             self.running.append(request)
+            admitted.append(request)
+        return admitted
+
+    def can_admit(self) -> bool:
+        """Whether `admit` would move the head of the queue now."""
+        return bool(self.waiting and self.free_slots and
+                    self.allocator.free >= self.blocks_needed(self.waiting[0]))
 
     def plan(self) -> StepPlan:
         decodes = [r for r in self.running if not r.prefilling]
