@@ -150,8 +150,9 @@ class Engine:
         # the forward that replaces it rewrites (per-request recurrent states would advance)
         self.can_launch_ahead = self.overlap and only_attention
         self.pending: Launched | None = None  # overlap: the launched step not yet read
-        self.ahead = {"launched": 0, "used": 0, "discarded": 0}
-        self.lock = threading.Lock()  # submit / cancel (any thread) against step (one thread)
+        self.ahead = {"launched": 0, "used": 0, "discarded": 0, "trimmed": 0}
+        # submit / cancel (any thread, or an on_output callback) against step (one thread)
+        self.lock = threading.RLock()
         self.to_cancel: set[str] = set()
         self.ids = itertools.count()
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
@@ -249,6 +250,7 @@ class Engine:
             logits = ahead.logits
             if rows != list(range(len(ahead.decodes))):  # some requests ended at step N
                 logits = logits.index_select(0, self.slot_tables.to_device(rows))
+                self.ahead["trimmed"] += 1
             self._commit(plan)
             self.pending = self._sample(plan.decodes, logits, plan.decodes)
         if ahead is not None:
