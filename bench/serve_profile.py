@@ -4,10 +4,13 @@
     python bench/serve_profile.py --smoke           # a tiny model on the CPU, seconds
 
 For each batch B (--batches), B requests with --context tokens cached decode together. Reported:
-- step: Engine.step as the serving loop calls it (median of --steps);
-- its parts, each timed alone with a sync before and after: building the step's tensors on the
-  host (Engine._batch), the forward (a CUDA graph replay when graphs are on), sampling plus the
-  one host sync, the rest (bookkeeping, outputs);
+- step: Engine.step as the serving loop calls it, serial (overlap off: median of --steps);
+- step_overlap: the steady-state time per step with overlap on (EngineSettings.overlap: each
+  step launched before the previous one's tokens are read): the wall time of --steps calls, the
+  last one's tokens read, over --steps;
+- the serial step's parts, each timed alone with a sync before and after: building the step's
+  tensors on the host (Engine._batch), the forward (a CUDA graph replay when graphs are on),
+  sampling plus the one host sync;
 - the kernels of one eager decode step (torch.profiler): the top --top by time, with counts, and
   the sum, against the bandwidth bound (weights + KV bytes read / --bandwidth).
 Prints tables; writes JSON (default bench/results/serve_profile-<preset>.json).
@@ -32,7 +35,7 @@ sys.path.insert(0, str(HERE.parent))
 from serve_throughput import DTYPES, SMOKE, build, free_memory  # noqa: E402, F401
 
 from trireme.inference.engine import Engine, EngineSettings  # noqa: E402
-from trireme.inference.sampling import SamplingParams, sample_rows  # noqa: E402
+from trireme.inference.sampling import SamplingParams  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,7 +66,7 @@ def sync(device: torch.device) -> None:
 
 def filled_engine(model, cfg, batch: int, context: int, graphs: bool) -> Engine:
     settings = EngineSettings(max_running=batch, max_batch_tokens=max(2048, batch),
-                              max_queue=10**6, cuda_graphs=graphs)
+                              max_queue=10**6, cuda_graphs=graphs, overlap=False)
     engine = Engine(model, settings)
     params = SamplingParams(max_tokens=cfg.model.seq_length - context - 1, greedy=True,
                             ignore_eos=True)
@@ -89,27 +92,34 @@ def parts_of_step(engine: Engine, device: torch.device) -> dict[str, float]:
     """One decode step split into its parts, each between syncs (ms)."""
     with torch.inference_mode():
         plan = engine.scheduler.plan()
-        (ids, positions, step, output_index, sampled), host = timed(
-            lambda: engine._batch(plan), device)
+        batch, host = timed(lambda: engine._batch(plan), device)
+        logits, fwd = timed(lambda: engine._forward(plan, batch), device)
 
-        def forward():
-            if engine.graphs is not None:
-                return engine.graphs.run(ids, positions, step)
-            engine.cache.begin(step)
-            return engine.model(ids.unsqueeze(0), kv_cache=engine.cache,
-                                position_ids=positions.unsqueeze(0),
-                                output_index=output_index)[0]
-
-        logits, fwd = timed(forward, device)
-
-        def sample():
-            next_ids = sample_rows(logits, [r.params for r in sampled],
-                                   [r.generator for r in sampled], engine.generator)
-            finite = torch.isfinite(logits).all(dim=-1)
-            return torch.stack([next_ids, finite.long()]).tolist()
+        def sample():  # as Engine._sample then _read, without handing the tokens out
+            launched = engine._sample(batch.sampled, logits, None)
+            if launched.event is not None:
+                launched.event.synchronize()
+            return launched.host.tolist()
 
         _, samp = timed(sample, device)
     return {"host_batch_ms": host, "forward_ms": fwd, "sample_sync_ms": samp}
+
+
+def overlapped_step_ms(engine: Engine, steps: int, device: torch.device) -> float:
+    """Steady-state ms per Engine.step with overlap on (a few warm-up steps first)."""
+    engine.set_overlap(True)
+    for _ in range(3):
+        engine.step()
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    engine.set_overlap(False)  # reads the last launched step
+    sync(device)
+    elapsed = 1e3 * (time.perf_counter() - t) / steps
+    launched = engine.ahead["launched"]
+    assert launched and engine.ahead["used"] == launched, "the overlap path was not taken"
+    return elapsed
 
 
 def kernel_table(engine: Engine, device: torch.device, top: int) -> dict:
@@ -131,7 +141,8 @@ def kernel_table(engine: Engine, device: torch.device, top: int) -> dict:
             totals[e.name[:90]] += e.device_time / reps
             counts[e.name[:90]] += 1
     rows = sorted(totals.items(), key=lambda kv: -kv[1])
-    return {"kernel_us_total": sum(totals.values()), "kernels_per_step": sum(counts.values()) / reps,
+    return {"kernel_us_total": sum(totals.values()),
+            "kernels_per_step": sum(counts.values()) / reps,
             "top": [{"name": n, "us": round(t, 1), "count": counts[n] / reps}
                     for n, t in rows[:top]]}
 
@@ -151,10 +162,11 @@ def profile_batch(model, cfg, args, batch: int, device: torch.device) -> dict:
         engine.step()
         steps.append(1e3 * (time.perf_counter() - t))
     parts = [parts_of_step(engine, device) for _ in range(max(3, args.steps // 4))]
+    overlap = overlapped_step_ms(engine, args.steps, device)
     medians = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
     kernels = kernel_table(engine, device, args.top)
     result = {"batch": batch, "graphs": graphs, "context": args.context,
-              "step_ms": statistics.median(steps), **medians,
+              "step_ms": statistics.median(steps), "step_overlap_ms": overlap, **medians,
               "bound_ms": bound_ms(model, engine, batch, args.context, args.bandwidth),
               "eager": kernels}
     engine.abort_all("cancelled")
@@ -165,7 +177,8 @@ def profile_batch(model, cfg, args, batch: int, device: torch.device) -> dict:
 
 def print_result(r: dict) -> None:
     print(f"\nbatch {r['batch']} (graphs {r['graphs']}, context {r['context']}): step "
-          f"{r['step_ms']:.3f} ms, bound {r['bound_ms']:.3f} ms; host batch "
+          f"{r['step_ms']:.3f} ms serial, {r['step_overlap_ms']:.3f} ms overlapped, bound "
+          f"{r['bound_ms']:.3f} ms; serial parts: host batch "
           f"{r['host_batch_ms']:.3f}, forward {r['forward_ms']:.3f}, sample+sync "
           f"{r['sample_sync_ms']:.3f}")
     k = r["eager"]

@@ -84,6 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--graphs", choices=["off", "on", "both"], default="both",
                    help="CUDA graphs for decode steps: the throughput runs use them unless off; "
                    "'both' also measures the decode steps without (GPU only)")
+    p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
+                   help="EngineSettings.overlap: launch each decode step before reading the "
+                   "previous one's tokens (auto: with CUDA graphs)")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU")
     p.add_argument("--out", default=None)
     p.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
@@ -126,7 +129,8 @@ def engine_for(model, args, max_running: int, graphs: bool) -> Engine:
     settings = EngineSettings(block_size=args.block_size, max_running=max_running,
                               max_batch_tokens=max(args.max_batch_tokens, max_running),
                               max_queue=10**6, max_memory_gib=args.max_memory,
-                              cuda_graphs=graphs)
+                              cuda_graphs=graphs,
+                              overlap={"auto": None, "on": True, "off": False}[args.overlap])
     return Engine(model, settings)
 
 
@@ -187,20 +191,24 @@ def decode_bound(model, cfg, args, batch: int, graphs: bool) -> dict:
     cached = sum(r.num_cached for r in engine.scheduler.running) / batch
     cached += args.bound_steps / 2  # the mean over the timed steps
     times = []
+    start = time.perf_counter()
     for _ in range(args.bound_steps):
         t = time.perf_counter()
-        engine.step()  # ends with the step's one host sync
+        engine.step()  # ends with the one host sync (overlap: of the step before)
         times.append(time.perf_counter() - t)
+    engine.set_overlap(False)  # reads the last launched step
+    mean = (time.perf_counter() - start) / args.bound_steps
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_per_token = engine.cache.nbytes() / (engine.allocator.num_blocks * args.block_size)
     read = weights + batch * cached * kv_per_token
     bound = read / args.bandwidth
     step = statistics.median(times)
-    graphs = graphs_active(engine)
+    graphs, overlap = graphs_active(engine), engine.ahead["used"] > 0
     engine.abort_all("cancelled")
     del engine
     free_memory()
-    return {"batch": batch, "graphs": graphs, "context": round(cached), "step_ms": 1e3 * step,
+    return {"batch": batch, "graphs": graphs, "overlap": overlap, "context": round(cached),
+            "step_ms": 1e3 * step, "step_mean_ms": 1e3 * mean,
             "bound_ms": 1e3 * bound, "ratio_to_bound": step / bound,
             "weights_gib": weights / 2**30, "kv_read_gib": batch * cached * kv_per_token / 2**30,
             "decode_tokens_per_s": batch / step}
@@ -319,9 +327,10 @@ def format_tables(levels: list[dict], bounds: list[dict]) -> str:
                     f"{r['ttft_p99_ms']:<8.1f}  {r['tpot_p50_ms']:>6.2f} / "
                     f"{r['tpot_p99_ms']:<6.2f}  {r.get('graphs', '')}")
     rows += ["", "decode step vs bandwidth bound",
-             "batch  graphs  context  step ms  bound ms  ratio  decode tok/s"]
+             "batch  graphs  overlap  context  step ms  bound ms  ratio  decode tok/s"]
     for b in bounds:
-        rows.append(f"{b['batch']:>5}  {str(b['graphs']):>6}  {b['context']:>7}  "
+        rows.append(f"{b['batch']:>5}  {str(b['graphs']):>6}  {str(b['overlap']):>7}  "
+                    f"{b['context']:>7}  "
                     f"{b['step_ms']:>7.2f}  "
                     f"{b['bound_ms']:>8.3f}  {b['ratio_to_bound']:>5.2f}  "
                     f"{b['decode_tokens_per_s']:>12.0f}")

@@ -170,3 +170,21 @@ def test_serve_throughput_cpu_smoke(tmp_path):
         assert r["output_tokens"] == r["prompts"] * 8  # every request made all its tokens
     for b in data["decode_bound"]:
         assert b["bound_ms"] > 0 and b["ratio_to_bound"] > 0 and b["context"] > 4
+
+
+def test_serve_profile_and_batch_host_cpu_smoke(tmp_path):
+    env = {**{k: v for k, v in os.environ.items() if k != "OUT"}, "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "profile.json"
+    cmd = [sys.executable, str(REPO / "bench" / "serve_profile.py"), "--smoke", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads(out.read_text())["results"]
+    assert [r["batch"] for r in results] == [1, 4]
+    for r in results:  # the overlapped steps ran (the script checks the path was taken)
+        assert r["step_ms"] > 0 and r["step_overlap_ms"] > 0 and r["host_batch_ms"] > 0
+    out = tmp_path / "host.json"
+    cmd = [sys.executable, str(REPO / "bench" / "serve_batch_host.py"), "--batch", "4",
+           "--context", "40", "--reps", "3", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(out.read_text())["results"][0]["batch_us"] > 0

@@ -140,16 +140,15 @@ class Engine:
                                        settings.block_size)
             with torch.inference_mode():
                 self.graphs.capture_all()
-        only_attention = all(isinstance(s, PagedKV) for s in self.cache.states())
-        self.slot_tables = SlotTables(settings.max_running, self.cfg.seq_length,
-                                      settings.block_size, self.device,
-                                      slot_states=not only_attention)
-        overlap = settings.overlap
-        self.overlap = self.graphs is not None if overlap is None else overlap
         # an early forward that is discarded must leave no trace: only key/value writes, which
         # the forward that replaces it rewrites (per-request recurrent states would advance)
-        self.can_launch_ahead = self.overlap and only_attention
+        self.only_attention = all(isinstance(s, PagedKV) for s in self.cache.states())
+        self.slot_tables = SlotTables(settings.max_running, self.cfg.seq_length,
+                                      settings.block_size, self.device,
+                                      slot_states=not self.only_attention)
         self.pending: Launched | None = None  # overlap: the launched step not yet read
+        self.set_overlap(self.graphs is not None if settings.overlap is None
+                         else settings.overlap)
         self.ahead = {"launched": 0, "used": 0, "discarded": 0, "trimmed": 0}
         # submit / cancel (any thread, or an on_output callback) against step (one thread)
         self.lock = threading.RLock()
@@ -217,6 +216,18 @@ class Engine:
                     "kv_blocks_total": self.allocator.usable, **self.counters}
 
     # ------------------------------------------------------------------ stepping
+
+    def set_overlap(self, on: bool) -> list[RequestOutput]:
+        """Turn overlap on or off between steps; turning it off reads the launched step (its
+        outputs are returned)."""
+        outputs = []
+        if not on and self.pending is not None:
+            with torch.inference_mode():
+                outputs = self._read(self.pending)
+            self.pending = None
+        self.overlap = on
+        self.can_launch_ahead = on and self.only_attention
+        return outputs
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
