@@ -96,7 +96,7 @@ def parts_of_step(engine: Engine, device: torch.device) -> dict[str, float]:
         logits, fwd = timed(lambda: engine._forward(plan, batch), device)
 
         def sample():  # as Engine._sample then _read, without handing the tokens out
-            launched = engine._sample(batch.sampled, logits, None)
+            launched = engine._sample(batch.sampled, logits)
             if launched.event is not None:
                 launched.event.synchronize()
             return launched.host.tolist()

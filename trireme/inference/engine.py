@@ -87,7 +87,6 @@ class Launched:
     next_ids: torch.Tensor  # [n] on the device: the sampled ids
     host: torch.Tensor  # [2, n] ids and finite flags (pinned on a GPU, copied asynchronously)
     event: torch.cuda.Event | None  # recorded after the copy (None on the CPU)
-    decodes: list[Request] | None  # the step's requests when it had no prompt chunks
 
 
 @dataclass
@@ -263,38 +262,41 @@ class Engine:
                 logits = logits.index_select(0, self.slot_tables.to_device(rows))
                 self.ahead["trimmed"] += 1
             self._commit(plan)
-            self.pending = self._sample(plan.decodes, logits, plan.decodes)
+            self.pending = self._sample(plan.decodes, logits)
         if ahead is not None:
             self.ahead["used" if rows is not None and plan.num_tokens else "discarded"] += 1
         return outputs
 
     def _launch_ahead(self, previous: Launched) -> Ahead | None:
-        """Step N+1's forward for step N's decoding requests, or None when its plan will
-        differ: step N had prompt chunks, a cancellation waits, or a waiting request will be
-        admitted. Requests whose last token (max_len) is step N's are left out; a request that
-        ends at step N by eos / a stop string is still in it (its row is dropped: its key and
-        value land in its own blocks, reserved for max_len; the blocks go back after step N is
-        read, and any later step that reuses them runs after this one on the stream)."""
-        decodes = previous.decodes
-        if not self.can_launch_ahead or decodes is None or len(decodes) != len(previous.sampled):
+        """Step N+1's forward for the requests sampled at step N (in the running order, as the
+        scheduler will plan them), or None when its plan will differ: a prompt is still being
+        prefilled, a cancellation waits, or a waiting request will be admitted. Requests whose
+        last token (max_len) is step N's are left out; a request that ends at step N by eos /
+        a stop string is still in it (its row is dropped: its key and value land in its own
+        blocks, reserved for max_len; the blocks go back after step N is read, and any later
+        step that reuses them runs after this one on the stream)."""
+        sampled = previous.sampled
+        if not self.can_launch_ahead:
             return None
         with self.lock:
-            if self.to_cancel or len(self.scheduler.running) != len(decodes):
+            running = self.scheduler.running
+            if self.to_cancel or len(running) != len(sampled):
+                return None  # (a running request that was not sampled is still prefilling)
+            row = {id(r): i for i, r in enumerate(sampled)}
+            order = [row.get(id(r), -1) for r in running]
+            ending = {i for i, r in enumerate(sampled) if r.num_tokens + 1 >= r.max_len}
+            if -1 in order or self.scheduler.waiting and (ending or self.scheduler.can_admit()):
                 return None
-            last = [r.num_tokens + 1 >= r.max_len for r in decodes]  # step N ends them
-            if self.scheduler.waiting and (any(last) or self.scheduler.can_admit()):
-                return None
-        keep = [i for i, done in enumerate(last) if not done]
+        keep = [i for i in order if i not in ending]
         if not keep:
             return None
-        ids = previous.next_ids  # [n]
-        if len(keep) < len(decodes):
+        ids = previous.next_ids  # [n]: step N's samples
+        if keep != list(range(len(sampled))):
             ids = ids.index_select(0, self.slot_tables.to_device(keep))
-            decodes = [decodes[i] for i in keep]
-        plan = StepPlan(decodes, [])
+        plan = StepPlan([sampled[i] for i in keep], [])
         logits = self._forward(plan, self.slot_tables.build(plan, decode_ids=ids))
         self.ahead["launched"] += 1
-        return Ahead(decodes, logits)
+        return Ahead(plan.decodes, logits)
 
     def _plan(self) -> StepPlan:
         """Admit what fits (writing the new requests' block tables), then plan; under the lock."""
@@ -309,7 +311,7 @@ class Engine:
         batch = self._batch(plan)
         logits = self._forward(plan, batch)
         self._commit(plan)
-        return self._sample(batch.sampled, logits, None if plan.prefills else plan.decodes)
+        return self._sample(batch.sampled, logits)
 
     def _forward(self, plan: StepPlan, batch: StepBatch) -> torch.Tensor:
         """Logits [n, vocab] of the sampled rows: a graph replay for decode-only steps."""
@@ -332,8 +334,7 @@ class Engine:
             self.counters["prompt_tokens"] += count
         self.counters["steps"] += 1
 
-    def _sample(self, sampled: list[Request], logits: torch.Tensor,
-                decodes: list[Request] | None) -> Launched:
+    def _sample(self, sampled: list[Request], logits: torch.Tensor) -> Launched:
         """Sample the rows on the device and start copying the ids (and whether each row's
         logits were finite) to the host; nothing waits here."""
         next_ids = sample_rows(logits, [r.params for r in sampled],
@@ -347,7 +348,7 @@ class Engine:
             event.record()
         else:
             host = both
-        return Launched(sampled, next_ids, host, event, decodes)
+        return Launched(sampled, next_ids, host, event)
 
     def _read(self, launched: Launched) -> list[RequestOutput]:
         """Wait for a launched step's tokens (the step's one host sync) and hand them out."""
