@@ -96,6 +96,14 @@ def run(model, tok, overlap: bool, graphs: bool):
             requests.append(engine.submit([9, 8, 7], SamplingParams(max_tokens=9, seed=5),
                                           on_output, request_id="joined"))
 
+    forward = engine._forward
+
+    def own_blocks_only(plan, batch):  # every key / value lands in its request's own blocks
+        for r, kv in zip(plan.decodes, batch.step.slot_ids.tolist()):
+            assert kv // 4 in r.blocks and r.finish_reason is None
+        return forward(plan, batch)
+
+    engine._forward = own_blocks_only
     for i, (prompt, params) in enumerate(jobs):
         requests.append(engine.submit(prompt, params, on_output, request_id=f"r{i}"))
     while engine.has_work():
