@@ -2,7 +2,8 @@
 step's tokens are read) gives the serial engine's outputs token for token, on a workload that
 mixes greedy, seeded and shared-generator sampling, stop strings, eos, max_tokens, a
 cancellation and requests joining while others decode; and the per-slot step inputs equal
-tables built from the requests' block lists."""
+tables built from the requests' block lists. Every forward, early or not, writes keys and values
+only into blocks its requests still own."""
 
 import pytest
 import torch
