@@ -7,7 +7,8 @@ For each batch B (--batches), B requests with --context tokens cached decode tog
 - step: Engine.step as the serving loop calls it, serial (overlap off: median of --steps);
 - step_overlap: the steady-state time per step with overlap on (EngineSettings.overlap: each
   step launched before the previous one's tokens are read): the wall time of --steps calls, the
-  last one's tokens read, over --steps;
+  last one's tokens read, over --steps; and of it the host's busy time (not waiting for a
+  step's tokens; on the CPU the "GPU" work is the host's too);
 - the serial step's parts, each timed alone with a sync before and after: building the step's
   tensors on the host (Engine._batch), the forward (a CUDA graph replay when graphs are on),
   sampling plus the one host sync;
@@ -105,21 +106,24 @@ def parts_of_step(engine: Engine, device: torch.device) -> dict[str, float]:
     return {"host_batch_ms": host, "forward_ms": fwd, "sample_sync_ms": samp}
 
 
-def overlapped_step_ms(engine: Engine, steps: int, device: torch.device) -> float:
-    """Steady-state ms per Engine.step with overlap on (a few warm-up steps first)."""
+def overlapped_step_ms(engine: Engine, steps: int, device: torch.device) -> tuple[float, float]:
+    """Steady-state ms per Engine.step with overlap on (a few warm-up steps first), and of
+    that the host's busy time (not waiting for the GPU's tokens): when the two are close the
+    host, not the GPU, sets the pace."""
     engine.set_overlap(True)
     for _ in range(3):
         engine.step()
     sync(device)
-    t = time.perf_counter()
+    waited, t = engine.waited_s, time.perf_counter()
     for _ in range(steps):
         engine.step()
     engine.set_overlap(False)  # reads the last launched step
     sync(device)
     elapsed = 1e3 * (time.perf_counter() - t) / steps
+    waited = 1e3 * (engine.waited_s - waited) / steps
     launched = engine.ahead["launched"]
     assert launched and engine.ahead["used"] == launched, "the overlap path was not taken"
-    return elapsed
+    return elapsed, elapsed - waited
 
 
 def kernel_table(engine: Engine, device: torch.device, top: int) -> dict:
@@ -162,11 +166,12 @@ def profile_batch(model, cfg, args, batch: int, device: torch.device) -> dict:
         engine.step()
         steps.append(1e3 * (time.perf_counter() - t))
     parts = [parts_of_step(engine, device) for _ in range(max(3, args.steps // 4))]
-    overlap = overlapped_step_ms(engine, args.steps, device)
+    overlap, busy = overlapped_step_ms(engine, args.steps, device)
     medians = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
     kernels = kernel_table(engine, device, args.top)
     result = {"batch": batch, "graphs": graphs, "context": args.context,
-              "step_ms": statistics.median(steps), "step_overlap_ms": overlap, **medians,
+              "step_ms": statistics.median(steps), "step_overlap_ms": overlap,
+              "host_busy_overlap_ms": busy, **medians,
               "bound_ms": bound_ms(model, engine, batch, args.context, args.bandwidth),
               "eager": kernels}
     engine.abort_all("cancelled")
@@ -177,7 +182,8 @@ def profile_batch(model, cfg, args, batch: int, device: torch.device) -> dict:
 
 def print_result(r: dict) -> None:
     print(f"\nbatch {r['batch']} (graphs {r['graphs']}, context {r['context']}): step "
-          f"{r['step_ms']:.3f} ms serial, {r['step_overlap_ms']:.3f} ms overlapped, bound "
+          f"{r['step_ms']:.3f} ms serial, {r['step_overlap_ms']:.3f} ms overlapped (host busy "
+          f"{r['host_busy_overlap_ms']:.3f}), bound "
           f"{r['bound_ms']:.3f} ms; serial parts: host batch "
           f"{r['host_batch_ms']:.3f}, forward {r['forward_ms']:.3f}, sample+sync "
           f"{r['sample_sync_ms']:.3f}")

@@ -149,6 +149,7 @@ class Engine:
         self.set_overlap(self.graphs is not None if settings.overlap is None
                          else settings.overlap)
         self.ahead = {"launched": 0, "used": 0, "discarded": 0, "trimmed": 0}
+        self.waited_s = 0.0
         # submit / cancel (any thread, or an on_output callback) against step (one thread)
         self.lock = threading.RLock()
         self.to_cancel: set[str] = set()
@@ -353,7 +354,9 @@ class Engine:
     def _read(self, launched: Launched) -> list[RequestOutput]:
         """Wait for a launched step's tokens (the step's one host sync) and hand them out."""
         if launched.event is not None:
+            start = time.perf_counter()
             launched.event.synchronize()
+            self.waited_s += time.perf_counter() - start  # the host idle, waiting for the GPU
         tokens, ok = launched.host.tolist()
         outputs = []
         with self.lock:
