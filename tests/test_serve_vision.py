@@ -24,6 +24,7 @@ from trireme.cli import main as trireme_main
 from trireme.config import Config, ModelConfig
 from trireme.data.images import load_image, pixels
 from trireme.data.multimodal import image_prompt_ids
+from trireme.data.tokenizer import load_tokenizer
 from trireme.inference.cli import load_for_inference
 from trireme.inference.engine import Engine, EngineSettings, RequestError
 from trireme.inference.generate import generate
@@ -40,24 +41,33 @@ IMAGE_ID = 257  # the byte tokenizer's ids are 0..256 (eod); the placeholder com
 QUESTIONS = ["what is in the image?", "colour?", "<image>\ndescribe it", "and the shape?"]
 
 
-def save_model(root: Path, vision: bool) -> Path:
-    """A tiny Llama-shaped model (with a LLaVA-style image side when `vision`), the language
-    model's weights scaled up (clear greedy choices), saved with the byte tokenizer."""
-    cfg = Config()
+def model_config(vision: bool, positions: str = "rope") -> ModelConfig:
     extra = dict(vision_layers=2, vision_image_size=16, vision_patch_size=4,
                  vision_hidden_size=32, vision_attention_heads=2, image_token_id=IMAGE_ID,
                  vision_activation="quick_gelu") if vision else {}
-    cfg.model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
-                            num_query_groups=2, ffn_hidden_size=128, vocab_size=258,
-                            seq_length=96, position_embedding="rope", normalization="rmsnorm",
-                            activation="swiglu", precision="fp32", **extra)
-    cfg.data.tokenizer = "bytes"
-    model = GPT(cfg.model, seed=5)
+    return ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                       ffn_hidden_size=128, vocab_size=258, seq_length=96,
+                       position_embedding=positions, normalization="rmsnorm",
+                       activation="swiglu", precision="fp32", **extra)
+
+
+def tiny_model(cfg: ModelConfig) -> GPT:
+    """The language model's weights scaled up: clear greedy choices."""
+    model = GPT(cfg, seed=5).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2 and not name.startswith("vision."):
                 p.mul_(8.0)
-    state = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    return model
+
+
+def save_model(root: Path, vision: bool) -> Path:
+    """A tiny Llama-shaped model (with a LLaVA-style image side when `vision`), saved with the
+    byte tokenizer."""
+    cfg = Config()
+    cfg.model = model_config(vision)
+    cfg.data.tokenizer = "bytes"
+    state = {n: t.detach().clone() for n, t in tiny_model(cfg.model).state_dict().items()}
     save_checkpoint(root, 0, model=state, optimizer={}, trainer={"step": 0},
                     config_toml=cfg.to_toml())
     return root
@@ -91,10 +101,11 @@ def image_message(text: str, url: str) -> list[dict]:
                                          {"type": "text", "text": text}]}]
 
 
+@pytest.mark.parametrize("positions", ["rope", "learned"])
 @torch.no_grad()
-def test_engine_greedy_equals_generate_with_images(vlm_checkpoint, image_files):
-    loaded = load_for_inference(str(vlm_checkpoint), device="cpu")
-    model, tok, cfg = loaded.model, loaded.tokenizer, loaded.cfg.model
+def test_engine_greedy_equals_generate_with_images(positions, image_files):
+    cfg = model_config(vision=True, positions=positions)
+    model, tok = tiny_model(cfg), load_tokenizer("bytes")
     jobs = []  # (prompt ids, pixels or None)
     for i, question in enumerate(QUESTIONS):
         image = pixels(load_image(image_files[i % 3], cfg.vision_image_size)[None])
