@@ -46,6 +46,8 @@ def load_for_inference(checkpoint: str, tokenizer: str = "", device: str = "auto
     if dev.type == "cpu" and dtype == torch.float16:
         dtype = torch.float32  # fp16 matmuls are slow or missing on CPU
     # built on the meta device and filled from the checkpoint: no random init, no CPU copy
+    if cfg.model.vision_layers and cfg.model.image_token_id < 0:  # the tokenizer's <image>
+        cfg.model.image_token_id = image_token_id(tok, tok_spec)
     model = model_from_state(cfg.model, ckpt.model, dev, dtype).eval()
     bad = first_non_finite(model)
     if bad is not None:
@@ -80,8 +82,6 @@ def generate_from_checkpoint(
             raise ConfigError(f"--image: the model in {loaded.path} has no vision encoder "
                               "(model.vision_layers = 0)")
         image_id = cfg.model.image_token_id
-        if image_id < 0:
-            image_id = image_token_id(tok, loaded.tokenizer_spec)
         ids = image_prompt_ids(tok, prompt, image_id, num_image_tokens(cfg.model))
         images = pixels(load_image(image, cfg.model.vision_image_size, "--image: ")[None])
         images = images.to(model.embedding.weight.device, model.embedding.weight.dtype)

@@ -9,7 +9,8 @@ picks them: one decode token per request with its prompt cached, plus prompt chu
 ragged batch [1, T] over the paged cache (trireme.models.paged), samples one token for each
 request whose row ends its known tokens, and hands each request its new text through
 `on_output` (also returned). Per step there is one host sync: the sampled ids (and whether each
-row's logits were finite) come back to the CPU together.
+row's logits were finite) come back to the CPU together. A vision model's request may carry
+images: the prompt chunks holding their placeholders get their features (trireme.inference.images).
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from trireme.data.tokenizer_base import Tokenizer
 from trireme.errors import TriremeError
 from trireme.inference.blocks import BlockAllocator, pool_blocks
 from trireme.inference.graphs import DecodeGraphs, graphs_supported
+from trireme.inference.images import RequestImages
 from trireme.inference.sampling import SamplingParams, request_generator, sample_rows
 from trireme.inference.scheduler import Request, RequestOutput, Scheduler, StepPlan
 from trireme.inference.text import TextStream
 from trireme.models.gpt import GPT
 from trireme.models.paged import PagedCache, PagedLayout, PagedStep
+from trireme.models.vision import ImageRows, num_image_tokens
 
 
 class RequestError(TriremeError):
@@ -118,9 +121,11 @@ class Engine:
             raise RequestError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_output=None,
-               request_id: str | None = None) -> Request:
-        """Queue a request; raises RequestError (bad request) or QueueFull."""
+               request_id: str | None = None, images: torch.Tensor | None = None) -> Request:
+        """Queue a request; raises RequestError (bad request) or QueueFull. `images` [k, 3, S,
+        S] (normalized pixels, a vision model): their features fill the prompt's placeholders."""
         self.check_prompt(prompt_ids)
+        request_images = self._request_images(prompt_ids, images)
         problem = params.problem()
         if problem:
             raise RequestError(problem)
@@ -131,7 +136,7 @@ class Engine:
             request_id if request_id is not None else f"req-{next(self.ids)}",
             list(prompt_ids), params, max_len, on_output,
             TextStream(self.tokenizer, params.stop) if self.tokenizer else None,
-            request_generator(params, self.device))
+            request_generator(params, self.device), images=request_images)
         need = self.scheduler.blocks_needed(request)
         if need > self.allocator.usable:
             raise RequestError(f"the request needs {need} KV blocks ({max_len} tokens) but the "
@@ -143,6 +148,25 @@ class Engine:
                                 "(--max-queue); retry later")
             self.scheduler.waiting.append(request)
         return request
+
+    def _request_images(self, prompt_ids: list[int], images: torch.Tensor | None
+                        ) -> RequestImages | None:
+        """The request's images with their placeholder positions (RequestError if they do not
+        fit the model or the prompt)."""
+        if images is None:
+            return None
+        cfg = self.cfg
+        if not cfg.vision_layers:
+            raise RequestError("this model takes no images (model.vision_layers = 0)")
+        size = cfg.vision_image_size
+        if images.dim() != 4 or tuple(images.shape[1:]) != (3, size, size):
+            raise RequestError(f"images must be [k, 3, {size}, {size}], got {list(images.shape)}")
+        positions = [i for i, t in enumerate(prompt_ids) if t == cfg.image_token_id]
+        want = images.shape[0] * num_image_tokens(cfg)
+        if len(positions) != want:
+            raise RequestError(f"the prompt has {len(positions)} image placeholder tokens; "
+                               f"{images.shape[0]} image(s) take {want}")
+        return RequestImages(images, positions)
 
     def cancel(self, request_id: str) -> None:
         """Stop a request at the next step (its blocks go back); any thread."""
@@ -173,6 +197,7 @@ class Engine:
         if plan.num_tokens == 0:
             return outputs
         ids, positions, step, output_index, sampled = self._batch(plan)
+        image_rows = self._image_rows(plan)
         logits = None  # [n, vocab]
         if self.graphs is not None and not plan.prefills:
             logits = self.graphs.run(ids, positions, step)
@@ -180,7 +205,7 @@ class Engine:
             self.cache.begin(step)
             logits = self.model(ids.unsqueeze(0), kv_cache=self.cache,
                                 position_ids=positions.unsqueeze(0),
-                                output_index=output_index)[0]
+                                output_index=output_index, image_rows=image_rows)[0]
         next_ids = sample_rows(logits, [r.params for r in sampled],
                                [r.generator for r in sampled], self.generator)
         finite = torch.isfinite(logits).all(dim=-1)
@@ -190,6 +215,8 @@ class Engine:
         for request, count in plan.prefills:
             request.num_cached += count
             self.counters["prompt_tokens"] += count
+            if not request.prefilling:
+                request.images = None  # its features are in the cache now
         with self.lock:
             for request, token, good in zip(sampled, tokens, ok):
                 outputs.append(self._take_token(request, token, bool(good)))
@@ -242,6 +269,20 @@ class Engine:
                       for (first, count, start), table in zip(chunks, pieces[6:])],
             requests=requests)
         return ids_t, pos_t, step, out_t, sampled
+
+    def _image_rows(self, plan: StepPlan) -> ImageRows | None:
+        """The image features of the placeholders in this step's prompt chunks, at their rows
+        of the packed batch (the chunks follow the decode rows, in plan order)."""
+        first, index, features = len(plan.decodes), [], []
+        for request, count in plan.prefills:
+            if request.images is not None:
+                offsets, rows = request.images.chunk(self.model, request.num_cached, count)
+                index += [first + offset for offset in offsets]
+                features.append(rows)
+            first += count
+        if not index:
+            return None
+        return ImageRows(torch.tensor(index, device=self.device), torch.cat(features))
 
     def _take_token(self, request: Request, token: int, finite: bool) -> RequestOutput:
         """Append a sampled token; finish the request on eos, a stop string or its length."""
