@@ -152,7 +152,8 @@ def test_calibrate_writes_a_table_the_planner_loads(tmp_path, capsys):
     assert plan_main(["--calibrate", "--out", str(out)]) == 0
     rates = load_rates(str(out))
     assert rates.matmul_tflops["fp32"] > 0 and rates.attention_tflops["backward"] > 0
-    assert rates.memory_tbps > 0 and rates.norm_fused is False and not rates.optimizer_fused
+    assert rates.memory_tbps > 0 and rates.transpose_tbps > 0
+    assert rates.norm_fused is False and not rates.optimizer_fused
     capsys.readouterr()
     assert plan_main(["--config", "tiny", "--model.vocab_size=1000", "--gpu", str(out)]) == 0
     assert "trireme plan: 1 x cpu" in capsys.readouterr().out
