@@ -103,8 +103,8 @@ def repredict(path: str, rates) -> list[dict]:
     data = json.loads(Path(path).read_text())
     rows = []
     for old in data["results"]:
-        overrides = {"data.mock": True, **old["overrides"],
-                     **overrides_of(data.get("override", []))}
+        overrides = {"data.mock": True, **(SMOKE if data.get("smoke") else {}),
+                     **old["overrides"], **overrides_of(data.get("override", []))}
         want = predict(load_config(data["preset"], overrides), rates)
         got = old["measured"]
         rows.append({**old, "predicted": want,
@@ -225,8 +225,8 @@ def write(rows: list[dict], args, preset: str, rates_name: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     data = {"date": datetime.datetime.now(datetime.UTC).isoformat(), "device": device,
             "torch": torch.__version__, "git_commit": commit, "preset": preset,
-            "rates": rates_name, "override": args.override, "warmup": args.warmup,
-            "steps": args.steps, "results": rows}
+            "rates": rates_name, "smoke": args.smoke, "override": args.override,
+            "warmup": args.warmup, "steps": args.steps, "results": rows}
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2))
     tmp.replace(out)

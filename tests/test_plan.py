@@ -124,6 +124,11 @@ def test_plan_accuracy_bench_smoke(tmp_path):
     (row,) = data["results"]
     assert row["name"] == "none-mb4" and abs(row["memory_error"]) < 0.10
     assert row["predicted"]["step_s"] > 0 and row["measured"]["step_s"] > 0
+    # --repredict rebuilds the same configuration from the file: the same predictions
+    (again,) = bench.repredict(str(out), load_rates("cpu"))
+    assert again["predicted"]["memory_gib"] == pytest.approx(row["predicted"]["memory_gib"])
+    assert again["predicted"]["step_s"] == pytest.approx(row["predicted"]["step_s"])
+    assert again["measured"] == row["measured"]
 
 
 def test_train_refuses_before_building_on_a_small_gpu(monkeypatch):
