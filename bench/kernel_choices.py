@@ -105,10 +105,17 @@ def _tuple(out) -> tuple[torch.Tensor, ...]:
 
 
 def _grad_outputs(outs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-    """Fixed upstream gradients: ones for a scalar loss, seeded noise otherwise."""
-    g = torch.Generator(device=outs[0].device).manual_seed(1)
-    return [torch.ones_like(o) if o.dim() == 0 else
-            torch.randn(o.shape, generator=g, device=o.device, dtype=o.dtype) for o in outs]
+    """Fixed upstream gradients: ones for a scalar loss, else sin(0.7 i + 0.3) over the elements
+    in row-major order (a function of the index alone: batch element 0 of a [b, ...] gradient is
+    the [1, ...] one, which the attention reference relies on; random numbers on CUDA differ)."""
+    dys = []
+    for o in outs:
+        if o.dim() == 0:
+            dys.append(torch.ones_like(o))
+            continue
+        i = torch.arange(o.numel(), device=o.device, dtype=torch.float64)
+        dys.append(torch.sin(0.7 * i + 0.3).reshape(o.shape).to(o.dtype))
+    return dys
 
 
 def fwd_bwd(f: Callable, xs: list[torch.Tensor], dys: list[torch.Tensor] | None):
