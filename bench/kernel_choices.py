@@ -62,7 +62,8 @@ from trireme.ops.fused_cross_entropy import fused_linear_cross_entropy  # noqa: 
 from trireme.ops.rope import apply_rotary, rope_frequencies  # noqa: E402
 from trireme.ops.swiglu import fused_swiglu  # noqa: E402
 
-PACKAGES = ("torch", "triton", "flash_attn", "cutlass", "quack", "liger_kernel", "torchao")
+PACKAGES = ("torch", "triton", "flash_attn", "cutlass", "quack", "liger_kernel", "torchao",
+            "einops", "cuda.bindings", "google.protobuf")  # the last three: FA4 / CuTe DSL needs
 
 
 @dataclass

@@ -145,9 +145,12 @@ class ModelConfig:
         list(FP8_LAYER_NAMES), "fp8 only: which linears of each transformer block run in "
         "fp8 (any of qkv, out, fc1, fc2); the others stay bf16."
     )
-    attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math", "reference"] = doc(
+    attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math", "fa4",
+                               "reference"] = doc(
         "auto", "Attention kernel. auto: cuDNN on Hopper, then flash, efficient, math; "
-        "reference: plain PyTorch softmax(QK^T)V."
+        "fa4: FlashAttention-4 (optional package flash-attn-4, pip install 'trireme[fa4]') for "
+        "training's causal calls on CUDA in bf16 / fp16, auto for the rest (decoding, masks, "
+        "dropout, the CPU); reference: plain PyTorch softmax(QK^T)V."
     )
     compile: bool = doc(
         True, "torch.compile each transformer block on a GPU (the CPU always runs eagerly); "
