@@ -35,7 +35,8 @@ def graphs_supported(model: GPT, cache: PagedCache, block_size: int) -> bool:
     """CUDA, the Triton paged kernel, and no per-request (SlotState) sublayer states."""
     cfg = model.cfg
     only_attention = all(isinstance(s, PagedKV) for s in cache.states())
-    return (model.embedding.weight.is_cuda and cfg.attention_backend == "auto" and only_attention
+    decode_auto = cfg.attention_backend in ("auto", "fa4")  # fa4 decodes on the auto path
+    return (model.embedding.weight.is_cuda and decode_auto and only_attention
             and block_size & (block_size - 1) == 0 and cfg.head_size & (cfg.head_size - 1) == 0
             and kernel_available())
 

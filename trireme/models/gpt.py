@@ -47,6 +47,7 @@ from trireme.models.stages import StageSpec, rank_stages
 from trireme.models.vision import ImageRows, Projector, VisionEncoder, merge_images
 from trireme.ops.cross_entropy import cross_entropy
 from trireme.ops.fused_cross_entropy import fused_linear_cross_entropy
+from trireme.ops.liger import liger_linear_cross_entropy, liger_loss_applies, require_liger
 from trireme.ops.norms import build_norm
 from trireme.ops.recompute import MODES as RECOMPUTE_MODES
 from trireme.ops.rope import RotaryEmbedding, rope_frequencies
@@ -114,10 +115,14 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg, ctx, symbols[i])
                                      for i in self.stage.layers})
         if last:
-            self.final_norm = build_norm(cfg.normalization, h, cfg.norm_eps, cfg.bias)
+            self.final_norm = build_norm(cfg.normalization, h, cfg.norm_eps, cfg.bias,
+                                         cfg.kernels)
         if last and not cfg.tie_embeddings:  # under TP: this rank's rows of the vocabulary
             self.output = column_linear(h, [(self.padded_vocab_size, 1)], False, tp)
         self._compile_pending = cfg.compile
+        self.liger_loss = last and "liger_cross_entropy" in cfg.kernels  # trireme.ops.liger
+        if self.liger_loss:
+            require_liger("liger_cross_entropy")  # the one-line ConfigError at build
         if seed is not None:
             init_parameters(self, seed)
 
@@ -321,6 +326,10 @@ class GPT(nn.Module):
                 x, self.output_weight(), self.tp, self.cfg.vocab_size, labels, loss_mask
             )
         if labels is not None and self.cfg.fused_loss(x.is_cuda):  # no [b, s, vocab] logits
+            if (self.liger_loss and x.is_cuda and torch.is_grad_enabled()
+                    and liger_loss_applies(labels, loss_mask)):  # evaluation: trireme's, no grads
+                weight = self.output_weight()[: self.cfg.vocab_size]  # [vocab, h]
+                return liger_linear_cross_entropy(x, weight, labels, loss_mask)
             return fused_linear_cross_entropy(
                 x, self.output_weight(), labels, loss_mask, vocab_size=self.cfg.vocab_size,
                 chunk_size=self.cfg.loss_chunk_size, compile=self.cfg.compile and x.is_cuda,
