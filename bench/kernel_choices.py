@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import json
 import math
 import statistics
@@ -72,8 +73,12 @@ from trireme.ops.liger import (  # noqa: E402
 from trireme.ops.rope import apply_rotary, rope_frequencies  # noqa: E402
 from trireme.ops.swiglu import fused_swiglu, swiglu  # noqa: E402
 
-PACKAGES = ("torch", "triton", "flash_attn", "cutlass", "quack", "liger_kernel", "torchao",
-            "einops", "cuda.bindings", "google.protobuf")  # the last three: FA4 / CuTe DSL needs
+PACKAGES = {  # module to import: its distribution (for the version)
+    "torch": "torch", "triton": "triton", "flash_attn.cute": "flash-attn-4",
+    "cutlass": "nvidia-cutlass-dsl", "quack": "quack-kernels", "liger_kernel": "liger-kernel",
+    "torchao": "torchao", "einops": "einops", "cuda.bindings": "cuda-bindings",
+    "google.protobuf": "protobuf",  # the last three: FA4 / the CuTe DSL import them
+}
 
 
 @dataclass
@@ -491,13 +496,18 @@ def _set_weight(mod: nn.Module, w: torch.Tensor) -> None:
 # ---------------------------------------------------------------------------------- main
 
 def versions() -> dict[str, str]:
+    """The installed version of each package, or why its module does not import."""
     found = {}
-    for name in PACKAGES:
+    for module, dist in PACKAGES.items():
         try:
-            mod = importlib.import_module(name)
-            found[name] = str(getattr(mod, "__version__", "installed"))
+            mod = importlib.import_module(module)
         except Exception as e:
-            found[name] = f"unavailable ({type(e).__name__}: {e})"[:200]
+            found[dist] = f"unavailable ({type(e).__name__}: {e})"[:200]
+            continue
+        try:
+            found[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            found[dist] = str(getattr(mod, "__version__", "installed"))
     return found
 
 
