@@ -269,8 +269,8 @@ def test_fa4_matches_reference_cuda(compiled):
 
     y_ref, g_ref = run("reference")
     y, g = run("fa4")
-    assert (y - y_ref).abs().max() < 2e-2
-    assert (g - g_ref).abs().max() < 5e-2 * max(1.0, g_ref.abs().max().item() / 10)
+    assert (y - y_ref).abs().max() < 2e-2  # outputs are averages of values ~ N(0, 1)
+    assert (g - g_ref).norm() / g_ref.norm() < 2e-2  # bf16 rounding, relative
 
 
 @needs_liger
