@@ -495,6 +495,9 @@ def _set_weight(mod: nn.Module, w: torch.Tensor) -> None:
 
 # ---------------------------------------------------------------------------------- main
 
+OPS = ("attention", "rmsnorm", "swiglu", "swiglu_h", "rope", "loss", "fp8")
+
+
 def versions() -> dict[str, str]:
     """The installed version of each package, or why its module does not import."""
     found = {}
@@ -571,9 +574,12 @@ def parse(argv=None) -> argparse.Namespace:
                    help="skip the sections that would start after this many seconds")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--ops", default="attention,rmsnorm,swiglu,swiglu_h,rope,loss,fp8")
+    p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of the sections")
     p.add_argument("--out", default="bench/results/kernel_choices.json")
     args = p.parse_args(argv)
+    unknown = set(args.ops.split(",")) - set(OPS)
+    if unknown:
+        p.error(f"--ops: unknown {sorted(unknown)}; choose from {','.join(OPS)}")
     if args.repeats < 5 and not args.smoke:
         p.error(f"--repeats {args.repeats}: use at least 5 (the median of >= 5 runs)")
     return args
