@@ -16,13 +16,18 @@ CPU smoke (tiny sizes, only the candidates that run on the CPU, i.e. ours):
 Ops and candidates (llama3-1b: hidden 2048, 32 q / 8 kv heads of 64, ffn 8192, vocab 128256,
 seq 4096, micro batch 8, bf16):
 
-    attention  causal [8, 32|8, 4096, 64]: SDPA cuDNN, SDPA flash (FA2), FA4 (flash_attn.cute)
-    rmsnorm    [32768, 2048]: eager F.rms_norm, compiled ours, liger, quack
+    attention  causal [8, 32|8, 4096, 64]: SDPA cuDNN, SDPA flash (FA2), FA4 (flash_attn.cute),
+               FA4 through trireme's custom ops (model.attention_backend = "fa4")
+    rmsnorm    [32768, 2048]: eager F.rms_norm, compiled ours, liger (llama casting), liger as
+               trireme.ops.liger calls it (fp32 "gemma" casting), quack
     swiglu     silu(a) * b, a, b [32768, 8192]: compiled ours, ours fused (Triton bwd), liger
+    swiglu_h   the same on h = [gate; up] [32768, 16384], as the model holds it: compiled ours,
+               compiled fused_swiglu, liger through trireme.ops.liger (model.kernels)
     rope       q [8, 32, 4096, 64], k [8, 8, 4096, 64]: compiled ours, liger, quack
     loss       hidden [32768, 2048] x vocab 128256: ours (chunked fused, compiled softmax part),
-               plain (bf16 logits + F.cross_entropy), liger fused linear CE, quack chunked linear
-               CE, quack CE on materialized logits
+               plain (bf16 logits + F.cross_entropy), liger fused linear CE (default, and as
+               trireme.ops.liger calls it: fp32 weight-gradient sums), quack chunked linear CE,
+               quack CE on materialized logits
     fp8        x [32768, K] @ W [N, K]^T for (K, N) in (2048, 3072) (2048, 2048) (2048, 16384)
                (8192, 2048): bf16 nn.Linear, ours Float8Linear, torchao tensorwise, rowwise; all
                compiled, as in a compiled block
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import json
 import math
 import statistics
@@ -59,11 +65,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from trireme.ops.attention import attention  # noqa: E402
 from trireme.ops.fp8 import Float8Linear  # noqa: E402
 from trireme.ops.fused_cross_entropy import fused_linear_cross_entropy  # noqa: E402
+from trireme.ops.liger import (  # noqa: E402
+    liger_linear_cross_entropy,
+    liger_rms_norm,
+    liger_swiglu,
+)
 from trireme.ops.rope import apply_rotary, rope_frequencies  # noqa: E402
-from trireme.ops.swiglu import fused_swiglu  # noqa: E402
+from trireme.ops.swiglu import fused_swiglu, swiglu  # noqa: E402
 
-PACKAGES = ("torch", "triton", "flash_attn", "cutlass", "quack", "liger_kernel", "torchao",
-            "einops", "cuda.bindings", "google.protobuf")  # the last three: FA4 / CuTe DSL needs
+PACKAGES = {  # module to import: its distribution (for the version)
+    "torch": "torch", "triton": "triton", "flash_attn.cute": "flash-attn-4",
+    "cutlass": "nvidia-cutlass-dsl", "quack": "quack-kernels", "liger_kernel": "liger-kernel",
+    "torchao": "torchao", "einops": "einops", "cuda.bindings": "cuda-bindings",
+    "google.protobuf": "protobuf",  # the last three: FA4 / the CuTe DSL import them
+}
 
 
 @dataclass
@@ -245,7 +260,8 @@ def attention_case(s: Sizes, dev: str, dt: torch.dtype, on_gpu: bool) -> Case:
             return y.transpose(1, 2)
         return _fp32_ref(f, [x[:1] for x in xs])
 
-    cands = {"sdpa_cudnn": sdpa("cudnn"), "sdpa_flash": sdpa("flash"), "fa4": fa4} if on_gpu \
+    cands = {"sdpa_cudnn": sdpa("cudnn"), "sdpa_flash": sdpa("flash"), "fa4": fa4,
+             "fa4_trireme": sdpa("fa4")} if on_gpu \
         else {"sdpa_auto": sdpa("auto"), "sdpa_math": sdpa("math")}
     flops = 4 * b * n * t * t * d / 2 * 3.5  # causal: half; fwd 2 matmuls + bwd 5 = 3.5x fwd
     return Case("attention", inputs, cands, ref, flops=flops, ref_slice=lambda x: x[:1])
@@ -279,7 +295,8 @@ def rmsnorm_case(s: Sizes, dev: str, dt: torch.dtype, on_gpu: bool, eps: float =
 
     cands = {"eager": lambda: ours, "compiled_ours": lambda: torch.compile(ours)}
     if on_gpu:
-        cands |= {"liger": liger, "quack": quack}
+        cands |= {"liger": liger, "liger_trireme": lambda: lambda x, w: liger_rms_norm(x, w, eps),
+                  "quack": quack}
     nbytes = 4 * m * h * torch.finfo(dt).bits // 8  # x, y (fwd); x, dy, dx (bwd) ~ 4 passes min
     return Case("rmsnorm", inputs, cands, ref, bytes=nbytes)
 
@@ -308,6 +325,22 @@ def swiglu_case(s: Sizes, dev: str, dt: torch.dtype, on_gpu: bool) -> Case:
         cands |= {"fused_ours_cat": lambda: ours_fused, "liger": liger}
     nbytes = 7 * m * f_ * torch.finfo(dt).bits // 8  # fwd: a, b, y; bwd: a, b, dy, da, db
     return Case("swiglu", inputs, cands, lambda xs: _fp32_ref(ours, xs), bytes=nbytes)
+
+
+def swiglu_h_case(s: Sizes, dev: str, dt: torch.dtype, on_gpu: bool) -> Case:
+    """SwiGLU as the model runs it: h = fc1's output [m, 2F] = [gate; up], y = silu(gate) * up."""
+    m, f_ = s.tokens, s.ffn
+
+    def inputs():
+        g = torch.Generator(device=dev).manual_seed(0)
+        return [_leaf(torch.randn(m, 2 * f_, generator=g, device=dev, dtype=dt))]
+
+    cands = {"compiled_ours": lambda: torch.compile(swiglu),
+             "compiled_fused_ours": lambda: torch.compile(fused_swiglu)}
+    if on_gpu:
+        cands |= {"liger_trireme": lambda: liger_swiglu}
+    nbytes = 6 * m * f_ * torch.finfo(dt).bits // 8  # fwd: h, y; bwd: h, dy, dh (h = 2F)
+    return Case("swiglu_h", inputs, cands, lambda xs: _fp32_ref(swiglu, xs), bytes=nbytes)
 
 
 # ---------------------------------------------------------------------------------- rope
@@ -397,7 +430,9 @@ def loss_case(s: Sizes, dev: str, dt: torch.dtype, on_gpu: bool, chunk: int = 40
 
     cands = {"ours_fused": ours, "plain": lambda: plain}
     if on_gpu:
-        cands |= {"liger_flce": liger, "quack_chunked_lce": quack_lce,
+        cands |= {"liger_flce": liger,
+                  "liger_trireme": lambda: lambda x, w: liger_linear_cross_entropy(x, w, labels),
+                  "quack_chunked_lce": quack_lce,
                   "quack_ce_logits": quack_ce}
     return Case("loss", inputs, cands, ref, flops=6 * m * h * vocab)
 
@@ -460,20 +495,28 @@ def _set_weight(mod: nn.Module, w: torch.Tensor) -> None:
 
 # ---------------------------------------------------------------------------------- main
 
+OPS = ("attention", "rmsnorm", "swiglu", "swiglu_h", "rope", "loss", "fp8")
+
+
 def versions() -> dict[str, str]:
+    """The installed version of each package, or why its module does not import."""
     found = {}
-    for name in PACKAGES:
+    for module, dist in PACKAGES.items():
         try:
-            mod = importlib.import_module(name)
-            found[name] = str(getattr(mod, "__version__", "installed"))
+            mod = importlib.import_module(module)
         except Exception as e:
-            found[name] = f"unavailable ({type(e).__name__}: {e})"[:200]
+            found[dist] = f"unavailable ({type(e).__name__}: {e})"[:200]
+            continue
+        try:
+            found[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            found[dist] = str(getattr(mod, "__version__", "installed"))
     return found
 
 
 def build_cases(s: Sizes, dev: str, dt: torch.dtype, on_gpu: bool, ops: set[str]) -> list[Case]:
     makers = {"attention": attention_case, "rmsnorm": rmsnorm_case, "swiglu": swiglu_case,
-              "rope": rope_case, "loss": loss_case}
+              "swiglu_h": swiglu_h_case, "rope": rope_case, "loss": loss_case}
     cases = [mk(s, dev, dt, on_gpu) for name, mk in makers.items() if name in ops]
     if "fp8" in ops:
         cases += fp8_cases(s, dev, dt, on_gpu)
@@ -531,9 +574,12 @@ def parse(argv=None) -> argparse.Namespace:
                    help="skip the sections that would start after this many seconds")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--ops", default="attention,rmsnorm,swiglu,rope,loss,fp8")
+    p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of the sections")
     p.add_argument("--out", default="bench/results/kernel_choices.json")
     args = p.parse_args(argv)
+    unknown = set(args.ops.split(",")) - set(OPS)
+    if unknown:
+        p.error(f"--ops: unknown {sorted(unknown)}; choose from {','.join(OPS)}")
     if args.repeats < 5 and not args.smoke:
         p.error(f"--repeats {args.repeats}: use at least 5 (the median of >= 5 runs)")
     return args

@@ -269,8 +269,8 @@ def test_fa4_matches_reference_cuda(compiled):
 
     y_ref, g_ref = run("reference")
     y, g = run("fa4")
-    assert (y - y_ref).abs().max() < 2e-2
-    assert (g - g_ref).abs().max() < 5e-2 * max(1.0, g_ref.abs().max().item() / 10)
+    assert (y - y_ref).abs().max() < 2e-2  # outputs are averages of values ~ N(0, 1)
+    assert (g - g_ref).norm() / g_ref.norm() < 2e-2  # bf16 rounding, relative
 
 
 @needs_liger
@@ -295,3 +295,31 @@ def test_liger_kernels_match_ours_cuda():
     want = cross_entropy((h @ vocab_w.t()).float(), labels)
     got = liger_module.liger_linear_cross_entropy(h, vocab_w, labels)
     assert math.isclose(got.item(), want.item(), rel_tol=1e-2)
+
+
+def _gpu_loss_and_grads(**kw):
+    cfg = tiny_config(hidden_size=256, num_attention_heads=4, num_query_groups=2,
+                      ffn_hidden_size=512, vocab_size=1000, seq_length=128, compile=True, **kw)
+    model = GPT(cfg, seed=7).cuda().to(torch.bfloat16).train()
+    torch._dynamo.reset()
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1),
+                        generator=torch.Generator().manual_seed(0)).cuda()
+    loss = model(ids[:, :-1], ids[:, 1:])
+    loss.backward()
+    return loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("switch", [
+    pytest.param({"attention_backend": "fa4"}, marks=needs_fa4, id="fa4"),
+    pytest.param({"kernels": ["liger_rmsnorm", "liger_swiglu", "liger_cross_entropy"]},
+                 marks=needs_liger, id="liger"),
+])
+def test_compiled_model_with_switch_cuda(switch):
+    """A compiled bf16 model on the GPU: the switch on gives trireme's loss and gradients within
+    bf16 rounding."""
+    loss_ref, grads_ref = _gpu_loss_and_grads()
+    loss, grads = _gpu_loss_and_grads(**switch)
+    assert math.isclose(loss.item(), loss_ref.item(), rel_tol=1e-2)
+    for name, g in grads_ref.items():
+        rel = (grads[name] - g).norm() / g.norm().clamp(min=1e-12)
+        assert rel < 5e-2, (name, rel.item())
