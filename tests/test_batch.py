@@ -172,3 +172,14 @@ def test_eod_mask_loss_changes_the_loss(two_datasets, tmp_path):
     assert torch.equal(tokens, tokens_m) and (labels_m == -100).any()
     with torch.no_grad():
         assert base.model(tokens, labels).item() != masked.model(tokens_m, labels_m).item()
+
+
+def test_token_id_check_allows_only_the_vocabulary_and_the_ignore_label():
+    from trireme.errors import DataError
+    from trireme.trainer import check_token_ids
+
+    for fine in ([0, 5, -100], [-100, -100], [9], []):
+        check_token_ids(torch.tensor(fine, dtype=torch.long), 10, "data")
+    for bad in ([10], [-1, 3], [-100, -5, 2], [-101]):
+        with pytest.raises(DataError, match="outside model.vocab_size = 10"):
+            check_token_ids(torch.tensor(bad, dtype=torch.long), 10, "data")
