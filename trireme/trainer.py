@@ -133,16 +133,16 @@ class Trainer:
         # DP replica d reads its own consecutive run of micro batches of the global batch
         replica = self.mesh.coordinate("data") if self.data_parallel > 1 else 0
         start = self.state.consumed_samples + replica * self.num_micro_batches * mbs
-        batches = [self._micro_batch(self.train_data, start + i * mbs, mbs, check=True)
+        batches = [self._micro_batch(self.train_data, start + i * mbs, mbs)
                    for i in range(self.num_micro_batches)]
         self.runner.times.add_data_wait(now() - started)
         return batches
 
-    def _micro_batch(self, data, consumed: int, size: int, check: bool = False) -> Batch:
+    def _micro_batch(self, data, consumed: int, size: int) -> Batch:
         # the samples are read once; labels masked (-100) where the loss does not count
         host = get_micro_batch(data, consumed, size).for_training("cpu")
-        if check:  # on the host copies: no device sync
-            for ids in (host.tokens, host.labels):
+        for ids in (host.tokens, host.labels):  # on the host copies: no device sync
+            if ids is not None:
                 check_token_ids(ids, self.cfg.model.vocab_size, self.cfg.data.path)
         return host.for_training(self.device)  # pinned, asynchronous copies on a GPU
 
