@@ -20,12 +20,13 @@ given --fused-cross-entropy) one trainer is built as `trireme train --data.mock=
 
 Per system it prints the step time (no profiler) and tokens/s, and from the profile, per step:
 the GPU busy fraction (the union of the kernel, memcpy and memset intervals over the steps'
-window, from the first step's data read to the end of the final sync), the host syncs
+window, from the first step's data read to the end of the final sync); the host syncs
 (cudaStreamSynchronize / cudaDeviceSynchronize / cudaEventSynchronize / blocking cudaMemcpy
 calls, and aten::_local_scalar_dense: .item(), float(t), bool(t)) with the host time spent
-waiting in them (on the CPU, --smoke, `_local_scalar_dense` is no sync: torch's CPU AdamW reads
-its step counts that way), the host time in reading the data; then the top CPU ops by self time
-and the top kernels by device time. The last table is each variant's `loop` against its `step`.
+waiting in them; the host time in cudaMemcpyAsync (a copy from pageable memory waits for the GPU
+there, with no sync call); the host time reading data; the top CPU ops by self time and the top
+kernels by device time. On the CPU (--smoke) `_local_scalar_dense` is no sync (torch's CPU AdamW
+reads its step counts that way). The last table is each variant's `loop` against its `step`.
 JSON goes to bench/results/train_overhead-<preset>.json.
 """
 
@@ -173,6 +174,10 @@ def analyse(prof, steps: int, device: torch.device, top: int) -> dict:
            "sync_wait_s": sum(e.time_range.end - e.time_range.start for e in syncs
                               if e.name != "aten::_local_scalar_dense") / 1e6 / steps}
     out["syncs_per_step_total"] = sum(out["syncs_per_step"].values())
+    # a copy from pageable host memory waits for the stream inside cudaMemcpyAsync: no sync call
+    out["memcpy_async_s"] = sum(e.time_range.end - e.time_range.start for e in cpu
+                                if e.name == "cudaMemcpyAsync"
+                                and start <= e.time_range.start <= end) / 1e6 / steps
     out["top_cpu_ops"] = top_cpu_ops(cpu, start, end, steps, top)
     if device.type == "cuda":
         records = [r for r in device_records(prof) if r[1] + r[2] >= start and r[1] <= end]
@@ -262,7 +267,8 @@ def report(results: list[dict], top: int) -> str:
             f"{fmt_ms(r['sync_wait_s'])} | {fmt_ms(r['data_read_s'])} |")
     for r in results:
         lines.append(f"\n{r['variant']} / {r['system']}: syncs per step "
-                     + ", ".join(f"{k} {v:g}" for k, v in r["syncs_per_step"].items() if v))
+                     + ", ".join(f"{k} {v:g}" for k, v in r["syncs_per_step"].items() if v)
+                     + f"; host time in cudaMemcpyAsync {fmt_ms(r['memcpy_async_s'])} ms")
         lines.append(f"  top {top} CPU ops (self ms/step, calls/step):")
         lines += [f"    {o['ms_per_step']:9.2f} {o['calls_per_step']:8.1f}  {o['name'][:90]}"
                   for o in r["top_cpu_ops"]]
