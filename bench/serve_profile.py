@@ -131,7 +131,8 @@ def kernel_table(engine: Engine, device: torch.device, top: int) -> dict:
             totals[e.name[:90]] += e.device_time / reps
             counts[e.name[:90]] += 1
     rows = sorted(totals.items(), key=lambda kv: -kv[1])
-    return {"kernel_us_total": sum(totals.values()), "kernels_per_step": sum(counts.values()) / reps,
+    return {"kernel_us_total": sum(totals.values()),
+            "kernels_per_step": sum(counts.values()) / reps,
             "top": [{"name": n, "us": round(t, 1), "count": counts[n] / reps}
                     for n, t in rows[:top]]}
 
