@@ -1,0 +1,62 @@
+"""A compiled decode forward for the serving engine (EngineSettings.compile_decode).
+
+A decode step of a 1B model spends about as much GPU time in small elementwise kernels (norms,
+RoPE's cat, residual adds, silu * up, casts, the KV writes) as in its GEMMs. torch.compile fuses
+them: each block's decode forward
+
+    x -> x + attention(norm(x)) -> x + mlp(norm(x))      (qkv, RoPE, paged step, out, fc1, fc2)
+
+is traced whole (fullgraph), the paged attention step being one opaque custom op
+(trireme.ops.paged_decode_op: the KV write and the paged decode kernel), and Inductor makes one
+kernel of each run of elementwise work between the GEMMs.
+
+- One compiled function serves every block (they differ only in their weights, which are graph
+  inputs), so a model's 16 layers share one graph per batch size.
+- Shapes are static (dynamic=False): one compilation per batch bucket of the CUDA graphs
+  (trireme.inference.graphs), done in their warm-up; the recompile limit is raised around these
+  calls only (RECOMPILE_LIMIT), not for the process.
+- Only decode-only steps run compiled (PagedCache.forward_layer); prefill and mixed steps stay
+  eager, and the eager forward stays the reference the tests hold this one to.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from trireme.models.paged import PagedCache
+
+RECOMPILE_LIMIT = 64  # graphs compiled per process: batch buckets x dtypes x models
+
+
+def _decode_layer(block: torch.nn.Module, x: torch.Tensor, rope: Any,
+                  state: dict[str, Any]) -> torch.Tensor:
+    """One block's decode forward, x [1, T, h] -> [1, T, h] (what torch.compile traces)."""
+    return block.layer(x, rope, state, 0)
+
+
+def _limit_key() -> str:
+    config = torch._dynamo.config
+    return "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+
+
+@functools.cache
+def compiled_layer(backend: str = "inductor") -> Callable[..., torch.Tensor]:
+    """The compiled `_decode_layer` (one per backend per process: its compilations are shared
+    by every engine and layer)."""
+    compiled = torch.compile(_decode_layer, backend=backend, fullgraph=True)
+
+    def run(block: torch.nn.Module, x: torch.Tensor, rope: Any,
+            state: dict[str, Any]) -> torch.Tensor:
+        with torch._dynamo.config.patch(**{_limit_key(): RECOMPILE_LIMIT}):
+            return compiled(block, x, rope, state)
+
+    return run
+
+
+def compile_decode(cache: PagedCache, backend: str = "inductor") -> None:
+    """Run `cache`'s decode-only steps through the compiled blocks."""
+    cache.compiled_layer = compiled_layer(backend)
