@@ -2,14 +2,21 @@
 
     python bench/serve_profile.py                   # llama3-1b shape, random weights, GPU
     python bench/serve_profile.py --smoke           # a tiny model on the CPU, seconds
+    python bench/serve_profile.py --compile off     # graphs of the eager decode forward
 
 For each batch B (--batches), B requests with --context tokens cached decode together. Reported:
+- setup: building the engine, which captures its CUDA graphs (and with --compile on, the
+  default, compiles the decode forward first: trireme.inference.compiled_decode);
+- agreement: one decode step's logits from the graph replay against the plain eager forward
+  (no graphs, no compilation) of the same step: the largest difference and how many rows pick
+  the same greedy token;
 - step: Engine.step as the serving loop calls it (median of --steps);
 - its parts, each timed alone with a sync before and after: building the step's tensors on the
   host (Engine._batch), the forward (a CUDA graph replay when graphs are on), sampling plus the
   one host sync, the rest (bookkeeping, outputs);
-- the kernels of one eager decode step (torch.profiler): the top --top by time, with counts, and
-  the sum, against the bandwidth bound (weights + KV bytes read / --bandwidth).
+- the kernels of one decode step run without the graphs (torch.profiler; the compiled blocks
+  when --compile on): the top --top by time, with counts, and the sum, against the bandwidth
+  bound (weights + KV bytes read / --bandwidth).
 Prints tables; writes JSON (default bench/results/serve_profile-<preset>.json).
 """
 
@@ -45,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--graphs", choices=["on", "off"], default="on")
+    p.add_argument("--compile", choices=["on", "off"], default="on",
+                   help="capture the compiled decode forward (EngineSettings.compile_decode)")
     p.add_argument("--bandwidth", type=float, default=4.2e12)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None)
@@ -61,10 +70,14 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def filled_engine(model, cfg, batch: int, context: int, graphs: bool) -> Engine:
+def filled_engine(model, cfg, batch: int, context: int, graphs: bool, compile: bool
+                  ) -> tuple[Engine, float]:
+    """An engine with `batch` requests past their prompts; the seconds building it took."""
     settings = EngineSettings(max_running=batch, max_batch_tokens=max(2048, batch),
-                              max_queue=10**6, cuda_graphs=graphs)
+                              max_queue=10**6, cuda_graphs=graphs, compile_decode=compile)
+    t = time.perf_counter()
     engine = Engine(model, settings)
+    setup = time.perf_counter() - t
     params = SamplingParams(max_tokens=cfg.model.seq_length - context - 1, greedy=True,
                             ignore_eos=True)
     gen = torch.Generator().manual_seed(1)
@@ -74,7 +87,7 @@ def filled_engine(model, cfg, batch: int, context: int, graphs: bool) -> Engine:
     while any(r.prefilling for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     engine.step()
-    return engine
+    return engine, setup
 
 
 def timed(fn, device):
@@ -112,8 +125,28 @@ def parts_of_step(engine: Engine, device: torch.device) -> dict[str, float]:
     return {"host_batch_ms": host, "forward_ms": fwd, "sample_sync_ms": samp}
 
 
+def agreement(engine: Engine) -> dict:
+    """One decode step's logits through the engine's path (graph replay, compiled or not)
+    against the plain eager forward of the same step (the keys it writes are the same)."""
+    with torch.inference_mode():
+        ids, positions, step, output_index, _ = engine._batch(engine.scheduler.plan())
+        if engine.graphs is None or engine.graphs.broken:
+            return {}
+        fast = engine.graphs.run(ids, positions, step).float().clone()
+        compiled, engine.cache.compiled_layer = engine.cache.compiled_layer, None
+        engine.cache.begin(step)
+        plain = engine.model(ids.unsqueeze(0), kv_cache=engine.cache,
+                             position_ids=positions.unsqueeze(0),
+                             output_index=output_index)[0].float()
+        engine.cache.compiled_layer = compiled
+    return {"max_abs_diff": (fast - plain).abs().max().item(),
+            "logit_scale": plain.abs().max().item(),
+            "same_argmax": (fast.argmax(-1) == plain.argmax(-1)).float().mean().item()}
+
+
 def kernel_table(engine: Engine, device: torch.device, top: int) -> dict:
-    """The kernels of one eager decode step, by total time."""
+    """The kernels of one decode step without the graphs (compiled blocks when the engine has
+    them), by total time."""
     graphs, engine.graphs = engine.graphs, None
     engine.step()
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -131,7 +164,8 @@ def kernel_table(engine: Engine, device: torch.device, top: int) -> dict:
             totals[e.name[:90]] += e.device_time / reps
             counts[e.name[:90]] += 1
     rows = sorted(totals.items(), key=lambda kv: -kv[1])
-    return {"kernel_us_total": sum(totals.values()), "kernels_per_step": sum(counts.values()) / reps,
+    return {"kernel_us_total": sum(totals.values()),
+            "kernels_per_step": sum(counts.values()) / reps,
             "top": [{"name": n, "us": round(t, 1), "count": counts[n] / reps}
                     for n, t in rows[:top]]}
 
@@ -143,8 +177,11 @@ def bound_ms(model, engine: Engine, batch: int, context: int, bandwidth: float) 
 
 
 def profile_batch(model, cfg, args, batch: int, device: torch.device) -> dict:
-    engine = filled_engine(model, cfg, batch, args.context, args.graphs == "on")
+    engine, setup = filled_engine(model, cfg, batch, args.context, args.graphs == "on",
+                                  args.compile == "on")
     graphs = engine.graphs is not None and not engine.graphs.broken
+    compiled = graphs and engine.graphs.compiled
+    agree = agreement(engine)
     steps = []
     for _ in range(args.steps):
         t = time.perf_counter()
@@ -153,7 +190,8 @@ def profile_batch(model, cfg, args, batch: int, device: torch.device) -> dict:
     parts = [parts_of_step(engine, device) for _ in range(max(3, args.steps // 4))]
     medians = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
     kernels = kernel_table(engine, device, args.top)
-    result = {"batch": batch, "graphs": graphs, "context": args.context,
+    result = {"batch": batch, "graphs": graphs, "compiled": compiled, "setup_s": setup,
+              "agreement": agree, "context": args.context,
               "step_ms": statistics.median(steps), **medians,
               "bound_ms": bound_ms(model, engine, batch, args.context, args.bandwidth),
               "eager": kernels}
@@ -164,12 +202,19 @@ def profile_batch(model, cfg, args, batch: int, device: torch.device) -> dict:
 
 
 def print_result(r: dict) -> None:
-    print(f"\nbatch {r['batch']} (graphs {r['graphs']}, context {r['context']}): step "
-          f"{r['step_ms']:.3f} ms, bound {r['bound_ms']:.3f} ms; host batch "
-          f"{r['host_batch_ms']:.3f}, forward {r['forward_ms']:.3f}, sample+sync "
+    print(f"\nbatch {r['batch']} (graphs {r['graphs']}, compiled {r['compiled']}, context "
+          f"{r['context']}): step {r['step_ms']:.3f} ms, bound {r['bound_ms']:.3f} ms; host "
+          f"batch {r['host_batch_ms']:.3f}, forward {r['forward_ms']:.3f}, sample+sync "
           f"{r['sample_sync_ms']:.3f}")
+    print(f"setup (graph capture{' + compile' if r['compiled'] else ''}): {r['setup_s']:.1f} s")
+    a = r["agreement"]
+    if a:
+        print(f"graph replay vs plain eager forward: max |diff| {a['max_abs_diff']:.3g} (logits "
+              f"up to {a['logit_scale']:.3g}), same greedy token in {100 * a['same_argmax']:.1f}%"
+              " of rows")
     k = r["eager"]
-    print(f"eager step kernels: {k['kernels_per_step']:.0f} launches, "
+    print(f"{'compiled' if r['compiled'] else 'eager'} step kernels (no graph): "
+          f"{k['kernels_per_step']:.0f} launches, "
           f"{k['kernel_us_total'] / 1e3:.3f} ms of kernel time")
     for row in k["top"]:
         print(f"  {row['us']:>9.1f} us  x{row['count']:<5.0f} {row['name']}")
@@ -184,6 +229,7 @@ def main(argv=None) -> int:
     out = Path(args.out or HERE / "results" / f"serve_profile-{args.preset}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"preset": args.preset, "torch": torch.__version__,
+                               "compile": args.compile,
                                "device": torch.cuda.get_device_name() if device.type == "cuda"
                                else "cpu", "results": results}, indent=1))
     return 0

@@ -12,9 +12,11 @@ kernel of each run of elementwise work between the GEMMs.
 
 - One compiled function serves every block (they differ only in their weights, which are graph
   inputs), so a model's 16 layers share one graph per batch size.
-- Shapes are static (dynamic=False): one compilation per batch bucket of the CUDA graphs
-  (trireme.inference.graphs), done in their warm-up; the recompile limit is raised around these
-  calls only (RECOMPILE_LIMIT), not for the process.
+- The first batch size compiles with static shapes (the CUDA graphs capture the largest bucket
+  first, trireme.inference.graphs); the next one makes dynamo recompile with the batch dimension
+  dynamic, which serves the other buckets (batch 1 gets one of its own). The block tables' width
+  is dynamic from the start. All this happens in the graphs' warm-up; the recompile limit is
+  raised around these calls only (RECOMPILE_LIMIT), not for the process.
 - Only decode-only steps run compiled (PagedCache.forward_layer); prefill and mixed steps stay
   eager, and the eager forward stays the reference the tests hold this one to.
 """
@@ -27,7 +29,7 @@ from typing import Any
 
 import torch
 
-from trireme.models.paged import PagedCache
+from trireme.models.paged import PagedCache, PagedStep
 
 RECOMPILE_LIMIT = 64  # graphs compiled per process: batch buckets x dtypes x models
 
@@ -49,8 +51,11 @@ def compiled_layer(backend: str = "inductor") -> Callable[..., torch.Tensor]:
     by every engine and layer)."""
     compiled = torch.compile(_decode_layer, backend=backend, fullgraph=True)
 
-    def run(block: torch.nn.Module, x: torch.Tensor, rope: Any,
-            state: dict[str, Any]) -> torch.Tensor:
+    def run(block: torch.nn.Module, x: torch.Tensor, rope: Any, state: dict[str, Any],
+            step: PagedStep) -> torch.Tensor:
+        # the tables' width changes with the longest context (eager steps) or is the graphs'
+        # fixed width: nothing in the graph depends on it, so it never asks for a recompile
+        torch._dynamo.maybe_mark_dynamic(step.decode_tables, 1)
         with torch._dynamo.config.patch(**{_limit_key(): RECOMPILE_LIMIT}):
             return compiled(block, x, rope, state)
 

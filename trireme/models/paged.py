@@ -179,7 +179,7 @@ class PagedCache:
         """Layer `layer`'s block on this step's x [1, T, h] (GPT's decoding loop calls it):
         through `compiled_layer` for a decode-only step when one is set, else eagerly."""
         if self.compiled_layer is not None and self.step is not None and self.step.decode_only:
-            return self.compiled_layer(block, x, rope, self.layers[layer])
+            return self.compiled_layer(block, x, rope, self.layers[layer], self.step)
         return block.forward(x, rope, self.layers[layer], 0)
 
     def nbytes(self) -> int:
