@@ -100,3 +100,25 @@ def test_the_paged_decode_op_matches_its_fake_and_the_reference():
     torch.testing.assert_close(y, paged_decode_reference(q, k_pool, v_pool, tables, lengths,
                                                          "reference"))
     assert torch.equal(y, write_and_attend(*args, "reference"))
+
+
+class FailingCompiledGraphs(EagerGraphs):
+    """EagerGraphs whose capture fails while the blocks are compiled (a model torch.compile
+    cannot trace, say)."""
+
+    def _record(self, size):
+        if self.cache.compiled_layer is not None:
+            raise RuntimeError("cannot compile this")
+        return super()._record(size)
+
+
+@torch.no_grad()
+def test_a_failed_compiled_capture_falls_back_to_the_eager_forward_graphs():
+    model = model_of(config())
+    engine = Engine(model, EngineSettings(block_size=4, max_running=2))
+    graphs = FailingCompiledGraphs(model, engine.cache, 2, 4, compile=True)
+    assert graphs.compiled and engine.cache.compiled_layer is not None
+    with pytest.warns(UserWarning, match="compiled decode forward is off"):
+        graphs.capture_all()
+    assert not graphs.compiled and engine.cache.compiled_layer is None
+    assert not graphs.broken and sorted(graphs.graphs) == [1, 2]
