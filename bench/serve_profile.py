@@ -17,12 +17,21 @@ For each batch B (--batches), B requests with --context tokens cached decode tog
 - the kernels of one decode step run without the graphs (torch.profiler; the compiled blocks
   when --compile on): the top --top by time, with counts, and the sum, against the bandwidth
   bound (weights + KV bytes read / --bandwidth).
-Prints tables; writes JSON (default bench/results/serve_profile-<preset>.json).
+
+    python bench/serve_profile.py --kernel-configs  # only: sweep the paged decode kernel's launch
+
+--kernel-configs times the paged decode kernel alone (trireme.ops.paged_attention_triton) at each
+batch of --batches with --context keys per request, for every tile x num_warps x splits x
+num_stages of --tiles / --warps / --splits / --stages (0: the default), each checked against the
+gather reference first (on the CPU only under TRITON_INTERPRET=1, to check the sweep).
+Prints tables; writes JSON (default bench/results/serve_profile-<preset>.json, with
+--kernel-configs serve_kernel_configs-<preset>.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -40,6 +49,7 @@ from serve_throughput import DTYPES, SMOKE, build, free_memory  # noqa: E402, F4
 
 from trireme.inference.engine import Engine, EngineSettings  # noqa: E402
 from trireme.inference.sampling import SamplingParams, sample_rows  # noqa: E402
+from trireme.ops.paged_attention import paged_decode_reference  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -55,6 +65,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", choices=["on", "off"], default="on",
                    help="capture the compiled decode forward (EngineSettings.compile_decode)")
     p.add_argument("--bandwidth", type=float, default=4.2e12)
+    p.add_argument("--kernel-configs", action="store_true",
+                   help="only sweep the paged decode kernel's launch settings (GPU)")
+    p.add_argument("--tiles", default="32,64,128")
+    p.add_argument("--warps", default="2,4,8")
+    p.add_argument("--splits", default="0,1,2,4", help="0: the kernel's default choice")
+    p.add_argument("--stages", default="0", help="0: Triton's default")
+    p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -220,9 +237,72 @@ def print_result(r: dict) -> None:
         print(f"  {row['us']:>9.1f} us  x{row['count']:<5.0f} {row['name']}")
 
 
+def kernel_case(m, batch: int, context: int, block: int, device: torch.device, dtype):
+    """q [B, H, d], pools, tables [B, W] (blocks shuffled over the pool), lengths [B]."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    width = -(-context // block)
+    shape = (1 + batch * width, block, m.kv_heads, m.head_size)
+    k_pool = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    v_pool = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    order = torch.randperm(batch * width, generator=gen, device=device) + 1
+    q = torch.randn(batch, m.num_attention_heads, m.head_size, generator=gen, device=device,
+                    dtype=dtype)
+    lengths = torch.full((batch,), context, device=device, dtype=torch.long)
+    return q, k_pool, v_pool, order.view(batch, width), lengths
+
+
+def kernel_configs(cfg, args, device: torch.device, dtype) -> list[dict]:
+    """Each launch setting of the paged decode kernel: its time and read rate, if it agrees
+    with the gather reference."""
+    from trireme.ops.paged_attention_triton import paged_decode_attention as launch
+
+    rows = []
+    ints = [[int(v) for v in getattr(args, a).split(",")] for a in ("tiles", "warps", "splits",
+                                                                    "stages")]
+    for batch in (int(b) for b in args.batches.split(",")):
+        case = kernel_case(cfg.model, batch, args.context, args.block_size, device, dtype)
+        want = paged_decode_reference(*case).float()
+        kv_bytes = 2 * batch * args.context * cfg.model.kv_heads * cfg.model.head_size * (
+            case[1].element_size())
+        for tile, warps, splits, stages in itertools.product(*ints):
+            if tile < args.block_size:
+                continue
+            kw = dict(tile=tile, num_warps=warps, splits=splits, num_stages=stages)
+            row = {"batch": batch, **kw}
+            try:
+                err = (launch(*case, **kw).float() - want).abs().max().item()
+                reps = 50 if device.type == "cuda" else 1
+                sync(device)
+                t = time.perf_counter()
+                for _ in range(reps):
+                    launch(*case, **kw)
+                sync(device)
+                us = 1e6 * (time.perf_counter() - t) / reps
+                row.update(max_err=err, us=us, tb_s=kv_bytes / us / 1e6, ok=err < 5e-2)
+            except Exception as e:  # noqa: BLE001 - a setting Triton cannot compile
+                row.update(error=f"{type(e).__name__}: {str(e)[:120]}")
+            rows.append(row)
+            print(f"B {batch:>3} tile {tile:>3} warps {warps} splits {splits:>2} stages {stages}"
+                  + (f": {row['us']:8.1f} us {row['tb_s']:5.2f} TB/s err {row['max_err']:.1e}"
+                     if "us" in row else f": {row['error']}"), flush=True)
+        best = min((r for r in rows if r["batch"] == batch and r.get("ok")),
+                   key=lambda r: r["us"], default=None)
+        print(f"batch {batch} best: {best}")
+    return rows
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     cfg, model, device = build(args)
+    if args.kernel_configs:
+        rows = kernel_configs(cfg, args, device, DTYPES[cfg.model.precision])
+        out = Path(args.out or HERE / "results" / f"serve_kernel_configs-{args.preset}.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"preset": args.preset, "context": args.context,
+                                   "device": torch.cuda.get_device_name()
+                                   if device.type == "cuda" else "cpu", "rows": rows},
+                                  indent=1))
+        return 0
     results = [profile_batch(model, cfg, args, int(b), device) for b in args.batches.split(",")]
     for r in results:
         print_result(r)
