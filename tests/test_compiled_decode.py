@@ -15,14 +15,15 @@ from trireme.inference.compiled_decode import compiled_layer
 from trireme.inference.engine import Engine, EngineSettings
 from trireme.inference.sampling import SamplingParams
 from trireme.ops.paged_attention import paged_decode_reference
-from trireme.ops.paged_decode_op import paged_decode_step, write_and_attend
+from trireme.ops.paged_decode_op import decode_attention, write_and_attend
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def recorded_run(model, compiled: bool, monkeypatch, texts, params):
+def recorded_run(model, backend: str | None, monkeypatch, texts, params, graphs: bool = True):
     """(requests, logits rows of each sampled token, in order) of an engine whose decode-only
-    steps replay EagerGraphs buckets, the blocks compiled with aot_eager when `compiled`."""
+    steps replay EagerGraphs buckets (or, without `graphs`, run as eager steps), the blocks
+    compiled with `backend` unless None."""
     rows: list[torch.Tensor] = []
     real = engine_module.sample_rows
 
@@ -32,9 +33,10 @@ def recorded_run(model, compiled: bool, monkeypatch, texts, params):
 
     monkeypatch.setattr(engine_module, "sample_rows", recording)
     engine = Engine(model, EngineSettings(block_size=4, max_running=4, max_batch_tokens=16))
-    engine.graphs = EagerGraphs(model, engine.cache, 4, 4)
-    if compiled:
-        engine.cache.compiled_layer = compiled_layer("aot_eager")
+    if graphs:
+        engine.graphs = EagerGraphs(model, engine.cache, 4, 4)
+    if backend is not None:
+        engine.cache.compiled_layer = compiled_layer(backend)
     requests = engine.generate(texts, params)
     monkeypatch.setattr(engine_module, "sample_rows", real)
     return requests, torch.stack(rows)
@@ -46,9 +48,9 @@ def test_compiled_decode_gives_the_eager_logits_and_tokens(kind, monkeypatch):
     model = model_of(CONFIGS[kind])
     texts = prompts(6, seed=1, longest=20)
     params = [SamplingParams(max_tokens=3 + i % 4, greedy=True) for i in range(len(texts))]
-    eager, want = recorded_run(model, False, monkeypatch, texts, params)
+    eager, want = recorded_run(model, None, monkeypatch, texts, params)
     counters.clear()
-    compiled, got = recorded_run(model, True, monkeypatch, texts, params)
+    compiled, got = recorded_run(model, "aot_eager", monkeypatch, texts, params)
     assert [r.output_ids for r in compiled] == [r.output_ids for r in eager]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # the blocks really ran compiled: whole (no graph break), one graph per kind of block and
@@ -60,46 +62,39 @@ def test_compiled_decode_gives_the_eager_logits_and_tokens(kind, monkeypatch):
 
 
 @torch.no_grad()
-def test_an_inductor_compiled_decode_step_equals_the_eager_step():
-    """Inductor (C++ on the CPU) compiles one decode step of two requests; the step's logits
-    equal the eager forward's (writing the same keys twice into the pool changes nothing)."""
+def test_inductor_compiled_decode_steps_give_the_eager_logits(monkeypatch):
+    """Inductor (C++ on the CPU) compiles the blocks once for two requests decoding together
+    (their contexts grow over several blocks: the tables' width is dynamic); each step's logits,
+    which read the keys the compiled steps before it stored, equal the eager engine's."""
     model = model_of(config(num_layers=2))
-    engine = Engine(model, EngineSettings(block_size=4, max_running=2))
-    params = SamplingParams(max_tokens=8, greedy=True, ignore_eos=True)
-    for prompt in prompts(2, seed=2, longest=12):
-        engine.submit(prompt, params)
-    while any(r.prefilling for r in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
-    ids, positions, step, output_index, _ = engine._batch(engine.scheduler.plan())
-    assert step.decode_only
-
-    def forward():
-        engine.cache.begin(step)
-        return engine.model(ids.unsqueeze(0), kv_cache=engine.cache,
-                            position_ids=positions.unsqueeze(0), output_index=output_index)[0]
-
-    want = forward()
-    engine.cache.compiled_layer = compiled_layer("inductor")
+    texts = prompts(2, seed=2, longest=12)
+    texts = [t + [1] * 5 for t in texts]  # at least two blocks each: the tables are 2+ wide
+    params = [SamplingParams(max_tokens=7, greedy=True, ignore_eos=True)] * 2
+    eager, want = recorded_run(model, None, monkeypatch, texts, params, graphs=False)
     counters.clear()
-    got = forward()
-    assert counters["stats"]["unique_graphs"] == 1  # both layers, one graph
+    compiled, got = recorded_run(model, "inductor", monkeypatch, texts, params, graphs=False)
+    # one graph per batch size (2, and 1 while the other request is still in its prompt), for
+    # both layers and every step
+    assert counters["stats"]["unique_graphs"] <= 2
+    assert counters["stats"]["calls_captured"] > 0
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert [r.output_ids for r in compiled] == [r.output_ids for r in eager]
 
 
 def test_the_paged_decode_op_matches_its_fake_and_the_reference():
     q, k_pool, v_pool, tables, lengths = paged_case(4, 2, [3, 9, 12])
+    torch.library.opcheck(decode_attention, (q, k_pool, v_pool, tables, lengths, "auto"))
     gen = torch.Generator().manual_seed(5)
     k, v = (torch.randn(3, 2, 16, generator=gen) for _ in range(2))  # this step's keys, values
     slots = (tables.gather(1, ((lengths - 1) // 4)[:, None])[:, 0] * 4 + (lengths - 1) % 4)
-    args = (q, k, v, k_pool.clone(), v_pool.clone(), slots, tables, lengths)
-    torch.library.opcheck(paged_decode_step, (*args, "auto"))
-    y = paged_decode_step(*args, "reference")
+    pools = k_pool.clone(), v_pool.clone()
+    y = write_and_attend(q, k, v, *pools, slots, tables, lengths, "reference")
     assert y.shape == q.shape and y.is_contiguous()
     k_pool.view(-1, 2, 16)[slots], v_pool.view(-1, 2, 16)[slots] = k, v
-    torch.testing.assert_close(args[3], k_pool)  # the op wrote the step's keys in place
-    torch.testing.assert_close(y, paged_decode_reference(q, k_pool, v_pool, tables, lengths,
-                                                         "reference"))
-    assert torch.equal(y, write_and_attend(*args, "reference"))
+    assert torch.equal(pools[0], k_pool) and torch.equal(pools[1], v_pool)  # stored in place
+    want = paged_decode_reference(q, k_pool, v_pool, tables, lengths, "reference")
+    torch.testing.assert_close(y, want)
+    assert torch.equal(decode_attention(q, k_pool, v_pool, tables, lengths, "reference"), y)
 
 
 class FailingCompiledGraphs(EagerGraphs):

@@ -6,9 +6,9 @@ them: each block's decode forward
 
     x -> x + attention(norm(x)) -> x + mlp(norm(x))      (qkv, RoPE, paged step, out, fc1, fc2)
 
-is traced whole (fullgraph), the paged attention step being one opaque custom op
-(trireme.ops.paged_decode_op: the KV write and the paged decode kernel), and Inductor makes one
-kernel of each run of elementwise work between the GEMMs.
+is traced whole (fullgraph), the paged decode kernel being one opaque custom op
+(trireme.ops.paged_decode_op), and Inductor makes one kernel of each run of elementwise work
+between the GEMMs (the step's KV writes go into the kernel that applies RoPE to k).
 
 - One compiled function serves every block (they differ only in their weights, which are graph
   inputs), so a model's 16 layers share one graph per batch size.

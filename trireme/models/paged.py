@@ -93,14 +93,11 @@ class PagedKV:
         """q [1, n_heads, T, d], k, v [1, n_kv, T, d] (RoPE'd) -> y [1, n_heads, T, d]."""
         step = self.step
         assert step is not None, "PagedKV used outside a step (PagedCache.begin)"
-        if step.decode_only:  # one op (what a compiled block traces: ops/paged_decode_op.py)
+        if step.decode_only:  # what a compiled block traces (ops/paged_decode_op.py)
             q_dec, k_dec, v_dec = (t[0].transpose(0, 1) for t in (q, k, v))  # [T, heads, d]
             args = (q_dec, k_dec, v_dec, self.k_pool, self.v_pool, step.slot_ids,
                     step.decode_tables, step.decode_lengths)
-            if torch.compiler.is_compiling():
-                y = torch.ops.trireme.paged_decode_step(*args, backend)
-            else:
-                y = write_and_attend(*args, backend)
+            y = write_and_attend(*args, backend)
             return y.transpose(0, 1).unsqueeze(0)  # [1, H, T, d]
         n_kv, d = self.k_pool.shape[2], self.k_pool.shape[3]
         k_rows = self.k_pool.view(-1, n_kv, d)  # [num_blocks * bs, n_kv, d]
