@@ -194,6 +194,8 @@ def bound_ms(model, engine: Engine, batch: int, context: int, bandwidth: float) 
 
 
 def profile_batch(model, cfg, args, batch: int, device: torch.device) -> dict:
+    print(f"batch {batch}: building the engine (graphs {args.graphs}, compile {args.compile})",
+          flush=True)
     engine, setup = filled_engine(model, cfg, batch, args.context, args.graphs == "on",
                                   args.compile == "on")
     graphs = engine.graphs is not None and not engine.graphs.broken
