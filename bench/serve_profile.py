@@ -22,7 +22,8 @@ For each batch B (--batches), B requests with --context tokens cached decode tog
 
 --kernel-configs times the paged decode kernel alone (trireme.ops.paged_attention_triton) at each
 batch of --batches with --context keys per request, for every tile x num_warps x splits x
-num_stages of --tiles / --warps / --splits / --stages (0: the default), each checked against the
+num_stages x grid order of --tiles / --warps / --splits / --stages / --heads-first (0: the
+default), each checked against the
 gather reference first (on the CPU only under TRITON_INTERPRET=1, to check the sweep).
 Prints tables; writes JSON (default bench/results/serve_profile-<preset>.json, with
 --kernel-configs serve_kernel_configs-<preset>.json).
@@ -71,6 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warps", default="2,4,8")
     p.add_argument("--splits", default="0,1,2,4", help="0: the kernel's default choice")
     p.add_argument("--stages", default="0", help="0: Triton's default")
+    p.add_argument("--heads-first", default="0,1", help="the grid's order (1: kv heads first)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None)
@@ -259,17 +261,18 @@ def kernel_configs(cfg, args, device: torch.device, dtype) -> list[dict]:
     from trireme.ops.paged_attention_triton import paged_decode_attention as launch
 
     rows = []
-    ints = [[int(v) for v in getattr(args, a).split(",")] for a in ("tiles", "warps", "splits",
-                                                                    "stages")]
+    ints = [[int(v) for v in getattr(args, a).split(",")]
+            for a in ("tiles", "warps", "splits", "stages", "heads_first")]
     for batch in (int(b) for b in args.batches.split(",")):
         case = kernel_case(cfg.model, batch, args.context, args.block_size, device, dtype)
         want = paged_decode_reference(*case).float()
         kv_bytes = 2 * batch * args.context * cfg.model.kv_heads * cfg.model.head_size * (
             case[1].element_size())
-        for tile, warps, splits, stages in itertools.product(*ints):
+        for tile, warps, splits, stages, heads_first in itertools.product(*ints):
             if tile < args.block_size:
                 continue
-            kw = dict(tile=tile, num_warps=warps, splits=splits, num_stages=stages)
+            kw = dict(tile=tile, num_warps=warps, splits=splits, num_stages=stages,
+                      heads_first=bool(heads_first))
             row = {"batch": batch, **kw}
             try:
                 err = (launch(*case, **kw).float() - want).abs().max().item()
@@ -284,7 +287,8 @@ def kernel_configs(cfg, args, device: torch.device, dtype) -> list[dict]:
             except Exception as e:  # noqa: BLE001 - a setting Triton cannot compile
                 row.update(error=f"{type(e).__name__}: {str(e)[:120]}")
             rows.append(row)
-            print(f"B {batch:>3} tile {tile:>3} warps {warps} splits {splits:>2} stages {stages}"
+            print(f"B {batch:>3} tile {tile:>3} warps {warps} splits {splits:>2} stages {stages} "
+                  f"heads_first {heads_first}"
                   + (f": {row['us']:8.1f} us {row['tb_s']:5.2f} TB/s err {row['max_err']:.1e}"
                      if "us" in row else f": {row['error']}"), flush=True)
         best = min((r for r in rows if r["batch"] == batch and r.get("ok")),

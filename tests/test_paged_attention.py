@@ -56,9 +56,10 @@ for n_heads, n_kv, block in [(6, 2, 16), (4, 1, 8)]:  # GQA with 3 groups (padde
     want = paged_decode_reference(*case)
     worst = max(worst, (got - want).abs().max().item())
 split = 0.0  # the context split over programs (some chunks empty), other tiles and launches
-for splits, tile, warps in [(2, 0, 4), (4, 32, 2), (16, 16, 8)]:
+for splits, tile, warps, heads_first in [(2, 0, 4, True), (4, 32, 2, False), (16, 16, 8, True)]:
     case = paged_case(8, 2, [1, 16, 17, 70, 130], block=8)
-    got = paged_decode_attention(*case, splits=splits, tile=tile, num_warps=warps)
+    got = paged_decode_attention(*case, splits=splits, tile=tile, num_warps=warps,
+                                 heads_first=heads_first)
     split = max(split, (got - paged_decode_reference(*case)).abs().max().item())
 case = [t.bfloat16() if t.is_floating_point() else t for t in paged_case(4, 2, [5, 70], block=16)]
 got = paged_decode_attention(*case).float()

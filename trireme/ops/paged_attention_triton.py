@@ -24,8 +24,8 @@ of SPLITS equal chunks (whole tiles) of the request's keys and writes its unnorm
 
 (an empty chunk has m = -inf, l = 0, acc = 0 and weighs nothing; chunk 0 is never empty).
 `splits` defaults to enough programs to cover the GPU's SMs once (SPLITS = 1 at batch 64 with
-8 kv heads); TILE, num_warps and num_stages can be set too (bench/serve_profile.py
---kernel-configs sweeps them).
+8 kv heads); TILE, num_warps, num_stages and the grid's order can be set too
+(bench/serve_profile.py --kernel-configs sweeps them).
 trireme.ops.paged_attention has the plain torch version it is tested against (through Triton's
 CPU interpreter).
 """
@@ -45,12 +45,16 @@ def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, out_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,
     stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_tr, stride_or, stride_oh,
-    scale,
+    scale, n_heads,
     GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-    TILE: tl.constexpr, SPLITS: tl.constexpr,
+    TILE: tl.constexpr, SPLITS: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+    if HEADS_FIRST:  # neighbouring programs: one request's kv heads (adjacent in the pool)
+        h = tl.program_id(0)
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        h = tl.program_id(1)
     j = tl.program_id(2)  # this program's chunk of the keys (SPLITS > 1)
     length = tl.load(lengths_ptr + b)
     chunk = tl.cdiv(tl.cdiv(length, SPLITS), TILE) * TILE  # whole tiles
@@ -87,7 +91,6 @@ def _paged_decode_kernel(
         tl.store(out_ptr + b * stride_or + q_rows[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:  # partials [r, n_heads, SPLITS] (m, l) and [r, n_heads, SPLITS, D] (acc), fp32
-        n_heads = tl.num_programs(1) * GROUPS
         row = (b * n_heads + q_rows) * SPLITS + j  # [G]
         tl.store(part_m_ptr + row, m, mask=g_mask)
         tl.store(part_l_ptr + row, denom, mask=g_mask)
@@ -128,11 +131,12 @@ def default_splits(q: torch.Tensor, n_kv: int, keys_at_most: int, tile: int) -> 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            tables: torch.Tensor, lengths: torch.Tensor, *, tile: int = 0,
-                           splits: int = 0, num_warps: int = 4, num_stages: int = 0
-                           ) -> torch.Tensor:
+                           splits: int = 0, num_warps: int = 4, num_stages: int = 0,
+                           heads_first: bool = False) -> torch.Tensor:
     """[r, n_heads, d]: each request's query heads over its first lengths[r] keys. `tile`
     (keys per iteration, default max(64, block)), `splits` (a power of two; default:
-    default_splits), num_warps and num_stages (0: Triton's default) tune the launch."""
+    default_splits), num_warps, num_stages (0: Triton's default) and heads_first (the grid's
+    order: a request's kv heads side by side) tune the launch."""
     r, n_heads, d = q.shape
     n_kv = k_pool.shape[2]
     block = k_pool.shape[1]
@@ -147,12 +151,13 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                  q.new_empty(r, n_heads, splits, dtype=torch.float32),
                  q.new_empty(r, n_heads, splits, d, dtype=torch.float32)]
     stages = {"num_stages": num_stages} if num_stages else {}
-    _paged_decode_kernel[(r, n_kv, splits)](
+    grid = (n_kv, r, splits) if heads_first else (r, n_kv, splits)
+    _paged_decode_kernel[grid](
         q, k_pool, v_pool, tables, lengths, out, *parts,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        tables.stride(0), out.stride(0), out.stride(1), 1.0 / math.sqrt(d),
+        tables.stride(0), out.stride(0), out.stride(1), 1.0 / math.sqrt(d), n_heads,
         GROUPS=groups, GROUPS_POW2=max(16, triton.next_power_of_2(groups)), D=d, BLOCK=block,
-        TILE=tile, SPLITS=splits, num_warps=num_warps, **stages,
+        TILE=tile, SPLITS=splits, HEADS_FIRST=heads_first, num_warps=num_warps, **stages,
     )
     if splits > 1:
         _merge_splits_kernel[(r, n_heads)](*parts, out, out.stride(0), out.stride(1), D=d,
