@@ -14,6 +14,7 @@ import trireme.inference.engine as engine_module
 from trireme.inference.compiled_decode import compiled_layer
 from trireme.inference.engine import Engine, EngineSettings
 from trireme.inference.sampling import SamplingParams
+from trireme.inference.serve_cli import serve_parser
 from trireme.ops.paged_attention import paged_decode_reference
 from trireme.ops.paged_decode_op import decode_attention, write_and_attend
 
@@ -117,3 +118,10 @@ def test_a_failed_compiled_capture_falls_back_to_the_eager_forward_graphs():
         graphs.capture_all()
     assert not graphs.compiled and engine.cache.compiled_layer is None
     assert not graphs.broken and sorted(graphs.graphs) == [1, 2]
+
+
+def test_the_engine_flags_turn_the_compiled_decode_off():
+    assert serve_parser().parse_args(["--checkpoint", "c"]).compile_decode is True
+    assert serve_parser().parse_args(["--checkpoint", "c", "--no-compile-decode"]
+                                     ).compile_decode is False
+    assert EngineSettings().compile_decode is True
