@@ -4,6 +4,9 @@ layer, and it gives the eager forward's logits and greedy tokens. The traceabili
 checks use the "aot_eager" backend (dynamo + AOT autograd, no code generation: seconds on two
 cores); one test compiles a step with Inductor's C++ backend, the real code path."""
 
+import os
+import shutil
+
 import pytest
 import torch
 from test_paged_attention import paged_case
@@ -62,6 +65,8 @@ def test_compiled_decode_gives_the_eager_logits_and_tokens(kind, monkeypatch):
     assert counters["stats"]["calls_captured"] > 0
 
 
+@pytest.mark.skipif(not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "clang++")),
+                    reason="Inductor's CPU backend needs a C++ compiler")
 @torch.no_grad()
 def test_inductor_compiled_decode_steps_give_the_eager_logits(monkeypatch):
     """Inductor (C++ on the CPU) compiles the blocks once for two requests decoding together
