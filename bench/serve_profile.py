@@ -211,7 +211,9 @@ def profile_batch(model, cfg, args, batch: int, device: torch.device) -> dict:
     parts = [parts_of_step(engine, device) for _ in range(max(3, args.steps // 4))]
     medians = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
     kernels = kernel_table(engine, device, args.top)
+    warmup = engine.graphs.warmup_s if engine.graphs is not None else 0.0
     result = {"batch": batch, "graphs": graphs, "compiled": compiled, "setup_s": setup,
+              "warmup_s": warmup,
               "agreement": agree, "context": args.context,
               "step_ms": statistics.median(steps), **medians,
               "bound_ms": bound_ms(model, engine, batch, args.context, args.bandwidth),
@@ -227,7 +229,8 @@ def print_result(r: dict) -> None:
           f"{r['context']}): step {r['step_ms']:.3f} ms, bound {r['bound_ms']:.3f} ms; host "
           f"batch {r['host_batch_ms']:.3f}, forward {r['forward_ms']:.3f}, sample+sync "
           f"{r['sample_sync_ms']:.3f}")
-    print(f"setup (graph capture{' + compile' if r['compiled'] else ''}): {r['setup_s']:.1f} s")
+    print(f"setup (graph capture{' + compile' if r['compiled'] else ''}): {r['setup_s']:.1f} s, "
+          f"of which warm-up runs{' (compiling)' if r['compiled'] else ''} {r['warmup_s']:.1f} s")
     a = r["agreement"]
     if a:
         print(f"graph replay vs plain eager forward: max |diff| {a['max_abs_diff']:.3g} (logits "

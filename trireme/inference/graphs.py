@@ -26,6 +26,7 @@ some MoE dispatchers) falls back to eager steps with a warning. Sampling stays o
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from collections.abc import Callable
 
@@ -75,6 +76,7 @@ class DecodeGraphs:
         self.keep: list[torch.cuda.CUDAGraph] = []
         self.pool = None
         self.broken = False
+        self.warmup_s = 0.0  # seconds in the warm-up runs (with compile: mostly compiling)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -112,9 +114,12 @@ class DecodeGraphs:
         """(replay, the logits it refreshes) of one bucket, captured as a CUDA graph."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
+        start = time.perf_counter()
         with torch.cuda.stream(side):
             for _ in range(2):  # warm up: allocator, Triton compilation, rope tables
                 self._forward(size)
+        side.synchronize()
+        self.warmup_s += time.perf_counter() - start
         torch.cuda.current_stream().wait_stream(side)
         if not kernel_available():  # it failed in the warm-up: the gather path is no graph's
             raise RuntimeError("the paged decode kernel is unavailable")
