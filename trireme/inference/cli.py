@@ -112,6 +112,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="waiting requests at most (the server answers 429 beyond)")
     group.add_argument("--cuda-graphs", action="store_true",
                        help="replay decode steps as CUDA graphs (GPU; docs/serving.md)")
+    group.add_argument("--no-compile-decode", dest="compile_decode", action="store_false",
+                       help="capture the eager decode forward in the CUDA graphs, not the "
+                       "torch.compile'd one")
 
 
 def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> Engine:
@@ -119,5 +122,5 @@ def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> Engine:
         block_size=args.block_size, num_blocks=args.num_blocks, max_memory_gib=args.max_memory,
         max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
         max_queue=args.max_queue, seed=args.seed if args.seed is not None else 0,
-        cuda_graphs=args.cuda_graphs)
+        cuda_graphs=args.cuda_graphs, compile_decode=args.compile_decode)
     return Engine(loaded.model, settings, tokenizer=loaded.tokenizer)

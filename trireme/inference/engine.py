@@ -49,7 +49,9 @@ class EngineSettings:
     from free GPU memory, or on the CPU enough for max_running full contexts, up to 1 GiB);
     max_running: requests decoded together; max_batch_tokens: tokens per step (decode + prompt
     chunks); max_queue: waiting requests before `submit` raises QueueFull; seed: the shared
-    sampler's; cuda_graphs: replay decode-only steps as CUDA graphs (trireme.inference.graphs)."""
+    sampler's; cuda_graphs: replay decode-only steps as CUDA graphs (trireme.inference.graphs);
+    compile_decode: with cuda_graphs, capture a torch.compile'd decode forward
+    (trireme.inference.compiled_decode)."""
 
     block_size: int = 16
     num_blocks: int = 0
@@ -59,6 +61,7 @@ class EngineSettings:
     max_queue: int = 256
     seed: int = 0
     cuda_graphs: bool = False
+    compile_decode: bool = True
 
     def check(self) -> None:
         for name in ("block_size", "max_running", "max_batch_tokens", "max_queue"):
@@ -98,7 +101,7 @@ class Engine:
         self.graphs = None
         if settings.cuda_graphs and graphs_supported(model, self.cache, settings.block_size):
             self.graphs = DecodeGraphs(model, self.cache, settings.max_running,
-                                       settings.block_size)
+                                       settings.block_size, compile=settings.compile_decode)
             with torch.inference_mode():
                 self.graphs.capture_all()
         self.lock = threading.Lock()  # submit / cancel (any thread) against step (one thread)

@@ -314,6 +314,8 @@ class GPT(nn.Module):
         for name, block in self.layers.items():
             if kv_cache is None:
                 x = block(x, rope, document_ids=document_ids, context=context)
+            elif hasattr(kv_cache, "forward_layer"):  # serving (PagedCache): it picks how
+                x = kv_cache.forward_layer(block, x, rope, int(name))
             else:  # decoding: shapes change every step, so run the blocks eagerly
                 x = block.forward(x, rope, kv_cache[int(name)], start_pos)
         if not self.stage.last:
