@@ -2,6 +2,13 @@
 
     python bench/plan_accuracy.py                     # GPU: 5 llama3-1b configurations
     python bench/plan_accuracy.py --smoke             # CPU: tiny ones (live tensor bytes)
+    python bench/plan_accuracy.py --repredict bench/results/plan_accuracy-h200.json --gpu R.json
+                                                      # no training: the recorded measurements
+                                                      # against another rate table's predictions
+
+`--override KEY=VALUE` applies to every configuration (e.g. model.compile=false for the eager
+run, model.compile=true for the compiled one) and is recorded in the JSON ("override"), so
+--repredict rebuilds the same configurations.
 
 Each configuration is trained for --warmup + --steps steps on mock data (no files), on the GPU
 each in a fresh process (--separate); measured: the peak of torch.cuda.max_memory_allocated over
@@ -65,6 +72,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--only", nargs="*", default=None, help="names of configurations to run")
     p.add_argument("--out", default=None)
+    p.add_argument("--repredict", default=None, metavar="JSON",
+                   help="predict the configurations of a results file again (with --gpu) and "
+                        "compare with its measurements; nothing is trained")
     p.add_argument("--separate", action=argparse.BooleanOptionalAction, default=None,
                    help="each configuration in its own process (default on the GPU, so one "
                         "run's memory cannot count in the next one's peak)")
@@ -80,6 +90,27 @@ def predict(cfg, rates) -> dict:
     return {"memory_gib": mem.total / GIB, "step_s": t.step_s,
             "memory_parts_gib": {k: v / GIB for k, v in mem.parts.items()},
             "time_parts_s": t.parts}
+
+
+def overrides_of(text: list[str]) -> dict:
+    """["key=value", ...] -> {key: value}."""
+    return dict(o.split("=", 1) for o in text)
+
+
+def repredict(path: str, rates) -> list[dict]:
+    """The rows of a results file with their predictions made again with `rates` (the
+    measurements as recorded)."""
+    data = json.loads(Path(path).read_text())
+    rows = []
+    for old in data["results"]:
+        overrides = {"data.mock": True, **(SMOKE if data.get("smoke") else {}),
+                     **old["overrides"], **overrides_of(data.get("override", []))}
+        want = predict(load_config(data["preset"], overrides), rates)
+        got = old["measured"]
+        rows.append({**old, "predicted": want,
+                     "memory_error": want["memory_gib"] / got["memory_gib"] - 1,
+                     "time_error": want["step_s"] / got["step_s"] - 1})
+    return rows
 
 
 def measure(cfg, warmup: int, steps: int) -> dict:
@@ -121,6 +152,10 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     preset = args.preset or ("tiny" if args.smoke else "llama3-1b")
     rates = load_rates(args.gpu or ("cpu" if args.smoke else "h200"))
+    if args.repredict:
+        print(f"{args.repredict}: predicted with {args.gpu or 'h200'}")
+        print_table(repredict(args.repredict, rates))
+        return
     configs = SMOKE_CONFIGS if args.smoke else GPU_CONFIGS
     names = args.only or list(configs)
     run_dir = tempfile.mkdtemp()
@@ -134,7 +169,7 @@ def main(argv=None) -> None:
     for name in names:
         overrides = {"data.mock": True, "train.eval_interval": 0, "run.dir": run_dir,
                      **(SMOKE if args.smoke else {}), **configs[name],
-                     **dict(o.split("=", 1) for o in args.override)}
+                     **overrides_of(args.override)}
         if args.smoke:
             overrides["train.device"] = "cpu"
         cfg = load_config(preset, overrides)
@@ -190,7 +225,8 @@ def write(rows: list[dict], args, preset: str, rates_name: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     data = {"date": datetime.datetime.now(datetime.UTC).isoformat(), "device": device,
             "torch": torch.__version__, "git_commit": commit, "preset": preset,
-            "rates": rates_name, "warmup": args.warmup, "steps": args.steps, "results": rows}
+            "rates": rates_name, "smoke": args.smoke, "override": args.override,
+            "warmup": args.warmup, "steps": args.steps, "results": rows}
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2))
     tmp.replace(out)

@@ -2,8 +2,14 @@
 
     python bench/serve_profile.py                   # llama3-1b shape, random weights, GPU
     python bench/serve_profile.py --smoke           # a tiny model on the CPU, seconds
+    python bench/serve_profile.py --compile off     # graphs of the eager decode forward
 
 For each batch B (--batches), B requests with --context tokens cached decode together. Reported:
+- setup: building the engine, which captures its CUDA graphs (and with --compile on, the
+  default, compiles the decode forward first: trireme.inference.compiled_decode);
+- agreement: one decode step's logits from the graph replay against the plain eager forward
+  (no graphs, no compilation) of the same step: the largest difference and how many rows pick
+  the same greedy token;
 - step: Engine.step as the serving loop calls it, serial (overlap off: median of --steps);
 - step_overlap: the steady-state time per step with overlap on (EngineSettings.overlap: each
   step launched before the previous one's tokens are read): the wall time of --steps calls, the
@@ -14,12 +20,22 @@ For each batch B (--batches), B requests with --context tokens cached decode tog
   sampling plus the one host sync;
 - the kernels of one eager decode step (torch.profiler): the top --top by time, with counts, and
   the sum, against the bandwidth bound (weights + KV bytes read / --bandwidth).
-Prints tables; writes JSON (default bench/results/serve_profile-<preset>.json).
+
+    python bench/serve_profile.py --kernel-configs  # only: sweep the paged decode kernel's launch
+
+--kernel-configs times the paged decode kernel alone (trireme.ops.paged_attention_triton) at each
+batch of --batches with --context keys per request, for every tile x num_warps x splits x
+num_stages x grid order of --tiles / --warps / --splits / --stages / --heads-first (0: the
+default), each checked against the
+gather reference first (on the CPU only under TRITON_INTERPRET=1, to check the sweep).
+Prints tables; writes JSON (default bench/results/serve_profile-<preset>.json, with
+--kernel-configs serve_kernel_configs-<preset>.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -37,6 +53,7 @@ from serve_throughput import DTYPES, SMOKE, build, free_memory  # noqa: E402, F4
 
 from trireme.inference.engine import Engine, EngineSettings  # noqa: E402
 from trireme.inference.sampling import SamplingParams  # noqa: E402
+from trireme.ops.paged_attention import paged_decode_reference  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -49,7 +66,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--graphs", choices=["on", "off"], default="on")
+    p.add_argument("--compile", choices=["on", "off"], default="on",
+                   help="capture the compiled decode forward (EngineSettings.compile_decode)")
     p.add_argument("--bandwidth", type=float, default=4.2e12)
+    p.add_argument("--kernel-configs", action="store_true",
+                   help="only sweep the paged decode kernel's launch settings (GPU)")
+    p.add_argument("--tiles", default="32,64,128")
+    p.add_argument("--warps", default="2,4,8")
+    p.add_argument("--splits", default="0,1,2,4", help="0: the kernel's default choice")
+    p.add_argument("--stages", default="0", help="0: Triton's default")
+    p.add_argument("--heads-first", default="0,1", help="the grid's order (1: kv heads first)")
+    p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -65,10 +92,15 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def filled_engine(model, cfg, batch: int, context: int, graphs: bool) -> Engine:
+def filled_engine(model, cfg, batch: int, context: int, graphs: bool, compile: bool
+                  ) -> tuple[Engine, float]:
+    """An engine with `batch` requests past their prompts; the seconds building it took."""
     settings = EngineSettings(max_running=batch, max_batch_tokens=max(2048, batch),
-                              max_queue=10**6, cuda_graphs=graphs, overlap=False)
+                              max_queue=10**6, cuda_graphs=graphs, overlap=False,
+                              compile_decode=compile)
+    t = time.perf_counter()
     engine = Engine(model, settings)
+    setup = time.perf_counter() - t
     params = SamplingParams(max_tokens=cfg.model.seq_length - context - 1, greedy=True,
                             ignore_eos=True)
     gen = torch.Generator().manual_seed(1)
@@ -78,7 +110,7 @@ def filled_engine(model, cfg, batch: int, context: int, graphs: bool) -> Engine:
     while any(r.prefilling for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     engine.step()
-    return engine
+    return engine, setup
 
 
 def timed(fn, device):
@@ -126,8 +158,29 @@ def overlapped_step_ms(engine: Engine, steps: int, device: torch.device) -> tupl
     return elapsed, elapsed - waited
 
 
+def agreement(engine: Engine) -> dict:
+    """One decode step's logits through the engine's path (graph replay, compiled or not)
+    against the plain eager forward of the same step (the keys it writes are the same)."""
+    with torch.inference_mode():
+        batch = engine._batch(engine.scheduler.plan())
+        ids, positions, step = batch.ids, batch.positions, batch.step
+        if engine.graphs is None or engine.graphs.broken:
+            return {}
+        fast = engine.graphs.run(ids, positions, step).float().clone()
+        compiled, engine.cache.compiled_layer = engine.cache.compiled_layer, None
+        engine.cache.begin(step)
+        plain = engine.model(ids.unsqueeze(0), kv_cache=engine.cache,
+                             position_ids=positions.unsqueeze(0),
+                             output_index=batch.output_index)[0].float()
+        engine.cache.compiled_layer = compiled
+    return {"max_abs_diff": (fast - plain).abs().max().item(),
+            "logit_scale": plain.abs().max().item(),
+            "same_argmax": (fast.argmax(-1) == plain.argmax(-1)).float().mean().item()}
+
+
 def kernel_table(engine: Engine, device: torch.device, top: int) -> dict:
-    """The kernels of one eager decode step, by total time."""
+    """The kernels of one decode step without the graphs (compiled blocks when the engine has
+    them), by total time."""
     graphs, engine.graphs = engine.graphs, None
     engine.step()
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -158,8 +211,13 @@ def bound_ms(model, engine: Engine, batch: int, context: int, bandwidth: float) 
 
 
 def profile_batch(model, cfg, args, batch: int, device: torch.device) -> dict:
-    engine = filled_engine(model, cfg, batch, args.context, args.graphs == "on")
+    print(f"batch {batch}: building the engine (graphs {args.graphs}, compile {args.compile})",
+          flush=True)
+    engine, setup = filled_engine(model, cfg, batch, args.context, args.graphs == "on",
+                                  args.compile == "on")
     graphs = engine.graphs is not None and not engine.graphs.broken
+    compiled = graphs and engine.graphs.compiled
+    agree = agreement(engine)
     steps = []
     for _ in range(args.steps):
         t = time.perf_counter()
@@ -169,7 +227,10 @@ def profile_batch(model, cfg, args, batch: int, device: torch.device) -> dict:
     overlap, busy = overlapped_step_ms(engine, args.steps, device)
     medians = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
     kernels = kernel_table(engine, device, args.top)
-    result = {"batch": batch, "graphs": graphs, "context": args.context,
+    warmup = engine.graphs.warmup_s if engine.graphs is not None else 0.0
+    result = {"batch": batch, "graphs": graphs, "compiled": compiled, "setup_s": setup,
+              "warmup_s": warmup,
+              "agreement": agree, "context": args.context,
               "step_ms": statistics.median(steps), "step_overlap_ms": overlap,
               "host_busy_overlap_ms": busy, **medians,
               "bound_ms": bound_ms(model, engine, batch, args.context, args.bandwidth),
@@ -181,28 +242,106 @@ def profile_batch(model, cfg, args, batch: int, device: torch.device) -> dict:
 
 
 def print_result(r: dict) -> None:
-    print(f"\nbatch {r['batch']} (graphs {r['graphs']}, context {r['context']}): step "
-          f"{r['step_ms']:.3f} ms serial, {r['step_overlap_ms']:.3f} ms overlapped (host busy "
-          f"{r['host_busy_overlap_ms']:.3f}), bound "
-          f"{r['bound_ms']:.3f} ms; serial parts: host batch "
-          f"{r['host_batch_ms']:.3f}, forward {r['forward_ms']:.3f}, sample+sync "
+    print(f"\nbatch {r['batch']} (graphs {r['graphs']}, compiled {r['compiled']}, context "
+          f"{r['context']}): step {r['step_ms']:.3f} ms serial, {r['step_overlap_ms']:.3f} ms "
+          f"overlapped (host busy {r['host_busy_overlap_ms']:.3f}), bound {r['bound_ms']:.3f} "
+          f"ms; serial parts: host batch {r['host_batch_ms']:.3f}, forward "
+          f"{r['forward_ms']:.3f}, sample+sync "
           f"{r['sample_sync_ms']:.3f}")
+    print(f"setup (graph capture{' + compile' if r['compiled'] else ''}): {r['setup_s']:.1f} s, "
+          f"of which warm-up runs{' (compiling)' if r['compiled'] else ''} {r['warmup_s']:.1f} s")
+    a = r["agreement"]
+    if a:
+        print(f"graph replay vs plain eager forward: max |diff| {a['max_abs_diff']:.3g} (logits "
+              f"up to {a['logit_scale']:.3g}), same greedy token in {100 * a['same_argmax']:.1f}%"
+              " of rows")
     k = r["eager"]
-    print(f"eager step kernels: {k['kernels_per_step']:.0f} launches, "
+    print(f"{'compiled' if r['compiled'] else 'eager'} step kernels (no graph): "
+          f"{k['kernels_per_step']:.0f} launches, "
           f"{k['kernel_us_total'] / 1e3:.3f} ms of kernel time")
     for row in k["top"]:
         print(f"  {row['us']:>9.1f} us  x{row['count']:<5.0f} {row['name']}")
 
 
+def kernel_case(m, batch: int, context: int, block: int, device: torch.device, dtype,
+                seed: int = 0):
+    """q [B, H, d], pools, tables [B, W] (blocks shuffled over the pool), lengths [B]."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    width = -(-context // block)
+    shape = (1 + batch * width, block, m.kv_heads, m.head_size)
+    k_pool = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    v_pool = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    order = torch.randperm(batch * width, generator=gen, device=device) + 1
+    q = torch.randn(batch, m.num_attention_heads, m.head_size, generator=gen, device=device,
+                    dtype=dtype)
+    lengths = torch.full((batch,), context, device=device, dtype=torch.long)
+    return q, k_pool, v_pool, order.view(batch, width), lengths
+
+
+def kernel_configs(cfg, args, device: torch.device, dtype) -> list[dict]:
+    """Each launch setting of the paged decode kernel: its time and read rate, if it agrees
+    with the gather reference."""
+    from trireme.ops.paged_attention_triton import paged_decode_attention as launch
+
+    rows = []
+    ints = [[int(v) for v in getattr(args, a).split(",")]
+            for a in ("tiles", "warps", "splits", "stages", "heads_first")]
+    for batch in (int(b) for b in args.batches.split(",")):
+        # timed over 4 pools in turn, as the layers of a step are: not all from the L2 cache
+        cases = [kernel_case(cfg.model, batch, args.context, args.block_size, device, dtype, i)
+                 for i in range(4)]
+        case = cases[0]
+        want = paged_decode_reference(*case).float()
+        kv_bytes = 2 * batch * args.context * cfg.model.kv_heads * cfg.model.head_size * (
+            case[1].element_size())
+        for tile, warps, splits, stages, heads_first in itertools.product(*ints):
+            if tile < args.block_size:
+                continue
+            kw = dict(tile=tile, num_warps=warps, splits=splits, num_stages=stages,
+                      heads_first=bool(heads_first))
+            row = {"batch": batch, **kw}
+            try:
+                err = (launch(*case, **kw).float() - want).abs().max().item()
+                reps = 48 if device.type == "cuda" else 1
+                sync(device)
+                t = time.perf_counter()
+                for i in range(reps):
+                    launch(*cases[i % len(cases)], **kw)
+                sync(device)
+                us = 1e6 * (time.perf_counter() - t) / reps
+                row.update(max_err=err, us=us, tb_s=kv_bytes / us / 1e6, ok=err < 5e-2)
+            except Exception as e:  # noqa: BLE001 - a setting Triton cannot compile
+                row.update(error=f"{type(e).__name__}: {str(e)[:120]}")
+            rows.append(row)
+            print(f"B {batch:>3} tile {tile:>3} warps {warps} splits {splits:>2} stages {stages} "
+                  f"heads_first {heads_first}"
+                  + (f": {row['us']:8.1f} us {row['tb_s']:5.2f} TB/s err {row['max_err']:.1e}"
+                     if "us" in row else f": {row['error']}"), flush=True)
+        best = min((r for r in rows if r["batch"] == batch and r.get("ok")),
+                   key=lambda r: r["us"], default=None)
+        print(f"batch {batch} best: {best}")
+    return rows
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     cfg, model, device = build(args)
+    if args.kernel_configs:
+        rows = kernel_configs(cfg, args, device, DTYPES[cfg.model.precision])
+        out = Path(args.out or HERE / "results" / f"serve_kernel_configs-{args.preset}.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"preset": args.preset, "context": args.context,
+                                   "device": torch.cuda.get_device_name()
+                                   if device.type == "cuda" else "cpu", "rows": rows},
+                                  indent=1))
+        return 0
     results = [profile_batch(model, cfg, args, int(b), device) for b in args.batches.split(",")]
     for r in results:
         print_result(r)
     out = Path(args.out or HERE / "results" / f"serve_profile-{args.preset}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"preset": args.preset, "torch": torch.__version__,
+                               "compile": args.compile,
                                "device": torch.cuda.get_device_name() if device.type == "cuda"
                                else "cpu", "results": results}, indent=1))
     return 0

@@ -35,7 +35,8 @@ OPTIONAL = ("torchao", "triton", "torch.utils.tensorboard", "tensorboard", "tikt
             "trireme.ops.swiglu_triton", "trireme.ops.moe_permute_triton",
             "trireme.ops.accumulate_triton", "wandb", "trireme.ops.paged_attention_triton",
             "uvicorn", "fastapi", "jinja2", "trireme.inference.server", "mamba_ssm",
-            "causal_conv1d", "trireme.ops.ssd_triton", "PIL")
+            "causal_conv1d", "trireme.ops.ssd_triton", "PIL", "flash_attn",
+            "liger_kernel")
 
 
 def module_files() -> dict[str, Path]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trireme.config import load_config
-from trireme.data.batch import BatchOptions, attention_mask, get_batch, make_batch
+from trireme.data.batch import Batch, BatchOptions, attention_mask, get_batch, make_batch
 from trireme.data.indexed import IndexedDatasetWriter
 from trireme.data.mock import MockGPTDataset
 from trireme.errors import ConfigError
@@ -172,3 +172,26 @@ def test_eod_mask_loss_changes_the_loss(two_datasets, tmp_path):
     assert torch.equal(tokens, tokens_m) and (labels_m == -100).any()
     with torch.no_grad():
         assert base.model(tokens, labels).item() != masked.model(tokens_m, labels_m).item()
+
+
+def test_token_id_check_allows_only_the_vocabulary_and_the_ignore_label():
+    from trireme.errors import DataError
+    from trireme.trainer import check_token_ids
+
+    for fine in ([0, 5, -100], [-100, -100], [9], []):
+        check_token_ids(torch.tensor(fine, dtype=torch.long), 10, "data")
+    for bad in ([10], [-1, 3], [-100, -5, 2], [-101]):
+        with pytest.raises(DataError, match="outside model.vocab_size = 10"):
+            check_token_ids(torch.tensor(bad, dtype=torch.long), 10, "data")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned copy is for a GPU")
+def test_for_training_copies_to_the_gpu_through_pinned_memory():
+    tokens = torch.randint(0, 50, (2, 8))
+    loss_mask = torch.ones(2, 8)
+    loss_mask[0, :3] = 0
+    batch = Batch(tokens, tokens.roll(-1, 1), loss_mask).for_training("cuda")
+    torch.cuda.synchronize()
+    assert batch.tokens.is_cuda and torch.equal(batch.tokens.cpu(), tokens)
+    want = tokens.roll(-1, 1).masked_fill(loss_mask == 0, -100)  # the mask folded in
+    assert torch.equal(batch.labels.cpu(), want) and batch.loss_mask is None

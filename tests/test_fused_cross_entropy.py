@@ -127,6 +127,25 @@ def test_pointwise_chunk_step_matches():
     torch.testing.assert_close(grad_p, grad)
 
 
+@pytest.mark.parametrize("pointwise", [False, True])
+def test_padded_columns_take_no_part(pointwise):
+    """The chunk step over all padded_vocab columns (aligned matmuls) gives the unpadded
+    step's loss and gradient, and an exact zero gradient in the padding, even where the padded
+    logits are the largest."""
+    from trireme.ops.fused_cross_entropy import _loss_and_grad, _loss_and_grad_pointwise
+
+    step = _loss_and_grad_pointwise if pointwise else _loss_and_grad
+    x, weight, labels, _ = inputs(torch.float32)
+    logits = (x @ weight.t()).detach()  # [n, PADDED]
+    logits[:, VOCAB:] += 30.0  # would dominate the softmax if they took part
+    w = torch.rand(labels.shape[0]) * (labels != -100)
+    loss_ref, grad_ref = step(logits[:, :VOCAB].clone(), labels, w)
+    loss, grad = step(logits.clone(), labels, w, VOCAB)
+    torch.testing.assert_close(loss, loss_ref)
+    torch.testing.assert_close(grad[:, :VOCAB], grad_ref)
+    assert grad[:, VOCAB:].abs().sum() == 0 and grad_ref.abs().sum() > 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled chunk step is for CUDA")
 def test_compiled_chunk_step_on_cuda():
     x, weight, labels, loss_mask = inputs(torch.bfloat16, device="cuda")

@@ -124,6 +124,11 @@ def test_plan_accuracy_bench_smoke(tmp_path):
     (row,) = data["results"]
     assert row["name"] == "none-mb4" and abs(row["memory_error"]) < 0.10
     assert row["predicted"]["step_s"] > 0 and row["measured"]["step_s"] > 0
+    # --repredict rebuilds the same configuration from the file: the same predictions
+    (again,) = bench.repredict(str(out), load_rates("cpu"))
+    assert again["predicted"]["memory_gib"] == pytest.approx(row["predicted"]["memory_gib"])
+    assert again["predicted"]["step_s"] == pytest.approx(row["predicted"]["step_s"])
+    assert again["measured"] == row["measured"]
 
 
 def test_train_refuses_before_building_on_a_small_gpu(monkeypatch):
@@ -152,7 +157,8 @@ def test_calibrate_writes_a_table_the_planner_loads(tmp_path, capsys):
     assert plan_main(["--calibrate", "--out", str(out)]) == 0
     rates = load_rates(str(out))
     assert rates.matmul_tflops["fp32"] > 0 and rates.attention_tflops["backward"] > 0
-    assert rates.memory_tbps > 0 and rates.norm_fused is False and not rates.optimizer_fused
+    assert rates.memory_tbps > 0 and rates.transpose_tbps > 0
+    assert rates.norm_fused is False and not rates.optimizer_fused
     capsys.readouterr()
     assert plan_main(["--config", "tiny", "--model.vocab_size=1000", "--gpu", str(out)]) == 0
     assert "trireme plan: 1 x cpu" in capsys.readouterr().out

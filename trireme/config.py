@@ -23,6 +23,7 @@ from trireme.words import count_of
 AUTO_MICRO_BATCH = -1  # train.micro_batch_size: fit the device (TrainConfig)
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
 FP8_LAYER_NAMES = ("qkv", "out", "fc1", "fc2")  # the block linears model.fp8_layers can name
+KERNEL_NAMES = ("liger_rmsnorm", "liger_swiglu", "liger_cross_entropy")  # model.kernels
 
 
 def doc(default: Any, help: str, **kwargs: Any) -> Any:
@@ -145,9 +146,20 @@ class ModelConfig:
         list(FP8_LAYER_NAMES), "fp8 only: which linears of each transformer block run in "
         "fp8 (any of qkv, out, fc1, fc2); the others stay bf16."
     )
-    attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math", "reference"] = doc(
+    attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math", "fa4",
+                               "reference"] = doc(
         "auto", "Attention kernel. auto: cuDNN on Hopper, then flash, efficient, math; "
-        "reference: plain PyTorch softmax(QK^T)V."
+        "fa4: FlashAttention-4 (optional package flash-attn-4, pip install 'trireme[fa4]') for "
+        "training's causal calls on CUDA in bf16 / fp16, auto for the rest (decoding, masks, "
+        "dropout, the CPU); reference: plain PyTorch softmax(QK^T)V."
+    )
+    kernels: list[str] = doc(
+        [], "Optional kernels from other packages (trireme.ops.liger; pip install "
+        "'trireme[liger]'), each on CUDA tensors, trireme's own op elsewhere: liger_rmsnorm "
+        "(the blocks' and final RMSNorm), liger_swiglu (the MLP's SwiGLU; not with "
+        "fused_swiglu), liger_cross_entropy (the output layer + loss where the chunked "
+        "fused_cross_entropy would run; a loss_mask of weights other than 0/1 keeps trireme's). "
+        "bench/kernel_choices.py measures each against trireme's."
     )
     compile: bool = doc(
         True, "torch.compile each transformer block on a GPU (the CPU always runs eagerly); "
@@ -890,6 +902,13 @@ def _check_model(cfg: Config, need_vocab: bool) -> None:
         )
     if m.position_embedding == "rope" and m.head_size % 2:
         raise ConfigError(f"rotary embeddings need an even head size, got {m.head_size}")
+    unknown = sorted(set(m.kernels) - set(KERNEL_NAMES))
+    if unknown:
+        raise ConfigError(f"model.kernels has unknown kernel(s) {unknown}; choose from "
+                          f"{list(KERNEL_NAMES)}")
+    if "liger_swiglu" in m.kernels and m.fused_swiglu:
+        raise ConfigError("model.kernels names liger_swiglu and model.fused_swiglu = true: both "
+                          "replace SwiGLU; drop one")
     unknown = sorted(set(m.fp8_layers) - set(FP8_LAYER_NAMES))
     if unknown:
         raise ConfigError(f"model.fp8_layers has unknown layer(s) {unknown}; choose from "

@@ -125,24 +125,26 @@ class Trainer:
         return self.runner.step(micro_batches, lr)
 
     def next_micro_batches(self) -> list[Batch]:
-        """This step's micro batches of this DP replica, on the device."""
+        """This step's micro batches of this DP replica, on the device. The token ids are
+        checked on the host, before the copy, and the copies do not wait for the GPU: nothing
+        here synchronizes with it, so the next step's data is read while this one computes."""
         started = now()
         mbs = self.cfg.train.micro_batch_size
         # DP replica d reads its own consecutive run of micro batches of the global batch
         replica = self.mesh.coordinate("data") if self.data_parallel > 1 else 0
         start = self.state.consumed_samples + replica * self.num_micro_batches * mbs
-        batches = []
-        for i in range(self.num_micro_batches):
-            batch = self._micro_batch(self.train_data, start + i * mbs, mbs)
-            for ids in (batch.tokens, batch.labels):
-                check_token_ids(ids, self.cfg.model.vocab_size, self.cfg.data.path)
-            batches.append(batch)
+        batches = [self._micro_batch(self.train_data, start + i * mbs, mbs)
+                   for i in range(self.num_micro_batches)]
         self.runner.times.add_data_wait(now() - started)
         return batches
 
     def _micro_batch(self, data, consumed: int, size: int) -> Batch:
         # the samples are read once; labels masked (-100) where the loss does not count
-        return get_micro_batch(data, consumed, size).for_training(self.device)
+        host = get_micro_batch(data, consumed, size).for_training("cpu")
+        for ids in (host.tokens, host.labels):  # on the host copies: no device sync
+            if ids is not None:
+                check_token_ids(ids, self.cfg.model.vocab_size, self.cfg.data.path)
+        return host.for_training(self.device)  # pinned, asynchronous copies on a GPU
 
     def evaluate(self) -> float:
         """Mean loss over the first `train.eval_steps` micro batches of the validation split."""
@@ -153,10 +155,14 @@ class Trainer:
 
 
 def check_token_ids(labels: torch.Tensor, vocab_size: int, path: str) -> None:
-    """Token ids at or above the vocabulary would index past the embedding: say so plainly."""
-    labels = labels[labels != -100]  # -100: a label masked out of the loss (data.eod_mask_loss)
-    top = int(labels.max()) if labels.numel() else 0
-    if top >= vocab_size or (labels.numel() and int(labels.min()) < 0):
+    """Token ids at or above the vocabulary would index past the embedding: say so plainly.
+    -100 is a label masked out of the loss (data.eod_mask_loss); other negative ids are errors.
+    Two reductions in the usual case (no masked copy: this runs on every micro batch)."""
+    if not labels.numel():
+        return
+    top, bottom = int(labels.max()), int(labels.min())
+    negative = bottom < 0 and (bottom != -100 or bool(((labels < 0) & (labels != -100)).any()))
+    if top >= vocab_size or negative:
         raise DataError(
             f"data.path {path!r} holds token id {top}, outside model.vocab_size = {vocab_size}; "
             "use the tokenizer the data was made with or raise model.vocab_size"
@@ -478,6 +484,8 @@ def step_metrics(trainer: Trainer, results: list[dict], lr: float, seconds: floa
     if trainer.env.world_size > 1 and cfg.logging.straggler_factor:  # one small all_gather
         record.update(straggler_report(trainer.runner.times, cfg.logging.straggler_factor,
                                        trainer.device))
+    else:  # nobody compares them: drop the step's CUDA events, else they pile up all run
+        trainer.runner.times.take()
     if cfg.model.precision == "fp16":
         record["loss_scale"] = float(last["loss_scale"])
     if "moe" in last:

@@ -60,11 +60,18 @@ class Batch:
 
     def for_training(self, device: torch.device | str) -> Batch:
         """The batch the trainer feeds the model, on `device`: the loss mask folded into the
-        labels as -100 (what the loss ignores; no mask tensor travels), the ids copied without
-        waiting for the host."""
+        labels as -100 (what the loss ignores; no mask tensor travels). Host tensors going to a
+        GPU are first copied to pinned memory: a copy from pageable memory waits for the GPU to
+        finish its queued work, one from pinned memory is queued behind it and returns at once
+        (the pinned block is not reused before the copy is done)."""
+        device = torch.device(device)
 
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device, non_blocking=True)
+            if t is None:
+                return None
+            if device.type == "cuda" and t.device.type == "cpu":
+                t = t.pin_memory()
+            return t.to(device, non_blocking=True)
 
         return Batch(move(self.tokens), move(self.masked_labels()), None,
                      move(self.position_ids), move(self.document_ids), images=move(self.images))

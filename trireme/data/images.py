@@ -1,6 +1,7 @@
 """Images for a vision-language model: decode, pad to a square, resize, normalize.
 
     load_image(path, size)   -> uint8 [size, size, 3]   (Pillow: any format it reads, RGB)
+    decode_image(data, size) -> the same from a file's bytes (a served request's upload)
     pixels(images)           -> float32 [b, 3, size, size] = (x / 255 - mean) / std per channel
 
 A non-square image is first padded to a square with the mean colour (centred, as LLaVA-1.5
@@ -13,6 +14,7 @@ truncated one), or too large to decode safely (Pillow's decompression-bomb limit
 
 from __future__ import annotations
 
+import io
 import os
 
 import numpy as np
@@ -35,20 +37,41 @@ def _pillow():
 def load_image(path: str | os.PathLike[str], size: int, where: str = "") -> np.ndarray:
     """uint8 [size, size, 3]: the image at `path`, padded to a square and resized (module doc).
     `where` (e.g. "data.jsonl:12: ") starts the error messages."""
-    image_module = _pillow()
     path = str(path)
     if not os.path.isfile(path):
         raise DataError(f"{where}image {path!r} not found; check the path (relative paths are "
                         "read from the folder of the JSONL file)")
+    return _square(_decode(path, f"{where}image {path!r}"), size)
+
+
+def decode_image(data: bytes, size: int, where: str = "image", max_pixels: int = 0,
+                 formats: tuple[str, ...] | None = None) -> np.ndarray:
+    """uint8 [size, size, 3] from the bytes of an image file (a request's upload), as
+    `load_image`. `max_pixels` (> 0) refuses larger images before their pixels are decoded;
+    `formats` (Pillow names, e.g. ("PNG", "JPEG")) are the only ones tried."""
+    return _square(_decode(io.BytesIO(data), where, max_pixels, formats), size)
+
+
+def _decode(source, what: str, max_pixels: int = 0, formats: tuple[str, ...] | None = None):
+    """The RGB Pillow image of `source` (a path or a file object); one-line DataErrors."""
+    image_module = _pillow()
     try:
-        with image_module.open(path) as image:
-            image = image.convert("RGB")
+        with image_module.open(source, formats=formats) as image:
+            width, height = image.size  # from the header: nothing decoded yet
+            if max_pixels and width * height > max_pixels:
+                raise DataError(f"{what} is {width} x {height} = {width * height} pixels, over "
+                                f"the limit of {max_pixels}; downscale it first")
+            return image.convert("RGB")
     except image_module.DecompressionBombError as e:
-        raise DataError(f"{where}image {path!r} is too large to decode safely ({e}); "
-                        "downscale it first") from None
-    except (OSError, SyntaxError, ValueError) as e:
-        raise DataError(f"{where}image {path!r} is not a readable image ({e}); "
-                        "replace or remove it") from None
+        raise DataError(f"{what} is too large to decode safely ({e}); downscale it first"
+                        ) from None
+    except (OSError, SyntaxError, ValueError) as e:  # UnidentifiedImageError is an OSError
+        raise DataError(f"{what} is not a readable image ({e}); replace or remove it") from None
+
+
+def _square(image, size: int) -> np.ndarray:
+    """uint8 [size, size, 3]: `image` padded to a square with the mean colour, then resized."""
+    image_module = _pillow()
     width, height = image.size
     side = max(width, height)
     if width != height:  # pad to a square with the mean colour, the image centred

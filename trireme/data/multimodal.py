@@ -317,7 +317,22 @@ def image_prompt_ids(tokenizer: Tokenizer, question: str, image_id: int,
                      image_tokens: int) -> list[int]:
     """The ids of a one-image prompt as training saw it ("USER: {question}\\nASSISTANT:", the
     image at its <image> marker or first), the placeholder expanded to `image_tokens` copies."""
-    ids = sample_sequences({"conversations": [{"from": "human", "value": question},
-                                              {"from": "gpt", "value": ""}]},
-                           tokenizer, image_id)[0]
+    return conversation_prompt_ids(tokenizer, [question], image_id, image_tokens)
+
+
+def conversation_prompt_ids(tokenizer: Tokenizer, turns: list[str], image_id: int,
+                            image_tokens: int, image: bool = True) -> list[int]:
+    """The ids of a conversation to continue, framed as training saw it: `turns` alternate user,
+    assistant, ..., user; "USER: {q}\\nASSISTANT: {a}\\nUSER: ...\\nASSISTANT:". With `image`, the
+    one image sits at the <image> marker (or before the first turn), expanded to `image_tokens`
+    placeholder ids; without, the text must have no marker. ValueError for more markers."""
+    roles = ["human" if i % 2 == 0 else "gpt" for i in range(len(turns) + 1)]
+    record = {"conversations": [{"from": role, "value": text}
+                                for role, text in zip(roles, [*turns, ""])]}
+    sequences = sample_sequences(record, tokenizer, image_id)[:-1]  # no (empty) answer
+    ids = [t for sequence in sequences for t in sequence]
+    if not image:
+        if any(IMAGE_TOKEN in text for text in turns):
+            raise ValueError(f"the text has an {IMAGE_TOKEN} marker but there is no image")
+        return ids[1:]  # sample_sequences put the image first
     return [t for i in ids for t in ([i] * image_tokens if i == image_id else [i])]

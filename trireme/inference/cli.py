@@ -46,6 +46,8 @@ def load_for_inference(checkpoint: str, tokenizer: str = "", device: str = "auto
     if dev.type == "cpu" and dtype == torch.float16:
         dtype = torch.float32  # fp16 matmuls are slow or missing on CPU
     # built on the meta device and filled from the checkpoint: no random init, no CPU copy
+    if cfg.model.vision_layers and cfg.model.image_token_id < 0:  # the tokenizer's <image>
+        cfg.model.image_token_id = image_token_id(tok, tok_spec)
     model = model_from_state(cfg.model, ckpt.model, dev, dtype).eval()
     bad = first_non_finite(model)
     if bad is not None:
@@ -80,8 +82,6 @@ def generate_from_checkpoint(
             raise ConfigError(f"--image: the model in {loaded.path} has no vision encoder "
                               "(model.vision_layers = 0)")
         image_id = cfg.model.image_token_id
-        if image_id < 0:
-            image_id = image_token_id(tok, loaded.tokenizer_spec)
         ids = image_prompt_ids(tok, prompt, image_id, num_image_tokens(cfg.model))
         images = pixels(load_image(image, cfg.model.vision_image_size, "--image: ")[None])
         images = images.to(model.embedding.weight.device, model.embedding.weight.dtype)
@@ -115,6 +115,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
                        help="launch each decode step before reading the previous one's tokens "
                        "(auto: with --cuda-graphs; docs/serving.md)")
+    group.add_argument("--no-compile-decode", dest="compile_decode", action="store_false",
+                       help="capture the eager decode forward in the CUDA graphs, not the "
+                       "torch.compile'd one")
 
 
 def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> Engine:
@@ -122,6 +125,6 @@ def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> Engine:
         block_size=args.block_size, num_blocks=args.num_blocks, max_memory_gib=args.max_memory,
         max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
         max_queue=args.max_queue, seed=args.seed if args.seed is not None else 0,
-        cuda_graphs=args.cuda_graphs,
+        cuda_graphs=args.cuda_graphs, compile_decode=args.compile_decode,
         overlap={"auto": None, "on": True, "off": False}[args.overlap])
     return Engine(loaded.model, settings, tokenizer=loaded.tokenizer)

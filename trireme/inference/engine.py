@@ -9,7 +9,8 @@ picks them: one decode token per request with its prompt cached, plus prompt chu
 ragged batch [1, T] over the paged cache (trireme.models.paged), samples one token for each
 request whose row ends its known tokens, and hands each request its new text through
 `on_output` (also returned). Per step there is one host sync: the sampled ids (and whether each
-row's logits were finite) come back to the CPU together.
+row's logits were finite) come back to the CPU together. A vision model's request may carry
+images: the prompt chunks holding their placeholders get their features (trireme.inference.images).
 
 Overlap (EngineSettings.overlap, on with CUDA graphs): the host's work of a step (reading the
 sampled ids, outputs, stop strings, planning) runs while the GPU computes the next one. A call
@@ -35,12 +36,14 @@ from trireme.data.tokenizer_base import Tokenizer
 from trireme.errors import TriremeError
 from trireme.inference.blocks import BlockAllocator, pool_blocks
 from trireme.inference.graphs import DecodeGraphs, graphs_supported
+from trireme.inference.images import RequestImages
 from trireme.inference.sampling import SamplingParams, request_generator, sample_rows
 from trireme.inference.scheduler import Request, RequestOutput, Scheduler, StepPlan
 from trireme.inference.step_inputs import SlotTables, StepBatch
 from trireme.inference.text import TextStream
 from trireme.models.gpt import GPT
 from trireme.models.paged import PagedCache, PagedKV, PagedLayout
+from trireme.models.vision import ImageRows, num_image_tokens
 
 
 class RequestError(TriremeError):
@@ -59,7 +62,8 @@ class EngineSettings:
     chunks); max_queue: waiting requests before `submit` raises QueueFull; seed: the shared
     sampler's; cuda_graphs: replay decode-only steps as CUDA graphs (trireme.inference.graphs);
     overlap: launch each decode step before reading the previous one's tokens (module
-    docstring; None: on when CUDA graphs are)."""
+    docstring; None: on when CUDA graphs are); compile_decode: with cuda_graphs, capture a
+    torch.compile'd decode forward (trireme.inference.compiled_decode)."""
 
     block_size: int = 16
     num_blocks: int = 0
@@ -70,6 +74,7 @@ class EngineSettings:
     seed: int = 0
     cuda_graphs: bool = False
     overlap: bool | None = None
+    compile_decode: bool = True
 
     def check(self) -> None:
         for name in ("block_size", "max_running", "max_batch_tokens", "max_queue"):
@@ -136,7 +141,7 @@ class Engine:
         self.graphs = None
         if settings.cuda_graphs and graphs_supported(model, self.cache, settings.block_size):
             self.graphs = DecodeGraphs(model, self.cache, settings.max_running,
-                                       settings.block_size)
+                                       settings.block_size, compile=settings.compile_decode)
             with torch.inference_mode():
                 self.graphs.capture_all()
         # an early forward that is discarded must leave no trace: only key/value writes, which
@@ -171,9 +176,11 @@ class Engine:
             raise RequestError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_output=None,
-               request_id: str | None = None) -> Request:
-        """Queue a request; raises RequestError (bad request) or QueueFull."""
+               request_id: str | None = None, images: torch.Tensor | None = None) -> Request:
+        """Queue a request; raises RequestError (bad request) or QueueFull. `images` [k, 3, S,
+        S] (normalized pixels, a vision model): their features fill the prompt's placeholders."""
         self.check_prompt(prompt_ids)
+        request_images = self._request_images(prompt_ids, images)
         problem = params.problem()
         if problem:
             raise RequestError(problem)
@@ -184,7 +191,7 @@ class Engine:
             request_id if request_id is not None else f"req-{next(self.ids)}",
             list(prompt_ids), params, max_len, on_output,
             TextStream(self.tokenizer, params.stop) if self.tokenizer else None,
-            request_generator(params, self.device))
+            request_generator(params, self.device), images=request_images)
         need = self.scheduler.blocks_needed(request)
         if need > self.allocator.usable:
             raise RequestError(f"the request needs {need} KV blocks ({max_len} tokens) but the "
@@ -196,6 +203,25 @@ class Engine:
                                 "(--max-queue); retry later")
             self.scheduler.waiting.append(request)
         return request
+
+    def _request_images(self, prompt_ids: list[int], images: torch.Tensor | None
+                        ) -> RequestImages | None:
+        """The request's images with their placeholder positions (RequestError if they do not
+        fit the model or the prompt)."""
+        if images is None:
+            return None
+        cfg = self.cfg
+        if not cfg.vision_layers:
+            raise RequestError("this model takes no images (model.vision_layers = 0)")
+        size = cfg.vision_image_size
+        if images.dim() != 4 or tuple(images.shape[1:]) != (3, size, size):
+            raise RequestError(f"images must be [k, 3, {size}, {size}], got {list(images.shape)}")
+        positions = [i for i, t in enumerate(prompt_ids) if t == cfg.image_token_id]
+        want = images.shape[0] * num_image_tokens(cfg)
+        if len(positions) != want:
+            raise RequestError(f"the prompt has {len(positions)} image placeholder tokens; "
+                               f"{images.shape[0]} image(s) take {want}")
+        return RequestImages(images, positions)
 
     def cancel(self, request_id: str) -> None:
         """Stop a request at the next step (its blocks go back); any thread."""
@@ -323,7 +349,8 @@ class Engine:
             self.cache.begin(batch.step)
             logits = self.model(batch.ids.unsqueeze(0), kv_cache=self.cache,
                                 position_ids=batch.positions.unsqueeze(0),
-                                output_index=batch.output_index)[0]
+                                output_index=batch.output_index,
+                                image_rows=self._image_rows(plan))[0]
         return logits
 
     def _commit(self, plan: StepPlan) -> None:
@@ -333,6 +360,8 @@ class Engine:
         for request, count in plan.prefills:
             request.num_cached += count
             self.counters["prompt_tokens"] += count
+            if not request.prefilling:
+                request.images = None  # its features are in the cache now
         self.counters["steps"] += 1
 
     def _sample(self, sampled: list[Request], logits: torch.Tensor) -> Launched:
@@ -364,6 +393,20 @@ class Engine:
                 if request.finish_reason is None:
                     outputs.append(self._take_token(request, token, bool(good)))
         return outputs
+
+    def _image_rows(self, plan: StepPlan) -> ImageRows | None:
+        """The image features of the placeholders in this step's prompt chunks, at their rows
+        of the packed batch (the chunks follow the decode rows, in plan order)."""
+        first, index, features = len(plan.decodes), [], []
+        for request, count in plan.prefills:
+            if request.images is not None:
+                offsets, rows = request.images.chunk(self.model, request.num_cached, count)
+                index += [first + offset for offset in offsets]
+                features.append(rows)
+            first += count
+        if not index:
+            return None
+        return ImageRows(torch.tensor(index, device=self.device), torch.cat(features))
 
     def _take_token(self, request: Request, token: int, finite: bool) -> RequestOutput:
         """Append a sampled token; finish the request on eos, a stop string or its length."""

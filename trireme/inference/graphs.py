@@ -13,6 +13,11 @@ once. A graph has fixed shapes and addresses, so:
   wide tables cost nothing;
 - only steps without prompt chunks replay (prefill shapes vary); those run eagerly.
 
+With `compile_decode` (EngineSettings, on by default) the captured forward runs each block
+compiled (trireme.inference.compiled_decode: Inductor fuses the elementwise kernels between the
+GEMMs); the warm-up runs compile it, before the capture. If compiling or capturing the compiled
+forward fails, that bucket is captured from the eager forward instead, with a warning.
+
 Only with the Triton paged kernel (CUDA, power-of-two head and block sizes): the gather path
 would gather the whole table. A model whose forward cannot be captured (a host sync inside, as in
 some MoE dispatchers) falls back to eager steps with a warning. Sampling stays outside the graph.
@@ -21,11 +26,13 @@ some MoE dispatchers) falls back to eager steps with a warning. Sampling stays o
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from collections.abc import Callable
 
 import torch
 
+from trireme.inference.compiled_decode import compile_decode
 from trireme.models.gpt import GPT
 from trireme.models.paged import PagedCache, PagedKV, PagedStep
 from trireme.ops.paged_attention import kernel_available
@@ -35,7 +42,8 @@ def graphs_supported(model: GPT, cache: PagedCache, block_size: int) -> bool:
     """CUDA, the Triton paged kernel, and no per-request (SlotState) sublayer states."""
     cfg = model.cfg
     only_attention = all(isinstance(s, PagedKV) for s in cache.states())
-    return (model.embedding.weight.is_cuda and cfg.attention_backend == "auto" and only_attention
+    decode_auto = cfg.attention_backend in ("auto", "fa4")  # fa4 decodes on the auto path
+    return (model.embedding.weight.is_cuda and decode_auto and only_attention
             and block_size & (block_size - 1) == 0 and cfg.head_size & (cfg.head_size - 1) == 0
             and kernel_available())
 
@@ -48,8 +56,12 @@ def buckets_up_to(max_running: int) -> list[int]:
 class DecodeGraphs:
     """The captured decode steps of one engine (module docstring)."""
 
-    def __init__(self, model: GPT, cache: PagedCache, max_running: int, block_size: int) -> None:
+    def __init__(self, model: GPT, cache: PagedCache, max_running: int, block_size: int,
+                 compile: bool = False) -> None:
         self.model, self.cache = model, cache
+        self.compiled = compile
+        if compile:
+            compile_decode(cache)
         device = model.embedding.weight.device
         self.width = math.ceil(model.cfg.seq_length / block_size)
         self.buckets = buckets_up_to(max_running)
@@ -65,6 +77,7 @@ class DecodeGraphs:
         self.keep: list[torch.cuda.CUDAGraph] = []
         self.pool = None
         self.broken = False
+        self.warmup_s = 0.0  # seconds in the warm-up runs (with compile: mostly compiling)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -88,6 +101,11 @@ class DecodeGraphs:
         try:
             self.graphs[size] = self._record(size)
         except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly
+            if self.compiled:  # try once more with the eager blocks
+                warnings.warn(f"the compiled decode forward is off: compiling or capturing it "
+                              f"failed ({type(e).__name__}: {str(e)[:200]})", stacklevel=2)
+                self.compiled, self.cache.compiled_layer = False, None
+                return self._capture(size)
             warnings.warn(f"CUDA graphs are off for this model: capturing a decode step failed "
                           f"({type(e).__name__}: {str(e)[:200]})", stacklevel=2)
             self.broken = True
@@ -97,9 +115,12 @@ class DecodeGraphs:
         """(replay, the logits it refreshes) of one bucket, captured as a CUDA graph."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
+        start = time.perf_counter()
         with torch.cuda.stream(side):
             for _ in range(2):  # warm up: allocator, Triton compilation, rope tables
                 self._forward(size)
+        side.synchronize()
+        self.warmup_s += time.perf_counter() - start
         torch.cuda.current_stream().wait_stream(side)
         if not kernel_available():  # it failed in the warm-up: the gather path is no graph's
             raise RuntimeError("the paged decode kernel is unavailable")

@@ -2,7 +2,8 @@
 the field, and the JSON of completions, chat completions and their streamed chunks.
 
 Accepted (besides `model`, which is not checked against the served name, and fields this server
-ignores such as `user`): prompt (a string, token ids, or a list of one of either), messages,
+ignores such as `user`): prompt (a string, token ids, or a list of one of either), messages
+(content a string or a list of text and, for a vision model, image_url parts: image_parts),
 max_tokens / max_completion_tokens, temperature (0: greedy), top_p, seed, stop (a string or a
 list), stream, stream_options.include_usage; extensions top_k and ignore_eos. Refused with a 400:
 n, best_of != 1, echo, logprobs, suffix, logit_bias, nonzero presence / frequency penalties.
@@ -15,8 +16,11 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
+
 from trireme.errors import TriremeError
 from trireme.inference.chat import ROLES, ChatFormat
+from trireme.inference.image_parts import VisionInputs, image_url, vision_prompt
 from trireme.inference.sampling import SamplingParams
 
 
@@ -40,6 +44,7 @@ class ParsedRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    images: torch.Tensor | None = None  # [k, 3, S, S] normalized pixels (a vision model)
 
 
 NUMBER = (int, float)
@@ -124,41 +129,69 @@ def parse_completion(body: Any, tokenizer) -> ParsedRequest:
     return ParsedRequest(ids, params, *_stream_flags(body))
 
 
-def parse_chat(body: Any, tokenizer, chat: ChatFormat, context: int) -> ParsedRequest:
-    """POST /v1/chat/completions' body -> the templated prompt's ids and settings."""
+def parse_chat(body: Any, tokenizer, chat: ChatFormat, context: int,
+               vision: VisionInputs | None = None) -> ParsedRequest:
+    """POST /v1/chat/completions' body -> the templated prompt's ids and settings; for a vision
+    model (`vision`), the prompt of trireme.inference.image_parts and the images' pixels."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", "messages")
-    plain = []
+    plain, urls = [], []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise ApiError(400, f"messages[{i}] needs a role, one of {', '.join(ROLES)}",
                            "messages")
-        plain.append({"role": message["role"], "content": _content(message.get("content"), i)})
-    try:
-        text = chat.render(plain)
-    except TriremeError as e:
-        raise ApiError(400, str(e), "messages") from None
-    ids = tokenizer.encode(text) or [tokenizer.eod]
+        text, images = _content(message.get("content"), i)
+        if images and (vision is None or message["role"] != "user"):
+            raise ApiError(400, f"messages[{i}] has an image, but " + (
+                "this model takes no images" if vision is None else "only user messages may"),
+                "messages")
+        plain.append({"role": message["role"], "content": text})
+        urls += images
+    ids, pixels = _prompt(plain, urls, tokenizer, chat, vision)
     params = sampling_from(body, default_max_tokens=context,
                            max_tokens_name="max_completion_tokens")
-    if chat.stop and not set(chat.stop) <= set(params.stop):
+    if vision is None and chat.stop and not set(chat.stop) <= set(params.stop):
         params = replace(params, stop=params.stop + chat.stop)  # the template's end of turn
-    return ParsedRequest(ids, params, *_stream_flags(body))
+    return ParsedRequest(ids, params, *_stream_flags(body), images=pixels)
 
 
-def _content(content: Any, i: int) -> str:
-    """A message's text: a string, or the text parts of a list of content parts."""
+def _prompt(plain: list[dict[str, str]], urls: list[str], tokenizer, chat: ChatFormat,
+            vision: VisionInputs | None) -> tuple[list[int], torch.Tensor | None]:
+    """Prompt ids (and pixels) of checked messages: the chat template, or a vision model's
+    conversation framing (trireme.inference.image_parts)."""
+    try:
+        if vision is not None:
+            return vision_prompt([(m["role"], m["content"]) for m in plain], urls, tokenizer,
+                                 vision)
+        return tokenizer.encode(chat.render(plain)) or [tokenizer.eod], None
+    except TriremeError as e:
+        raise ApiError(400, str(e), "messages") from None
+
+
+def _content(content: Any, i: int) -> tuple[str, list[str]]:
+    """A message's text and image URLs: a string, or a list of text and image_url parts."""
     if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            for p in content):
-        return "".join(p["text"] for p in content)
-    raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
-                   "messages")
+        return content, []
+    where = f"messages[{i}].content"
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where} must be a string or a list of content parts", "messages")
+    texts, urls = [], []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "image_url":
+            try:
+                urls.append(image_url(part, f"{where}[{j}]"))
+            except TriremeError as e:
+                raise ApiError(400, str(e), "messages") from None
+        else:
+            raise ApiError(400, f"{where}[{j}] must be a {{\"type\": \"text\", \"text\": ...}} "
+                           "or {\"type\": \"image_url\", ...} part", "messages")
+    return "".join(texts), urls
 
 
 # ---------------------------------------------------------------------------- answers

@@ -11,6 +11,8 @@ import threading
 import time
 import traceback
 
+import torch
+
 from trireme.inference.engine import Engine
 from trireme.inference.sampling import SamplingParams
 from trireme.inference.scheduler import Request
@@ -36,8 +38,9 @@ class EngineThread:
     def alive(self) -> bool:
         return self.thread.is_alive() and not self.stopping
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, on_output) -> Request:
-        request = self.engine.submit(prompt_ids, params, on_output)
+    def submit(self, prompt_ids: list[int], params: SamplingParams, on_output,
+               images: torch.Tensor | None = None) -> Request:
+        request = self.engine.submit(prompt_ids, params, on_output, images=images)
         self.wake.set()
         return request
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trireme.inference.blocks import BlockAllocator, blocks_for
+from trireme.inference.images import RequestImages
 from trireme.inference.sampling import SamplingParams
 from trireme.inference.text import TextStream
 
@@ -55,6 +56,7 @@ class Request:
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    images: RequestImages | None = None  # a vision model's images, until the prompt is cached
 
     @property
     def num_tokens(self) -> int:

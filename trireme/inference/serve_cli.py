@@ -23,6 +23,7 @@ from trireme.inference.cli import (
     engine_from_args,
     load_for_inference,
 )
+from trireme.inference.image_parts import MAX_IMAGE_PIXELS
 from trireme.inference.runner import EngineThread
 
 EPILOG = """\
@@ -52,6 +53,8 @@ def serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=None, help="seed of unseeded sampling")
     parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                         help="largest request body accepted (413 beyond)")
+    parser.add_argument("--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS,
+                        help="a vision model's largest image, width x height (400 beyond)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds running requests get to finish after SIGTERM")
     add_engine_arguments(parser)
@@ -82,7 +85,7 @@ def serve_main(argv: list[str]) -> int:
     loaded = load_for_inference(args.checkpoint, args.tokenizer, args.device)
     engine = engine_from_args(loaded, args)
     name = args.model_name or Path(args.checkpoint).resolve().name
-    settings = ServerSettings(name, args.api_key, args.max_body_bytes)
+    settings = ServerSettings(name, args.api_key, args.max_body_bytes, args.max_image_pixels)
     app = build_app(EngineThread(engine), chat_format(loaded), settings)
     if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"trireme: warning: listening on {args.host} with no --api-key: anyone who can "

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from trireme.inference.chat import ChatFormat
 from trireme.inference.engine import QueueFull, RequestError
+from trireme.inference.image_parts import MAX_IMAGE_PIXELS, VisionInputs
 from trireme.inference.openai_api import (
     Answer,
     ApiError,
@@ -41,6 +42,7 @@ class ServerSettings:
     model_name: str
     api_key: str = ""
     max_body_bytes: int = 4 * 1024 * 1024
+    max_image_pixels: int = MAX_IMAGE_PIXELS  # a vision model's largest image (decoded)
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -74,6 +76,7 @@ class OpenAIServer:
     def __init__(self, runner: EngineThread, chat: ChatFormat, settings: ServerSettings) -> None:
         self.runner, self.chat, self.settings = runner, chat, settings
         self.engine = runner.engine
+        self.vision = VisionInputs.of(self.engine.cfg, settings.max_image_pixels)
 
     async def error(self, request: Request, error: ApiError) -> JSONResponse:
         return error_response(error)
@@ -102,7 +105,9 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         check_key(request, self.settings.api_key)
         body = await read_json(request, self.settings.max_body_bytes)
-        parsed = parse_chat(body, self.engine.tokenizer, self.chat, self.engine.cfg.seq_length)
+        # on a worker thread: decoding an image must not hold up the other requests' streams
+        parsed = await asyncio.to_thread(parse_chat, body, self.engine.tokenizer, self.chat,
+                                         self.engine.cfg.seq_length, self.vision)
         return await self.answer(request, parsed, Answer(self.settings.model_name, chat=True))
 
     def submit(self, parsed: ParsedRequest) -> tuple[str, asyncio.Queue]:
@@ -117,7 +122,7 @@ class OpenAIServer:
         if not self.runner.alive:
             raise ApiError(503, "the server is shutting down", kind="server_error")
         try:
-            submitted = self.runner.submit(parsed.prompt_ids, parsed.params, put)
+            submitted = self.runner.submit(parsed.prompt_ids, parsed.params, put, parsed.images)
         except QueueFull as e:
             raise ApiError(429, str(e), code="queue_full", kind="rate_limit_error") from None
         except RequestError as e:

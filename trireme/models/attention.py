@@ -19,6 +19,7 @@ from trireme.config import ModelConfig
 from trireme.models.init import InitRule
 from trireme.models.paged import PagedKV, PagedLayout
 from trireme.ops.attention import attention
+from trireme.ops.attention_fa4 import require_fa4
 from trireme.ops.norms import RMSNorm
 from trireme.ops.recompute import recompute
 from trireme.ops.rope import apply_rotary
@@ -47,6 +48,10 @@ class Attention(nn.Module):
             n_heads // tp_size, max(n_kv // tp_size, 1), d,
         )
         self.backend = cfg.attention_backend
+        if self.backend == "fa4":
+            require_fa4()  # the one-line ConfigError now, not at the first step
+        # decoding (KV cache, paged pools) keeps SDPA's choice: fa4 covers training's calls
+        self.decode_backend = "auto" if self.backend == "fa4" else self.backend
         self.dropout_p = cfg.dropout
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         self.split_sizes = [q_size, kv_size, kv_size]
@@ -122,7 +127,7 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if isinstance(cache, PagedKV):  # a ragged batch of many requests (models/paged.py)
-            y = cache.attend(q, k, v, self.backend)  # [1, n_heads, T, d]
+            y = cache.attend(q, k, v, self.decode_backend)  # [1, n_heads, T, d]
             return y.transpose(1, 2).reshape(b, s, self.num_heads * d)
         if cache is not None:  # store this chunk's keys/values, attend over everything so far
             k_cache, v_cache = cache
@@ -135,8 +140,9 @@ class Attention(nn.Module):
             y = context_attention(q, k, v, context, document_ids)
             return y.transpose(1, 2).reshape(b, s, self.num_heads * d)
         with fork_rng(self.head_rng, dropout_p > 0.0):
+            backend = self.backend if cache is None else self.decode_backend
             y = attention(
-                q, k, v, causal=self.causal, backend=self.backend, dropout_p=dropout_p,
+                q, k, v, causal=self.causal, backend=backend, dropout_p=dropout_p,
                 q_offset=start_pos, document_ids=document_ids,
             )  # [b, n_heads, s, d]
         return y.transpose(1, 2).reshape(b, s, self.num_heads * d)  # [b, s, n_heads * d]

@@ -72,7 +72,7 @@ class Block(nn.Module):
         self.sublayers = tuple(sublayer_names(symbols))
         for name, symbol in zip(self.sublayers, symbols):  # registration order: norm, sublayer
             self.add_module(f"{name}_norm", build_norm(cfg.normalization, cfg.hidden_size,
-                                                       cfg.norm_eps, cfg.bias))
+                                                       cfg.norm_eps, cfg.bias, cfg.kernels))
             self.add_module(name, build_sublayer(symbol, cfg, ctx))
         self.recompute = False  # full recomputation: see set_recompute
         self.random = cfg.dropout > 0.0

@@ -44,9 +44,10 @@ from trireme.models.block import Block
 from trireme.models.init import InitRule, init_parameters
 from trireme.models.moe import MoE
 from trireme.models.stages import StageSpec, rank_stages
-from trireme.models.vision import Projector, VisionEncoder, merge_images
+from trireme.models.vision import ImageRows, Projector, VisionEncoder, merge_images
 from trireme.ops.cross_entropy import cross_entropy
 from trireme.ops.fused_cross_entropy import fused_linear_cross_entropy
+from trireme.ops.liger import liger_linear_cross_entropy, liger_loss_applies, require_liger
 from trireme.ops.norms import build_norm
 from trireme.ops.recompute import MODES as RECOMPUTE_MODES
 from trireme.ops.rope import RotaryEmbedding, rope_frequencies
@@ -114,10 +115,14 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg, ctx, symbols[i])
                                      for i in self.stage.layers})
         if last:
-            self.final_norm = build_norm(cfg.normalization, h, cfg.norm_eps, cfg.bias)
+            self.final_norm = build_norm(cfg.normalization, h, cfg.norm_eps, cfg.bias,
+                                         cfg.kernels)
         if last and not cfg.tie_embeddings:  # under TP: this rank's rows of the vocabulary
             self.output = column_linear(h, [(self.padded_vocab_size, 1)], False, tp)
         self._compile_pending = cfg.compile
+        self.liger_loss = last and "liger_cross_entropy" in cfg.kernels  # trireme.ops.liger
+        if self.liger_loss:
+            require_liger("liger_cross_entropy")  # the one-line ConfigError at build
         if seed is not None:
             init_parameters(self, seed)
 
@@ -190,6 +195,7 @@ class GPT(nn.Module):
         context_split: bool = False,
         output_index: torch.Tensor | None = None,
         images: torch.Tensor | None = None,
+        image_rows: ImageRows | None = None,
     ) -> torch.Tensor:
         """Logits [b, s, vocab_size] (fp32 not guaranteed), or with `labels` [b, s] the mean
         cross-entropy (fp32 scalar) over tokens with labels != -100 and loss_mask (if given) != 0.
@@ -208,7 +214,8 @@ class GPT(nn.Module):
 
         `images` [b_img, 3, H, W] (normalized pixels; a vision model, first stage): their
         projected features replace the model.image_token_id placeholders of `input_ids` in order,
-        num_image_tokens(cfg) per image (trireme.models.vision).
+        num_image_tokens(cfg) per image (trireme.models.vision). Serving passes `image_rows`
+        instead: features already projected, for the given rows of the packed batch.
         """
         self._check_inputs(input_ids, start_pos, kv_cache, position_ids, document_ids)
         self._maybe_compile(input_ids.device)
@@ -216,7 +223,8 @@ class GPT(nn.Module):
         rope = self._rope(input_ids, start_pos, position_ids,
                           ragged=getattr(kv_cache, "ragged", False))
         if self.stage.first:
-            x = self.dropout(self._embed(input_ids, start_pos, position_ids, images))
+            x = self.dropout(self._embed(input_ids, start_pos, position_ids, images,
+                                         image_rows))
         else:  # the previous stage's activations (under SP [b, s / T, h])
             x = hidden
         out = self._blocks_and_head(x, rope, labels, loss_mask, kv_cache, start_pos,
@@ -262,17 +270,23 @@ class GPT(nn.Module):
             return self.rope(input_ids.device, position_ids=position_ids)  # 2 x [b, s, d]
         return self.rope(input_ids.device, offset=start_pos, length=input_ids.shape[1])  # [s, d]
 
+    def image_features(self, images: torch.Tensor) -> torch.Tensor:
+        """[b_img, n, h]: the projected features of normalized images [b_img, 3, H, W]."""
+        if not hasattr(self, "vision"):
+            raise TriremeError("images were given to a model without a vision encoder "
+                               "(model.vision_layers = 0)")
+        return self.projector(self.vision(images))
+
     def _embed(self, input_ids: torch.Tensor, start_pos: int, position_ids: torch.Tensor | None,
-               images: torch.Tensor | None = None) -> torch.Tensor:
+               images: torch.Tensor | None = None, image_rows: ImageRows | None = None
+               ) -> torch.Tensor:
         """[b, s, h] token (+ learned position) embeddings; under SP this rank's [b, s / T, h].
         Images: their features in place of the placeholder tokens' embeddings."""
         x = self.embedding(input_ids)
+        if image_rows is not None:
+            x = image_rows.merge(x)
         if images is not None:
-            if not hasattr(self, "vision"):
-                raise TriremeError("images were given to a model without a vision encoder "
-                                   "(model.vision_layers = 0)")
-            features = self.projector(self.vision(images))  # [b_img, n, h]
-            x = merge_images(x, input_ids, features, self.cfg.image_token_id)
+            x = merge_images(x, input_ids, self.image_features(images), self.cfg.image_token_id)
         if self.cfg.position_embedding != "learned":
             return x
         if position_ids is None:
@@ -300,6 +314,8 @@ class GPT(nn.Module):
         for name, block in self.layers.items():
             if kv_cache is None:
                 x = block(x, rope, document_ids=document_ids, context=context)
+            elif hasattr(kv_cache, "forward_layer"):  # serving (PagedCache): it picks how
+                x = kv_cache.forward_layer(block, x, rope, int(name))
             else:  # decoding: shapes change every step, so run the blocks eagerly
                 x = block.forward(x, rope, kv_cache[int(name)], start_pos)
         if not self.stage.last:
@@ -312,6 +328,10 @@ class GPT(nn.Module):
                 x, self.output_weight(), self.tp, self.cfg.vocab_size, labels, loss_mask
             )
         if labels is not None and self.cfg.fused_loss(x.is_cuda):  # no [b, s, vocab] logits
+            if (self.liger_loss and x.is_cuda and torch.is_grad_enabled()
+                    and liger_loss_applies(labels, loss_mask)):  # evaluation: trireme's, no grads
+                weight = self.output_weight()[: self.cfg.vocab_size]  # [vocab, h]
+                return liger_linear_cross_entropy(x, weight, labels, loss_mask)
             return fused_linear_cross_entropy(
                 x, self.output_weight(), labels, loss_mask, vocab_size=self.cfg.vocab_size,
                 chunk_size=self.cfg.loss_chunk_size, compile=self.cfg.compile and x.is_cuda,

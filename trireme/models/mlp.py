@@ -14,6 +14,7 @@ from torch import nn
 
 from trireme.config import ModelConfig
 from trireme.models.init import InitRule
+from trireme.ops.liger import liger_swiglu, require_liger
 from trireme.ops.recompute import recompute
 from trireme.ops.swiglu import fused_swiglu, swiglu
 from trireme.parallel.context import ParallelContext
@@ -32,6 +33,9 @@ class MLP(nn.Module):
         self.swiglu = cfg.activation == "swiglu"
         self.relu2 = cfg.activation == "relu2"
         self.fused_swiglu = self.swiglu and cfg.fused_swiglu  # trireme.ops.swiglu
+        self.liger_swiglu = self.swiglu and "liger_swiglu" in cfg.kernels  # on CUDA tensors
+        if self.liger_swiglu:
+            require_liger("liger_swiglu")  # the one-line ConfigError now, not at the first step
         fc1_parts = [(cfg.ffn_size, 1)] * (2 if self.swiglu else 1)  # gate and up split alike
         self.fc1_parts = (("gate", cfg.ffn_size), ("up", cfg.ffn_size)) if self.swiglu else ()
         self.fc1 = column_linear(cfg.hidden_size, fc1_parts, cfg.bias, ctx.tensor)
@@ -46,10 +50,10 @@ class MLP(nn.Module):
     def set_recompute(self, selective: bool) -> None:
         """Selective recomputation reruns SwiGLU's activation in the backward instead of keeping
         silu(gate) ([b, s, ffn]). GeLU's backward needs only its input, which fc1's output is
-        anyway, and the fused SwiGLU keeps only h: nothing to save there. Squared ReLU reruns
-        relu(h) instead of keeping it."""
-        self.recompute_activation = selective and (
-            (self.swiglu and not self.fused_swiglu) or self.relu2)
+        anyway, and the fused SwiGLU keeps only h (liger's its two halves): nothing to save there.
+        Squared ReLU reruns relu(h) instead of keeping it."""
+        plain_swiglu = self.swiglu and not (self.fused_swiglu or self.liger_swiglu)
+        self.recompute_activation = selective and (plain_swiglu or self.relu2)
 
     def new_cache(self, batch_size: int, max_len: int, device: torch.device,
                   dtype: torch.dtype) -> None:
@@ -64,6 +68,8 @@ class MLP(nn.Module):
         return self.resid_dropout(self.fc2(h))
 
     def activation(self, h: torch.Tensor) -> torch.Tensor:
+        if self.liger_swiglu and h.is_cuda:  # liger-kernel's SwiGLU (model.kernels)
+            return liger_swiglu(h)
         if self.fused_swiglu:  # the same forward; the backward as one kernel on CUDA
             return fused_swiglu(h)
         if self.swiglu:

@@ -30,6 +30,7 @@ state, to be ignored); it declares `slot_states = True` when its forward underst
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ import torch
 from trireme.errors import ConfigError
 from trireme.ops.attention import attention
 from trireme.ops.paged_attention import gather_blocks, paged_decode_attention
+from trireme.ops.paged_decode_op import write_and_attend
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,11 @@ class PagedStep:
     decode_lengths: torch.Tensor | None = None  # [n_dec] long
     prefills: list[tuple[int, int, torch.Tensor, int]] = field(default_factory=list)
     requests: list[tuple[int, int, int, int]] = field(default_factory=list)
+    decode_only: bool = field(init=False)  # every token a decode row: no prompt chunk
+
+    def __post_init__(self) -> None:
+        self.decode_only = (self.num_decode > 0 and not self.prefills
+                            and self.num_decode == self.slot_ids.shape[0])
 
 
 class PagedKV:
@@ -86,6 +93,12 @@ class PagedKV:
         """q [1, n_heads, T, d], k, v [1, n_kv, T, d] (RoPE'd) -> y [1, n_heads, T, d]."""
         step = self.step
         assert step is not None, "PagedKV used outside a step (PagedCache.begin)"
+        if step.decode_only:  # what a compiled block traces (ops/paged_decode_op.py)
+            q_dec, k_dec, v_dec = (t[0].transpose(0, 1) for t in (q, k, v))  # [T, heads, d]
+            args = (q_dec, k_dec, v_dec, self.k_pool, self.v_pool, step.slot_ids,
+                    step.decode_tables, step.decode_lengths)
+            y = write_and_attend(*args, backend)
+            return y.transpose(0, 1).unsqueeze(0)  # [1, H, T, d]
         n_kv, d = self.k_pool.shape[2], self.k_pool.shape[3]
         k_rows = self.k_pool.view(-1, n_kv, d)  # [num_blocks * bs, n_kv, d]
         v_rows = self.v_pool.view(-1, n_kv, d)
@@ -126,7 +139,9 @@ class SlotState:
 class PagedCache:
     """The paged decoding state of a whole model: layer i's states are `cache[i]` (sublayer name
     -> PagedKV or SlotState), made by each block's `new_cache`. `ragged`: the model takes
-    per-token positions with it (GPT.forward's position_ids)."""
+    per-token positions with it (GPT.forward's position_ids). `compiled_layer`: when set
+    (trireme.inference.compiled_decode), decode-only steps run each block through it
+    (`forward_layer`); other steps, and the reference, run the blocks eagerly."""
 
     ragged = True
 
@@ -144,14 +159,25 @@ class PagedCache:
                                       "use `trireme generate` for this model")
             self.layers[int(name)] = {sub: s if isinstance(s, PagedKV) else SlotState(s)
                                       for sub, s in states.items()}
+        self.step: PagedStep | None = None
+        self.compiled_layer: Callable[..., torch.Tensor] | None = None
 
     def states(self) -> list[PagedKV | SlotState]:
         return [s for layer in self.layers.values() for s in layer.values()]
 
     def begin(self, step: PagedStep) -> None:
         """Point every layer's state at this step's batch."""
+        self.step = step
         for state in self.states():
             state.step = step
+
+    def forward_layer(self, block: torch.nn.Module, x: torch.Tensor, rope: Any,
+                      layer: int) -> torch.Tensor:
+        """Layer `layer`'s block on this step's x [1, T, h] (GPT's decoding loop calls it):
+        through `compiled_layer` for a decode-only step when one is set, else eagerly."""
+        if self.compiled_layer is not None and self.step is not None and self.step.decode_only:
+            return self.compiled_layer(block, x, rope, self.layers[layer], self.step)
+        return block.forward(x, rope, self.layers[layer], 0)
 
     def nbytes(self) -> int:
         """Bytes of the key/value pools."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -197,6 +198,19 @@ def merge_images(embeddings: torch.Tensor, input_ids: torch.Tensor, image_embedd
     image_token_id, in order) taking the rows of image_embeddings [b_img, n, h] in order."""
     is_image = (input_ids == image_token_id).unsqueeze(-1)  # [b, s, 1]
     return embeddings.masked_scatter(is_image, image_embeddings.to(embeddings.dtype))
+
+
+@dataclass
+class ImageRows:
+    """Projected image features for chosen token rows of a packed batch (the serving engine:
+    a prompt chunk holds some of a request's placeholder positions, and gets their features)."""
+
+    index: torch.Tensor  # [m] long: rows along dim 1 of input_ids [1, T]
+    features: torch.Tensor  # [m, h]: the features of those rows, in the same order
+
+    def merge(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """embeddings [1, T, h] with rows `index` replaced by `features`."""
+        return embeddings.index_copy(1, self.index, self.features[None].to(embeddings.dtype))
 
 
 def freeze_parameters(model: nn.Module, patterns: list[str]) -> list[str]:

@@ -11,6 +11,8 @@ an explicit mask, except a single query at the end of the keys, which sees every
 
 Backends: "auto" lets SDPA choose, with cuDNN first on Hopper (fastest there, see REFERENCE.md),
 then flash, memory-efficient, math; "cudnn", "flash", "efficient" and "math" force one kernel;
+"fa4" runs FlashAttention-4 (the optional flash-attn-4 package, trireme.ops.attention_fa4) on the
+calls it fits (CUDA, bf16 / fp16, no mask, dropout or KV-cache offset) and "auto" on the others;
 "reference" is plain PyTorch in fp32, the yardstick the tests hold the kernels to.
 """
 
@@ -28,8 +30,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from trireme.errors import ConfigError
+from trireme.ops.attention_fa4 import fa4_applies, fa4_attention, fa4_available
 
-BACKENDS = ("auto", "cudnn", "flash", "efficient", "math", "reference")
+BACKENDS = ("auto", "cudnn", "flash", "efficient", "math", "fa4", "reference")
 
 _SDPA_BACKENDS = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -170,6 +173,10 @@ def attention(
         attn_mask, is_causal = document_mask(document_ids, causal), False
     else:
         attn_mask, is_causal = _mask_args(q.shape[2], k.shape[2], q_offset, causal, q.device)
+    if backend == "fa4":
+        if fa4_applies(q, k, dropout_p, q_offset, attn_mask is not None):
+            return fa4_attention(q, k, v, causal)
+        backend = "auto"  # a call FlashAttention-4 is not wired for: SDPA's choice
     with _kernel_choice(backend, q.device, decoding=q_offset > 0):
         return F.scaled_dot_product_attention(
             q,
@@ -198,7 +205,7 @@ def _probe(backend: str, device: str, dtype: torch.dtype, gqa: bool) -> bool:
         with _quiet():
             out = attention(q, kv, kv, causal=True, backend=backend)
             return bool(torch.isfinite(out).all())
-    except RuntimeError:
+    except (RuntimeError, AssertionError):  # AssertionError: FlashAttention-4 on an older GPU
         return False
 
 
@@ -215,7 +222,10 @@ def available_backends(
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return [b for b in BACKENDS if b == "reference" or _probe(b, str(device), dtype, gqa)]
+    # elsewhere "fa4" would only mean "auto"
+    fa4 = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and fa4_available()
+    return [b for b in BACKENDS if b == "reference"
+            or ((b != "fa4" or fa4) and _probe(b, str(device), dtype, gqa))]
 
 
 def padded_attention(

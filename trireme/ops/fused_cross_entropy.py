@@ -27,7 +27,11 @@ rounding, and no underflow of tiny gradients in fp16. grad_W sums the chunks' pr
 and is rounded to the weight's dtype once, in the backward (so it is held in fp32, 4 bytes per
 weight, between the loss's forward and backward).
 
-The padded rows of W (past `vocab_size`) take no part and get a zero gradient. On CUDA the
+The padded rows of W (past `vocab_size`) take no part and get a zero gradient: the matmuls run
+over all of W's rows (a multiple of 128 by default: an unpadded vocabulary such as GPT-2's 50257
+makes every [c, vocab] operand misaligned, and cuBLAS then picks much slower kernels), and the
+padded columns of each chunk's logits are set to -inf before the softmax, so their probability,
+their gradient and hence the padded rows' gradient are exactly 0. On CUDA the
 per-chunk softmax part can run through torch.compile (`compile=True`): one fused kernel reads the
 bf16 logits and writes the bf16 gradient, with no fp32 [c, vocab] temporaries.
 """
@@ -56,13 +60,17 @@ def token_weights(
 
 
 def _loss_and_grad(
-    logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor
+    logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
+    vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk: (sum of the weighted losses (fp32 scalar), d loss / d logits in logits.dtype).
 
-    logits [c, vocab] (fp32 logits are overwritten), labels [c] (-100 allowed, its weight is 0),
-    weight [c] fp32."""
+    logits [c, padded_vocab] (fp32 logits are overwritten), labels [c] (-100 allowed, its weight
+    is 0), weight [c] fp32; the columns from `vocab_size` on (None: none) are padding: -inf
+    logits, so a zero probability and a zero gradient."""
     logits32 = logits.float()
+    if vocab_size is not None and vocab_size < logits.shape[1]:
+        logits32[:, vocab_size:] = -torch.inf
     lse = torch.logsumexp(logits32, dim=-1)  # [c]
     target = labels.clamp(min=0).unsqueeze(1)  # [c, 1]: -100 -> 0, its weight is 0 anyway
     target_logit = logits32.gather(1, target).squeeze(1)  # [c]
@@ -74,14 +82,18 @@ def _loss_and_grad(
 
 
 def _loss_and_grad_pointwise(
-    logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor
+    logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
+    vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`_loss_and_grad` written as reductions and pointwise ops only (the one-hot as a compare,
-    no scatter), so that torch.compile fuses it into a few kernels with no [c, vocab] fp32
-    tensor in memory."""
+    no scatter, the padding as a where), so that torch.compile fuses it into a few kernels with
+    no [c, vocab] fp32 tensor in memory."""
+    column = torch.arange(logits.shape[1], device=logits.device)  # [padded_vocab]
     logits32 = logits.float()
+    if vocab_size is not None and vocab_size < logits.shape[1]:
+        logits32 = torch.where(column < vocab_size, logits32, -torch.inf)
     lse = torch.logsumexp(logits32, dim=-1, keepdim=True)  # [c, 1]
-    onehot = torch.arange(logits.shape[1], device=logits.device) == labels.unsqueeze(1)
+    onehot = column == labels.unsqueeze(1)
     target_logit = torch.where(onehot, logits32, 0.0).sum(dim=1)  # [c]; 0 for label -100
     loss = ((lse.squeeze(1) - target_logit) * weight).sum()
     dlogits = (torch.exp(logits32 - lse) - onehot.float()) * weight.unsqueeze(1)
@@ -126,7 +138,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         ctx.weight_dtype = weight.dtype
         ctx.used = False
         step = _compiled_loss_and_grad() if compile else _loss_and_grad
-        w = weight[:vocab_size]  # [vocab, h]: the padded rows take no part
+        w = weight  # [padded_vocab, h]: aligned matmuls; the padded columns are masked in `step`
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         grad_x = torch.empty_like(x) if need_x else None
         grad_w = None  # [padded_vocab, h], fp32 while the chunks add up; the padded rows stay 0
@@ -134,15 +146,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for start in range(0, x.shape[0], chunk_size):
             x_c = x[start : start + chunk_size]  # [c, h]
-            logits = x_c @ w.t()  # [c, vocab] in the input dtype
+            logits = x_c @ w.t()  # [c, padded_vocab] in the input dtype
             chunk_loss, dlogits = step(logits, labels[start : start + chunk_size],
-                                       token_w[start : start + chunk_size])
+                                       token_w[start : start + chunk_size], vocab_size)
             del logits
             loss += chunk_loss
             if need_x:
                 torch.matmul(dlogits, w, out=grad_x[start : start + chunk_size])
-            if need_w:
-                _add_product(grad_w[:vocab_size], dlogits.t(), x_c)  # [vocab, h], in fp32
+            if need_w:  # the padded rows add exact zeros
+                _add_product(grad_w, dlogits.t(), x_c)  # [padded_vocab, h], in fp32
         ctx.save_for_backward(grad_x, grad_w, norm)
         return loss * norm
 
@@ -187,18 +199,20 @@ def fused_linear_cross_entropy(
         raise TriremeError(f"{labels.shape[0]} labels for {x.shape[0]} tokens")
     token_w, norm = token_weights(labels, loss_mask)
     if not torch.is_grad_enabled():  # evaluation: the loss alone, no gradient work
-        return _loss_only(x, weight[:vocab_size], labels, token_w, chunk_size) * norm
+        return _loss_only(x, weight, labels, token_w, chunk_size, vocab_size) * norm
     return _FusedLinearCrossEntropy.apply(
         x, weight, labels, token_w, norm, vocab_size, chunk_size, compile
     )
 
 
 def _loss_only(
-    x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, token_w: torch.Tensor, chunk_size: int
+    x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, token_w: torch.Tensor, chunk_size: int,
+    vocab_size: int,
 ) -> torch.Tensor:
     loss = torch.zeros((), dtype=torch.float32, device=x.device)
     for start in range(0, x.shape[0], chunk_size):
-        logits = (x[start : start + chunk_size] @ w.t()).float()  # [c, vocab]
+        # an aligned [c, padded_vocab] matmul, then the real columns
+        logits = (x[start : start + chunk_size] @ w.t())[:, :vocab_size].float()  # [c, vocab]
         end = start + logits.shape[0]
         per_token = torch.nn.functional.cross_entropy(
             logits, labels[start:end], ignore_index=-100, reduction="none"

@@ -14,12 +14,25 @@ in fp32, s_j = q . k_j / sqrt(d) (the products through tl.dot on fp32 operands: 
 cores on the GPU; the kernel is bound by reading the keys, not by these products). Keys are read
 once, in place: no gathered copy, and no work past each request's own length (the table's padding
 is never read).
+
+Splitting the context (flash-decoding): with few requests, (r, n_kv) programs leave most of the
+GPU idle, each walking its whole context alone. Then program (b, h, j) of SPLITS takes the j-th
+of SPLITS equal chunks (whole tiles) of the request's keys and writes its unnormalised partial
+(m_j, l_j, acc_j); a second kernel merges them:
+
+    M = max_j m_j      out = sum_j e^(m_j - M) acc_j / sum_j e^(m_j - M) l_j
+
+(an empty chunk has m = -inf, l = 0, acc = 0 and weighs nothing; chunk 0 is never empty).
+`splits` defaults to enough programs to cover the GPU's SMs once (SPLITS = 1 at batch 64 with
+8 kv heads); TILE, num_warps, num_stages and the grid's order can be set too
+(bench/serve_profile.py --kernel-configs sweeps them).
 trireme.ops.paged_attention has the plain torch version it is tested against (through Triton's
 CPU interpreter).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -30,14 +43,23 @@ import triton.language as tl
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, out_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr,
     stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_tr, stride_or, stride_oh,
-    scale,
+    scale, n_heads,
     GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-    TILE: tl.constexpr,
+    TILE: tl.constexpr, SPLITS: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+    if HEADS_FIRST:  # neighbouring programs: one request's kv heads (adjacent in the pool)
+        h = tl.program_id(0)
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+    j = tl.program_id(2)  # this program's chunk of the keys (SPLITS > 1)
     length = tl.load(lengths_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(length, SPLITS), TILE) * TILE  # whole tiles
+    first = j * chunk
+    end = tl.minimum(first + chunk, length)
     g = tl.arange(0, GROUPS_POW2)  # the query heads of kv head h
     d = tl.arange(0, D)
     t = tl.arange(0, TILE)
@@ -49,9 +71,9 @@ def _paged_decode_kernel(
     m = tl.full([GROUPS_POW2], float("-inf"), tl.float32)
     denom = tl.zeros([GROUPS_POW2], tl.float32)
     acc = tl.zeros([GROUPS_POW2, D], tl.float32)
-    for start in range(0, length, TILE):
+    for start in range(first, end, TILE):
         pos = start + t  # [TILE] key positions
-        valid = pos < length
+        valid = pos < end
         block = tl.load(tables_ptr + b * stride_tr + pos // BLOCK, mask=valid, other=0)
         rows = block.to(tl.int64) * stride_kb + (pos % BLOCK) * stride_ks + h * stride_kh
         k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
@@ -64,27 +86,80 @@ def _paged_decode_kernel(
         denom = denom * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))  # [G, D]
         m = m_new
-    out = acc / denom[:, None]
-    tl.store(out_ptr + b * stride_or + q_rows[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    if SPLITS == 1:
+        out = acc / denom[:, None]
+        tl.store(out_ptr + b * stride_or + q_rows[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:  # partials [r, n_heads, SPLITS] (m, l) and [r, n_heads, SPLITS, D] (acc), fp32
+        row = (b * n_heads + q_rows) * SPLITS + j  # [G]
+        tl.store(part_m_ptr + row, m, mask=g_mask)
+        tl.store(part_l_ptr + row, denom, mask=g_mask)
+        tl.store(part_acc_ptr + row[:, None] * D + d[None, :], acc, mask=g_mask[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_or, stride_oh,
+                         D: tl.constexpr, SPLITS: tl.constexpr):
+    """out[b, head] from the SPLITS partials of program (b, head) (module docstring)."""
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    n_heads = tl.num_programs(1)
+    j = tl.arange(0, SPLITS)
+    d = tl.arange(0, D)
+    row = (b * n_heads + head) * SPLITS + j  # [S]
+    m = tl.load(part_m_ptr + row)
+    weight = tl.exp(m - tl.max(m, axis=0))  # [S]; an empty chunk (m = -inf) weighs 0
+    denom = tl.sum(weight * tl.load(part_l_ptr + row), axis=0)
+    acc = tl.load(part_acc_ptr + row[:, None] * D + d[None, :])  # [S, D]
+    out = tl.sum(weight[:, None] * acc, axis=0) / denom
+    tl.store(out_ptr + b * stride_or + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_splits(q: torch.Tensor, n_kv: int, keys_at_most: int, tile: int) -> int:
+    """Chunks per (request, kv head): enough programs to cover the SMs once, at most 16 and at
+    most one per tile of the longest possible context (the tables' width: no host sync)."""
+    if not q.is_cuda:
+        return 1
+    wanted = -(-_sm_count(q.device) // (q.shape[0] * n_kv))
+    return min(triton.next_power_of_2(wanted), 16, triton.next_power_of_2(-(-keys_at_most // tile)))
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                           tables: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """[r, n_heads, d]: each request's query heads over its first lengths[r] keys."""
+                           tables: torch.Tensor, lengths: torch.Tensor, *, tile: int = 0,
+                           splits: int = 0, num_warps: int = 4, num_stages: int = 0,
+                           heads_first: bool = False) -> torch.Tensor:
+    """[r, n_heads, d]: each request's query heads over its first lengths[r] keys. `tile`
+    (keys per iteration, default max(64, block)), `splits` (a power of two; default:
+    default_splits), num_warps, num_stages (0: Triton's default) and heads_first (the grid's
+    order: a request's kv heads side by side) tune the launch."""
     r, n_heads, d = q.shape
     n_kv = k_pool.shape[2]
     block = k_pool.shape[1]
     q = q.contiguous()
     out = torch.empty_like(q)
     groups = n_heads // n_kv
-    tile = max(64, block)  # several blocks per iteration: more loads in flight
-    _paged_decode_kernel[(r, n_kv)](
-        q, k_pool, v_pool, tables, lengths, out,
+    tile = tile or max(64, block)  # several blocks per iteration: more loads in flight
+    splits = splits or default_splits(q, n_kv, tables.shape[1] * block, tile)
+    parts = [q.new_empty(0, dtype=torch.float32)] * 3  # unused with one split
+    if splits > 1:
+        parts = [q.new_empty(r, n_heads, splits, dtype=torch.float32),
+                 q.new_empty(r, n_heads, splits, dtype=torch.float32),
+                 q.new_empty(r, n_heads, splits, d, dtype=torch.float32)]
+    stages = {"num_stages": num_stages} if num_stages else {}
+    grid = (n_kv, r, splits) if heads_first else (r, n_kv, splits)
+    _paged_decode_kernel[grid](
+        q, k_pool, v_pool, tables, lengths, out, *parts,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        tables.stride(0), out.stride(0), out.stride(1), 1.0 / math.sqrt(d),
+        tables.stride(0), out.stride(0), out.stride(1), 1.0 / math.sqrt(d), n_heads,
         GROUPS=groups, GROUPS_POW2=max(16, triton.next_power_of_2(groups)), D=d, BLOCK=block,
-        TILE=tile,
-        num_warps=4,
+        TILE=tile, SPLITS=splits, HEADS_FIRST=heads_first, num_warps=num_warps, **stages,
     )
+    if splits > 1:
+        _merge_splits_kernel[(r, n_heads)](*parts, out, out.stride(0), out.stride(1), D=d,
+                                           SPLITS=splits, num_warps=1)
     return out

@@ -2,10 +2,12 @@
 
 Measured: square matmuls (bf16, fp32; fp8 through torch._scaled_mm where it runs), causal
 scaled-dot-product attention forward and backward (head size 64, the FLOPs of the causal half),
-a device-to-device copy (read + write bytes), whether RMSNorm keeps only its input and 1 / rms
-(saved-tensor hooks), and the device's memory. Not measured (one device cannot): the link
-bandwidths, kept from the nearest published table (h200 / h100 / a100 by name, else h100) and
-marked so in the description. On the CPU the sizes are small and the figures rough.
+a device-to-device copy (read + write bytes), a copy of a transposed 1-byte tensor (what eager
+fp8 pays for its backward layouts: PyTorch's copy kernel reads it across rows), whether RMSNorm
+keeps only its input and 1 / rms (saved-tensor hooks), and the device's memory. Not measured
+(one device cannot): the link bandwidths, kept from the nearest published table (h200 / h100 /
+a100 by name, else h100) and marked so in the description. On the CPU the sizes are small and
+the figures rough.
 """
 
 from __future__ import annotations
@@ -76,6 +78,13 @@ def copy_tbps(device: torch.device, numel: int) -> float:
     return 2 * 4 * numel / _seconds(lambda: dst.copy_(src), device) / 1e12
 
 
+def transpose_tbps(device: torch.device, n: int) -> float:
+    """Read + write bytes/s of `t.t().contiguous()` for an fp8 (else uint8) [n, n] tensor."""
+    dtype = getattr(torch, "float8_e4m3fn", torch.uint8)
+    src = torch.randn(n, n, device=device).to(dtype)
+    return 2 * n * n / _seconds(lambda: src.t().contiguous(), device) / 1e12
+
+
 def norm_is_fused(device: torch.device) -> bool:
     """Whether F.rms_norm keeps only its input and 1 / rms (else also x / rms, in fp32)."""
     x = torch.randn(4, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -107,6 +116,7 @@ def calibrate(out_path: str, device: torch.device | None = None) -> Rates:
     rates = dataclasses.replace(
         base, name=name, memory_gib=round(memory, 1), matmul_tflops=mm,
         attention_tflops={"forward": fwd, "backward": bwd}, memory_tbps=copy_tbps(device, numel),
+        transpose_tbps=transpose_tbps(device, n * 2 if gpu else n),
         norm_fused=norm_is_fused(device), optimizer_fused=gpu,
         description=f"measured by `trireme plan --calibrate` on {name}; link bandwidths and "
                     f"overheads from the {base_name} table (not measured)")

@@ -5,12 +5,13 @@ current device and writes it as a file `--gpu PATH.json` then loads (docs/plan.m
 
 Fields: memory_gib (usable device memory), peak_tflops (the dense bf16 peak MFU is quoted
 against), matmul_tflops per precision, attention_tflops forward / backward (causal FLOPs),
-memory_tbps (elementwise traffic), intra_node_gbps / inter_node_gbps (bus bandwidth a
-collective reaches, per GPU, each way), p2p_latency_us, step_overhead_s (host work per step),
-micro_batch_overhead_s (launches and syncs per micro batch), norm_fused (the RMSNorm kernel
-keeps only its input and 1 / rms), optimizer_fused (AdamW's fused kernel: no temporaries),
-allocator_overhead (fraction on top of the live bytes), context_gib (CUDA context and
-libraries, outside the allocator).
+memory_tbps (elementwise traffic), transpose_tbps (read + write bytes/s of PyTorch's eager copy
+of a transposed 1-byte tensor, what eager fp8 pays for its backward layouts; None: memory_tbps),
+intra_node_gbps / inter_node_gbps (bus bandwidth a collective reaches, per GPU, each way),
+p2p_latency_us, step_overhead_s (host work per step), micro_batch_overhead_s (launches and syncs
+per micro batch), norm_fused (the RMSNorm kernel keeps only its input and 1 / rms),
+optimizer_fused (AdamW's fused kernel: no temporaries), allocator_overhead (fraction on top of
+the live bytes), context_gib (CUDA context and libraries, outside the allocator).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Rates:
     optimizer_fused: bool = True
     allocator_overhead: float = 0.03
     context_gib: float = 0.6
+    transpose_tbps: float | None = None
     description: str = ""
 
     @property

@@ -11,8 +11,25 @@ Per micro batch on the slowest pipeline rank (its layers, on this TP rank's shar
                  few times each in forward and backward). 5 with model.compile fits the H200
                  profile of llama3-1b (bench/RESULTS.md), 16 eager fits the eager preset's
                  48.3k tokens/s against 62.3k compiled at micro batch 4
-    fp8          FP8_CAST_BYTES per element each fp8 linear quantizes (its input, its output's
-                 gradient): 12 fits the H200 profile's 0.12 s of casts per llama3-1b step
+    fp8          the quantization of every fp8 linear's input x [N, K], weight W [M, K] (once
+                 per micro batch) and output gradient g [N, M] (trireme.ops.fp8), priced by
+                 whether the block is compiled:
+                 compiled: FP8_CAST_BYTES per element of x and g (torch.compile fuses the amax,
+                   scale, clamp and cast into the norm / SwiGLU kernels and writes the
+                   transposed copies in the same pass): 12 fits the H200 profile's 0.12 s of
+                   casts per llama3-1b step (bench/RESULTS.md)
+                 eager: each op its own kernel, so per element of x, W and g
+                   FP8_EAGER_BYTES = 29 at memory_tbps (amax 2, fp32 copy 2 + 4, scale 4 + 4,
+                   clamp 4 + 4, fp8 cast 4 + 1), then one transposing copy of the fp8 tensor
+                   for the backward matmuls (2 bytes: g^T for dW, x and W column-major) at
+                   rates.transpose_tbps: PyTorch's eager copy of a transposed tensor reads
+                   across rows, an order of magnitude below memory_tbps for 1-byte elements
+                   (h200: 0.21 TB/s, fitted to bench/results/fp8_check.json's eager linears;
+                   `trireme plan --calibrate` measures it). tests/test_plan_time.py counts
+                   these bytes off the ops an fp8 linear runs.
+                 Forward: x and W (a full recompute repeats it), backward: g and the copies.
+                 The other elementwise work of an fp8 layer is a bf16 layer's (its norms, RoPE
+                 and SwiGLU still read and write bf16), so it is priced at the bf16 bytes.
     recompute    selective: the attention forward again; full: the whole forward again
     TP           two all-reduces (or all-gather + reduce-scatter) of [tokens, h] per sublayer,
                  each way: 2 (T - 1) / T x bytes / bandwidth, not overlapped
@@ -36,20 +53,25 @@ else `inter_node_gbps`. The GPU accuracy check is bench/plan_accuracy.py.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 
 from trireme.config import Config
 from trireme.metrics import flops_per_token
 from trireme.models.stages import sublayer_flops
-from trireme.plan.activations import layer_bytes, shape_of
+from trireme.plan.activations import fp8_weight_bytes, layer_bytes, shape_of
 from trireme.plan.memory import Degrees, micro_batches, stages_of
 from trireme.plan.params import layer_symbols
 from trireme.plan.rates import Rates
 
 ELEMENTWISE_PASSES = {True: 5.0, False: 16.0}  # compiled blocks / eager
 OPTIMIZER_BYTES = 64.0
-FP8_CAST_BYTES = 12.0  # per element quantized: amax pass, cast pass, both ways (fits the profile)
+FP8_CAST_BYTES = 12.0  # compiled: per element of x and g (fits the profile)
+# eager trireme.ops.fp8.quantize, bytes per element (bf16 in): amax read, fp32 copy (read,
+# write), scale and clamp in place (read, write each), fp8 cast (read fp32, write 1 byte)
+FP8_EAGER_BYTES = 2.0 + (2 + 4) + (4 + 4) + (4 + 4) + (4 + 1)
+FP8_TRANSPOSE_BYTES = 2.0  # eager: the transposing copy of each fp8 tensor (read 1, write 1)
 
 
 @dataclass
@@ -83,17 +105,32 @@ def _layer_matmul_flops(cfg: Config, symbols: str, tensor: int) -> tuple[float, 
     return lin, core
 
 
-def _fp8_elements(cfg: Config, s, symbols: str) -> float:
-    """Per token: the elements the fp8 linears of a layer quantize (inputs and output
-    gradients)."""
+def _fp8_elements(cfg: Config, s, symbols: str) -> tuple[float, float]:
+    """Per token: (the inputs, the output gradients) the fp8 linears of a layer quantize."""
     layers = set(cfg.model.fp8_layers)
-    sizes = {"qkv": s.h + s.q + 2 * s.k, "out": s.q + s.h,
-             "fc1": s.h + s.ffn * (2 if s.swiglu else 1), "fc2": s.ffn + s.h}
-    total = 0.0
+    sizes = {"qkv": (s.h, s.q + 2 * s.k), "out": (s.q, s.h),
+             "fc1": (s.h, s.ffn * (2 if s.swiglu else 1)), "fc2": (s.ffn, s.h)}
+    inputs, grads = 0.0, 0.0
     for sym in symbols:
         names = ("qkv", "out") if sym == "*" else ("fc1", "fc2") if sym == "-" else ()
-        total += sum(sizes[n] for n in names if n in layers)
-    return total
+        for n in names:
+            if n in layers:
+                inputs, grads = inputs + sizes[n][0], grads + sizes[n][1]
+    return inputs, grads
+
+
+def fp8_seconds(cfg: Config, s, symbols: str, tokens: float, rates: Rates) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's fp8 quantization for a micro batch of `tokens`
+    (module docstring: fused when compiled, pass by pass when eager)."""
+    x, g = (tokens * n for n in _fp8_elements(cfg, s, symbols))
+    bw_mem = rates.memory_tbps * 1e12
+    if s.compiled:
+        return FP8_CAST_BYTES * x / bw_mem, FP8_CAST_BYTES * g / bw_mem
+    w = fp8_weight_bytes(cfg, s, symbols)  # 1 byte each: the weight elements
+    bw_t = (rates.transpose_tbps or rates.memory_tbps) * 1e12
+    forward = FP8_EAGER_BYTES * (x + w) / bw_mem
+    backward = FP8_EAGER_BYTES * g / bw_mem + FP8_TRANSPOSE_BYTES * (x + w + g) / bw_t
+    return forward, backward
 
 
 def micro_batch_seconds(cfg: Config, deg: Degrees, rank: int, rates: Rates,
@@ -129,15 +166,15 @@ def layer_seconds(cfg: Config, deg: Degrees, kind: str, tokens: float, rates: Ra
     att_b = 2 * core * tokens / (rates.attention_tflops["backward"] * 1e12)
     # ring context parallelism: its blocks run on the same kernels at the same rate (95-104% of
     # one SDPA call on an H200, bench/RESULTS.md), the transfers in _context_seconds
-    ew = ELEMENTWISE_PASSES[s.compiled] * layer_bytes(cfg, s, kind, "none") * tokens / bw_mem
-    if m.precision == "fp8":  # amax and cast of every fp8 linear's input and output gradient
-        ew += FP8_CAST_BYTES * _fp8_elements(cfg, s, kind) * tokens / bw_mem
-    out = dict(matmul=mm, attention=att_f + att_b, elementwise=ew, recompute=0.0, tp=0.0,
-               cp=0.0, ep=0.0)
+    plain = dataclasses.replace(s, fp8=False)  # fp8 or not, the norms, RoPE, SwiGLU run in bf16
+    ew = ELEMENTWISE_PASSES[s.compiled] * layer_bytes(cfg, plain, kind, "none") * tokens / bw_mem
+    fp8_f, fp8_b = fp8_seconds(cfg, s, kind, tokens, rates) if s.fp8 else (0.0, 0.0)
+    out = dict(matmul=mm, attention=att_f + att_b, elementwise=ew + fp8_f + fp8_b,
+               recompute=0.0, tp=0.0, cp=0.0, ep=0.0)
     if t.recompute == "selective":
         out["recompute"] = att_f
     elif t.recompute == "full":
-        out["recompute"] = mm / 3 + att_f + ew / 3
+        out["recompute"] = mm / 3 + att_f + ew / 3 + fp8_f
     if deg.tensor > 1:
         msg = s.e * s.h * tokens
         bw = _bandwidth(rates, 1, deg.tensor, per_node)
