@@ -17,8 +17,17 @@ tests/test_plan.py):
                           a compiled block, whose partitioner recomputes silu)
                GeLU       norm + h + fc1 (F) + fc2's input (F)
     full                  the block's input only (h); the backward reruns one block at a time
-    fp8 linears           keep their input in fp8 (1 byte instead of e) and their weight in fp8
-                          (1 byte per weight, per micro batch in flight)
+    fp8 linears           eager: keep their input in fp8 (1 byte instead of e) and their weight
+                          in fp8 (1 byte per weight, per micro batch in flight); out's input is
+                          kept twice (the kernel's bf16 output for the attention backward, + q)
+                          compiled: quantizing is pointwise once the amax is known (a kept
+                          scalar), so the partitioner recomputes q(t) in the backward from what
+                          it keeps anyway: qkv's and fc1's inputs from the norms' inputs and
+                          1 / rms, fc2's from fc1's output, the weights from the parameters.
+                          Kept: out's fp8 input (q) only, on top of the bf16 kernel output. A
+                          compiled fp8 layer thus keeps a bf16 layer's bytes less h (qkv's
+                          input), h (fc1's) and F (fc2's), plus q; no weights (read off the
+                          forward graph's saved outputs in tests/test_plan_compiled.py)
 
 Under tensor parallelism with sequence parallelism the norms see N / T tokens; the column
 layers' inputs are gathered to all N tokens (they are kept whole). Context parallelism cuts N
@@ -92,9 +101,17 @@ def norm_bytes(s: Shape) -> float:
     return per / (s.tensor if s.sequence_parallel else 1)
 
 
+def _linear_input_bytes(s: Shape) -> int:
+    """Bytes per element a linear keeps of its input: e; 1 in fp8 (its quantized copy); none in
+    a compiled fp8 block (recomputed from the norm's input or fc1's output, module docstring)."""
+    if not s.fp8:
+        return s.e
+    return 0 if s.compiled else 1
+
+
 def attention_bytes(s: Shape, mode: str) -> float:
     """Bytes per token an attention sublayer keeps (its norm included)."""
-    lin = 1 if s.fp8 else s.e  # a linear's kept input
+    lin = _linear_input_bytes(s)  # qkv's kept input
     base = norm_bytes(s) + lin * s.h + s.e * (s.q + 2 * s.k)
     if s.context > 1 and s.context_mode == "allgather":
         base += s.e * 2 * s.k * (s.context - 1)  # the gathered K and V of the other ranks
@@ -106,7 +123,7 @@ def attention_bytes(s: Shape, mode: str) -> float:
 
 def mlp_bytes(s: Shape, mode: str) -> float:
     """Bytes per token a dense MLP sublayer keeps (its norm included)."""
-    lin = 1 if s.fp8 else s.e
+    lin = _linear_input_bytes(s)
     if not s.swiglu:
         return norm_bytes(s) + lin * s.h + s.e * s.ffn + lin * s.ffn
     silu = 0 if mode == "selective" or s.activation_recomputed else s.e * s.ffn
@@ -141,8 +158,9 @@ def layer_bytes(cfg: Config, s: Shape, symbols: str, mode: str) -> float:
 
 
 def fp8_weight_bytes(cfg: Config, s: Shape, symbols: str) -> float:
-    """fp8: the quantized weights each fp8 linear keeps per micro batch (1 byte each)."""
-    if not s.fp8:
+    """fp8: the quantized weights each fp8 linear keeps per micro batch (1 byte each; none when
+    compiled: recomputed from the parameters in the backward)."""
+    if not s.fp8 or s.compiled:
         return 0.0
     layers = set(cfg.model.fp8_layers)
     sizes = {"qkv": s.h * (s.q + 2 * s.k), "out": s.q * s.h,

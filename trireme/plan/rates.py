@@ -6,7 +6,8 @@ current device and writes it as a file `--gpu PATH.json` then loads (docs/plan.m
 Fields: memory_gib (usable device memory), peak_tflops (the dense bf16 peak MFU is quoted
 against), matmul_tflops per precision, attention_tflops forward / backward (causal FLOPs),
 memory_tbps (elementwise traffic), transpose_tbps (read + write bytes/s of PyTorch's eager copy
-of a transposed 1-byte tensor, what eager fp8 pays for its backward layouts; None: memory_tbps),
+of a transposed 1-byte tensor, what eager fp8 pays for its backward layouts, measured by
+--calibrate at llama3-1b's linears; None: memory_tbps),
 intra_node_gbps / inter_node_gbps (bus bandwidth a collective reaches, per GPU, each way),
 p2p_latency_us, step_overhead_s (host work per step), micro_batch_overhead_s (launches and syncs
 per micro batch), norm_fused (the RMSNorm kernel keeps only its input and 1 / rms),
