@@ -66,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--graphs", choices=["on", "off"], default="on")
-    p.add_argument("--compile", choices=["on", "off"], default="on",
+    p.add_argument("--compile", choices=["on", "off"], default="off",
                    help="capture the compiled decode forward (EngineSettings.compile_decode)")
     p.add_argument("--bandwidth", type=float, default=4.2e12)
     p.add_argument("--kernel-configs", action="store_true",

@@ -127,8 +127,8 @@ def test_a_failed_compiled_capture_falls_back_to_the_eager_forward_graphs():
     assert not graphs.broken and sorted(graphs.graphs) == [1, 2]
 
 
-def test_the_engine_flags_turn_the_compiled_decode_off():
-    assert serve_parser().parse_args(["--checkpoint", "c"]).compile_decode is True
-    assert serve_parser().parse_args(["--checkpoint", "c", "--no-compile-decode"]
-                                     ).compile_decode is False
-    assert EngineSettings().compile_decode is True
+def test_the_compiled_decode_is_off_unless_asked():
+    assert serve_parser().parse_args(["--checkpoint", "c"]).compile_decode is False
+    assert serve_parser().parse_args(["--checkpoint", "c", "--compile-decode"]
+                                     ).compile_decode is True
+    assert EngineSettings().compile_decode is False

@@ -115,9 +115,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
                        help="launch each decode step before reading the previous one's tokens "
                        "(auto: with --cuda-graphs; docs/serving.md)")
-    group.add_argument("--no-compile-decode", dest="compile_decode", action="store_false",
-                       help="capture the eager decode forward in the CUDA graphs, not the "
-                       "torch.compile'd one")
+    group.add_argument("--compile-decode", action="store_true",
+                       help="with --cuda-graphs: capture a torch.compile'd decode forward "
+                       "(experimental: docs/serving.md)")
 
 
 def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> Engine:

@@ -74,7 +74,7 @@ class EngineSettings:
     seed: int = 0
     cuda_graphs: bool = False
     overlap: bool | None = None
-    compile_decode: bool = True
+    compile_decode: bool = False
 
     def check(self) -> None:
         for name in ("block_size", "max_running", "max_batch_tokens", "max_queue"):
