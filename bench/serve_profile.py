@@ -2,11 +2,11 @@
 
     python bench/serve_profile.py                   # llama3-1b shape, random weights, GPU
     python bench/serve_profile.py --smoke           # a tiny model on the CPU, seconds
-    python bench/serve_profile.py --compile off     # graphs of the eager decode forward
+    python bench/serve_profile.py --compile on      # graphs of the compiled decode forward
 
 For each batch B (--batches), B requests with --context tokens cached decode together. Reported:
-- setup: building the engine, which captures its CUDA graphs (and with --compile on, the
-  default, compiles the decode forward first: trireme.inference.compiled_decode);
+- setup: building the engine, which captures its CUDA graphs (and with --compile on
+  compiles the decode forward's pieces first: trireme.inference.compiled_decode);
 - agreement: one decode step's logits from the graph replay against the plain eager forward
   (no graphs, no compilation) of the same step: the largest difference and how many rows pick
   the same greedy token;

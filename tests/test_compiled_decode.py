@@ -1,25 +1,25 @@
 """The compiled decode forward of the serving engine (trireme.inference.compiled_decode): each
-block traces whole (fullgraph) around the paged decode custom op, one compiled graph serves every
-layer, and it gives the eager forward's logits and greedy tokens. The traceability and token
-checks use the "aot_eager" backend (dynamo + AOT autograd, no code generation: seconds on two
-cores); one (slow) test compiles the blocks with Inductor's C++ backend, the real code path."""
+block runs as compiled pre-attention and post-attention pieces (fullgraph) with the KV store and
+the paged kernel eager between them, so no KV pool ever reaches a compiled graph; one compiled
+graph per piece serves every layer, and it gives the eager forward's logits and greedy tokens.
+The traceability and token checks use the "aot_eager" backend (dynamo + AOT autograd, no code
+generation: seconds on two cores); one (slow) test compiles the pieces with Inductor's C++
+backend, the real code path."""
 
 import os
 import shutil
 
 import pytest
 import torch
-from test_paged_attention import paged_case
 from test_serve_engine import CONFIGS, EagerGraphs, config, model_of, prompts
 from torch._dynamo.utils import counters
 
 import trireme.inference.engine as engine_module
-from trireme.inference.compiled_decode import compiled_layer
+from trireme.inference.compiled_decode import compiled_layer, pieces
 from trireme.inference.engine import Engine, EngineSettings
 from trireme.inference.sampling import SamplingParams
 from trireme.inference.serve_cli import serve_parser
-from trireme.ops.paged_attention import paged_decode_reference
-from trireme.ops.paged_decode_op import decode_attention, write_and_attend
+from trireme.models.paged import PagedKV
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -48,6 +48,10 @@ def recorded_run(model, backend: str | None, monkeypatch, texts, params, graphs:
     return requests, torch.stack(rows)
 
 
+def engine_states(model):
+    return Engine(model, EngineSettings(block_size=4, max_running=1)).cache.layers
+
+
 @pytest.mark.parametrize("kind", ["llama-gqa-untied", "gpt2-learned-tied", "mqa-hybrid-pattern"])
 @torch.no_grad()
 def test_compiled_decode_gives_the_eager_logits_and_tokens(kind, monkeypatch):
@@ -59,11 +63,12 @@ def test_compiled_decode_gives_the_eager_logits_and_tokens(kind, monkeypatch):
     compiled, got = recorded_run(model, "aot_eager", monkeypatch, texts, params)
     assert [r.output_ids for r in compiled] == [r.output_ids for r in eager]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    # the blocks really ran compiled: whole (no graph break), one graph per kind of block and
+    # the pieces really ran compiled: whole (no graph break), one graph per kind of piece and
     # batch shape (the buckets 4, 2 and 1, dynamic after the first change), not one per layer
     assert not counters["graph_break"]
-    kinds = len({block.sublayers for block in model.layers.values()})
-    assert 1 <= counters["stats"]["unique_graphs"] <= 3 * kinds
+    kinds = {piece for i, block in model.layers.items()
+             for piece in pieces(block, engine_states(model)[int(i)]) if piece[0] != "eager"}
+    assert 2 <= counters["stats"]["unique_graphs"] <= 3 * len(kinds)
     assert counters["stats"]["calls_captured"] > 0
 
 
@@ -83,26 +88,46 @@ def test_inductor_compiled_decode_steps_give_the_eager_logits(monkeypatch):
     eager, want = recorded_run(model, None, monkeypatch, texts, params, False, 64)
     counters.clear()
     compiled, got = recorded_run(model, "inductor", monkeypatch, texts, params, False, 64)
-    assert counters["stats"]["unique_graphs"] == 1  # both layers, every step: one graph
+    assert counters["stats"]["unique_graphs"] == 2  # both layers, every step: pre and post
     assert counters["stats"]["calls_captured"] > 0
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert [r.output_ids for r in compiled] == [r.output_ids for r in eager]
 
 
-def test_the_paged_decode_op_matches_its_fake_and_the_reference():
-    q, k_pool, v_pool, tables, lengths = paged_case(4, 2, [3, 9, 12])
-    torch.library.opcheck(decode_attention, (q, k_pool, v_pool, tables, lengths, "auto"))
-    gen = torch.Generator().manual_seed(5)
-    k, v = (torch.randn(3, 2, 16, generator=gen) for _ in range(2))  # this step's keys, values
-    slots = (tables.gather(1, ((lengths - 1) // 4)[:, None])[:, 0] * 4 + (lengths - 1) % 4)
-    pools = k_pool.clone(), v_pool.clone()
-    y = write_and_attend(q, k, v, *pools, slots, tables, lengths, "reference")
-    assert y.shape == q.shape and y.is_contiguous()
-    k_pool.view(-1, 2, 16)[slots], v_pool.view(-1, 2, 16)[slots] = k, v
-    assert torch.equal(pools[0], k_pool) and torch.equal(pools[1], v_pool)  # stored in place
-    want = paged_decode_reference(q, k_pool, v_pool, tables, lengths, "reference")
-    torch.testing.assert_close(y, want)
-    assert torch.equal(decode_attention(q, k_pool, v_pool, tables, lengths, "reference"), y)
+class Recorder:
+    """A dynamo backend that keeps each compiled FX graph and its example inputs, then runs the
+    graph as it is."""
+
+    def __init__(self):
+        self.graphs: list[tuple[torch.fx.GraphModule, list]] = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+
+WRITES = ("index_copy", "index_put", "copy_", "scatter", "setitem")
+
+
+@torch.no_grad()
+def test_no_kv_pool_reaches_a_compiled_graph():
+    """The compiled pieces take activations and weights only: no input has a pool's size, and
+    no graph writes into anything (the KV store runs eagerly between them)."""
+    model = model_of(CONFIGS["llama-gqa-untied"])
+    recorder = Recorder()
+    engine = Engine(model, EngineSettings(block_size=4, max_running=4, max_batch_tokens=16))
+    engine.cache.compiled_layer = compiled_layer(recorder)
+    texts = prompts(3, seed=3, longest=10)
+    engine.generate(texts, [SamplingParams(max_tokens=3, greedy=True)] * 3)
+    pool = next(s for s in engine.cache.states() if isinstance(s, PagedKV)).k_pool
+    assert len(recorder.graphs) >= 2  # the pre- and post-attention pieces
+    for gm, inputs in recorder.graphs:
+        sizes = [t.numel() for t in inputs if isinstance(t, torch.Tensor)]
+        assert pool.numel() not in sizes
+        assert all(t.data_ptr() != pool.data_ptr() for t in inputs
+                   if isinstance(t, torch.Tensor))
+        ops = [str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+        assert not [op for op in ops if any(w in op for w in WRITES)], ops
 
 
 class FailingCompiledGraphs(EagerGraphs):

@@ -1,23 +1,30 @@
 """A compiled decode forward for the serving engine (EngineSettings.compile_decode).
 
 A decode step of a 1B model spends about as much GPU time in small elementwise kernels (norms,
-RoPE's cat, residual adds, silu * up, casts, the KV writes) as in its GEMMs. torch.compile fuses
-them: each block's decode forward
+RoPE's cat, residual adds, silu * up, casts) as in its GEMMs. torch.compile fuses them. Each
+block's decode forward on a decode-only step x [1, T, h] (T requests, one token each) runs as
 
-    x -> x + attention(norm(x)) -> x + mlp(norm(x))      (qkv, RoPE, paged step, out, fc1, fc2)
+    q, k, v = pre(x)                  compiled: input norm, qkv, split per head, QK-norm, RoPE
+                                      -> q [T, n_heads, d], k, v [T, n_kv, d] (contiguous)
+    store k, v in the pools           eager: index_copy_ into the pools, in place
+    y = paged_decode_attention(q)     eager: the paged kernel (trireme.ops.paged_attention)
+    x = post(x, y)                    compiled: x + out(y), then each following sublayer
+                                      x + mlp(norm(x)) (up to the next mixer)
 
-is traced whole (fullgraph), the paged decode kernel being one opaque custom op
-(trireme.ops.paged_decode_op), and Inductor makes one kernel of each run of elementwise work
-between the GEMMs (the step's KV writes go into the kernel that applies RoPE to k).
+so no compiled graph ever takes a KV pool as an input. (A first version traced the whole block
+with the store inside; Inductor functionalized the in-place index_copy_ on the pools, graph
+inputs, into an out-of-place copy of the whole pool plus a copy back, every layer, every step:
+121 ms steps on the H200 instead of ~2 ms.) The eager pieces run inside the CUDA graph capture
+(trireme.inference.graphs) like the compiled ones, so their launches cost nothing at replay.
 
-- One compiled function serves every block (they differ only in their weights, which are graph
-  inputs), so a model's 16 layers share one graph per batch size.
+- One compiled `pre` and one compiled `post` serve every block (they differ only in their
+  weights, which are graph inputs), so a model's 16 layers share two graphs per batch size.
 - The first batch size compiles with static shapes (the CUDA graphs capture the largest bucket
-  first, trireme.inference.graphs); the next one makes dynamo recompile with the batch dimension
-  dynamic, which serves the other buckets (batch 1 gets one of its own). The block tables' width
-  is dynamic from the start. All this happens in the graphs' warm-up; the recompile limit is
-  raised around these calls only (RECOMPILE_LIMIT), not for the process.
-- Only decode-only steps run compiled (PagedCache.forward_layer); prefill and mixed steps stay
+  first); the next one makes dynamo recompile with the batch dimension dynamic, which serves the
+  other buckets (batch 1 gets one of its own). All this happens in the graphs' warm-up; the
+  recompile limit is raised around these calls only (RECOMPILE_LIMIT), not for the process.
+- A mixer that keeps a per-request state (SlotState) runs eagerly in place of pre/store/attend.
+- Only decode-only steps run this way (PagedCache.forward_layer); prefill and mixed steps stay
   eager, and the eager forward stays the reference the tests hold this one to.
 """
 
@@ -29,15 +36,67 @@ from typing import Any
 
 import torch
 
-from trireme.models.paged import PagedCache, PagedStep
+from trireme.models.paged import PagedCache, PagedKV, PagedStep
+from trireme.ops.paged_attention import paged_decode_attention
 
-RECOMPILE_LIMIT = 64  # graphs compiled per process: batch buckets x dtypes x models
+RECOMPILE_LIMIT = 64  # graphs compiled per process: batch buckets x dtypes x models x pieces
+
+Piece = tuple[str, str | None, tuple[str, ...]]  # (kind, sublayer, the plain sublayers after it)
 
 
-def _decode_layer(block: torch.nn.Module, x: torch.Tensor, rope: Any,
-                  state: dict[str, Any]) -> torch.Tensor:
-    """One block's decode forward, x [1, T, h] -> [1, T, h] (what torch.compile traces)."""
-    return block.layer(x, rope, state, 0)
+def _pre(block: torch.nn.Module, name: str, x: torch.Tensor, rope: Any
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [1, T, h] -> q [T, n_heads, d], k, v [T, n_kv, d] of attention sublayer `name`."""
+    attention = getattr(block, name)
+    h = getattr(block, f"{name}_norm")(x)
+    q, k, v = attention.heads(attention.qkv(h), rope)  # [1, heads, T, d]
+    return tuple(t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # type: ignore[return-value]
+
+
+def _post(block: torch.nn.Module, x: torch.Tensor, y: torch.Tensor | None,
+          attended: str | None, names: tuple[str, ...]) -> torch.Tensor:
+    """x + out(y) (y [T, n_heads, d], attention sublayer `attended`'s kernel output), then
+    x + sublayer(norm(x)) for each of `names` (sublayers without state): x [1, T, h]."""
+    if attended is not None:
+        attention = getattr(block, attended)
+        x = x + attention.resid_dropout(attention.out(y.flatten(1).unsqueeze(0)))
+    for name in names:
+        x = x + getattr(block, name)(getattr(block, f"{name}_norm")(x))
+    return x
+
+
+def pieces(block: torch.nn.Module, states: dict[str, Any]) -> list[Piece]:
+    """The block's decode forward cut at its mixers: ("attend", name, ()) for a paged attention
+    sublayer, ("eager", name, ()) for another mixer, ("post", attended or None, names) for the
+    attention's output and the plain sublayers after it."""
+    out: list[Piece] = []
+    attended: str | None = None
+    plain: list[str] = []
+    for name in block.sublayers:
+        sublayer = getattr(block, name)
+        if not sublayer.mixes:
+            plain.append(name)
+            continue
+        if attended is not None or plain:
+            out.append(("post", attended, tuple(plain)))
+        attended, plain = None, []
+        if isinstance(states.get(name), PagedKV) and hasattr(sublayer, "heads"):
+            out.append(("attend", name, ()))
+            attended = name
+        else:
+            out.append(("eager", name, ()))
+    if attended is not None or plain:
+        out.append(("post", attended, tuple(plain)))
+    return out
+
+
+def _attend(block: torch.nn.Module, name: str, kv: PagedKV, step: PagedStep, q: torch.Tensor,
+            k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Eager: store k, v [T, n_kv, d] in the pools, attend q [T, n_heads, d] -> y [T, H, d]."""
+    kv.store(k, v)
+    backend = getattr(block, name).decode_backend
+    return paged_decode_attention(q, kv.k_pool, kv.v_pool, step.decode_tables,
+                                  step.decode_lengths, backend)
 
 
 def _limit_key() -> str:
@@ -47,21 +106,31 @@ def _limit_key() -> str:
 
 @functools.cache
 def compiled_layer(backend: str = "inductor") -> Callable[..., torch.Tensor]:
-    """The compiled `_decode_layer` (one per backend per process: its compilations are shared
-    by every engine and layer)."""
-    compiled = torch.compile(_decode_layer, backend=backend, fullgraph=True)
+    """A decode-only step's block forward with compiled `_pre` and `_post` (one pair per
+    backend per process: its compilations are shared by every engine and layer)."""
+    pre = torch.compile(_pre, backend=backend, fullgraph=True)
+    post = torch.compile(_post, backend=backend, fullgraph=True)
 
-    def run(block: torch.nn.Module, x: torch.Tensor, rope: Any, state: dict[str, Any],
+    def run(block: torch.nn.Module, x: torch.Tensor, rope: Any, states: dict[str, Any],
             step: PagedStep) -> torch.Tensor:
-        # the tables' width changes with the longest context (eager steps) or is the graphs'
-        # fixed width: nothing in the graph depends on it, so it never asks for a recompile
-        torch._dynamo.maybe_mark_dynamic(step.decode_tables, 1)
+        """Block `block` on x [1, T, h] -> [1, T, h] (module docstring)."""
+        y = None
         with torch._dynamo.config.patch(**{_limit_key(): RECOMPILE_LIMIT}):
-            return compiled(block, x, rope, state)
+            for kind, name, names in pieces(block, states):
+                if kind == "attend":
+                    q, k, v = pre(block, name, x, rope)
+                    y = _attend(block, name, states[name], step, q, k, v)
+                elif kind == "eager":
+                    h = getattr(block, f"{name}_norm")(x)
+                    x = x + getattr(block, name)(h, rope, states.get(name), 0)
+                else:
+                    x = post(block, x, y, name, names)
+                    y = None
+        return x
 
     return run
 
 
 def compile_decode(cache: PagedCache, backend: str = "inductor") -> None:
-    """Run `cache`'s decode-only steps through the compiled blocks."""
+    """Run `cache`'s decode-only steps through the compiled pieces."""
     cache.compiled_layer = compiled_layer(backend)

@@ -13,9 +13,10 @@ once. A graph has fixed shapes and addresses, so:
   wide tables cost nothing;
 - only steps without prompt chunks replay (prefill shapes vary); those run eagerly.
 
-With `compile_decode` (EngineSettings, on by default) the captured forward runs each block
-compiled (trireme.inference.compiled_decode: Inductor fuses the elementwise kernels between the
-GEMMs); the warm-up runs compile it, before the capture. If compiling or capturing the compiled
+With `compile_decode` (EngineSettings, off by default) the captured forward runs each block's
+pure pieces compiled, the KV store and the paged kernel eager between them
+(trireme.inference.compiled_decode: Inductor fuses the elementwise kernels between the GEMMs);
+the warm-up runs compile them, before the capture. If compiling or capturing the compiled
 forward fails, that bucket is captured from the eager forward instead, with a warning.
 
 Only with the Triton paged kernel (CUDA, power-of-two head and block sizes): the gather path

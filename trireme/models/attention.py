@@ -104,6 +104,22 @@ class Attention(nn.Module):
             y = self.core(qkv, rope, cache, start_pos, document_ids, context)
         return self.resid_dropout(self.out(y))
 
+    def heads(self, qkv: torch.Tensor, rope: Rope | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [b, n_heads, s, d], k, v [b, n_kv, s, d] of qkv [b, s, ...]: split per head,
+        QK-norm, RoPE of q and k."""
+        d = self.head_size
+        q, k, v = qkv.split(self.split_sizes, dim=-1)  # [b, s, heads * d] each
+        b, s, _ = q.shape
+        q = q.view(b, s, self.num_heads, d).transpose(1, 2)  # [b, n_heads, s, d]
+        k = k.view(b, s, self.num_kv_heads, d).transpose(1, 2)  # [b, n_kv, s, d]
+        v = v.view(b, s, self.num_kv_heads, d).transpose(1, 2)  # [b, n_kv, s, d]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        return q, k, v
+
     def core(
         self,
         qkv: torch.Tensor,
@@ -117,15 +133,8 @@ class Attention(nn.Module):
         with `context`, q, k, v are this rank's share of the sequence and attend across the
         context group (trireme.parallel.context_parallel)."""
         d = self.head_size
-        q, k, v = qkv.split(self.split_sizes, dim=-1)  # [b, s, heads * d] each
-        b, s, _ = q.shape  # the whole sequence (under SP, x was this rank's chunk of it)
-        q = q.view(b, s, self.num_heads, d).transpose(1, 2)  # [b, n_heads, s, d]
-        k = k.view(b, s, self.num_kv_heads, d).transpose(1, 2)  # [b, n_kv, s, d]
-        v = v.view(b, s, self.num_kv_heads, d).transpose(1, 2)  # [b, n_kv, s, d]
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        b, s, _ = qkv.shape  # the whole sequence (under SP, x was this rank's chunk of it)
+        q, k, v = self.heads(qkv, rope)
         if isinstance(cache, PagedKV):  # a ragged batch of many requests (models/paged.py)
             y = cache.attend(q, k, v, self.decode_backend)  # [1, n_heads, T, d]
             return y.transpose(1, 2).reshape(b, s, self.num_heads * d)

@@ -39,7 +39,6 @@ import torch
 from trireme.errors import ConfigError
 from trireme.ops.attention import attention
 from trireme.ops.paged_attention import gather_blocks, paged_decode_attention
-from trireme.ops.paged_decode_op import write_and_attend
 
 
 @dataclass(frozen=True)
@@ -88,22 +87,21 @@ class PagedKV:
         (one index_select per pool, then a view: no per-request copies)."""
         return gather_blocks(self.k_pool, tables), gather_blocks(self.v_pool, tables)
 
+    def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This step's keys and values k, v [T, n_kv, d] into their pool rows (step.slot_ids:
+        block * block_size + offset), in place."""
+        step = self.step
+        assert step is not None, "PagedKV used outside a step (PagedCache.begin)"
+        n_kv, d = self.k_pool.shape[2], self.k_pool.shape[3]
+        self.k_pool.view(-1, n_kv, d).index_copy_(0, step.slot_ids, k)  # [bs * blocks, n_kv, d]
+        self.v_pool.view(-1, n_kv, d).index_copy_(0, step.slot_ids, v)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                backend: str = "auto") -> torch.Tensor:
         """q [1, n_heads, T, d], k, v [1, n_kv, T, d] (RoPE'd) -> y [1, n_heads, T, d]."""
         step = self.step
         assert step is not None, "PagedKV used outside a step (PagedCache.begin)"
-        if step.decode_only:  # what a compiled block traces (ops/paged_decode_op.py)
-            q_dec, k_dec, v_dec = (t[0].transpose(0, 1) for t in (q, k, v))  # [T, heads, d]
-            args = (q_dec, k_dec, v_dec, self.k_pool, self.v_pool, step.slot_ids,
-                    step.decode_tables, step.decode_lengths)
-            y = write_and_attend(*args, backend)
-            return y.transpose(0, 1).unsqueeze(0)  # [1, H, T, d]
-        n_kv, d = self.k_pool.shape[2], self.k_pool.shape[3]
-        k_rows = self.k_pool.view(-1, n_kv, d)  # [num_blocks * bs, n_kv, d]
-        v_rows = self.v_pool.view(-1, n_kv, d)
-        k_rows.index_copy_(0, step.slot_ids, k[0].transpose(0, 1))  # [T, n_kv, d]
-        v_rows.index_copy_(0, step.slot_ids, v[0].transpose(0, 1))
+        self.store(k[0].transpose(0, 1), v[0].transpose(0, 1))  # [T, n_kv, d]
         parts = []
         if step.num_decode:
             q_dec = q[0, :, : step.num_decode].transpose(0, 1)  # [n_dec, H, d]
