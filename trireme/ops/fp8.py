@@ -36,10 +36,11 @@ layer, a [3, H] fp32 history (x, W, g) and a [3] running max of the step (`amax_
 on the device; `start_step()` (once per optimizer step, outside any compiled region) rolls the
 pending amaxes into the history and recomputes the scales. Nothing reads them on the host.
 
-- The pending amaxes are written in the backward (x's and W's are computed in the forward and
-  kept), once per forward-backward pair: a recomputed forward (train.recompute) writes nothing,
-  and a max is idempotent anyway. Gradient accumulation: the max over the step's micro batches.
-  Evaluation (no backward) records nothing.
+- The amaxes of a micro batch (x's and W's computed in the forward and kept, g's in the
+  backward) leave the backward as the gradient of a small leaf tensor, whose hook takes their
+  max into the pending amaxes: once per forward-backward pair, so a recomputed forward
+  (train.recompute) records nothing twice, and no compiled graph writes a buffer. Gradient
+  accumulation: the max over the step's micro batches. Evaluation (no backward) records nothing.
 - The first step (no history yet: a new model, or one just loaded from a checkpoint) runs with
   current scaling and records its amaxes, so the history starts from real values. The history
   is not saved in checkpoints (buffers with persistent=False): a resumed run starts it afresh
@@ -160,13 +161,17 @@ class Float8Matmul(torch.autograd.Function):
 
 class DelayedFloat8Matmul(torch.autograd.Function):
     """Float8Matmul with the scales of x, W and g given ([3] fp32, delayed scaling) or, when
-    `scales` is None (the first step), computed from the tensors themselves; either way the three
-    amaxes go into `pending` ([3] fp32, a running max) in the backward, once per forward-backward
-    pair (see the module docstring)."""
+    `scales` is None (the first step), computed from the tensors themselves.
+
+    The three amaxes leave through the backward as the "gradient" of `amax_sink` ([3], a leaf
+    that requires grad): the layer's hook on it takes their max into the step's pending amaxes.
+    So nothing is written inside the forward or backward graphs (no in-place update of a tensor
+    that compiled graphs save, which micro batches in flight would trip over), and the record is
+    made once per backward, whether or not the forward was recomputed."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None,
-                pending: torch.Tensor, emulate: bool) -> torch.Tensor:
+                amax_sink: torch.Tensor, emulate: bool) -> torch.Tensor:
         x_amax, w_amax = amax(x), amax(weight)  # recorded; under compile fused with the casts
         if scales is None:  # current scaling: the scale waits for the amax
             x_scale, w_scale = scale_from_amax(x_amax, E4M3), scale_from_amax(w_amax, E4M3)
@@ -175,9 +180,6 @@ class DelayedFloat8Matmul(torch.autograd.Function):
         x_q, _ = quantize(x, E4M3, x_scale)
         w_q, _ = quantize(weight, E4M3, w_scale)
         ctx.save_for_backward(x_q, x_scale, w_q, w_scale, x_amax, w_amax, scales)
-        # not a saved tensor: other micro batches' backwards write it in between (1F1B), and a
-        # saved tensor's version check would call that an error
-        ctx.pending = pending
         ctx.emulate, ctx.x_dtype, ctx.w_dtype = emulate, x.dtype, weight.dtype
         return scaled_matmul(x_q, x_scale, w_q.t(), w_scale, x.dtype, emulate,
                              fast_accum=True)  # [M, N]
@@ -185,18 +187,15 @@ class DelayedFloat8Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         x_q, x_scale, w_q, w_scale, x_amax, w_amax, scales = ctx.saved_tensors
-        pending = ctx.pending
         g_amax = amax(grad_y)
         g_scale = scale_from_amax(g_amax, E5M2) if scales is None else scales[2]
         g_q, _ = quantize(grad_y, E5M2, g_scale)
-        # the step's running max of (x, W, g) amaxes: the only write, once per backward
-        pending.copy_(torch.maximum(pending, torch.stack([x_amax, w_amax, g_amax])))
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:  # dL/dx = g W: [M, N] @ [N, K]
             grad_x = scaled_matmul(g_q, g_scale, w_q, w_scale, ctx.x_dtype, ctx.emulate)
         if ctx.needs_input_grad[1]:  # dL/dW = g^T x: [N, M] @ [M, K]
             grad_w = scaled_matmul(g_q.t(), g_scale, x_q, x_scale, ctx.w_dtype, ctx.emulate)
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, torch.stack([x_amax, w_amax, g_amax]), None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -268,6 +267,10 @@ class DelayedFloat8Linear(Float8Linear):
         self.register_buffer("scales", torch.ones(3, **fp32), persistent=False)
         maxes = [torch.finfo(E4M3).max, torch.finfo(E4M3).max, torch.finfo(E5M2).max]
         self.register_buffer("fp8_max", torch.tensor(maxes, **fp32), persistent=False)
+        # the amaxes arrive as this leaf's gradient, once per backward (DelayedFloat8Matmul)
+        self.register_buffer("amax_sink", torch.zeros(3, requires_grad=True, **fp32),
+                             persistent=False)
+        self.amax_sink.register_post_accumulate_grad_hook(self._record)
         self.delayed_ready = False  # scales from the history (else: current scaling)
         self.recorded = False  # a step has started since the buffers were made
 
@@ -277,6 +280,12 @@ class DelayedFloat8Linear(Float8Linear):
         new = super().from_linear(linear, emulate)  # meta buffers: made again on the device
         new._add_buffers(history, linear.weight.device)
         return new
+
+    @torch.no_grad()
+    def _record(self, sink: torch.Tensor) -> None:
+        """After a backward: pending = max(pending, this micro batch's (x, W, g) amaxes)."""
+        torch.maximum(self.amax_pending, sink.grad, out=self.amax_pending)
+        sink.grad = None
 
     @torch.no_grad()
     def start_step(self) -> None:
@@ -292,7 +301,7 @@ class DelayedFloat8Linear(Float8Linear):
 
     def _matmul(self, x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         scales = self.scales if self.delayed_ready else None
-        return DelayedFloat8Matmul.apply(x2d, weight, scales, self.amax_pending, self.emulate)
+        return DelayedFloat8Matmul.apply(x2d, weight, scales, self.amax_sink, self.emulate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.bias, self.emulate, self._matmul)
