@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_fp8 import FP8_TOL, rel_err, tiny_model_config
+from test_fp8 import FP8_TOL, cpu_scaled_mm_works, rel_err, tiny_model_config
 from test_train import toy_data  # noqa: F401  (a fixture)
 from torch import nn
 
@@ -122,6 +122,16 @@ def test_history_is_not_in_the_state_dict_and_restarts_on_a_new_model():
     y, _, _ = step(fresh, 2 * x, g)  # its first step: current scaling, never an empty scale
     torch.testing.assert_close(y, current(2 * x), rtol=0, atol=0)
     assert torch.isfinite(y).all()
+
+
+def test_a_dtype_change_keeps_the_amax_state_fp32_and_recording():
+    _, delayed = linear_pair()
+    delayed.bfloat16()
+    x, g = torch.randn(16, 64).bfloat16(), torch.randn(16, 32).bfloat16()
+    for _ in range(3):
+        step(delayed, x, g)
+    assert delayed.amax_history.dtype == delayed.scales.dtype == torch.float32
+    torch.testing.assert_close(delayed.amax_history[0, :2], x.float().abs().max().expand(2))
 
 
 def tiny_gpt(recompute="none", compile_backend=None, **kw):
@@ -285,6 +295,27 @@ def test_fp8_output_in_the_model_with_tied_embeddings():
         loss.backward()
     assert 0 < abs(losses[1].item() - losses[0].item()) < 0.01 * losses[0].item()
     assert 1e-4 < rel_err(f8.embedding.weight.grad, ref.embedding.weight.grad) < FP8_TOL
+
+
+@pytest.mark.skipif(not cpu_scaled_mm_works(), reason="this torch has no CPU fp8 _scaled_mm")
+def test_scaled_mm_paths_match_the_emulation():
+    """The real `_scaled_mm` paths (bf16, CPU) against the emulation: the fp8 output layer
+    (layouts of W, x and dlogits; the unaligned last chunk of 8 tokens runs bf16) and the
+    delayed-scaling linear over two steps."""
+    x, w, labels = head_inputs(n=40)
+    xb, wb = x.detach().bfloat16(), w.detach().bfloat16()
+    on, emulated = fused_loss(xb, wb, labels, "on"), fused_loss(xb, wb, labels, "emulate")
+    assert rel_err(on[0], emulated[0]) < 1e-3
+    for a, b in zip(on[1:], emulated[1:]):
+        assert rel_err(a, b) < 0.03  # the last 8 tokens' bf16 matmuls, accumulation order
+    real, emulated = linear_pair(seed=4)[1], linear_pair(seed=4)[1]
+    real.emulate = False
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        x, g = torch.randn(32, 64, generator=gen).bfloat16(), torch.randn(32, 32).bfloat16()
+        for a, b in zip(step(real.bfloat16(), x, g), step(emulated.bfloat16(), x, g)):
+            assert rel_err(a, b) < 1e-2
+    assert real.delayed_ready
 
 
 def test_fp8_head_skips_unaligned_shapes():

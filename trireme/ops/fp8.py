@@ -267,10 +267,7 @@ class DelayedFloat8Linear(Float8Linear):
         self.register_buffer("scales", torch.ones(3, **fp32), persistent=False)
         maxes = [torch.finfo(E4M3).max, torch.finfo(E4M3).max, torch.finfo(E5M2).max]
         self.register_buffer("fp8_max", torch.tensor(maxes, **fp32), persistent=False)
-        # the amaxes arrive as this leaf's gradient, once per backward (DelayedFloat8Matmul)
-        self.register_buffer("amax_sink", torch.zeros(3, requires_grad=True, **fp32),
-                             persistent=False)
-        self.amax_sink.register_post_accumulate_grad_hook(self._record)
+        self._new_sink(device)
         self.delayed_ready = False  # scales from the history (else: current scaling)
         self.recorded = False  # a step has started since the buffers were made
 
@@ -280,6 +277,23 @@ class DelayedFloat8Linear(Float8Linear):
         new = super().from_linear(linear, emulate)  # meta buffers: made again on the device
         new._add_buffers(history, linear.weight.device)
         return new
+
+    def _new_sink(self, device) -> None:
+        # the amaxes arrive as this leaf's gradient, once per backward (DelayedFloat8Matmul)
+        sink = torch.zeros(3, device=device, dtype=torch.float32, requires_grad=True)
+        sink.register_post_accumulate_grad_hook(self._record)
+        self.register_buffer("amax_sink", sink, persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        """.to(), .cuda(), .bfloat16() ...: the amax state stays fp32, the sink a leaf with its
+        hook (a dtype change would make it a plain tensor)."""
+        super()._apply(fn, recurse)
+        for name in ("amax_history", "amax_pending", "scales", "fp8_max"):
+            self._buffers[name] = self._buffers[name].float()
+        sink = self._buffers["amax_sink"]
+        if not sink.requires_grad or sink.dtype != torch.float32:
+            self._new_sink(sink.device)
+        return self
 
     @torch.no_grad()
     def _record(self, sink: torch.Tensor) -> None:
