@@ -384,3 +384,17 @@ def test_delayed_fp8_with_fp8_output_trains_like_bf16(toy_data, tmp_path):  # no
     _, resumed = train_run(toy_data, part, *FP8_ALL, *common)
     assert np.isfinite(resumed).all()
     np.testing.assert_allclose(resumed[8:], fp8[8:], rtol=0.02)
+
+
+def test_delayed_fp8_pipeline_parallel_matches_one_process(toy_data, tmp_path):  # noqa: F811
+    """PP = 2 under torchrun (gloo), the 1F1B schedule keeping micro batches in flight: each
+    stage rolls its own layers' histories, and the losses follow the single-process run."""
+    from test_train_parallel import ARGS, losses, single_process, torchrun
+
+    fp8 = ["model.precision=fp8", "model.fp8_emulate=true", "model.fp8_scaling=delayed",
+           "train.eval_interval=0"]
+    ref = single_process(toy_data, tmp_path / "ref", *fp8)
+    r = torchrun(2, f"--data.path={toy_data}", f"--run.dir={tmp_path}/pp2",
+                 *[f"--{a}" for a in ARGS + fp8], "--parallel.pipeline=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    np.testing.assert_allclose(losses(tmp_path / "pp2"), losses(ref), rtol=5e-3)
