@@ -24,6 +24,9 @@ most) runs the bf16 matmuls; so does every chunk when vocab or h is not (`Float8
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 
 from trireme.ops.fp8 import (
@@ -36,21 +39,31 @@ from trireme.ops.fp8 import (
 )
 
 
-def _column_major(t: torch.Tensor) -> torch.Tensor:
-    return t.t().contiguous().t()  # no copy when it already is
+def _transpose(t: torch.Tensor) -> torch.Tensor:
+    """t^T, contiguous: [a, b] -> [b, a]."""
+    return t.t().contiguous()
+
+
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    return torch.compile(fn, dynamic=False)
 
 
 class Float8Head:
     """The fp8 operands of one micro batch's output layer and its three matmuls (chunk by chunk).
 
-    x [N, h] and w [vocab, h] in the input dtype; token_w [N] fp32 token weights."""
+    x [N, h] and w [vocab, h] in the input dtype; token_w [N] fp32 token weights. `compile`:
+    the casts and the transposing copies run as torch.compile'd kernels (on a GPU PyTorch's own
+    copy kernel transposes 1-byte tensors slowly, and the eager cast is several passes)."""
 
     def __init__(self, x: torch.Tensor, w: torch.Tensor, token_w: torch.Tensor,
-                 emulate: bool) -> None:
+                 emulate: bool, compile: bool = False) -> None:
         self.emulate, self.dtype = emulate, x.dtype
-        self.x_q, self.x_scale = quantize(x, E4M3)  # [N, h]
-        self.w_q, self.w_scale = quantize(w, E4M3)  # [vocab, h], row-major: logits' operand
-        self.w_q_cols = _column_major(self.w_q)  # [vocab, h], column-major: dx's operand
+        cast = _compiled(quantize) if compile else quantize
+        self.transpose = _compiled(_transpose) if compile else _transpose
+        self.x_q, self.x_scale = cast(x, E4M3)  # [N, h]
+        self.w_q, self.w_scale = cast(w, E4M3)  # [vocab, h], row-major: logits' operand
+        self.w_q_cols = self.transpose(self.w_q).t()  # [vocab, h], column-major: dx's operand
         # |dlogits| <= max |token weight|: the e5m2 scale without looking at dlogits
         self.g_scale = scale_from_amax(token_w.abs().max().float(), E5M2)
 
@@ -80,7 +93,7 @@ class Float8Head:
 
     def add_grad_w(self, acc: torch.Tensor, g_q: torch.Tensor, start: int, end: int) -> None:
         """acc [vocab, h] fp32 += dlogits^T @ x_c, from q5(dlogits) [c, vocab]."""
-        g_t = g_q.t().contiguous()  # [vocab, c] row-major (_scaled_mm's first operand)
-        x_c = _column_major(self.x_q[start:end])  # [c, h] column-major
+        g_t = self.transpose(g_q)  # [vocab, c] row-major (_scaled_mm's first operand)
+        x_c = self.transpose(self.x_q[start:end]).t()  # [c, h] column-major
         acc.add_(scaled_matmul(g_t, self.g_scale, x_c, self.x_scale, torch.float32,
                                self.emulate))

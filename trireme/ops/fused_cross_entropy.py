@@ -167,7 +167,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         emulate = fp8 == "emulate"
         head = None  # fp8 operands, cast once per micro batch (trireme.ops.fp8_head)
         if fp8 != "off" and Float8Head.fits(w, emulate):
-            head = Float8Head(x, w, token_w, emulate)
+            head = Float8Head(x, w, token_w, emulate, compile)
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         grad_x = torch.empty_like(x) if need_x else None
         grad_w = None  # [padded_vocab, h], fp32 while the chunks add up; the padded rows stay 0
