@@ -71,7 +71,8 @@ AMAX_HISTORY = 16  # delayed scaling: steps of amax kept per tensor (model.fp8_a
 SCALINGS = ("current", "delayed")  # model.fp8_scaling
 
 # The transformer blocks' linears that can run in fp8 (model.fp8_layers names them by their last
-# part); the embedding and the output layer stay bf16.
+# part); the embedding stays bf16, the output layer too unless fp8_layers names "output"
+# (trireme.ops.fp8_head, inside the fused cross-entropy).
 FP8_LINEARS = ("attention.qkv", "attention.out", "mlp.fc1", "mlp.fc2")
 
 
