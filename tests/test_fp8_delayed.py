@@ -110,6 +110,26 @@ def test_a_step_records_the_max_over_its_micro_batches():
         assert (delayed.amax_history[:, 1:] == 0).all() and (delayed.amax_pending == 0).all()
 
 
+def test_a_non_finite_step_does_not_poison_the_history():
+    """A step whose output gradient holds inf (the optimizer skips such a step): g's history
+    column is 0 and its scale stays the last finite one; x's and W's go on as usual."""
+    _, delayed = linear_pair()
+    x, g = torch.randn(16, 64), torch.randn(16, 32)
+    step(delayed, x, g)
+    step(delayed, x, g)
+    scales = delayed.scales.clone()
+    bad = g.clone()
+    bad[0, 0] = float("inf")
+    step(delayed, x, bad)
+    start_fp8_step(delayed)
+    assert torch.isfinite(delayed.amax_history).all() and delayed.amax_history[2, 0] == 0
+    torch.testing.assert_close(delayed.scales, scales, rtol=0, atol=0)
+    delayed.amax_history[2].zero_()  # nothing finite seen for g at all: the scale is kept
+    delayed.amax_pending[2] = float("nan")
+    start_fp8_step(delayed)
+    torch.testing.assert_close(delayed.scales[2], scales[2], rtol=0, atol=0)
+
+
 def test_history_is_not_in_the_state_dict_and_restarts_on_a_new_model():
     current, delayed = linear_pair()
     assert list(delayed.state_dict()) == ["weight"]  # not in checkpoints

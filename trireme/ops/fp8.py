@@ -45,6 +45,8 @@ pending amaxes into the history and recomputes the scales. Nothing reads them on
   current scaling and records its amaxes, so the history starts from real values. The history
   is not saved in checkpoints (buffers with persistent=False): a resumed run starts it afresh
   that way, with a one-step current-scaled warm-up and never an empty (inf) scale.
+- A non-finite amax (a step with inf / NaN gradients, which the optimizer skips) enters the
+  history as 0, and a tensor whose whole history is 0 keeps its last scale.
 - Under torch.compile the switch from the first step's current scaling to delayed scaling is
   a Python attribute, so it compiles twice (once per mode), then never again.
 
@@ -314,10 +316,14 @@ class DelayedFloat8Linear(Float8Linear):
         """Before each optimizer step: the last step's amaxes become the newest history column,
         the scales follow the history; from the second step on the layer scales with them."""
         if self.recorded:
-            history = torch.cat([self.amax_pending[:, None], self.amax_history[:, :-1]], dim=1)
-            self.amax_history.copy_(history)  # [3, H]
+            # a step with inf / NaN values (skipped by the optimizer) records nothing
+            pending = torch.where(self.amax_pending.isfinite(), self.amax_pending, 0.0)
+            history = torch.cat([pending[:, None], self.amax_history[:, :-1]], dim=1)  # [3, H]
+            self.amax_history.copy_(history)
             self.amax_pending.zero_()
-            self.scales.copy_(self.fp8_max / self.amax_history.amax(dim=1).clamp(min=AMAX_EPS))
+            top = self.amax_history.amax(dim=1)  # [3]; 0: nothing seen, keep the last scales
+            new_scales = self.fp8_max / top.clamp(min=AMAX_EPS)
+            self.scales.copy_(torch.where(top > 0, new_scales, self.scales))
             self.delayed_ready = True
         self.recorded = True
 
