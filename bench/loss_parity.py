@@ -32,6 +32,7 @@ import dataclasses
 import gc
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -51,12 +52,13 @@ from trireme.config import Config, load_config  # noqa: E402
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
     """'name:section.key=v,section.key=v' -> (name, ['section.key=v', ...]); 'name' or 'name:'
-    alone is the preset with the common overrides only."""
+    alone is the preset with the common overrides only. A comma inside [...] belongs to a list
+    value (section.key=[a,b])."""
     name, _, rest = text.partition(":")
     name = name.strip()
     if not name:
         raise ValueError(f"--variant {text!r}: give it a name, as NAME:section.key=value,...")
-    overrides = [item.strip() for item in rest.split(",") if item.strip()]
+    overrides = [item.strip() for item in re.split(r",(?![^\[]*\])", rest) if item.strip()]
     for item in overrides:
         if "=" not in item or "." not in item.split("=", 1)[0]:
             raise ValueError(f"--variant {text!r}: {item!r} is not section.key=value")

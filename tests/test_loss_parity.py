@@ -16,6 +16,8 @@ def test_parse_variant():
     assert loss_parity.parse_variant("fast:model.compile=true,model.attention_backend=flash") == (
         "fast", ["model.compile=true", "model.attention_backend=flash"])
     assert loss_parity.parse_variant("plain") == ("plain", [])
+    assert loss_parity.parse_variant("f8:model.fp8_layers=[fc1,output],model.precision=fp8") == (
+        "f8", ["model.fp8_layers=[fc1,output]", "model.precision=fp8"])
     with pytest.raises(ValueError):
         loss_parity.parse_variant("bad:compile=true")
 

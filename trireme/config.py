@@ -23,6 +23,7 @@ from trireme.words import count_of
 AUTO_MICRO_BATCH = -1  # train.micro_batch_size: fit the device (TrainConfig)
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
 FP8_LAYER_NAMES = ("qkv", "out", "fc1", "fc2")  # the block linears model.fp8_layers can name
+FP8_OUTPUT = "output"  # model.fp8_layers: the output layer (in the fused cross-entropy)
 KERNEL_NAMES = ("liger_rmsnorm", "liger_swiglu", "liger_cross_entropy")  # model.kernels
 
 
@@ -144,7 +145,24 @@ class ModelConfig:
     )
     fp8_layers: list[str] = doc(
         list(FP8_LAYER_NAMES), "fp8 only: which linears of each transformer block run in "
-        "fp8 (any of qkv, out, fc1, fc2); the others stay bf16."
+        "fp8 (any of qkv, out, fc1, fc2); the others stay bf16. \"output\" (not by default) "
+        "adds the output layer's three matmuls inside the chunked fused cross-entropy "
+        "(trireme.ops.fp8_head: x and W cast once per micro batch, the logits' gradient in "
+        "e5m2 with an a-priori scale); needs fused_cross_entropy (true, or auto on a GPU). The "
+        "embedding lookup (tied or not) and evaluation stay bf16."
+    )
+    fp8_scaling: Literal["current", "delayed"] = doc(
+        "current", "fp8 only: how each fp8 linear of the blocks scales x, W and the output "
+        "gradient. current: from the tensor's own amax, computed before its cast (an extra "
+        "pass). delayed (fp8_backend trireme): from the max of the last fp8_amax_history steps' "
+        "amaxes, known before the tensor exists, so the cast fuses into the kernel producing it; "
+        "the new amax is recorded as it is cast. The first step of a run (or after a resume: the "
+        "history is not checkpointed) scales currently and starts the history. The output layer "
+        "always scales x and W currently."
+    )
+    fp8_amax_history: int = doc(
+        16, "fp8_scaling = delayed: optimizer steps of amax kept per tensor; the scale is "
+        "fp8_max / their max."
     )
     attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math", "fa4",
                                "reference"] = doc(
@@ -909,10 +927,7 @@ def _check_model(cfg: Config, need_vocab: bool) -> None:
     if "liger_swiglu" in m.kernels and m.fused_swiglu:
         raise ConfigError("model.kernels names liger_swiglu and model.fused_swiglu = true: both "
                           "replace SwiGLU; drop one")
-    unknown = sorted(set(m.fp8_layers) - set(FP8_LAYER_NAMES))
-    if unknown:
-        raise ConfigError(f"model.fp8_layers has unknown layer(s) {unknown}; choose from "
-                          f"{list(FP8_LAYER_NAMES)}")
+    _check_fp8(m)
     if m.precision == "fp8" and p.tensor > 1:
         raise ConfigError("model.precision = 'fp8' with parallel.tensor > 1 is not supported yet; "
                           "use parallel.tensor = 1 or model.precision = 'bf16'")
@@ -925,6 +940,35 @@ def _check_model(cfg: Config, need_vocab: bool) -> None:
             f"model.loss_chunk_size = {m.loss_chunk_size} must be at least 1 with "
             "model.fused_cross_entropy = true"
         )
+
+
+def _check_fp8(m: ModelConfig) -> None:
+    """model.fp8_layers, fp8_scaling and fp8_amax_history, and what they need."""
+    unknown = sorted(set(m.fp8_layers) - {*FP8_LAYER_NAMES, FP8_OUTPUT})
+    if unknown:
+        raise ConfigError(f"model.fp8_layers has unknown layer(s) {unknown}; choose from "
+                          f"{[*FP8_LAYER_NAMES, FP8_OUTPUT]}")
+    fp8 = m.precision == "fp8"
+    if FP8_OUTPUT in m.fp8_layers:
+        if not fp8:
+            raise ConfigError(f"model.fp8_layers names 'output' with model.precision = "
+                              f"{m.precision!r}; set model.precision = 'fp8' or drop 'output'")
+        if m.fused_cross_entropy == "false":
+            raise ConfigError("model.fp8_layers 'output' runs in the fused cross-entropy; set "
+                              "model.fused_cross_entropy = true (or auto) or drop 'output'")
+        if "liger_cross_entropy" in m.kernels:
+            raise ConfigError("model.fp8_layers 'output' and model.kernels liger_cross_entropy "
+                              "both replace the output layer's loss; drop one")
+    if m.fp8_scaling == "delayed":
+        if not fp8:
+            raise ConfigError(f"model.fp8_scaling = 'delayed' with model.precision = "
+                              f"{m.precision!r}; set model.precision = 'fp8' or fp8_scaling = "
+                              "'current'")
+        if m.fp8_backend != "trireme":
+            raise ConfigError("model.fp8_scaling = 'delayed' needs model.fp8_backend = "
+                              "'trireme' (torchao's is current scaling)")
+    if m.fp8_amax_history < 1:
+        raise ConfigError(f"model.fp8_amax_history = {m.fp8_amax_history} must be at least 1")
 
 
 def _check_moe(m: ModelConfig, p: ParallelConfig) -> None:

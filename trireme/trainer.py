@@ -356,9 +356,10 @@ def build_model(
     model = model.to_empty(device=device).to(DTYPES[cfg.model.precision])
     init_parameters(model, cfg.train.seed)
     if cfg.model.precision == "fp8":  # swap the blocks' linears (same parameters, same names)
-        swapped = to_fp8_training(model, device, cfg.model.fp8_emulate, cfg.model.fp8_backend,
-                                  fp8_targets(cfg.model.fp8_layers))
-        if not swapped and model.layers:
+        m = cfg.model
+        swapped = to_fp8_training(model, device, m.fp8_emulate, m.fp8_backend,
+                                  fp8_targets(m.fp8_layers), m.fp8_scaling, m.fp8_amax_history)
+        if not swapped and model.layers and fp8_targets(m.fp8_layers):
             warnings.warn("model.precision = 'fp8' converted no layer (in/out features must be "
                           "multiples of 16): this model trains in bf16", stacklevel=2)
     model.set_recompute(cfg.train.recompute, cfg.train.recompute_layers)

@@ -37,6 +37,7 @@ from trireme.engine.data_parallel import BucketReducer, data_parallel_loss
 from trireme.engine.fsdp import GradientSyncSwitch
 from trireme.engine.pipeline import PipelineSchedule
 from trireme.engine.stragglers import RankTimes
+from trireme.ops.fp8 import start_fp8_step
 from trireme.optim.optimizer import MixedPrecisionOptimizer
 from trireme.parallel.context_parallel import split_batch
 
@@ -93,6 +94,8 @@ class StepRunner:
         for chunk in self.chunks:
             chunk.train()
         self.optimizer.zero_grad()
+        for chunk in self.chunks:  # fp8 delayed scaling: the amax histories move on a step
+            start_fp8_step(chunk)
         if self.reducer is not None:
             self.reducer.start_step()
         if any(chunk.moe_sublayers() for chunk in self.chunks):

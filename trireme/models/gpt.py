@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trireme.config import ModelConfig, ParallelConfig
+from trireme.config import FP8_OUTPUT, ModelConfig, ParallelConfig
 from trireme.errors import TriremeError
 from trireme.models.attention import Rope
 from trireme.models.block import Block
@@ -159,6 +159,12 @@ class GPT(nn.Module):
     def output_weight(self) -> torch.Tensor:
         """[padded_vocab, h]: the output layer's weight, the embedding's when tied."""
         return self.embedding.weight if self.cfg.tie_embeddings else self.output.weight
+
+    def _fp8_output(self) -> str:
+        """The fused loss's `fp8` mode: "off" unless model.fp8_layers names "output"."""
+        if self.cfg.precision != "fp8" or FP8_OUTPUT not in self.cfg.fp8_layers:
+            return "off"
+        return "emulate" if self.cfg.fp8_emulate else "on"
 
     def set_recompute(self, mode: str, num_layers: int = 0) -> None:
         """Recompute activations in the backward (train.recompute): "none"; "selective" (every
@@ -335,6 +341,7 @@ class GPT(nn.Module):
             return fused_linear_cross_entropy(
                 x, self.output_weight(), labels, loss_mask, vocab_size=self.cfg.vocab_size,
                 chunk_size=self.cfg.loss_chunk_size, compile=self.cfg.compile and x.is_cuda,
+                fp8=self._fp8_output(),
             )
         logits = F.linear(x, self.output_weight())  # [b, s, padded_vocab]: a padded-size matmul
         logits = logits[..., : self.cfg.vocab_size]  # [b, s, vocab]: the padding never leaves

@@ -34,6 +34,10 @@ padded columns of each chunk's logits are set to -inf before the softmax, so the
 their gradient and hence the padded rows' gradient are exactly 0. On CUDA the
 per-chunk softmax part can run through torch.compile (`compile=True`): one fused kernel reads the
 bf16 logits and writes the bf16 gradient, with no fp32 [c, vocab] temporaries.
+
+`fp8` ("on" / "emulate", model.fp8_layers "output"): the three matmuls run in fp8 instead, from
+copies of x and W cast once per micro batch, and the softmax kernel writes the logits' gradient
+in e5m2 (trireme.ops.fp8_head has the math and the scales).
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ from collections.abc import Callable
 import torch
 
 from trireme.errors import TriremeError
+from trireme.ops.fp8 import E5M2, quantize
+from trireme.ops.fp8_head import Float8Head
 
 __all__ = ["fused_linear_cross_entropy", "token_weights"]
 
@@ -81,13 +87,13 @@ def _loss_and_grad(
     return loss, dlogits
 
 
-def _loss_and_grad_pointwise(
+def _loss_and_grad_fp32(
     logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
     vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`_loss_and_grad` written as reductions and pointwise ops only (the one-hot as a compare,
     no scatter, the padding as a where), so that torch.compile fuses it into a few kernels with
-    no [c, vocab] fp32 tensor in memory."""
+    no [c, vocab] fp32 tensor in memory; dlogits is left in fp32 for the caller's cast."""
     column = torch.arange(logits.shape[1], device=logits.device)  # [padded_vocab]
     logits32 = logits.float()
     if vocab_size is not None and vocab_size < logits.shape[1]:
@@ -97,12 +103,34 @@ def _loss_and_grad_pointwise(
     target_logit = torch.where(onehot, logits32, 0.0).sum(dim=1)  # [c]; 0 for label -100
     loss = ((lse.squeeze(1) - target_logit) * weight).sum()
     dlogits = (torch.exp(logits32 - lse) - onehot.float()) * weight.unsqueeze(1)
+    return loss, dlogits
+
+
+def _loss_and_grad_pointwise(
+    logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
+    vocab_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    loss, dlogits = _loss_and_grad_fp32(logits, labels, weight, vocab_size)
     return loss, dlogits.to(logits.dtype)
+
+
+def _loss_and_grad_e5m2(
+    logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, g_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same with dlogits cast straight to e5m2 with the scale `g_scale` (fp8 output layer:
+    trireme.ops.fp8_head), in the same compiled kernel."""
+    loss, dlogits = _loss_and_grad_fp32(logits, labels, weight)
+    return loss, quantize(dlogits, E5M2, g_scale)[0]
 
 
 @functools.cache
 def _compiled_loss_and_grad() -> Callable:
     return torch.compile(_loss_and_grad_pointwise, dynamic=False)
+
+
+@functools.cache
+def _compiled_loss_and_grad_e5m2() -> Callable:
+    return torch.compile(_loss_and_grad_e5m2, dynamic=False)
 
 
 @functools.cache
@@ -128,17 +156,31 @@ def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.add_(a @ b)
 
 
+def _fp8_chunk(head: Float8Head, compile: bool, start: int, end: int, labels: torch.Tensor,
+               token_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk through the fp8 head: (its summed loss, q5(dlogits) [c, vocab])."""
+    logits = head.logits(start, end)  # [c, vocab] in the input dtype
+    if compile:
+        return _compiled_loss_and_grad_e5m2()(logits, labels, token_w, head.g_scale)
+    chunk_loss, dlogits = _loss_and_grad(logits, labels, token_w)
+    return chunk_loss, head.quantize_grad(dlogits)
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, token_w: torch.Tensor,
-        norm: torch.Tensor, vocab_size: int, chunk_size: int, compile: bool,
+        norm: torch.Tensor, vocab_size: int, chunk_size: int, compile: bool, fp8: str,
     ) -> torch.Tensor:
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.weight_dtype = weight.dtype
         ctx.used = False
         step = _compiled_loss_and_grad() if compile else _loss_and_grad
         w = weight  # [padded_vocab, h]: aligned matmuls; the padded columns are masked in `step`
+        emulate = fp8 == "emulate"
+        head = None  # fp8 operands, cast once per micro batch (trireme.ops.fp8_head)
+        if fp8 != "off" and Float8Head.fits(weight[:vocab_size], emulate):
+            head = Float8Head(x, weight[:vocab_size], token_w, emulate, compile)
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         grad_x = torch.empty_like(x) if need_x else None
         grad_w = None  # [padded_vocab, h], fp32 while the chunks add up; the padded rows stay 0
@@ -146,13 +188,22 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for start in range(0, x.shape[0], chunk_size):
             x_c = x[start : start + chunk_size]  # [c, h]
+            end = start + x_c.shape[0]
+            if head is not None and head.takes(end - start):
+                chunk_loss, g_q = _fp8_chunk(head, compile, start, end, labels[start:end],
+                                             token_w[start:end])
+                loss += chunk_loss
+                if need_x:
+                    head.grad_x(g_q, out=grad_x[start:end])
+                if need_w:
+                    head.add_grad_w(grad_w[:vocab_size], g_q, start, end)
+                continue
             logits = x_c @ w.t()  # [c, padded_vocab] in the input dtype
-            chunk_loss, dlogits = step(logits, labels[start : start + chunk_size],
-                                       token_w[start : start + chunk_size], vocab_size)
+            chunk_loss, dlogits = step(logits, labels[start:end], token_w[start:end], vocab_size)
             del logits
             loss += chunk_loss
             if need_x:
-                torch.matmul(dlogits, w, out=grad_x[start : start + chunk_size])
+                torch.matmul(dlogits, w, out=grad_x[start:end])
             if need_w:  # the padded rows add exact zeros
                 _add_product(grad_w, dlogits.t(), x_c)  # [padded_vocab, h], in fp32
         ctx.save_for_backward(grad_x, grad_w, norm)
@@ -169,7 +220,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_x = (grad_x.float() * scale).to(grad_x.dtype)
         if grad_w is not None:
             grad_w = grad_w.mul_(scale).to(ctx.weight_dtype)
-        return grad_x, grad_w, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(
@@ -181,6 +232,7 @@ def fused_linear_cross_entropy(
     vocab_size: int | None = None,
     chunk_size: int = 4096,
     compile: bool = False,
+    fp8: str = "off",
 ) -> torch.Tensor:
     """The mean cross-entropy (fp32 scalar) of logits = x @ weight[:vocab_size]^T, computed
     `chunk_size` tokens at a time; equal to `cross_entropy(F.linear(x, weight)[..., :vocab_size],
@@ -188,9 +240,13 @@ def fused_linear_cross_entropy(
 
     x [..., h] (any leading shape), weight [padded_vocab, h], labels [...] (-100: ignored),
     loss_mask [...] (0/1 or weights). `compile` runs the per-chunk softmax through torch.compile.
+    `fp8`: "off"; "on": the three matmuls in fp8 (trireme.ops.fp8_head, torch._scaled_mm);
+    "emulate": the same through the fp32 emulation (any device). Evaluation stays bf16.
     """
     if chunk_size < 1:
         raise TriremeError(f"chunk_size = {chunk_size} must be at least 1")
+    if fp8 not in ("off", "on", "emulate"):
+        raise TriremeError(f"fp8 = {fp8!r} is not one of off, on, emulate")
     vocab_size = weight.shape[0] if vocab_size is None else vocab_size
     h = x.shape[-1]
     x = x.reshape(-1, h)  # [N, h]
@@ -201,7 +257,7 @@ def fused_linear_cross_entropy(
     if not torch.is_grad_enabled():  # evaluation: the loss alone, no gradient work
         return _loss_only(x, weight, labels, token_w, chunk_size, vocab_size) * norm
     return _FusedLinearCrossEntropy.apply(
-        x, weight, labels, token_w, norm, vocab_size, chunk_size, compile
+        x, weight, labels, token_w, norm, vocab_size, chunk_size, compile, fp8
     )
 
 
