@@ -197,7 +197,7 @@ def bad_request(api, messages, match: str) -> None:
 def test_bad_images_and_parts_are_400s(vlm_checkpoint, image_files, tmp_path):
     good = data_url(image_files[0])
     big = io.BytesIO()
-    PIL.new("RGB", (40, 30)).save(big, format="PNG")  # 1200 pixels, over the limit of 1000
+    PIL.new("RGB", (40, 30)).save(big, format="PNG")  # padded to 40 x 40, over the limit of 1000
     big_url = f"data:image/png;base64,{base64.b64encode(big.getvalue()).decode()}"
     text = base64.b64encode(b"plain text, not an image").decode()
     with live_server(vlm_checkpoint, max_image_pixels=1000) as api:
@@ -208,7 +208,11 @@ def test_bad_images_and_parts_are_400s(vlm_checkpoint, image_files, tmp_path):
                     "not a readable image")
         bad_request(api, image_message("q", good.replace("image/png", "image/jpeg")),
                     "not a readable image")  # a PNG is not decoded as what it claims to be
-        bad_request(api, image_message("q", big_url), "40 x 30 = 1200 pixels")
+        bad_request(api, image_message("q", big_url), "40 x 30, padded to 40 x 40 = 1600")
+        thin = io.BytesIO()
+        PIL.new("RGB", (100, 1)).save(thin, format="PNG")  # 100 pixels, but a 100 x 100 square
+        thin_url = f"data:image/png;base64,{base64.b64encode(thin.getvalue()).decode()}"
+        bad_request(api, image_message("q", thin_url), "100 x 1, padded to 100 x 100")
         two = image_message("q", good)
         two[0]["content"].append({"type": "image_url", "image_url": {"url": good}})
         bad_request(api, two, "2 images; this model takes 1")
