@@ -19,18 +19,20 @@ import torch
 import uvicorn
 from test_serve_api import client
 
+import trireme.inference.server as server_module
 from trireme.checkpoint.store import save_checkpoint
 from trireme.cli import main as trireme_main
 from trireme.config import Config, ModelConfig
 from trireme.data.images import load_image, pixels
 from trireme.data.multimodal import image_prompt_ids
 from trireme.data.tokenizer import load_tokenizer
+from trireme.errors import ConfigError
 from trireme.inference.cli import load_for_inference
 from trireme.inference.engine import Engine, EngineSettings, RequestError
 from trireme.inference.generate import generate
 from trireme.inference.runner import EngineThread
 from trireme.inference.sampling import SamplingParams
-from trireme.inference.serve_cli import chat_format
+from trireme.inference.serve_cli import chat_format, serve_main
 from trireme.inference.server import ServerSettings, build_app
 from trireme.models.gpt import GPT
 from trireme.models.vision import num_image_tokens
@@ -231,3 +233,31 @@ def test_bad_images_and_parts_are_400s(vlm_checkpoint, image_files, tmp_path):
         answer = api.chat.completions.create(model="vlm", messages=[
             {"role": "user", "content": [{"type": "text", "text": "q"}]}], max_tokens=3)
         assert answer.usage.completion_tokens >= 1
+
+
+def test_image_decodes_are_bounded_and_the_cli_checks_the_limit(vlm_checkpoint, image_files,
+                                                                monkeypatch):
+    running, most, lock = [0], [0], threading.Lock()
+    parse = server_module.parse_chat
+
+    def slow_parse(*args):  # counts the decodes in flight
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.2)
+        with lock:
+            running[0] -= 1
+        return parse(*args)
+
+    monkeypatch.setattr(server_module, "parse_chat", slow_parse)
+    good = data_url(image_files[0])
+    with live_server(vlm_checkpoint) as api:
+        def ask(_):
+            return api.chat.completions.create(model="vlm", messages=image_message("q", good),
+                                               max_tokens=1, temperature=0)
+
+        with ThreadPoolExecutor(6) as pool:
+            assert len(list(pool.map(ask, range(6)))) == 6
+    assert most[0] == server_module.IMAGE_DECODES
+    with pytest.raises(ConfigError, match="--max-image-pixels 0 must be > 0"):
+        serve_main(["--checkpoint", str(vlm_checkpoint), "--max-image-pixels", "0"])
