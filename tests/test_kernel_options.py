@@ -16,8 +16,11 @@ import torch.nn.functional as F
 
 import trireme.ops.attention_fa4 as fa4_module
 import trireme.ops.liger as liger_module
-from trireme.config import ModelConfig
+from trireme.checkpoint.model_state import expected_shapes
+from trireme.checkpoint.store import save_checkpoint
+from trireme.config import Config, ModelConfig
 from trireme.errors import ConfigError
+from trireme.inference.cli import generate_from_checkpoint
 from trireme.models.gpt import GPT
 from trireme.ops.attention import attention, available_backends
 from trireme.ops.cross_entropy import cross_entropy
@@ -115,6 +118,25 @@ def fake_liger(monkeypatch):
 
 
 # ------------------------------------------------------------------- FA4 on the CPU
+
+def test_a_checkpoint_trained_with_fa4_and_liger_loads_without_them(fa4_missing, liger_missing,
+                                                                      tmp_path):
+    """The kernels are speed choices: inference and conversion build the model without them."""
+    plain = tiny_config(normalization="rmsnorm", activation="swiglu", vocab_size=256)
+    state = GPT(plain, seed=3).state_dict()
+    answers = []
+    for name, kw in (("plain", {}), ("fast", {"attention_backend": "fa4", "kernels": [
+            "liger_rmsnorm", "liger_swiglu", "liger_cross_entropy"]})):
+        cfg = Config()
+        cfg.model, cfg.data.tokenizer = tiny_config(**{**plain.__dict__, **kw}), "bytes"
+        save_checkpoint(tmp_path / name, 0, model=state, optimizer={}, trainer={"step": 0},
+                        config_toml=cfg.to_toml())
+        answers.append(generate_from_checkpoint(str(tmp_path / name), "ab", max_new_tokens=4,
+                                                greedy=True, device="cpu"))
+        assert expected_shapes(cfg.model) == expected_shapes(plain)
+    assert answers[0] == answers[1]
+    with pytest.raises(ConfigError, match="flash-attn-4|liger-kernel"):
+        GPT(cfg.model)  # training still asks for the packages
 
 def test_fa4_missing_is_a_clear_error_at_build(fa4_missing):
     with pytest.raises(ConfigError, match="flash-attn-4.*trireme\\[fa4\\].*'auto'") as e:
