@@ -182,6 +182,28 @@ def test_fa4_ops_wiring_forward_backward(fake_fa4, causal):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
+def test_fa4_takes_only_the_head_sizes_and_gpus_it_supports(fake_fa4, monkeypatch):
+    """Other head sizes, and GPUs older than compute capability 9.0, take the auto path."""
+    calls = []
+    forward = fa4_module._load().forward
+    monkeypatch.setattr(fa4_module, "_load", lambda: fa4_module.FA4Kernels(
+        lambda *a, **kw: calls.append(1) or forward(*a, **kw), _ref_fa_backward))
+    monkeypatch.setattr(fa4_module, "_on_fa4_gpu", lambda q: True)  # as if on an H100 / H200
+    for d, taken in ((8, True), (64, True), (256, True), (12, False), (160, False)):
+        gen = torch.Generator().manual_seed(d)
+        q = torch.randn(1, 4, 6, d, generator=gen).bfloat16()
+        k = torch.randn(1, 2, 6, d, generator=gen).bfloat16()
+        calls.clear()
+        y = attention(q, k, k, backend="fa4")
+        assert bool(calls) == taken == fa4_module.fa4_head_size_ok(d), d
+        want = attention(q, k, k, backend="reference")
+        torch.testing.assert_close(y.float(), want.float(), atol=2e-2, rtol=0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    assert not fa4_module._capability_ok.__wrapped__(torch.device("cuda", 0))  # A100: auto
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    assert fa4_module._capability_ok.__wrapped__(torch.device("cuda", 0))
+
+
 def test_fa4_ops_trace_under_compile(fake_fa4):
     """torch.compile takes the custom ops whole (fake shapes, no graph break)."""
     torch._dynamo.reset()
