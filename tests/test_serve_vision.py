@@ -30,6 +30,8 @@ from trireme.errors import ConfigError
 from trireme.inference.cli import load_for_inference
 from trireme.inference.engine import Engine, EngineSettings, RequestError
 from trireme.inference.generate import generate
+from trireme.inference.image_parts import VisionInputs
+from trireme.inference.openai_api import parse_chat
 from trireme.inference.runner import EngineThread
 from trireme.inference.sampling import SamplingParams
 from trireme.inference.serve_cli import chat_format, serve_main
@@ -261,3 +263,12 @@ def test_image_decodes_are_bounded_and_the_cli_checks_the_limit(vlm_checkpoint, 
     assert most[0] == server_module.IMAGE_DECODES
     with pytest.raises(ConfigError, match="--max-image-pixels 0 must be > 0"):
         serve_main(["--checkpoint", str(vlm_checkpoint), "--max-image-pixels", "0"])
+
+
+def test_a_vision_answer_stops_at_the_next_user_turn(vlm_checkpoint, image_files):
+    loaded = load_for_inference(str(vlm_checkpoint), device="cpu")
+    vision = VisionInputs.of(loaded.cfg.model)
+    body = {"messages": image_message("q", data_url(image_files[0])), "stop": "x"}
+    parsed = parse_chat(body, loaded.tokenizer, chat_format(loaded), loaded.cfg.model.seq_length,
+                        vision)
+    assert set(parsed.params.stop) == {"x", "\nUSER:"}  # the framing's turns: "USER: ...\n"
