@@ -180,8 +180,10 @@ def test_token_id_check_allows_only_the_vocabulary_and_the_ignore_label():
 
     for fine in ([0, 5, -100], [-100, -100], [9], []):
         check_token_ids(torch.tensor(fine, dtype=torch.long), 10, "data")
-    for bad in ([10], [-1, 3], [-100, -5, 2], [-101]):
-        with pytest.raises(DataError, match="outside model.vocab_size = 10"):
+    with pytest.raises(DataError, match="token id 10, outside model.vocab_size = 10"):
+        check_token_ids(torch.tensor([10, 3]), 10, "data")
+    for bad, worst in (([-1, 3], -1), ([-100, -5, 2], -5), ([-101], -101), ([12, -2], -2)):
+        with pytest.raises(DataError, match=f"token id {worst}, which is negative"):
             check_token_ids(torch.tensor(bad, dtype=torch.long), 10, "data")
 
 

@@ -15,6 +15,7 @@ from test_serve_engine import CONFIGS, EagerGraphs, config, model_of, prompts
 from torch._dynamo.utils import counters
 
 import trireme.inference.engine as engine_module
+from trireme.errors import ConfigError
 from trireme.inference.compiled_decode import compiled_layer, pieces
 from trireme.inference.engine import Engine, EngineSettings
 from trireme.inference.sampling import SamplingParams
@@ -157,3 +158,5 @@ def test_the_compiled_decode_is_off_unless_asked():
     assert serve_parser().parse_args(["--checkpoint", "c", "--compile-decode"]
                                      ).compile_decode is True
     assert EngineSettings().compile_decode is False
+    with pytest.raises(ConfigError, match="--compile-decode.*add cuda_graphs \\(--cuda-graphs\\)"):
+        Engine(model_of(config()), EngineSettings(compile_decode=True))  # would do nothing

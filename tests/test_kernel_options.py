@@ -16,8 +16,11 @@ import torch.nn.functional as F
 
 import trireme.ops.attention_fa4 as fa4_module
 import trireme.ops.liger as liger_module
-from trireme.config import ModelConfig
+from trireme.checkpoint.model_state import expected_shapes
+from trireme.checkpoint.store import save_checkpoint
+from trireme.config import Config, ModelConfig
 from trireme.errors import ConfigError
+from trireme.inference.cli import generate_from_checkpoint
 from trireme.models.gpt import GPT
 from trireme.ops.attention import attention, available_backends
 from trireme.ops.cross_entropy import cross_entropy
@@ -116,6 +119,25 @@ def fake_liger(monkeypatch):
 
 # ------------------------------------------------------------------- FA4 on the CPU
 
+def test_a_checkpoint_trained_with_fa4_and_liger_loads_without_them(fa4_missing, liger_missing,
+                                                                      tmp_path):
+    """The kernels are speed choices: inference and conversion build the model without them."""
+    plain = tiny_config(normalization="rmsnorm", activation="swiglu", vocab_size=256)
+    state = GPT(plain, seed=3).state_dict()
+    answers = []
+    for name, kw in (("plain", {}), ("fast", {"attention_backend": "fa4", "kernels": [
+            "liger_rmsnorm", "liger_swiglu", "liger_cross_entropy"]})):
+        cfg = Config()
+        cfg.model, cfg.data.tokenizer = tiny_config(**{**plain.__dict__, **kw}), "bytes"
+        save_checkpoint(tmp_path / name, 0, model=state, optimizer={}, trainer={"step": 0},
+                        config_toml=cfg.to_toml())
+        answers.append(generate_from_checkpoint(str(tmp_path / name), "ab", max_new_tokens=4,
+                                                greedy=True, device="cpu"))
+        assert expected_shapes(cfg.model) == expected_shapes(plain)
+    assert answers[0] == answers[1]
+    with pytest.raises(ConfigError, match="flash-attn-4|liger-kernel"):
+        GPT(cfg.model)  # training still asks for the packages
+
 def test_fa4_missing_is_a_clear_error_at_build(fa4_missing):
     with pytest.raises(ConfigError, match="flash-attn-4.*trireme\\[fa4\\].*'auto'") as e:
         GPT(tiny_config(attention_backend="fa4"))
@@ -158,6 +180,28 @@ def test_fa4_ops_wiring_forward_backward(fake_fa4, causal):
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=0)
     for got, want in zip(g, g_ref):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_fa4_takes_only_the_head_sizes_and_gpus_it_supports(fake_fa4, monkeypatch):
+    """Other head sizes, and GPUs older than compute capability 9.0, take the auto path."""
+    calls = []
+    forward = fa4_module._load().forward
+    monkeypatch.setattr(fa4_module, "_load", lambda: fa4_module.FA4Kernels(
+        lambda *a, **kw: calls.append(1) or forward(*a, **kw), _ref_fa_backward))
+    monkeypatch.setattr(fa4_module, "_on_fa4_gpu", lambda q: True)  # as if on an H100 / H200
+    for d, taken in ((8, True), (64, True), (256, True), (12, False), (160, False)):
+        gen = torch.Generator().manual_seed(d)
+        q = torch.randn(1, 4, 6, d, generator=gen).bfloat16()
+        k = torch.randn(1, 2, 6, d, generator=gen).bfloat16()
+        calls.clear()
+        y = attention(q, k, k, backend="fa4")
+        assert bool(calls) == taken == fa4_module.fa4_head_size_ok(d), d
+        want = attention(q, k, k, backend="reference")
+        torch.testing.assert_close(y.float(), want.float(), atol=2e-2, rtol=0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    assert not fa4_module._capability_ok.__wrapped__(torch.device("cuda", 0))  # A100: auto
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    assert fa4_module._capability_ok.__wrapped__(torch.device("cuda", 0))
 
 
 def test_fa4_ops_trace_under_compile(fake_fa4):

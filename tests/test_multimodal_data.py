@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from trireme.data.images import IMAGE_MEAN, load_image, pixels
+from trireme.data.images import IMAGE_MEAN, decode_image, load_image, pixels
 from trireme.data.multimodal import (
     IMAGES_SUFFIX,
     MultimodalDataset,
@@ -62,6 +62,17 @@ def test_load_image_pads_to_a_square_and_resizes(tmp_path):
     assert np.abs(image[4, 4].astype(int) - (200, 30, 30)).max() <= 20
     x = pixels(image[None])
     assert x.shape == (1, 3, 8, 8) and x.dtype == torch.float32
+
+
+def test_decode_image_limits_the_padded_square(tmp_path):
+    write_png(tmp_path / "a.png", 20, 12)
+    data = (tmp_path / "a.png").read_bytes()
+    assert decode_image(data, 8, max_pixels=400).shape == (8, 8, 3)  # 20 x 20 padded: fits
+    with pytest.raises(DataError, match="20 x 12, padded to 20 x 20 = 400 pixels.*of 399"):
+        decode_image(data, 8, max_pixels=399)  # 240 pixels, but the square is what is allocated
+    write_png(tmp_path / "thin.png", 5000, 1)  # a few hundred bytes; its square is 25 M pixels
+    with pytest.raises(DataError, match="5000 x 1, padded to 5000 x 5000"):
+        decode_image((tmp_path / "thin.png").read_bytes(), 8, max_pixels=4096 * 4096)
 
 
 def test_preprocess_and_batches(tmp_path, tok):

@@ -19,18 +19,22 @@ import torch
 import uvicorn
 from test_serve_api import client
 
+import trireme.inference.server as server_module
 from trireme.checkpoint.store import save_checkpoint
 from trireme.cli import main as trireme_main
 from trireme.config import Config, ModelConfig
 from trireme.data.images import load_image, pixels
 from trireme.data.multimodal import image_prompt_ids
 from trireme.data.tokenizer import load_tokenizer
+from trireme.errors import ConfigError
 from trireme.inference.cli import load_for_inference
 from trireme.inference.engine import Engine, EngineSettings, RequestError
 from trireme.inference.generate import generate
+from trireme.inference.image_parts import VisionInputs
+from trireme.inference.openai_api import parse_chat
 from trireme.inference.runner import EngineThread
 from trireme.inference.sampling import SamplingParams
-from trireme.inference.serve_cli import chat_format
+from trireme.inference.serve_cli import chat_format, serve_main
 from trireme.inference.server import ServerSettings, build_app
 from trireme.models.gpt import GPT
 from trireme.models.vision import num_image_tokens
@@ -197,7 +201,7 @@ def bad_request(api, messages, match: str) -> None:
 def test_bad_images_and_parts_are_400s(vlm_checkpoint, image_files, tmp_path):
     good = data_url(image_files[0])
     big = io.BytesIO()
-    PIL.new("RGB", (40, 30)).save(big, format="PNG")  # 1200 pixels, over the limit of 1000
+    PIL.new("RGB", (40, 30)).save(big, format="PNG")  # padded to 40 x 40, over the limit of 1000
     big_url = f"data:image/png;base64,{base64.b64encode(big.getvalue()).decode()}"
     text = base64.b64encode(b"plain text, not an image").decode()
     with live_server(vlm_checkpoint, max_image_pixels=1000) as api:
@@ -208,7 +212,11 @@ def test_bad_images_and_parts_are_400s(vlm_checkpoint, image_files, tmp_path):
                     "not a readable image")
         bad_request(api, image_message("q", good.replace("image/png", "image/jpeg")),
                     "not a readable image")  # a PNG is not decoded as what it claims to be
-        bad_request(api, image_message("q", big_url), "40 x 30 = 1200 pixels")
+        bad_request(api, image_message("q", big_url), "40 x 30, padded to 40 x 40 = 1600")
+        thin = io.BytesIO()
+        PIL.new("RGB", (100, 1)).save(thin, format="PNG")  # 100 pixels, but a 100 x 100 square
+        thin_url = f"data:image/png;base64,{base64.b64encode(thin.getvalue()).decode()}"
+        bad_request(api, image_message("q", thin_url), "100 x 1, padded to 100 x 100")
         two = image_message("q", good)
         two[0]["content"].append({"type": "image_url", "image_url": {"url": good}})
         bad_request(api, two, "2 images; this model takes 1")
@@ -227,3 +235,40 @@ def test_bad_images_and_parts_are_400s(vlm_checkpoint, image_files, tmp_path):
         answer = api.chat.completions.create(model="vlm", messages=[
             {"role": "user", "content": [{"type": "text", "text": "q"}]}], max_tokens=3)
         assert answer.usage.completion_tokens >= 1
+
+
+def test_image_decodes_are_bounded_and_the_cli_checks_the_limit(vlm_checkpoint, image_files,
+                                                                monkeypatch):
+    running, most, lock = [0], [0], threading.Lock()
+    parse = server_module.parse_chat
+
+    def slow_parse(*args):  # counts the decodes in flight
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.2)
+        with lock:
+            running[0] -= 1
+        return parse(*args)
+
+    monkeypatch.setattr(server_module, "parse_chat", slow_parse)
+    good = data_url(image_files[0])
+    with live_server(vlm_checkpoint) as api:
+        def ask(_):
+            return api.chat.completions.create(model="vlm", messages=image_message("q", good),
+                                               max_tokens=1, temperature=0)
+
+        with ThreadPoolExecutor(6) as pool:
+            assert len(list(pool.map(ask, range(6)))) == 6
+    assert most[0] == server_module.IMAGE_DECODES
+    with pytest.raises(ConfigError, match="--max-image-pixels 0 must be > 0"):
+        serve_main(["--checkpoint", str(vlm_checkpoint), "--max-image-pixels", "0"])
+
+
+def test_a_vision_answer_stops_at_the_next_user_turn(vlm_checkpoint, image_files):
+    loaded = load_for_inference(str(vlm_checkpoint), device="cpu")
+    vision = VisionInputs.of(loaded.cfg.model)
+    body = {"messages": image_message("q", data_url(image_files[0])), "stop": "x"}
+    parsed = parse_chat(body, loaded.tokenizer, chat_format(loaded), loaded.cfg.model.seq_length,
+                        vision)
+    assert set(parsed.params.stop) == {"x", "\nUSER:"}  # the framing's turns: "USER: ...\n"

@@ -162,7 +162,12 @@ def check_token_ids(labels: torch.Tensor, vocab_size: int, path: str) -> None:
         return
     top, bottom = int(labels.max()), int(labels.min())
     negative = bottom < 0 and (bottom != -100 or bool(((labels < 0) & (labels != -100)).any()))
-    if top >= vocab_size or negative:
+    if negative:  # the lowest id, else (the lowest is -100) the first other negative one
+        bad = bottom if bottom != -100 else int(labels[(labels < 0) & (labels != -100)][0])
+        raise DataError(f"data.path {path!r} holds token id {bad}, which is negative (only -100, "
+                        "a label masked out of the loss, may be); rebuild the data with its "
+                        "tokenizer")
+    if top >= vocab_size:
         raise DataError(
             f"data.path {path!r} holds token id {top}, outside model.vocab_size = {vocab_size}; "
             "use the tokenizer the data was made with or raise model.vocab_size"

@@ -8,6 +8,7 @@ nothing, every problem in one error; `model_from_state` builds a model straight 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -32,10 +33,19 @@ def listing(label: str, items: list[str], limit: int = 6) -> str:
     return f"{label}: {', '.join(items[:limit])}{more}"
 
 
+def without_optional_kernels(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` with its optional packages' kernels off: attention_backend 'fa4' -> 'auto' and no
+    model.kernels (liger). They are speed choices (the same tensors, the same function), so a
+    checkpoint trained with them loads for inference or conversion without those packages."""
+    backend = "auto" if cfg.attention_backend == "fa4" else cfg.attention_backend
+    return dataclasses.replace(cfg, attention_backend=backend, kernels=[])
+
+
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in the state of `GPT(cfg)` (built on the meta device)."""
+    """Name -> shape of every tensor in the state of `GPT(cfg)` (built on the meta device;
+    optional kernels off: the shapes are the same without them)."""
     with torch.device("meta"):
-        model = GPT(cfg, seed=None)
+        model = GPT(without_optional_kernels(cfg), seed=None)
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 

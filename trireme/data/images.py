@@ -47,7 +47,8 @@ def load_image(path: str | os.PathLike[str], size: int, where: str = "") -> np.n
 def decode_image(data: bytes, size: int, where: str = "image", max_pixels: int = 0,
                  formats: tuple[str, ...] | None = None) -> np.ndarray:
     """uint8 [size, size, 3] from the bytes of an image file (a request's upload), as
-    `load_image`. `max_pixels` (> 0) refuses larger images before their pixels are decoded;
+    `load_image`. `max_pixels` (> 0) refuses an image whose padded square, max(w, h)^2 pixels
+    (what `_square` allocates), is larger, before its pixels are decoded;
     `formats` (Pillow names, e.g. ("PNG", "JPEG")) are the only ones tried."""
     return _square(_decode(io.BytesIO(data), where, max_pixels, formats), size)
 
@@ -58,9 +59,11 @@ def _decode(source, what: str, max_pixels: int = 0, formats: tuple[str, ...] | N
     try:
         with image_module.open(source, formats=formats) as image:
             width, height = image.size  # from the header: nothing decoded yet
-            if max_pixels and width * height > max_pixels:
-                raise DataError(f"{what} is {width} x {height} = {width * height} pixels, over "
-                                f"the limit of {max_pixels}; downscale it first")
+            side = max(width, height)  # _square pads to side x side before resizing
+            if max_pixels and side * side > max_pixels:
+                raise DataError(f"{what} is {width} x {height}, padded to {side} x {side} = "
+                                f"{side * side} pixels, over the limit of {max_pixels}; "
+                                "downscale it first")
             return image.convert("RGB")
     except image_module.DecompressionBombError as e:
         raise DataError(f"{what} is too large to decode safely ({e}); downscale it first"

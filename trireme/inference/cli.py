@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from trireme.checkpoint.model_state import model_from_state
+from trireme.checkpoint.model_state import model_from_state, without_optional_kernels
 from trireme.checkpoint.store import load_checkpoint
 from trireme.checkpoint.tokenizer_copy import tokenizer_for
 from trireme.config import Config, config_from_toml
@@ -39,6 +39,7 @@ def load_for_inference(checkpoint: str, tokenizer: str = "", device: str = "auto
     """Build the model of `checkpoint` on `device` (no random init) with its tokenizer."""
     ckpt = load_checkpoint(checkpoint, name="--checkpoint")
     cfg = config_from_toml(ckpt.config_toml, f"{ckpt.path}/config.toml")
+    cfg.model = without_optional_kernels(cfg.model)  # fa4 / liger: training speed, not needed
     tok_spec = tokenizer_for(ckpt.path, cfg.data.tokenizer, tokenizer)
     tok = load_tokenizer(tok_spec, name="--tokenizer" if tokenizer else "data.tokenizer")
     dev = pick_device(device)

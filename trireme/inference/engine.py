@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from trireme.data.tokenizer_base import Tokenizer
-from trireme.errors import TriremeError
+from trireme.errors import ConfigError, TriremeError
 from trireme.inference.blocks import BlockAllocator, pool_blocks
 from trireme.inference.graphs import DecodeGraphs, graphs_supported
 from trireme.inference.images import RequestImages
@@ -82,6 +82,9 @@ class EngineSettings:
                 raise TriremeError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.num_blocks < 0 or self.max_memory_gib < 0:
             raise TriremeError("num_blocks and max_memory_gib must not be negative")
+        if self.compile_decode and not self.cuda_graphs:
+            raise ConfigError("compile_decode (--compile-decode) is captured in the decode CUDA "
+                              "graphs: add cuda_graphs (--cuda-graphs) or drop it")
 
 
 @dataclass

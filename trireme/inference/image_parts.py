@@ -36,6 +36,7 @@ from trireme.errors import DataError, TriremeError
 from trireme.models.vision import num_image_tokens
 
 MAX_IMAGES = 1  # per request: LLaVA-style models are trained with one image per sample
+VISION_STOP = ("\nUSER:",)  # the framing's next user turn ends an answer (a stop string)
 MAX_IMAGE_PIXELS = 4096 * 4096  # default limit of a decoded image (--max-image-pixels)
 DATA_URL = re.compile(r"data:image/(png|jpeg|jpg);base64,(.*)", re.DOTALL | re.IGNORECASE)
 FORMATS = {"png": ("PNG",), "jpeg": ("JPEG",), "jpg": ("JPEG",)}

@@ -20,7 +20,7 @@ import torch
 
 from trireme.errors import TriremeError
 from trireme.inference.chat import ROLES, ChatFormat
-from trireme.inference.image_parts import VisionInputs, image_url, vision_prompt
+from trireme.inference.image_parts import VISION_STOP, VisionInputs, image_url, vision_prompt
 from trireme.inference.sampling import SamplingParams
 
 
@@ -153,8 +153,9 @@ def parse_chat(body: Any, tokenizer, chat: ChatFormat, context: int,
     ids, pixels = _prompt(plain, urls, tokenizer, chat, vision)
     params = sampling_from(body, default_max_tokens=context,
                            max_tokens_name="max_completion_tokens")
-    if vision is None and chat.stop and not set(chat.stop) <= set(params.stop):
-        params = replace(params, stop=params.stop + chat.stop)  # the template's end of turn
+    turn_end = chat.stop if vision is None else VISION_STOP  # the template's, the framing's
+    if turn_end and not set(turn_end) <= set(params.stop):
+        params = replace(params, stop=params.stop + turn_end)  # an answer ends with its turn
     return ParsedRequest(ids, params, *_stream_flags(body), images=pixels)
 
 

@@ -15,7 +15,7 @@ import socket
 import sys
 from pathlib import Path
 
-from trireme.errors import TriremeError
+from trireme.errors import ConfigError, TriremeError
 from trireme.inference.chat import ChatFormat, find_chat_template, find_special_token
 from trireme.inference.cli import (
     LoadedModel,
@@ -75,6 +75,9 @@ def chat_format(loaded: LoadedModel) -> ChatFormat:
 
 def serve_main(argv: list[str]) -> int:
     args = serve_parser().parse_args(argv)
+    if args.max_image_pixels <= 0:
+        raise ConfigError(f"--max-image-pixels {args.max_image_pixels} must be > 0 (default "
+                          f"{MAX_IMAGE_PIXELS}, 4096 x 4096)")
     try:
         import uvicorn
 

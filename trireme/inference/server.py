@@ -12,6 +12,7 @@ and awaits outputs that the engine thread puts on the handler's asyncio queue.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 from collections.abc import AsyncIterator
@@ -35,6 +36,9 @@ from trireme.inference.runner import EngineThread
 from trireme.inference.scheduler import RequestOutput
 
 POLL_S = 0.5  # how often a waiting handler checks that its client is still there
+
+
+IMAGE_DECODES = 2  # chat requests whose images are decoded at once (the rest wait their turn)
 
 
 @dataclass
@@ -77,6 +81,7 @@ class OpenAIServer:
         self.runner, self.chat, self.settings = runner, chat, settings
         self.engine = runner.engine
         self.vision = VisionInputs.of(self.engine.cfg, settings.max_image_pixels)
+        self.decodes = asyncio.Semaphore(IMAGE_DECODES)  # image decodes at once (chat requests)
 
     async def error(self, request: Request, error: ApiError) -> JSONResponse:
         return error_response(error)
@@ -105,10 +110,22 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         check_key(request, self.settings.api_key)
         body = await read_json(request, self.settings.max_body_bytes)
-        # on a worker thread: decoding an image must not hold up the other requests' streams
-        parsed = await asyncio.to_thread(parse_chat, body, self.engine.tokenizer, self.chat,
-                                         self.engine.cfg.seq_length, self.vision)
+        # on a worker thread: decoding an image must not hold up the other requests' streams;
+        # for a vision model, only after a queue check and at most IMAGE_DECODES at once (each
+        # holds a decoded image's memory)
+        if self.vision is not None:
+            self.check_queue()
+        async with self.decodes if self.vision is not None else contextlib.nullcontext():
+            parsed = await asyncio.to_thread(parse_chat, body, self.engine.tokenizer, self.chat,
+                                             self.engine.cfg.seq_length, self.vision)
         return await self.answer(request, parsed, Answer(self.settings.model_name, chat=True))
+
+    def check_queue(self) -> None:
+        """A 429 now if the engine's queue is full (submit checks again, under the lock)."""
+        if len(self.engine.scheduler.waiting) >= self.engine.settings.max_queue:
+            raise ApiError(429, f"the queue holds {self.engine.settings.max_queue} waiting "
+                           "requests (--max-queue); retry later", code="queue_full",
+                           kind="rate_limit_error")
 
     def submit(self, parsed: ParsedRequest) -> tuple[str, asyncio.Queue]:
         """Queue the request in the engine; its outputs arrive on the returned asyncio queue."""

@@ -90,7 +90,8 @@ def fa4_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
                  dout: torch.Tensor, lse: torch.Tensor, causal: bool,
                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (contiguous, the inputs' shapes) of FlashAttention-4's backward."""
-    dq, dk, dv = require_fa4().backward(q, k, v, out, dout.contiguous(), lse, scale, causal)
+    dq, dk, dv = require_fa4().backward(q, k, v, out, dout.contiguous(), lse,
+                                        softmax_scale=scale, causal=causal)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
@@ -115,12 +116,31 @@ def _backward(ctx, dout: torch.Tensor, dlse: torch.Tensor | None):
 fa4_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+def fa4_head_size_ok(head_size: int) -> bool:
+    """Head sizes flash_attn.cute (4.0.0b36, `_validate_head_dims`) takes for bf16 / fp16 on
+    both SM90 (8..256) and SM100 (8..128, or 256): multiples of 8 (16-byte rows) up to 128, and
+    256."""
+    return head_size % 8 == 0 and (8 <= head_size <= 128 or head_size == 256)
+
+
+@functools.cache
+def _capability_ok(device: torch.device) -> bool:
+    """Compute capability 9.0 or newer (Hopper, Blackwell): the GPUs FA4's kernels target."""
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _on_fa4_gpu(q: torch.Tensor) -> bool:
+    return q.is_cuda and _capability_ok(q.device)
+
+
 def fa4_applies(q: torch.Tensor, k: torch.Tensor, dropout_p: float, q_offset: int,
                 has_mask: bool) -> bool:
-    """Whether a call fits FlashAttention-4 as wired here: CUDA, bf16 / fp16, no dropout, no
-    explicit mask, no KV-cache offset, as many queries as keys."""
-    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and dropout_p == 0.0
-            and q_offset == 0 and not has_mask and q.shape[2] == k.shape[2])
+    """Whether a call fits FlashAttention-4 as wired here: CUDA of compute capability >= 9.0,
+    bf16 / fp16, a head size it takes (fa4_head_size_ok), no dropout, no explicit mask, no
+    KV-cache offset, as many queries as keys."""
+    return (q.dtype in (torch.bfloat16, torch.float16) and dropout_p == 0.0 and q_offset == 0
+            and not has_mask and q.shape[2] == k.shape[2] and fa4_head_size_ok(q.shape[-1])
+            and _on_fa4_gpu(q))
 
 
 def fa4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
