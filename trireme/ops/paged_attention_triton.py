@@ -34,10 +34,13 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
+
+from trireme.errors import ConfigError
 
 
 @triton.jit
@@ -115,6 +118,84 @@ def _merge_splits_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_o
     tl.store(out_ptr + b * stride_or + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _tile_rows(tables_ptr, b, stride_tr, pos, end, stride_kb, stride_ks, BLOCK: tl.constexpr):
+    """[TILE] pool row offsets of key positions `pos` (0 where pos >= end: masked, never read)."""
+    valid = pos < end
+    block = tl.load(tables_ptr + b * stride_tr + pos // BLOCK, mask=valid, other=0)
+    return block.to(tl.int64) * stride_kb + (pos % BLOCK) * stride_ks
+
+
+@triton.jit
+def _paged_decode_v2_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, out_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr,
+    stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_tr, stride_or, stride_oh,
+    scale, n_heads,
+    GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
+    BLOCK: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr,
+):
+    """v2 (module docstring): program (b, c, j) serves kv heads c * HEADS .. + HEADS of request
+    b (all their query heads) over chunk j, the next tile's K, V loads in flight while this
+    tile's math runs."""
+    b = tl.program_id(0)
+    kh = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # [HEADS] this program's kv heads
+    j = tl.program_id(2)
+    length = tl.load(lengths_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(length, SPLITS), TILE) * TILE  # whole tiles
+    first = j * chunk
+    end = tl.minimum(first + chunk, length)
+    g = tl.arange(0, GROUPS_POW2)
+    d = tl.arange(0, D)
+    t = tl.arange(0, TILE)
+    q_rows = kh[:, None] * GROUPS + g[None, :]  # [HEADS, G] query heads
+    g_mask = (g < GROUPS)[None, :] & (kh >= 0)[:, None]  # [HEADS, G]
+    q = tl.load(q_ptr + b * stride_qr + q_rows[:, :, None] * stride_qh + d[None, None, :],
+                mask=g_mask[:, :, None], other=0.0).to(k_ptr.dtype.element_ty)  # [HEADS, G, D]
+    k_cols = (kh * stride_kh)[:, None, None] + d[None, :, None]  # [HEADS, D, 1]: K^T tiles
+    v_cols = (kh * stride_kh)[:, None, None] + d[None, None, :]  # [HEADS, 1, D]
+    m = tl.full([HEADS, GROUPS_POW2], float("-inf"), tl.float32)
+    denom = tl.zeros([HEADS, GROUPS_POW2], tl.float32)
+    acc = tl.zeros([HEADS, GROUPS_POW2, D], tl.float32)
+    # prologue: tile 0's keys and values, tile 1's pool rows
+    rows = _tile_rows(tables_ptr, b, stride_tr, first + t, end, stride_kb, stride_ks, BLOCK)
+    live = (first + t < end)
+    k = tl.load(k_ptr + rows[None, None, :] + k_cols, mask=live[None, None, :], other=0.0)
+    v = tl.load(v_ptr + rows[None, :, None] + v_cols, mask=live[None, :, None], other=0.0)
+    rows = _tile_rows(tables_ptr, b, stride_tr, first + TILE + t, end, stride_kb, stride_ks,
+                      BLOCK)
+    for start in range(first, end, TILE):
+        # issue the next tile's loads (its rows are here) and the rows of the one after it
+        live_next = (start + TILE + t < end)
+        k_next = tl.load(k_ptr + rows[None, None, :] + k_cols, mask=live_next[None, None, :],
+                         other=0.0)  # [HEADS, D, TILE]
+        v_next = tl.load(v_ptr + rows[None, :, None] + v_cols, mask=live_next[None, :, None],
+                         other=0.0)  # [HEADS, TILE, D]
+        rows = _tile_rows(tables_ptr, b, stride_tr, start + 2 * TILE + t, end, stride_kb,
+                          stride_ks, BLOCK)
+        live = (start + t < end)
+        s = tl.dot(q, k) * scale  # [HEADS, G, TILE] fp32
+        s = tl.where(live[None, None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=2))
+        p = tl.exp(s - m_new[:, :, None])
+        alpha = tl.exp(m - m_new)
+        denom = denom * alpha + tl.sum(p, axis=2)
+        acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v)  # [HEADS, G, D]
+        m = m_new
+        k = k_next
+        v = v_next
+    if SPLITS == 1:
+        out = acc / denom[:, :, None]
+        tl.store(out_ptr + b * stride_or + q_rows[:, :, None] * stride_oh + d[None, None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, :, None])
+    else:  # the partials as v1's: rows (b * n_heads + query head) * SPLITS + j
+        row = (b * n_heads + q_rows) * SPLITS + j  # [HEADS, G]
+        tl.store(part_m_ptr + row, m, mask=g_mask)
+        tl.store(part_l_ptr + row, denom, mask=g_mask)
+        tl.store(part_acc_ptr + row[:, :, None] * D + d[None, None, :], acc,
+                 mask=g_mask[:, :, None])
+
+
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -129,36 +210,58 @@ def default_splits(q: torch.Tensor, n_kv: int, keys_at_most: int, tile: int) -> 
     return min(triton.next_power_of_2(wanted), 16, triton.next_power_of_2(-(-keys_at_most // tile)))
 
 
+VARIANTS = ("v1", "v2")
+
+
+def chosen_variant(variant: str = "") -> str:
+    """`variant`, else $TRIREME_PAGED_KERNEL, else "v1" (the default until v2 is measured)."""
+    name = variant or os.environ.get("TRIREME_PAGED_KERNEL", "") or "v1"
+    if name not in VARIANTS:
+        raise ConfigError(f"TRIREME_PAGED_KERNEL={name!r} is not a paged decode kernel; use one "
+                          f"of {', '.join(VARIANTS)} (or leave it unset)")
+    return name
+
+
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            tables: torch.Tensor, lengths: torch.Tensor, *, tile: int = 0,
                            splits: int = 0, num_warps: int = 4, num_stages: int = 0,
-                           heads_first: bool = False) -> torch.Tensor:
-    """[r, n_heads, d]: each request's query heads over its first lengths[r] keys. `tile`
-    (keys per iteration, default max(64, block)), `splits` (a power of two; default:
-    default_splits), num_warps, num_stages (0: Triton's default) and heads_first (the grid's
-    order: a request's kv heads side by side) tune the launch."""
+                           heads_first: bool = False, variant: str = "",
+                           heads: int = 1) -> torch.Tensor:
+    """[r, n_heads, d]: each request's query heads over its first lengths[r] keys. `variant`
+    picks the kernel (chosen_variant). `tile` (keys per iteration, default max(64, block)),
+    `splits` (a power of two; default: default_splits), num_warps, num_stages (0: Triton's
+    default) tune the launch; heads_first (the grid's order: a request's kv heads side by side)
+    only v1's, `heads` (kv heads per program, a power of two dividing n_kv) only v2's."""
     r, n_heads, d = q.shape
     n_kv = k_pool.shape[2]
     block = k_pool.shape[1]
+    variant = chosen_variant(variant)
+    if variant == "v1":
+        heads = 1
+    elif heads < 1 or n_kv % heads or heads & (heads - 1):
+        raise ConfigError(f"heads={heads} kv heads per program must be a power of two dividing "
+                          f"the {n_kv} kv heads; use 1")
     q = q.contiguous()
     out = torch.empty_like(q)
     groups = n_heads // n_kv
     tile = tile or max(64, block)  # several blocks per iteration: more loads in flight
-    splits = splits or default_splits(q, n_kv, tables.shape[1] * block, tile)
+    splits = splits or default_splits(q, n_kv // heads, tables.shape[1] * block, tile)
     parts = [q.new_empty(0, dtype=torch.float32)] * 3  # unused with one split
     if splits > 1:
         parts = [q.new_empty(r, n_heads, splits, dtype=torch.float32),
                  q.new_empty(r, n_heads, splits, dtype=torch.float32),
                  q.new_empty(r, n_heads, splits, d, dtype=torch.float32)]
     stages = {"num_stages": num_stages} if num_stages else {}
-    grid = (n_kv, r, splits) if heads_first else (r, n_kv, splits)
-    _paged_decode_kernel[grid](
-        q, k_pool, v_pool, tables, lengths, out, *parts,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        tables.stride(0), out.stride(0), out.stride(1), 1.0 / math.sqrt(d), n_heads,
-        GROUPS=groups, GROUPS_POW2=max(16, triton.next_power_of_2(groups)), D=d, BLOCK=block,
-        TILE=tile, SPLITS=splits, HEADS_FIRST=heads_first, num_warps=num_warps, **stages,
-    )
+    args = (q, k_pool, v_pool, tables, lengths, out, *parts,
+            q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+            tables.stride(0), out.stride(0), out.stride(1), 1.0 / math.sqrt(d), n_heads)
+    consts = dict(GROUPS=groups, GROUPS_POW2=max(16, triton.next_power_of_2(groups)), D=d,
+                  BLOCK=block, TILE=tile, SPLITS=splits, num_warps=num_warps, **stages)
+    if variant == "v1":
+        grid = (n_kv, r, splits) if heads_first else (r, n_kv, splits)
+        _paged_decode_kernel[grid](*args, HEADS_FIRST=heads_first, **consts)
+    else:
+        _paged_decode_v2_kernel[(r, n_kv // heads, splits)](*args, HEADS=heads, **consts)
     if splits > 1:
         _merge_splits_kernel[(r, n_heads)](*parts, out, out.stride(0), out.stride(1), D=d,
                                            SPLITS=splits, num_warps=1)
