@@ -104,10 +104,10 @@ for name in ("_paged_decode_kernel", "_paged_decode_v2_kernel"):
     jit = getattr(kernels, name)
     class Seen:
         def __getitem__(self, grid, jit=jit, name=name):
-            calls.append(name)
+            calls.append((name, grid))
             return jit[grid]
     setattr(kernels, name, Seen())
-os.environ["TRIREME_PAGED_KERNEL"] = "v2"
+os.environ["TRIREME_PAGED_KERNEL"] = "v2,heads=2,tile=16"  # settings too
 case = paged_case(8, 2, [5, 40], block=16, d=64)
 env = (kernels.paged_decode_attention(*case) - paged_decode_reference(*case)).abs().max().item()
 env_calls = list(calls)  # (the bf16 call below is v2 too)
@@ -126,22 +126,26 @@ def test_paged_decode_kernel_variants_equal_the_gather_path():
     script = VARIANTS_SCRIPT.replace("TESTS", repr(str(Path(__file__).parent)))
     out = json.loads(run_in_interpreter(script).splitlines()[-1])
     assert len(out["errors"]) == 6 and max(out["errors"].values()) < 1e-4, out
-    assert out["calls"] == ["_paged_decode_v2_kernel"] and out["env"] < 1e-4, out
+    assert out["calls"] == [["_paged_decode_v2_kernel", [2, 1, 1]]] and out["env"] < 1e-4, out
     assert out["bf16"] < 2e-2, out  # bf16 dot operands (p rounded to bf16) against fp32
 
 
-def test_paged_decode_kernel_settings_are_checked(monkeypatch):
+def test_paged_decode_kernel_settings_are_checked():
     pytest.importorskip("triton")
     from trireme.errors import ConfigError
-    from trireme.ops.paged_attention_triton import chosen_variant, paged_decode_attention
+    from trireme.ops.paged_attention_triton import env_choice, paged_decode_attention
 
-    monkeypatch.setenv("TRIREME_PAGED_KERNEL", "v3")
-    with pytest.raises(ConfigError, match="TRIREME_PAGED_KERNEL='v3'.*v1, v2"):
-        chosen_variant()
-    assert chosen_variant("v1") == "v1"  # an explicit choice wins over the variable
-    monkeypatch.delenv("TRIREME_PAGED_KERNEL")
-    assert chosen_variant() == "v1"
+    assert env_choice("") == ("v1", {}) and env_choice("v2") == ("v2", {})
+    assert env_choice("v2, heads=2,tile=32") == ("v2", {"heads": 2, "tile": 32})
+    with pytest.raises(ConfigError, match="TRIREME_PAGED_KERNEL='v3': 'v3' is not.*v1, v2"):
+        env_choice("v3")
+    with pytest.raises(ConfigError, match="'warps=8' is not a launch setting.*num_warps"):
+        env_choice("v2,warps=8")
     case = paged_case(8, 4, [3, 9], block=4)
     for heads in (3, 8, 0):  # not a power of two, more than the kv heads, none
         with pytest.raises(ConfigError, match=f"heads={heads} kv heads per program"):
             paged_decode_attention(*case, variant="v2", heads=heads)
+    with pytest.raises(ConfigError, match="splits=3 must be a power of two"):
+        paged_decode_attention(*case, variant="v1", splits=3)
+    with pytest.raises(ConfigError, match="variant='v9' is not"):
+        paged_decode_attention(*case, variant="v9")

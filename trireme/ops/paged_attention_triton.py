@@ -26,8 +26,18 @@ of SPLITS equal chunks (whole tiles) of the request's keys and writes its unnorm
 `splits` defaults to enough programs to cover the GPU's SMs once (SPLITS = 1 at batch 64 with
 8 kv heads); TILE, num_warps, num_stages and the grid's order can be set too
 (bench/serve_profile.py --kernel-configs sweeps them).
-trireme.ops.paged_attention has the plain torch version it is tested against (through Triton's
-CPU interpreter).
+Variant v2 (opt-in, not yet measured on a GPU: TRIREME_PAGED_KERNEL=v2 or variant="v2") keeps
+the math and the partials but changes how the keys are read. v1 waits, each iteration, for the
+tile's block ids and then for its keys: two memory round trips in series per tile, with at most
+one tile in flight per program (unless Triton's pipeliner overlaps them). v2 issues tile i+1's K
+and V loads (its block ids fetched one iteration earlier) before tile i's math, so a program
+always has the next tile in flight; and program (b, c, j) serves HEADS kv heads at once (3-D
+dots [HEADS, G, D] x [HEADS, D, TILE]), so each pool row it reads is HEADS * d * 2 contiguous
+bytes (HEADS = n_kv: a block's whole 16 KiB run) and there are HEADS times fewer programs. Its
+products take the pool's dtype (bf16 on the GPU, fp32 accumulation; p is rounded to it for the
+p.v product, as flash attention does) where v1 multiplies in fp32 (tf32).
+trireme.ops.paged_attention has the plain torch version both are tested against (through
+Triton's CPU interpreter).
 """
 
 from __future__ import annotations
@@ -211,15 +221,26 @@ def default_splits(q: torch.Tensor, n_kv: int, keys_at_most: int, tile: int) -> 
 
 
 VARIANTS = ("v1", "v2")
+ENV = "TRIREME_PAGED_KERNEL"
+SETTINGS = ("tile", "splits", "num_warps", "num_stages", "heads_first", "heads")
 
 
-def chosen_variant(variant: str = "") -> str:
-    """`variant`, else $TRIREME_PAGED_KERNEL, else "v1" (the default until v2 is measured)."""
-    name = variant or os.environ.get("TRIREME_PAGED_KERNEL", "") or "v1"
+@functools.lru_cache(maxsize=8)
+def env_choice(spec: str) -> tuple[str, dict[str, int]]:
+    """The kernel and launch settings $TRIREME_PAGED_KERNEL names: "" (v1 as shipped), "v2",
+    or e.g. "v2,heads=2,tile=32,num_warps=8" (any of SETTINGS)."""
+    name, *pairs = [part.strip() for part in spec.split(",")] if spec else ["v1"]
     if name not in VARIANTS:
-        raise ConfigError(f"TRIREME_PAGED_KERNEL={name!r} is not a paged decode kernel; use one "
-                          f"of {', '.join(VARIANTS)} (or leave it unset)")
-    return name
+        raise ConfigError(f"{ENV}={spec!r}: {name!r} is not a paged decode kernel; use one of "
+                          f"{', '.join(VARIANTS)} (or leave it unset)")
+    settings = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if key not in SETTINGS or not value.isdigit():
+            raise ConfigError(f"{ENV}={spec!r}: {pair!r} is not a launch setting; write "
+                              f"name=integer with name one of {', '.join(SETTINGS)}")
+        settings[key] = int(value)
+    return name, settings
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -228,19 +249,36 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                            heads_first: bool = False, variant: str = "",
                            heads: int = 1) -> torch.Tensor:
     """[r, n_heads, d]: each request's query heads over its first lengths[r] keys. `variant`
-    picks the kernel (chosen_variant). `tile` (keys per iteration, default max(64, block)),
-    `splits` (a power of two; default: default_splits), num_warps, num_stages (0: Triton's
-    default) tune the launch; heads_first (the grid's order: a request's kv heads side by side)
-    only v1's, `heads` (kv heads per program, a power of two dividing n_kv) only v2's."""
+    picks the kernel ("": $TRIREME_PAGED_KERNEL's, with its settings: env_choice). `tile` (keys
+    per iteration, default max(64, block)), `splits` (a power of two; default: default_splits),
+    num_warps, num_stages (0: Triton's default) tune the launch; heads_first (the grid's order:
+    a request's kv heads side by side) only v1's, `heads` (kv heads per program, a power of two
+    dividing n_kv) only v2's."""
+    kw = dict(tile=tile, splits=splits, num_warps=num_warps, num_stages=num_stages,
+              heads_first=bool(heads_first), heads=heads)
+    if not variant:
+        variant, settings = env_choice(os.environ.get(ENV, ""))
+        kw.update(settings)
+    if variant not in VARIANTS:
+        raise ConfigError(f"variant={variant!r} is not a paged decode kernel; use one of "
+                          f"{', '.join(VARIANTS)}")
+    n_kv = k_pool.shape[2]
+    heads = kw["heads"] if variant == "v2" else 1
+    if heads < 1 or n_kv % heads or heads & (heads - 1):
+        raise ConfigError(f"heads={heads} kv heads per program must be a power of two dividing "
+                          f"the {n_kv} kv heads; use 1")
+    for key in ("tile", "splits"):
+        if kw[key] & (kw[key] - 1):
+            raise ConfigError(f"{key}={kw[key]} must be a power of two (or 0: the default)")
+    return _launch(q, k_pool, v_pool, tables, lengths, variant, **{**kw, "heads": heads})
+
+
+def _launch(q, k_pool, v_pool, tables, lengths, variant: str, tile: int, splits: int,
+            num_warps: int, num_stages: int, heads_first: bool, heads: int) -> torch.Tensor:
+    """paged_decode_attention's launch, its settings checked."""
     r, n_heads, d = q.shape
     n_kv = k_pool.shape[2]
     block = k_pool.shape[1]
-    variant = chosen_variant(variant)
-    if variant == "v1":
-        heads = 1
-    elif heads < 1 or n_kv % heads or heads & (heads - 1):
-        raise ConfigError(f"heads={heads} kv heads per program must be a power of two dividing "
-                          f"the {n_kv} kv heads; use 1")
     q = q.contiguous()
     out = torch.empty_like(q)
     groups = n_heads // n_kv
@@ -259,7 +297,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                   BLOCK=block, TILE=tile, SPLITS=splits, num_warps=num_warps, **stages)
     if variant == "v1":
         grid = (n_kv, r, splits) if heads_first else (r, n_kv, splits)
-        _paged_decode_kernel[grid](*args, HEADS_FIRST=heads_first, **consts)
+        _paged_decode_kernel[grid](*args, HEADS_FIRST=bool(heads_first), **consts)
     else:
         _paged_decode_v2_kernel[(r, n_kv // heads, splits)](*args, HEADS=heads, **consts)
     if splits > 1:
