@@ -149,3 +149,22 @@ def test_paged_decode_kernel_settings_are_checked():
         paged_decode_attention(*case, variant="v1", splits=3)
     with pytest.raises(ConfigError, match="variant='v9' is not"):
         paged_decode_attention(*case, variant="v9")
+
+
+def test_kernel_configs_sweep_runs_both_variants(tmp_path):
+    """bench/serve_profile.py --kernel-configs on a tiny model through the interpreter: every
+    setting of both variants agrees with the gather path, and the shipped default is timed."""
+    pytest.importorskip("triton")
+    out = tmp_path / "configs.json"
+    argv = ["serve_profile.py", "--smoke", "--kernel-configs", "--tiles",
+            "16", "--warps", "4", "--splits", "0", "--heads", "1,2", "--heads-first", "0,1",
+            "--block-size", "8", "--out", str(out)]
+    bench = Path(__file__).resolve().parent.parent / "bench" / "serve_profile.py"
+    run_in_interpreter(f"import runpy, sys; sys.argv = {argv!r}; "
+                       f"runpy.run_path({str(bench)!r}, run_name='__main__')")
+    rows = json.loads(out.read_text())["rows"]
+    settings = [(r["batch"], r["variant"], r.get("heads", r.get("heads_first"))) for r in rows]
+    assert settings == [(b, v, x) for b in (1, 4) for v, x in
+                        [("v1", None), ("v1", False), ("v1", True), ("v2", 1), ("v2", 2)]], rows
+    assert all(r["ok"] and r["us"] > 0 for r in rows), rows
+    assert [r["baseline"] for r in rows].count(True) == 2
