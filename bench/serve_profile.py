@@ -1,4 +1,4 @@
-"""Where a serving decode step's time goes: host work, graph replay, sampling, and each kernel.
+r"""Where a serving decode step's time goes: host work, graph replay, sampling, and each kernel.
 
     python bench/serve_profile.py                   # llama3-1b shape, random weights, GPU
     python bench/serve_profile.py --smoke           # a tiny model on the CPU, seconds
@@ -24,10 +24,18 @@ For each batch B (--batches), B requests with --context tokens cached decode tog
     python bench/serve_profile.py --kernel-configs  # only: sweep the paged decode kernel's launch
 
 --kernel-configs times the paged decode kernel alone (trireme.ops.paged_attention_triton) at each
-batch of --batches with --context keys per request, for every tile x num_warps x splits x
-num_stages x grid order of --tiles / --warps / --splits / --stages / --heads-first (0: the
-default), each checked against the
-gather reference first (on the CPU only under TRITON_INTERPRET=1, to check the sweep).
+batch of --batches with --context keys per request: the shipped default first, then for each
+kernel of --variants every tile x num_warps x splits x num_stages of --tiles / --warps /
+--splits / --stages (0: the default) and, for v1, each grid order of --heads-first, for v2 each
+kv-heads-per-program of --heads. Each is checked against the gather reference first (on the CPU
+only under TRITON_INTERPRET=1, to check the sweep), then timed from one CUDA graph of launches
+over enough pools to miss the L2; the best of each variant is printed against the default.
+The H200 sweep of both variants (batch 64 first; about 3 minutes, most of it compiling):
+
+    python bench/serve_profile.py --kernel-configs --batches 64,1 --variants v1,v2 \
+        --tiles 16,32,64,128 --warps 4,8 --splits 0 --heads 1,2,4,8 --heads-first 0,1 \
+        --max-seconds 170
+
 Prints tables; writes JSON (default bench/results/serve_profile-<preset>.json, with
 --kernel-configs serve_kernel_configs-<preset>.json).
 """
