@@ -27,9 +27,10 @@ For each batch B (--batches), B requests with --context tokens cached decode tog
 batch of --batches with --context keys per request: the shipped default first, then for each
 kernel of --variants every tile x num_warps x splits x num_stages of --tiles / --warps /
 --splits / --stages (0: the default) and, for v1, each grid order of --heads-first, for v2 each
-kv-heads-per-program of --heads. Each is checked against the gather reference first (on the CPU
-only under TRITON_INTERPRET=1, to check the sweep), then timed from one CUDA graph of launches
-over enough pools to miss the L2; the best of each variant is printed against the default.
+kv-heads-per-program of --heads with and without register prefetch (--prefetch). Each is
+checked against the gather reference first (on the CPU only under TRITON_INTERPRET=1, to check
+the sweep), then timed from one CUDA graph of launches over enough pools to miss the L2; the
+best of each variant is printed against the default.
 The H200 sweep of both variants (batch 64 first; about 3 minutes, most of it compiling):
 
     python bench/serve_profile.py --kernel-configs --batches 64,1 --variants v1,v2 \
@@ -86,6 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads-first", default="0,1", help="v1's grid order (1: kv heads first)")
     p.add_argument("--variants", default="v1,v2", help="the kernels to sweep (v1: the default)")
     p.add_argument("--heads", default="1,2,4,8", help="v2's kv heads per program")
+    p.add_argument("--prefetch", default="0,1", help="v2's register prefetch (1) or not (0)")
     p.add_argument("--max-seconds", type=float, default=1e9,
                    help="start no setting after this many seconds of sweeping")
     p.add_argument("--block-size", type=int, default=16)
@@ -292,19 +294,22 @@ def kernel_case(m, batch: int, context: int, block: int, device: torch.device, d
 
 def launch_settings(args, n_kv: int) -> list[tuple[str, dict]]:
     """(variant, launch keywords) to sweep: the shipped default first, then every tile x warps x
-    splits x stages, by grid order (v1) or kv heads per program (v2, at most 256 rows of keys
-    per tile: heads x tile <= 256)."""
+    splits x stages, by grid order (v1) or kv heads per program and prefetching (v2, at most
+    256 rows of keys per tile: heads x tile <= 256)."""
     ints = {a: [int(v) for v in getattr(args, a).split(",")]
-            for a in ("tiles", "warps", "splits", "stages", "heads_first", "heads")}
+            for a in ("tiles", "warps", "splits", "stages", "heads_first", "heads", "prefetch")}
     settings = [("v1", {})]
     for variant in args.variants.split(","):
-        extra = ("heads_first", ints["heads_first"]) if variant == "v1" else ("heads", [
-            h for h in ints["heads"] if h <= n_kv and n_kv % h == 0])
+        if variant == "v1":
+            extra = [{"heads_first": bool(x)} for x in ints["heads_first"]]
+        else:
+            extra = [{"heads": h, "prefetch": bool(f)} for h in ints["heads"]
+                     for f in ints["prefetch"] if h <= n_kv and n_kv % h == 0]
         for tile, warps, splits, stages, x in itertools.product(
-                ints["tiles"], ints["warps"], ints["splits"], ints["stages"], extra[1]):
+                ints["tiles"], ints["warps"], ints["splits"], ints["stages"], extra):
             kw = dict(variant=variant, tile=tile, num_warps=warps, splits=splits,
-                      num_stages=stages, **{extra[0]: bool(x) if variant == "v1" else x})
-            if tile >= args.block_size and (variant == "v1" or x * tile <= 256):
+                      num_stages=stages, **x)
+            if tile >= args.block_size and x.get("heads", 1) * tile <= 256:
                 settings.append((variant, kw))
     return settings
 
@@ -362,7 +367,8 @@ def kernel_configs(cfg, args, device: torch.device, dtype, out: Path) -> list[di
             except Exception as e:  # noqa: BLE001 - a setting Triton cannot compile
                 row.update(error=f"{type(e).__name__}: {str(e)[:160]}")
             rows.append(row)
-            print(f"B {batch:>3} {variant} {kw or '(shipped default)'}"
+            shown = {k: v for k, v in kw.items() if k != "variant"} or "(shipped default)"
+            print(f"B {batch:>3} {variant} {shown}"
                   + (f": {row['us']:8.1f} us {row['tb_s']:5.2f} TB/s err {row['max_err']:.1e}"
                      if "us" in row else f": {row['error']}"), flush=True)
         summarise(rows, batch)
@@ -377,7 +383,7 @@ def summarise(rows: list[dict], batch: int) -> None:
     print(f"batch {batch}: shipped default {base:.1f} us")
     for variant in sorted({r["variant"] for r in mine}):
         best = min((r for r in mine if r["variant"] == variant), key=lambda r: r["us"])
-        keys = ("tile", "num_warps", "splits", "num_stages", "heads_first", "heads")
+        keys = ("tile", "num_warps", "splits", "num_stages", "heads_first", "heads", "prefetch")
         print(f"  best {variant}: {best['us']:.1f} us ({best['tb_s']:.2f} TB/s, "
               f"{base / best['us']:.2f}x the default) with "
               + " ".join(f"{k}={best[k]}" for k in keys if k in best))

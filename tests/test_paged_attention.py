@@ -85,10 +85,11 @@ import trireme.ops.paged_attention_triton as kernels
 # on a block edge (a full last block), just past one, and several blocks; batch 1 and many
 shapes = [(8, 2, 64, 16, [1, 16, 17, 33, 64, 70, 5, 48, 31]), (4, 4, 128, 32, [1, 32, 33, 96]),
           (16, 4, 64, 32, [64]), (4, 4, 64, 16, [1])]
-# (variant, launch settings): v1 as shipped, v2 with 1..4 kv heads per program, split or not
+# (variant, launch settings): v1 as shipped, v2 with 1..4 kv heads per program, its loads
+# prefetched or not, split or not
 launches = [("v1", {}), ("v1", dict(tile=32, splits=2)), ("v2", {}),
-            ("v2", dict(heads=2, tile=16)), ("v2", dict(heads=4, tile=32, splits=4)),
-            ("v2", dict(heads=2, tile=64, splits=2, num_warps=8))]
+            ("v2", dict(heads=2, tile=16, prefetch=True)), ("v2", dict(heads=4, tile=32, splits=4)),
+            ("v2", dict(heads=2, tile=64, splits=2, num_warps=8, prefetch=True))]
 errors = {}
 for n_heads, n_kv, d, block, lengths in shapes:
     case = paged_case(n_heads, n_kv, lengths, block=block, d=d, seed=len(lengths))
@@ -107,7 +108,7 @@ for name in ("_paged_decode_kernel", "_paged_decode_v2_kernel"):
             calls.append((name, grid))
             return jit[grid]
     setattr(kernels, name, Seen())
-os.environ["TRIREME_PAGED_KERNEL"] = "v2,heads=2,tile=16"  # settings too
+os.environ["TRIREME_PAGED_KERNEL"] = "v2,heads=2,tile=16,prefetch=1"  # settings too
 case = paged_case(8, 2, [5, 40], block=16, d=64)
 env = (kernels.paged_decode_attention(*case) - paged_decode_reference(*case)).abs().max().item()
 env_calls = list(calls)  # (the bf16 call below is v2 too)
@@ -163,8 +164,10 @@ def test_kernel_configs_sweep_runs_both_variants(tmp_path):
     run_in_interpreter(f"import runpy, sys; sys.argv = {argv!r}; "
                        f"runpy.run_path({str(bench)!r}, run_name='__main__')")
     rows = json.loads(out.read_text())["rows"]
-    settings = [(r["batch"], r["variant"], r.get("heads", r.get("heads_first"))) for r in rows]
-    assert settings == [(b, v, x) for b in (1, 4) for v, x in
-                        [("v1", None), ("v1", False), ("v1", True), ("v2", 1), ("v2", 2)]], rows
+    settings = [(r["batch"], r["variant"], r.get("heads_first"), r.get("heads"),
+                 r.get("prefetch")) for r in rows]
+    v2 = [("v2", None, h, f) for h in (1, 2) for f in (False, True)]
+    assert settings == [(b, *s) for b in (1, 4) for s in [
+        ("v1", None, None, None), ("v1", False, None, None), ("v1", True, None, None), *v2]], rows
     assert all(r["ok"] and r["us"] > 0 for r in rows), rows
     assert [r["baseline"] for r in rows].count(True) == 2

@@ -137,17 +137,54 @@ def _tile_rows(tables_ptr, b, stride_tr, pos, end, stride_kb, stride_ks, BLOCK: 
 
 
 @triton.jit
+def _tile_step(q, k, v, live, scale, m, denom, acc):
+    """The online softmax over one tile: q [H, G, D], k [H, D, T], v [H, T, D], live [T]."""
+    s = tl.dot(q, k) * scale  # [H, G, T] fp32
+    s = tl.where(live[None, None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=2))
+    p = tl.exp(s - m_new[:, :, None])
+    alpha = tl.exp(m - m_new)
+    denom = denom * alpha + tl.sum(p, axis=2)
+    acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v)  # [H, G, D]
+    return m_new, denom, acc
+
+
+@triton.jit
+def _walk_prefetched(q, k_at, v_at, tables_ptr, b, stride_tr, first, end, stride_kb, stride_ks,
+                     scale, m, denom, acc, BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """Keys first..end-1 tile by tile, tile i+1's K, V loads (and tile i+2's block ids) issued
+    before tile i's math; k_at [H, D, 1] and v_at [H, 1, D] point at row 0's columns."""
+    t = tl.arange(0, TILE)
+    rows = _tile_rows(tables_ptr, b, stride_tr, first + t, end, stride_kb, stride_ks, BLOCK)
+    live = first + t < end
+    k = tl.load(k_at + rows[None, None, :], mask=live[None, None, :], other=0.0)
+    v = tl.load(v_at + rows[None, :, None], mask=live[None, :, None], other=0.0)
+    rows = _tile_rows(tables_ptr, b, stride_tr, first + TILE + t, end, stride_kb, stride_ks,
+                      BLOCK)
+    for start in range(first, end, TILE):
+        live_next = start + TILE + t < end
+        k_next = tl.load(k_at + rows[None, None, :], mask=live_next[None, None, :], other=0.0)
+        v_next = tl.load(v_at + rows[None, :, None], mask=live_next[None, :, None], other=0.0)
+        rows = _tile_rows(tables_ptr, b, stride_tr, start + 2 * TILE + t, end, stride_kb,
+                          stride_ks, BLOCK)
+        m, denom, acc = _tile_step(q, k, v, start + t < end, scale, m, denom, acc)
+        k = k_next
+        v = v_next
+    return m, denom, acc
+
+
+@triton.jit
 def _paged_decode_v2_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, out_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,
     stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_tr, stride_or, stride_oh,
     scale, n_heads,
     GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
-    BLOCK: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """v2 (module docstring): program (b, c, j) serves kv heads c * HEADS .. + HEADS of request
-    b (all their query heads) over chunk j, the next tile's K, V loads in flight while this
-    tile's math runs."""
+    b (all their query heads) over chunk j; with PREFETCH the next tile's K, V loads are in
+    flight while this tile's math runs."""
     b = tl.program_id(0)
     kh = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # [HEADS] this program's kv heads
     j = tl.program_id(2)
@@ -167,33 +204,20 @@ def _paged_decode_v2_kernel(
     m = tl.full([HEADS, GROUPS_POW2], float("-inf"), tl.float32)
     denom = tl.zeros([HEADS, GROUPS_POW2], tl.float32)
     acc = tl.zeros([HEADS, GROUPS_POW2, D], tl.float32)
-    # prologue: tile 0's keys and values, tile 1's pool rows
-    rows = _tile_rows(tables_ptr, b, stride_tr, first + t, end, stride_kb, stride_ks, BLOCK)
-    live = (first + t < end)
-    k = tl.load(k_ptr + rows[None, None, :] + k_cols, mask=live[None, None, :], other=0.0)
-    v = tl.load(v_ptr + rows[None, :, None] + v_cols, mask=live[None, :, None], other=0.0)
-    rows = _tile_rows(tables_ptr, b, stride_tr, first + TILE + t, end, stride_kb, stride_ks,
-                      BLOCK)
-    for start in range(first, end, TILE):
-        # issue the next tile's loads (its rows are here) and the rows of the one after it
-        live_next = (start + TILE + t < end)
-        k_next = tl.load(k_ptr + rows[None, None, :] + k_cols, mask=live_next[None, None, :],
-                         other=0.0)  # [HEADS, D, TILE]
-        v_next = tl.load(v_ptr + rows[None, :, None] + v_cols, mask=live_next[None, :, None],
-                         other=0.0)  # [HEADS, TILE, D]
-        rows = _tile_rows(tables_ptr, b, stride_tr, start + 2 * TILE + t, end, stride_kb,
-                          stride_ks, BLOCK)
-        live = (start + t < end)
-        s = tl.dot(q, k) * scale  # [HEADS, G, TILE] fp32
-        s = tl.where(live[None, None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=2))
-        p = tl.exp(s - m_new[:, :, None])
-        alpha = tl.exp(m - m_new)
-        denom = denom * alpha + tl.sum(p, axis=2)
-        acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v)  # [HEADS, G, D]
-        m = m_new
-        k = k_next
-        v = v_next
+    if PREFETCH:  # the next tile's loads in registers, issued before this tile's math
+        m, denom, acc = _walk_prefetched(q, k_ptr + k_cols, v_ptr + v_cols, tables_ptr, b,
+                                         stride_tr, first, end, stride_kb, stride_ks, scale,
+                                         m, denom, acc, BLOCK, TILE)
+    else:  # loads where they are used: Triton's pipeliner may overlap them (num_stages)
+        for start in range(first, end, TILE):
+            rows = _tile_rows(tables_ptr, b, stride_tr, start + t, end, stride_kb, stride_ks,
+                              BLOCK)
+            live = start + t < end
+            k = tl.load(k_ptr + k_cols + rows[None, None, :], mask=live[None, None, :],
+                        other=0.0)  # [HEADS, D, TILE]
+            v = tl.load(v_ptr + v_cols + rows[None, :, None], mask=live[None, :, None],
+                        other=0.0)  # [HEADS, TILE, D]
+            m, denom, acc = _tile_step(q, k, v, live, scale, m, denom, acc)
     if SPLITS == 1:
         out = acc / denom[:, :, None]
         tl.store(out_ptr + b * stride_or + q_rows[:, :, None] * stride_oh + d[None, None, :],
@@ -222,7 +246,7 @@ def default_splits(q: torch.Tensor, n_kv: int, keys_at_most: int, tile: int) -> 
 
 VARIANTS = ("v1", "v2")
 ENV = "TRIREME_PAGED_KERNEL"
-SETTINGS = ("tile", "splits", "num_warps", "num_stages", "heads_first", "heads")
+SETTINGS = ("tile", "splits", "num_warps", "num_stages", "heads_first", "heads", "prefetch")
 
 
 @functools.lru_cache(maxsize=8)
@@ -247,15 +271,15 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                            tables: torch.Tensor, lengths: torch.Tensor, *, tile: int = 0,
                            splits: int = 0, num_warps: int = 4, num_stages: int = 0,
                            heads_first: bool = False, variant: str = "",
-                           heads: int = 1) -> torch.Tensor:
+                           heads: int = 1, prefetch: bool = False) -> torch.Tensor:
     """[r, n_heads, d]: each request's query heads over its first lengths[r] keys. `variant`
     picks the kernel ("": $TRIREME_PAGED_KERNEL's, with its settings: env_choice). `tile` (keys
     per iteration, default max(64, block)), `splits` (a power of two; default: default_splits),
     num_warps, num_stages (0: Triton's default) tune the launch; heads_first (the grid's order:
     a request's kv heads side by side) only v1's, `heads` (kv heads per program, a power of two
-    dividing n_kv) only v2's."""
+    dividing n_kv) and `prefetch` (the next tile's loads issued early, in registers) only v2's."""
     kw = dict(tile=tile, splits=splits, num_warps=num_warps, num_stages=num_stages,
-              heads_first=bool(heads_first), heads=heads)
+              heads_first=bool(heads_first), heads=heads, prefetch=bool(prefetch))
     if not variant:
         variant, settings = env_choice(os.environ.get(ENV, ""))
         kw.update(settings)
@@ -274,7 +298,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
 
 
 def _launch(q, k_pool, v_pool, tables, lengths, variant: str, tile: int, splits: int,
-            num_warps: int, num_stages: int, heads_first: bool, heads: int) -> torch.Tensor:
+            num_warps: int, num_stages: int, heads_first: bool, heads: int,
+            prefetch: bool) -> torch.Tensor:
     """paged_decode_attention's launch, its settings checked."""
     r, n_heads, d = q.shape
     n_kv = k_pool.shape[2]
@@ -299,7 +324,8 @@ def _launch(q, k_pool, v_pool, tables, lengths, variant: str, tile: int, splits:
         grid = (n_kv, r, splits) if heads_first else (r, n_kv, splits)
         _paged_decode_kernel[grid](*args, HEADS_FIRST=bool(heads_first), **consts)
     else:
-        _paged_decode_v2_kernel[(r, n_kv // heads, splits)](*args, HEADS=heads, **consts)
+        _paged_decode_v2_kernel[(r, n_kv // heads, splits)](*args, HEADS=heads,
+                                                             PREFETCH=bool(prefetch), **consts)
     if splits > 1:
         _merge_splits_kernel[(r, n_heads)](*parts, out, out.stride(0), out.stride(1), D=d,
                                            SPLITS=splits, num_warps=1)
