@@ -171,3 +171,19 @@ def test_kernel_configs_sweep_runs_both_variants(tmp_path):
         ("v1", None, None, None), ("v1", False, None, None), ("v1", True, None, None), *v2]], rows
     assert all(r["ok"] and r["us"] > 0 for r in rows), rows
     assert [r["baseline"] for r in rows].count(True) == 2
+
+
+def test_both_variants_compile_for_the_h200_without_a_gpu(tmp_path, monkeypatch):
+    """bench/paged_kernel_static.py compiles v1 and v2 for sm_90 (Triton's compiler and ptxas,
+    no device): both loops are pipelined through cp.async, and no registers spill."""
+    pytest.importorskip("triton")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
+    import paged_kernel_static
+
+    out = tmp_path / "static.json"
+    paged_kernel_static.main(["--settings", "v1:1:64:4:0", "v2:2:32:4:0", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r.get("error") for r in rows] == [None, None], rows
+    for r in rows:
+        assert r["registers"] > 0 and r["spill_bytes"] == 0 and r["loop_instructions"] > 0, r
+        assert r["cp_async"] > 0, r

@@ -27,15 +27,18 @@ of SPLITS equal chunks (whole tiles) of the request's keys and writes its unnorm
 8 kv heads); TILE, num_warps, num_stages and the grid's order can be set too
 (bench/serve_profile.py --kernel-configs sweeps them).
 Variant v2 (opt-in, not yet measured on a GPU: TRIREME_PAGED_KERNEL=v2 or variant="v2") keeps
-the math and the partials but changes how the keys are read. v1 waits, each iteration, for the
-tile's block ids and then for its keys: two memory round trips in series per tile, with at most
-one tile in flight per program (unless Triton's pipeliner overlaps them). v2 issues tile i+1's K
-and V loads (its block ids fetched one iteration earlier) before tile i's math, so a program
-always has the next tile in flight; and program (b, c, j) serves HEADS kv heads at once (3-D
-dots [HEADS, G, D] x [HEADS, D, TILE]), so each pool row it reads is HEADS * d * 2 contiguous
-bytes (HEADS = n_kv: a block's whole 16 KiB run) and there are HEADS times fewer programs. Its
-products take the pool's dtype (bf16 on the GPU, fp32 accumulation; p is rounded to it for the
-p.v product, as flash attention does) where v1 multiplies in fp32 (tf32).
+the math and the partials but reads differently. Program (b, c, j) serves HEADS kv heads at once
+(3-D dots [HEADS, G, D] x [HEADS, D, TILE]), so each pool row it reads is HEADS * d * 2
+contiguous bytes (HEADS = n_kv: a block's whole run) and there are HEADS times fewer programs;
+its products take the pool's dtype (bf16 on the GPU, sums in fp32; p is rounded to it for the
+p.v product, as flash attention does) where v1 converts K, V and p to fp32 (tf32 products).
+Compiled for sm_90 (Triton 3.9, no GPU needed), v1 at its defaults runs 382 PTX instructions per
+warp per 64-key tile (96 warp-instructions per KiB of K and V), v2 with HEADS 1 283 (71), with
+HEADS 2, TILE 32 237 (59); both loops are pipelined by Triton (cp.async, num_stages). With
+`prefetch` v2 instead issues tile i+1's K, V loads (tile i+2's block ids one iteration earlier)
+into registers before tile i's math: a program always has the next tile in flight, at the cost
+of about twice the registers (150-170 against 71-92), so fewer programs fit on an SM
+(bench/paged_kernel_static.py prints these counts).
 trireme.ops.paged_attention has the plain torch version both are tested against (through
 Triton's CPU interpreter).
 """
