@@ -60,6 +60,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from serve_throughput import DTYPES, SMOKE, build, free_memory  # noqa: E402, F401
 
+from trireme.config import load_config  # noqa: E402
 from trireme.inference.engine import Engine, EngineSettings  # noqa: E402
 from trireme.inference.sampling import SamplingParams  # noqa: E402
 from trireme.ops.paged_attention import paged_decode_reference  # noqa: E402
@@ -404,11 +405,14 @@ def write_json(out: Path, args, device: torch.device, rows: list[dict]) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    cfg, model, device = build(args)
-    if args.kernel_configs:
+    if args.kernel_configs:  # the model's shape only: no weights
+        cfg = load_config(args.preset, args.override)
+        device = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
+                              if args.device == "auto" else args.device)
         out = Path(args.out or HERE / "results" / f"serve_kernel_configs-{args.preset}.json")
         kernel_configs(cfg, args, device, DTYPES[cfg.model.precision], out)
         return 0
+    cfg, model, device = build(args)
     results = [profile_batch(model, cfg, args, int(b), device) for b in args.batches.split(",")]
     for r in results:
         print_result(r)
