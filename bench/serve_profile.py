@@ -35,7 +35,7 @@ The H200 sweep of both variants (batch 64 first; about 3 minutes, most of it com
 
     python bench/serve_profile.py --kernel-configs --batches 64,1 --variants v1,v2 \
         --tiles 16,32,64,128 --warps 4,8 --splits 0 --heads 1,2,4,8 --heads-first 0,1 \
-        --max-seconds 170
+        --prefetch 0,1 --max-seconds 170
 
 Prints tables; writes JSON (default bench/results/serve_profile-<preset>.json, with
 --kernel-configs serve_kernel_configs-<preset>.json).
