@@ -126,7 +126,10 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"arch": args.arch, "groups": args.groups,
+    import triton
+
+    tmp.write_text(json.dumps({"triton": triton.__version__, "arch": args.arch,
+                               "groups": args.groups,
                                "head_size": args.head_size, "block_size": args.block_size,
                                "rows": rows}, indent=1))
     tmp.replace(out)
