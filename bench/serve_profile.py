@@ -387,7 +387,7 @@ def summarise(rows: list[dict], batch: int) -> None:
         keys = ("tile", "num_warps", "splits", "num_stages", "heads_first", "heads", "prefetch")
         print(f"  best {variant}: {best['us']:.1f} us ({best['tb_s']:.2f} TB/s, "
               f"{base / best['us']:.2f}x the default) with "
-              + " ".join(f"{k}={best[k]}" for k in keys if k in best))
+              + (" ".join(f"{k}={best[k]}" for k in keys if k in best) or "its defaults"))
     if mine:
         best = min(mine, key=lambda r: r["us"])
         print(f"  fastest at batch {batch}: {best['variant']} {best['us']:.1f} us")
