@@ -381,16 +381,17 @@ def summarise(rows: list[dict], batch: int) -> None:
     """The fastest agreeing setting of each variant at `batch`, against the shipped default."""
     mine = [r for r in rows if r["batch"] == batch and r.get("ok")]
     base = next((r["us"] for r in mine if r["baseline"]), float("nan"))
+    keys = ("tile", "num_warps", "splits", "num_stages", "heads_first", "heads", "prefetch")
     print(f"batch {batch}: shipped default {base:.1f} us")
     for variant in sorted({r["variant"] for r in mine}):
         best = min((r for r in mine if r["variant"] == variant), key=lambda r: r["us"])
-        keys = ("tile", "num_warps", "splits", "num_stages", "heads_first", "heads", "prefetch")
         print(f"  best {variant}: {best['us']:.1f} us ({best['tb_s']:.2f} TB/s, "
               f"{base / best['us']:.2f}x the default) with "
               + (" ".join(f"{k}={best[k]}" for k in keys if k in best) or "its defaults"))
     if mine:
         best = min(mine, key=lambda r: r["us"])
-        print(f"  fastest at batch {batch}: {best['variant']} {best['us']:.1f} us")
+        spec = ",".join([best["variant"]] + [f"{k}={int(best[k])}" for k in keys if k in best])
+        print(f"  fastest at batch {batch}: {best['us']:.1f} us: TRIREME_PAGED_KERNEL={spec}")
 
 
 def write_json(out: Path, args, device: torch.device, rows: list[dict]) -> None:
