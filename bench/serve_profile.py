@@ -1,4 +1,4 @@
-"""Where a serving decode step's time goes: host work, graph replay, sampling, and each kernel.
+r"""Where a serving decode step's time goes: host work, graph replay, sampling, and each kernel.
 
     python bench/serve_profile.py                   # llama3-1b shape, random weights, GPU
     python bench/serve_profile.py --smoke           # a tiny model on the CPU, seconds
@@ -24,10 +24,19 @@ For each batch B (--batches), B requests with --context tokens cached decode tog
     python bench/serve_profile.py --kernel-configs  # only: sweep the paged decode kernel's launch
 
 --kernel-configs times the paged decode kernel alone (trireme.ops.paged_attention_triton) at each
-batch of --batches with --context keys per request, for every tile x num_warps x splits x
-num_stages x grid order of --tiles / --warps / --splits / --stages / --heads-first (0: the
-default), each checked against the
-gather reference first (on the CPU only under TRITON_INTERPRET=1, to check the sweep).
+batch of --batches with --context keys per request: the shipped default first, then for each
+kernel of --variants every tile x num_warps x splits x num_stages of --tiles / --warps /
+--splits / --stages (0: the default) and, for v1, each grid order of --heads-first, for v2 each
+kv-heads-per-program of --heads with and without register prefetch (--prefetch). Each is
+checked against the gather reference first (on the CPU only under TRITON_INTERPRET=1, to check
+the sweep), then timed from one CUDA graph of launches over enough pools to miss the L2; the
+best of each variant is printed against the default.
+The H200 sweep of both variants (batch 64 first; about 3 minutes, most of it compiling):
+
+    python bench/serve_profile.py --kernel-configs --batches 64,1 --variants v1,v2 \
+        --tiles 16,32,64,128 --warps 4,8 --splits 0 --heads 1,2,4,8 --heads-first 0,1 \
+        --prefetch 0,1 --max-seconds 170
+
 Prints tables; writes JSON (default bench/results/serve_profile-<preset>.json, with
 --kernel-configs serve_kernel_configs-<preset>.json).
 """
@@ -51,6 +60,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from serve_throughput import DTYPES, SMOKE, build, free_memory  # noqa: E402, F401
 
+from trireme.config import load_config  # noqa: E402
 from trireme.inference.engine import Engine, EngineSettings  # noqa: E402
 from trireme.inference.sampling import SamplingParams  # noqa: E402
 from trireme.ops.paged_attention import paged_decode_reference  # noqa: E402
@@ -75,7 +85,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warps", default="2,4,8")
     p.add_argument("--splits", default="0,1,2,4", help="0: the kernel's default choice")
     p.add_argument("--stages", default="0", help="0: Triton's default")
-    p.add_argument("--heads-first", default="0,1", help="the grid's order (1: kv heads first)")
+    p.add_argument("--heads-first", default="0,1", help="v1's grid order (1: kv heads first)")
+    p.add_argument("--variants", default="v1,v2", help="the kernels to sweep (v1: the default)")
+    p.add_argument("--heads", default="1,2,4,8", help="v2's kv heads per program")
+    p.add_argument("--prefetch", default="0,1", help="v2's register prefetch (1) or not (0)")
+    p.add_argument("--max-seconds", type=float, default=1e9,
+                   help="start no setting after this many seconds of sweeping")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None)
@@ -278,63 +293,127 @@ def kernel_case(m, batch: int, context: int, block: int, device: torch.device, d
     return q, k_pool, v_pool, order.view(batch, width), lengths
 
 
-def kernel_configs(cfg, args, device: torch.device, dtype) -> list[dict]:
-    """Each launch setting of the paged decode kernel: its time and read rate, if it agrees
-    with the gather reference."""
+def launch_settings(args, n_kv: int) -> list[tuple[str, dict]]:
+    """(variant, launch keywords) to sweep: the shipped default first, then every tile x warps x
+    splits x stages, by grid order (v1) or kv heads per program and prefetching (v2, at most
+    256 rows of keys per tile: heads x tile <= 256)."""
+    ints = {a: [int(v) for v in getattr(args, a).split(",")]
+            for a in ("tiles", "warps", "splits", "stages", "heads_first", "heads", "prefetch")}
+    settings = [("v1", {})]
+    for variant in args.variants.split(","):
+        if variant == "v1":
+            extra = [{"heads_first": bool(x)} for x in ints["heads_first"]]
+        else:
+            extra = [{"heads": h, "prefetch": bool(f)} for h in ints["heads"]
+                     for f in ints["prefetch"] if h <= n_kv and n_kv % h == 0]
+        for tile, warps, splits, stages, x in itertools.product(
+                ints["tiles"], ints["warps"], ints["splits"], ints["stages"], extra):
+            kw = dict(variant=variant, tile=tile, num_warps=warps, splits=splits,
+                      num_stages=stages, **x)
+            if tile >= args.block_size and x.get("heads", 1) * tile <= 256:
+                settings.append((variant, kw))
+    return settings
+
+
+def launches_us(fn, reps: int, device: torch.device) -> float:
+    """Microseconds per fn(i), i = 0..reps-1: on the GPU replayed from one CUDA graph of all reps
+    launches (the kernel's time, not Python's launch overhead: as the engine's graphs run it)."""
+    for i in range(reps):  # compiles, and warms every case
+        fn(i)
+    sync(device)
+    if device.type != "cuda":
+        t = time.perf_counter()
+        fn(0)
+        return 1e6 * (time.perf_counter() - t)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            fn(i)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return 1e3 * start.elapsed_time(end) / (3 * reps)
+
+
+def kernel_configs(cfg, args, device: torch.device, dtype, out: Path) -> list[dict]:
+    """Each launch setting of the paged decode kernel (launch_settings): its time and read rate,
+    if it agrees with the gather reference; the best per variant against the shipped default.
+    Stops starting settings after --max-seconds; writes `out` after each batch."""
     from trireme.ops.paged_attention_triton import paged_decode_attention as launch
 
-    rows = []
-    ints = [[int(v) for v in getattr(args, a).split(",")]
-            for a in ("tiles", "warps", "splits", "stages", "heads_first")]
+    rows, began = [], time.perf_counter()
     for batch in (int(b) for b in args.batches.split(",")):
-        # timed over 4 pools in turn, as the layers of a step are: not all from the L2 cache
-        cases = [kernel_case(cfg.model, batch, args.context, args.block_size, device, dtype, i)
-                 for i in range(4)]
-        case = cases[0]
-        want = paged_decode_reference(*case).float()
+        one = kernel_case(cfg.model, batch, args.context, args.block_size, device, dtype)
         kv_bytes = 2 * batch * args.context * cfg.model.kv_heads * cfg.model.head_size * (
-            case[1].element_size())
-        for tile, warps, splits, stages, heads_first in itertools.product(*ints):
-            if tile < args.block_size:
-                continue
-            kw = dict(tile=tile, num_warps=warps, splits=splits, num_stages=stages,
-                      heads_first=bool(heads_first))
-            row = {"batch": batch, **kw}
+            one[1].element_size())  # the K and V rows read
+        # cycled over enough pools (as the layers of a step are) not to be read from the L2
+        n = min(128, max(4, -(-(256 << 20) // kv_bytes))) if device.type == "cuda" else 1
+        cases = [one] + [kernel_case(cfg.model, batch, args.context, args.block_size, device,
+                                     dtype, i) for i in range(1, n)]
+        want = paged_decode_reference(*one).float()
+        for variant, kw in launch_settings(args, cfg.model.kv_heads):
+            if time.perf_counter() - began > args.max_seconds:
+                print(f"--max-seconds {args.max_seconds} reached: the other settings skipped")
+                break
+            row = {"batch": batch, "variant": variant, "baseline": not kw, **kw}
             try:
-                err = (launch(*case, **kw).float() - want).abs().max().item()
-                reps = 48 if device.type == "cuda" else 1
-                sync(device)
-                t = time.perf_counter()
-                for i in range(reps):
-                    launch(*cases[i % len(cases)], **kw)
-                sync(device)
-                us = 1e6 * (time.perf_counter() - t) / reps
+                err = (launch(*one, **kw).float() - want).abs().max().item()
+                us = launches_us(lambda i, kw=kw, c=cases: launch(*c[i % len(c)], **kw),
+                                 max(48, len(cases)) if device.type == "cuda" else 1, device)
                 row.update(max_err=err, us=us, tb_s=kv_bytes / us / 1e6, ok=err < 5e-2)
             except Exception as e:  # noqa: BLE001 - a setting Triton cannot compile
-                row.update(error=f"{type(e).__name__}: {str(e)[:120]}")
+                row.update(error=f"{type(e).__name__}: {str(e)[:160]}")
             rows.append(row)
-            print(f"B {batch:>3} tile {tile:>3} warps {warps} splits {splits:>2} stages {stages} "
-                  f"heads_first {heads_first}"
+            shown = {k: v for k, v in kw.items() if k != "variant"} or "(shipped default)"
+            print(f"B {batch:>3} {variant} {shown}"
                   + (f": {row['us']:8.1f} us {row['tb_s']:5.2f} TB/s err {row['max_err']:.1e}"
                      if "us" in row else f": {row['error']}"), flush=True)
-        best = min((r for r in rows if r["batch"] == batch and r.get("ok")),
-                   key=lambda r: r["us"], default=None)
-        print(f"batch {batch} best: {best}")
+        summarise(rows, batch)
+        write_json(out, args, device, rows)
     return rows
+
+
+def summarise(rows: list[dict], batch: int) -> None:
+    """The fastest agreeing setting of each variant at `batch`, against the shipped default."""
+    mine = [r for r in rows if r["batch"] == batch and r.get("ok")]
+    base = next((r["us"] for r in mine if r["baseline"]), float("nan"))
+    keys = ("tile", "num_warps", "splits", "num_stages", "heads_first", "heads", "prefetch")
+    print(f"batch {batch}: shipped default {base:.1f} us")
+    for variant in sorted({r["variant"] for r in mine}):
+        best = min((r for r in mine if r["variant"] == variant), key=lambda r: r["us"])
+        print(f"  best {variant}: {best['us']:.1f} us ({best['tb_s']:.2f} TB/s, "
+              f"{base / best['us']:.2f}x the default) with "
+              + (" ".join(f"{k}={best[k]}" for k in keys if k in best) or "its defaults"))
+    if mine:
+        best = min(mine, key=lambda r: r["us"])
+        spec = ",".join([best["variant"]] + [f"{k}={int(best[k])}" for k in keys if k in best])
+        print(f"  fastest at batch {batch}: {best['us']:.1f} us: TRIREME_PAGED_KERNEL={spec}")
+
+
+def write_json(out: Path, args, device: torch.device, rows: list[dict]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"preset": args.preset, "context": args.context,
+                               "block_size": args.block_size,
+                               "device": torch.cuda.get_device_name()
+                               if device.type == "cuda" else "cpu", "rows": rows}, indent=1))
+    tmp.replace(out)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    cfg, model, device = build(args)
-    if args.kernel_configs:
-        rows = kernel_configs(cfg, args, device, DTYPES[cfg.model.precision])
+    if args.kernel_configs:  # the model's shape only: no weights
+        cfg = load_config(args.preset, args.override)
+        device = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
+                              if args.device == "auto" else args.device)
         out = Path(args.out or HERE / "results" / f"serve_kernel_configs-{args.preset}.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"preset": args.preset, "context": args.context,
-                                   "device": torch.cuda.get_device_name()
-                                   if device.type == "cuda" else "cpu", "rows": rows},
-                                  indent=1))
+        kernel_configs(cfg, args, device, DTYPES[cfg.model.precision], out)
         return 0
+    cfg, model, device = build(args)
     results = [profile_batch(model, cfg, args, int(b), device) for b in args.batches.split(",")]
     for r in results:
         print_result(r)

@@ -20,3 +20,22 @@ def run_in_interpreter(script: str) -> str:
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout.strip()
+
+
+# Prepend to a script whose kernels take tl.dot of bf16 operands: Triton 3.9's interpreter
+# multiplies bf16 operands as their raw uint16 bits; this widens them to fp32 first (exact), as
+# the GPU's bf16 tensor cores do before accumulating in fp32.
+BF16_DOT = """
+import numpy as _np
+from triton.runtime import interpreter as _interp
+import triton.language as _tl
+_plain_dot = _interp.InterpreterBuilder.create_dot
+def _widened(x):
+    if x.dtype.scalar != _tl.bfloat16:
+        return x
+    bits = x.data.astype(_np.uint32) << 16
+    return _interp.TensorHandle(bits.view(_np.float32), _tl.float32)
+def _create_dot(self, a, b, *rest):
+    return _plain_dot(self, _widened(a), _widened(b), *rest)
+_interp.InterpreterBuilder.create_dot = _create_dot
+"""

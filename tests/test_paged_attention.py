@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from interpreted import run_in_interpreter
+from interpreted import BF16_DOT, run_in_interpreter
 
 from trireme.ops.attention import reference_attention
 from trireme.ops.paged_attention import paged_decode_reference
@@ -73,3 +73,117 @@ def test_triton_paged_decode_kernel_equals_the_gather_path():
     script = SCRIPT.replace("TESTS", repr(str(Path(__file__).parent)))
     out = json.loads(run_in_interpreter(script).splitlines()[-1])
     assert out["worst"] < 1e-4 and out["split"] < 1e-4 and out["bf16"] < 2e-2, out
+
+
+VARIANTS_SCRIPT = BF16_DOT + """
+import json, os, sys, torch
+sys.path.insert(0, TESTS)
+from test_paged_attention import paged_case
+from trireme.ops.paged_attention import paged_decode_reference
+import trireme.ops.paged_attention_triton as kernels
+# (n_heads, n_kv, d, block, lengths): GQA 4:1 and 1:1, d 64 / 128, blocks 16 / 32, lengths 1,
+# on a block edge (a full last block), just past one, and several blocks; batch 1 and many
+shapes = [(8, 2, 64, 16, [1, 16, 17, 33, 64, 70, 5, 48, 31]), (4, 4, 128, 32, [1, 32, 33, 96]),
+          (16, 4, 64, 32, [64]), (4, 4, 64, 16, [1])]
+# (variant, launch settings): v1 as shipped, v2 with 1..4 kv heads per program, its loads
+# prefetched or not, split or not
+launches = [("v1", {}), ("v1", dict(tile=32, splits=2)), ("v2", {}),
+            ("v2", dict(heads=2, tile=16, prefetch=True)), ("v2", dict(heads=4, tile=32, splits=4)),
+            ("v2", dict(heads=2, tile=64, splits=2, num_warps=8, prefetch=True))]
+errors = {}
+for n_heads, n_kv, d, block, lengths in shapes:
+    case = paged_case(n_heads, n_kv, lengths, block=block, d=d, seed=len(lengths))
+    want = paged_decode_reference(*case)
+    for variant, kw in launches:
+        if kw.get("heads", 1) > n_kv:
+            continue
+        got = kernels.paged_decode_attention(*case, variant=variant, **kw)
+        key = f"{variant} {kw}"
+        errors[key] = max(errors.get(key, 0.0), (got - want).abs().max().item())
+calls = []  # $TRIREME_PAGED_KERNEL picks v2 when no variant is passed
+for name in ("_paged_decode_kernel", "_paged_decode_v2_kernel"):
+    jit = getattr(kernels, name)
+    class Seen:
+        def __getitem__(self, grid, jit=jit, name=name):
+            calls.append((name, grid))
+            return jit[grid]
+    setattr(kernels, name, Seen())
+os.environ["TRIREME_PAGED_KERNEL"] = "v2,heads=2,tile=16,prefetch=1"  # settings too
+case = paged_case(8, 2, [5, 40], block=16, d=64)
+env = (kernels.paged_decode_attention(*case) - paged_decode_reference(*case)).abs().max().item()
+env_calls = list(calls)  # (the bf16 call below is v2 too)
+bf16 = [t.bfloat16() if t.is_floating_point() else t for t in paged_case(8, 2, [5, 70], block=16)]
+got = kernels.paged_decode_attention(*bf16, variant="v2", heads=2, tile=16).float()
+want = paged_decode_reference(*[t.float() if t.is_floating_point() else t for t in bf16])
+print(json.dumps({"errors": errors, "env": env, "calls": env_calls,
+                  "bf16": (got - want).abs().max().item()}))
+"""
+
+
+def test_paged_decode_kernel_variants_equal_the_gather_path():
+    """v1 and v2 (kv heads per program, prefetched tiles) against the gather reference through
+    the interpreter; $TRIREME_PAGED_KERNEL=v2 selects v2."""
+    pytest.importorskip("triton")
+    script = VARIANTS_SCRIPT.replace("TESTS", repr(str(Path(__file__).parent)))
+    out = json.loads(run_in_interpreter(script).splitlines()[-1])
+    assert len(out["errors"]) == 6 and max(out["errors"].values()) < 1e-4, out
+    assert out["calls"] == [["_paged_decode_v2_kernel", [2, 1, 1]]] and out["env"] < 1e-4, out
+    assert out["bf16"] < 2e-2, out  # bf16 dot operands (p rounded to bf16) against fp32
+
+
+def test_paged_decode_kernel_settings_are_checked():
+    pytest.importorskip("triton")
+    from trireme.errors import ConfigError
+    from trireme.ops.paged_attention_triton import env_choice, paged_decode_attention
+
+    assert env_choice("") == ("v1", {}) and env_choice("v2") == ("v2", {})
+    assert env_choice("v2, heads=2,tile=32") == ("v2", {"heads": 2, "tile": 32})
+    with pytest.raises(ConfigError, match="TRIREME_PAGED_KERNEL='v3': 'v3' is not.*v1, v2"):
+        env_choice("v3")
+    with pytest.raises(ConfigError, match="'warps=8' is not a launch setting.*num_warps"):
+        env_choice("v2,warps=8")
+    case = paged_case(8, 4, [3, 9], block=4)
+    for heads in (3, 8, 0):  # not a power of two, more than the kv heads, none
+        with pytest.raises(ConfigError, match=f"heads={heads} kv heads per program"):
+            paged_decode_attention(*case, variant="v2", heads=heads)
+    with pytest.raises(ConfigError, match="splits=3 must be a power of two"):
+        paged_decode_attention(*case, variant="v1", splits=3)
+    with pytest.raises(ConfigError, match="variant='v9' is not"):
+        paged_decode_attention(*case, variant="v9")
+
+
+def test_kernel_configs_sweep_runs_both_variants(tmp_path):
+    """bench/serve_profile.py --kernel-configs on a tiny model through the interpreter: every
+    setting of both variants agrees with the gather path, and the shipped default is timed."""
+    pytest.importorskip("triton")
+    out = tmp_path / "configs.json"
+    argv = ["serve_profile.py", "--smoke", "--kernel-configs", "--tiles",
+            "16", "--warps", "4", "--splits", "0", "--heads", "1,2", "--heads-first", "0,1",
+            "--block-size", "8", "--out", str(out)]
+    bench = Path(__file__).resolve().parent.parent / "bench" / "serve_profile.py"
+    run_in_interpreter(f"import runpy, sys; sys.argv = {argv!r}; "
+                       f"runpy.run_path({str(bench)!r}, run_name='__main__')")
+    rows = json.loads(out.read_text())["rows"]
+    settings = [(r["batch"], r["variant"], r.get("heads_first"), r.get("heads"),
+                 r.get("prefetch")) for r in rows]
+    v2 = [("v2", None, h, f) for h in (1, 2) for f in (False, True)]
+    assert settings == [(b, *s) for b in (1, 4) for s in [
+        ("v1", None, None, None), ("v1", False, None, None), ("v1", True, None, None), *v2]], rows
+    assert all(r["ok"] and r["us"] > 0 for r in rows), rows
+    assert [r["baseline"] for r in rows].count(True) == 2
+
+
+def test_both_variants_compile_for_the_h200_without_a_gpu(tmp_path, monkeypatch):
+    """bench/paged_kernel_static.py compiles v1 and v2 for sm_90 (Triton's compiler and ptxas,
+    no device): both loops are pipelined through cp.async, and no registers spill."""
+    pytest.importorskip("triton")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
+    import paged_kernel_static
+
+    out = tmp_path / "static.json"
+    paged_kernel_static.main(["--settings", "v1:1:64:4:0", "v2:2:32:4:0", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r.get("error") for r in rows] == [None, None], rows
+    for r in rows:
+        assert r["registers"] > 0 and r["spill_bytes"] == 0 and r["loop_instructions"] > 0, r
+        assert r["cp_async"] > 0, r

@@ -5,9 +5,10 @@
        blocks tables[i, 0], tables[i, 1], ... (position p at offset p % block_size)
 
 On CUDA with Triton (and power-of-two head and block sizes) one kernel reads the blocks in place
-(trireme.ops.paged_attention_triton); elsewhere, and as the reference, the blocks are gathered
-into a padded [r, n_kv, W * block_size, d] copy (one index_select per pool) and attended with one
-masked SDPA call (trireme.ops.attention.padded_attention).
+(trireme.ops.paged_attention_triton; $TRIREME_PAGED_KERNEL=v2 picks its opt-in second
+variant); elsewhere, and as the reference, the blocks are gathered into a padded
+[r, n_kv, W * block_size, d] copy (one index_select per pool) and attended with one masked SDPA
+call (trireme.ops.attention.padded_attention).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import warnings
 
 import torch
 
+from trireme.errors import ConfigError
 from trireme.ops.attention import padded_attention
 
 
@@ -68,6 +70,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
             try:
                 with torch.cuda.device(q.device):
                     return launch(q, k_pool, v_pool, tables, lengths)
+            except ConfigError:  # a bad $TRIREME_PAGED_KERNEL: say so, do not fall back
+                raise
             except Exception as e:  # a Triton compile error: keep serving on the plain path
                 if torch.cuda.is_current_stream_capturing():
                     raise  # a CUDA graph capture gives up on its own (trireme.inference.graphs)

@@ -26,18 +26,34 @@ of SPLITS equal chunks (whole tiles) of the request's keys and writes its unnorm
 `splits` defaults to enough programs to cover the GPU's SMs once (SPLITS = 1 at batch 64 with
 8 kv heads); TILE, num_warps, num_stages and the grid's order can be set too
 (bench/serve_profile.py --kernel-configs sweeps them).
-trireme.ops.paged_attention has the plain torch version it is tested against (through Triton's
-CPU interpreter).
+Variant v2 (opt-in, not yet measured on a GPU: TRIREME_PAGED_KERNEL=v2 or variant="v2") keeps
+the math and the partials but reads differently. Program (b, c, j) serves HEADS kv heads at once
+(3-D dots [HEADS, G, D] x [HEADS, D, TILE]), so each pool row it reads is HEADS * d * 2
+contiguous bytes (HEADS = n_kv: a block's whole run) and there are HEADS times fewer programs;
+its products take the pool's dtype (bf16 on the GPU, sums in fp32; p is rounded to it for the
+p.v product, as flash attention does) where v1 converts K, V and p to fp32 (tf32 products).
+Compiled for sm_90 (Triton 3.9, no GPU needed), v1 at its defaults runs 382 PTX instructions per
+warp per 64-key tile (96 warp-instructions per KiB of K and V), v2 with HEADS 1 283 (71), with
+HEADS 2, TILE 32 237 (59); both loops are pipelined by Triton (cp.async, num_stages). With
+`prefetch` v2 instead issues tile i+1's K, V loads (tile i+2's block ids one iteration earlier)
+into registers before tile i's math: a program always has the next tile in flight, at the cost
+of about twice the registers (150-170 against 71-92), so fewer programs fit on an SM
+(bench/paged_kernel_static.py prints these counts).
+trireme.ops.paged_attention has the plain torch version both are tested against (through
+Triton's CPU interpreter).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
+
+from trireme.errors import ConfigError
 
 
 @triton.jit
@@ -115,6 +131,108 @@ def _merge_splits_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_o
     tl.store(out_ptr + b * stride_or + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _tile_rows(tables_ptr, b, stride_tr, pos, end, stride_kb, stride_ks, BLOCK: tl.constexpr):
+    """[TILE] pool row offsets of key positions `pos` (0 where pos >= end: masked, never read)."""
+    valid = pos < end
+    block = tl.load(tables_ptr + b * stride_tr + pos // BLOCK, mask=valid, other=0)
+    return block.to(tl.int64) * stride_kb + (pos % BLOCK) * stride_ks
+
+
+@triton.jit
+def _tile_step(q, k, v, live, scale, m, denom, acc):
+    """The online softmax over one tile: q [H, G, D], k [H, D, T], v [H, T, D], live [T]."""
+    s = tl.dot(q, k) * scale  # [H, G, T] fp32
+    s = tl.where(live[None, None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=2))
+    p = tl.exp(s - m_new[:, :, None])
+    alpha = tl.exp(m - m_new)
+    denom = denom * alpha + tl.sum(p, axis=2)
+    acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v)  # [H, G, D]
+    return m_new, denom, acc
+
+
+@triton.jit
+def _walk_prefetched(q, k_at, v_at, tables_ptr, b, stride_tr, first, end, stride_kb, stride_ks,
+                     scale, m, denom, acc, BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """Keys first..end-1 tile by tile, tile i+1's K, V loads (and tile i+2's block ids) issued
+    before tile i's math; k_at [H, D, 1] and v_at [H, 1, D] point at row 0's columns."""
+    t = tl.arange(0, TILE)
+    rows = _tile_rows(tables_ptr, b, stride_tr, first + t, end, stride_kb, stride_ks, BLOCK)
+    live = first + t < end
+    k = tl.load(k_at + rows[None, None, :], mask=live[None, None, :], other=0.0)
+    v = tl.load(v_at + rows[None, :, None], mask=live[None, :, None], other=0.0)
+    rows = _tile_rows(tables_ptr, b, stride_tr, first + TILE + t, end, stride_kb, stride_ks,
+                      BLOCK)
+    for start in range(first, end, TILE):
+        live_next = start + TILE + t < end
+        k_next = tl.load(k_at + rows[None, None, :], mask=live_next[None, None, :], other=0.0)
+        v_next = tl.load(v_at + rows[None, :, None], mask=live_next[None, :, None], other=0.0)
+        rows = _tile_rows(tables_ptr, b, stride_tr, start + 2 * TILE + t, end, stride_kb,
+                          stride_ks, BLOCK)
+        m, denom, acc = _tile_step(q, k, v, start + t < end, scale, m, denom, acc)
+        k = k_next
+        v = v_next
+    return m, denom, acc
+
+
+@triton.jit
+def _paged_decode_v2_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, out_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr,
+    stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_tr, stride_or, stride_oh,
+    scale, n_heads,
+    GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
+    BLOCK: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """v2 (module docstring): program (b, c, j) serves kv heads c * HEADS .. + HEADS of request
+    b (all their query heads) over chunk j; with PREFETCH the next tile's K, V loads are in
+    flight while this tile's math runs."""
+    b = tl.program_id(0)
+    kh = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # [HEADS] this program's kv heads
+    j = tl.program_id(2)
+    length = tl.load(lengths_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(length, SPLITS), TILE) * TILE  # whole tiles
+    first = j * chunk
+    end = tl.minimum(first + chunk, length)
+    g = tl.arange(0, GROUPS_POW2)
+    d = tl.arange(0, D)
+    t = tl.arange(0, TILE)
+    q_rows = kh[:, None] * GROUPS + g[None, :]  # [HEADS, G] query heads
+    g_mask = (g < GROUPS)[None, :] & (kh >= 0)[:, None]  # [HEADS, G]
+    q = tl.load(q_ptr + b * stride_qr + q_rows[:, :, None] * stride_qh + d[None, None, :],
+                mask=g_mask[:, :, None], other=0.0).to(k_ptr.dtype.element_ty)  # [HEADS, G, D]
+    k_cols = (kh * stride_kh)[:, None, None] + d[None, :, None]  # [HEADS, D, 1]: K^T tiles
+    v_cols = (kh * stride_kh)[:, None, None] + d[None, None, :]  # [HEADS, 1, D]
+    m = tl.full([HEADS, GROUPS_POW2], float("-inf"), tl.float32)
+    denom = tl.zeros([HEADS, GROUPS_POW2], tl.float32)
+    acc = tl.zeros([HEADS, GROUPS_POW2, D], tl.float32)
+    if PREFETCH:  # the next tile's loads in registers, issued before this tile's math
+        m, denom, acc = _walk_prefetched(q, k_ptr + k_cols, v_ptr + v_cols, tables_ptr, b,
+                                         stride_tr, first, end, stride_kb, stride_ks, scale,
+                                         m, denom, acc, BLOCK, TILE)
+    else:  # loads where they are used: Triton's pipeliner may overlap them (num_stages)
+        for start in range(first, end, TILE):
+            rows = _tile_rows(tables_ptr, b, stride_tr, start + t, end, stride_kb, stride_ks,
+                              BLOCK)
+            live = start + t < end
+            k = tl.load(k_ptr + k_cols + rows[None, None, :], mask=live[None, None, :],
+                        other=0.0)  # [HEADS, D, TILE]
+            v = tl.load(v_ptr + v_cols + rows[None, :, None], mask=live[None, :, None],
+                        other=0.0)  # [HEADS, TILE, D]
+            m, denom, acc = _tile_step(q, k, v, live, scale, m, denom, acc)
+    if SPLITS == 1:
+        out = acc / denom[:, :, None]
+        tl.store(out_ptr + b * stride_or + q_rows[:, :, None] * stride_oh + d[None, None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, :, None])
+    else:  # the partials as v1's: rows (b * n_heads + query head) * SPLITS + j
+        row = (b * n_heads + q_rows) * SPLITS + j  # [HEADS, G]
+        tl.store(part_m_ptr + row, m, mask=g_mask)
+        tl.store(part_l_ptr + row, denom, mask=g_mask)
+        tl.store(part_acc_ptr + row[:, :, None] * D + d[None, None, :], acc,
+                 mask=g_mask[:, :, None])
+
+
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -129,14 +247,63 @@ def default_splits(q: torch.Tensor, n_kv: int, keys_at_most: int, tile: int) -> 
     return min(triton.next_power_of_2(wanted), 16, triton.next_power_of_2(-(-keys_at_most // tile)))
 
 
+VARIANTS = ("v1", "v2")
+ENV = "TRIREME_PAGED_KERNEL"
+SETTINGS = ("tile", "splits", "num_warps", "num_stages", "heads_first", "heads", "prefetch")
+
+
+@functools.lru_cache(maxsize=8)
+def env_choice(spec: str) -> tuple[str, dict[str, int]]:
+    """The kernel and launch settings $TRIREME_PAGED_KERNEL names: "" (v1 as shipped), "v2",
+    or e.g. "v2,heads=2,tile=32,num_warps=8" (any of SETTINGS)."""
+    name, *pairs = [part.strip() for part in spec.split(",")] if spec else ["v1"]
+    if name not in VARIANTS:
+        raise ConfigError(f"{ENV}={spec!r}: {name!r} is not a paged decode kernel; use one of "
+                          f"{', '.join(VARIANTS)} (or leave it unset)")
+    settings = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if key not in SETTINGS or not value.isdigit():
+            raise ConfigError(f"{ENV}={spec!r}: {pair!r} is not a launch setting; write "
+                              f"name=integer with name one of {', '.join(SETTINGS)}")
+        settings[key] = int(value)
+    return name, settings
+
+
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            tables: torch.Tensor, lengths: torch.Tensor, *, tile: int = 0,
                            splits: int = 0, num_warps: int = 4, num_stages: int = 0,
-                           heads_first: bool = False) -> torch.Tensor:
-    """[r, n_heads, d]: each request's query heads over its first lengths[r] keys. `tile`
-    (keys per iteration, default max(64, block)), `splits` (a power of two; default:
-    default_splits), num_warps, num_stages (0: Triton's default) and heads_first (the grid's
-    order: a request's kv heads side by side) tune the launch."""
+                           heads_first: bool = False, variant: str = "",
+                           heads: int = 1, prefetch: bool = False) -> torch.Tensor:
+    """[r, n_heads, d]: each request's query heads over its first lengths[r] keys. `variant`
+    picks the kernel ("": $TRIREME_PAGED_KERNEL's, with its settings: env_choice). `tile` (keys
+    per iteration, default max(64, block)), `splits` (a power of two; default: default_splits),
+    num_warps, num_stages (0: Triton's default) tune the launch; heads_first (the grid's order:
+    a request's kv heads side by side) only v1's, `heads` (kv heads per program, a power of two
+    dividing n_kv) and `prefetch` (the next tile's loads issued early, in registers) only v2's."""
+    kw = dict(tile=tile, splits=splits, num_warps=num_warps, num_stages=num_stages,
+              heads_first=bool(heads_first), heads=heads, prefetch=bool(prefetch))
+    if not variant:
+        variant, settings = env_choice(os.environ.get(ENV, ""))
+        kw.update(settings)
+    if variant not in VARIANTS:
+        raise ConfigError(f"variant={variant!r} is not a paged decode kernel; use one of "
+                          f"{', '.join(VARIANTS)}")
+    n_kv = k_pool.shape[2]
+    heads = kw["heads"] if variant == "v2" else 1
+    if heads < 1 or n_kv % heads or heads & (heads - 1):
+        raise ConfigError(f"heads={heads} kv heads per program must be a power of two dividing "
+                          f"the {n_kv} kv heads; use 1")
+    for key in ("tile", "splits"):
+        if kw[key] & (kw[key] - 1):
+            raise ConfigError(f"{key}={kw[key]} must be a power of two (or 0: the default)")
+    return _launch(q, k_pool, v_pool, tables, lengths, variant, **{**kw, "heads": heads})
+
+
+def _launch(q, k_pool, v_pool, tables, lengths, variant: str, tile: int, splits: int,
+            num_warps: int, num_stages: int, heads_first: bool, heads: int,
+            prefetch: bool) -> torch.Tensor:
+    """paged_decode_attention's launch, its settings checked."""
     r, n_heads, d = q.shape
     n_kv = k_pool.shape[2]
     block = k_pool.shape[1]
@@ -144,21 +311,24 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     out = torch.empty_like(q)
     groups = n_heads // n_kv
     tile = tile or max(64, block)  # several blocks per iteration: more loads in flight
-    splits = splits or default_splits(q, n_kv, tables.shape[1] * block, tile)
+    splits = splits or default_splits(q, n_kv // heads, tables.shape[1] * block, tile)
     parts = [q.new_empty(0, dtype=torch.float32)] * 3  # unused with one split
     if splits > 1:
         parts = [q.new_empty(r, n_heads, splits, dtype=torch.float32),
                  q.new_empty(r, n_heads, splits, dtype=torch.float32),
                  q.new_empty(r, n_heads, splits, d, dtype=torch.float32)]
     stages = {"num_stages": num_stages} if num_stages else {}
-    grid = (n_kv, r, splits) if heads_first else (r, n_kv, splits)
-    _paged_decode_kernel[grid](
-        q, k_pool, v_pool, tables, lengths, out, *parts,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        tables.stride(0), out.stride(0), out.stride(1), 1.0 / math.sqrt(d), n_heads,
-        GROUPS=groups, GROUPS_POW2=max(16, triton.next_power_of_2(groups)), D=d, BLOCK=block,
-        TILE=tile, SPLITS=splits, HEADS_FIRST=heads_first, num_warps=num_warps, **stages,
-    )
+    args = (q, k_pool, v_pool, tables, lengths, out, *parts,
+            q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+            tables.stride(0), out.stride(0), out.stride(1), 1.0 / math.sqrt(d), n_heads)
+    consts = dict(GROUPS=groups, GROUPS_POW2=max(16, triton.next_power_of_2(groups)), D=d,
+                  BLOCK=block, TILE=tile, SPLITS=splits, num_warps=num_warps, **stages)
+    if variant == "v1":
+        grid = (n_kv, r, splits) if heads_first else (r, n_kv, splits)
+        _paged_decode_kernel[grid](*args, HEADS_FIRST=bool(heads_first), **consts)
+    else:
+        _paged_decode_v2_kernel[(r, n_kv // heads, splits)](*args, HEADS=heads,
+                                                             PREFETCH=bool(prefetch), **consts)
     if splits > 1:
         _merge_splits_kernel[(r, n_heads)](*parts, out, out.stride(0), out.stride(1), D=d,
                                            SPLITS=splits, num_warps=1)
