@@ -58,11 +58,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from serve_throughput import DTYPES, SMOKE, build, free_memory  # noqa: E402, F401
+from serve_throughput import DTYPES, SMOKE, build, free_memory, start_decoding  # noqa: E402, F401
 
 from trireme.config import load_config  # noqa: E402
 from trireme.inference.engine import Engine, EngineSettings  # noqa: E402
-from trireme.inference.sampling import SamplingParams  # noqa: E402
 from trireme.ops.paged_attention import paged_decode_reference  # noqa: E402
 
 
@@ -116,15 +115,7 @@ def filled_engine(model, cfg, batch: int, context: int, graphs: bool, compile: b
     t = time.perf_counter()
     engine = Engine(model, settings)
     setup = time.perf_counter() - t
-    params = SamplingParams(max_tokens=cfg.model.seq_length - context - 1, greedy=True,
-                            ignore_eos=True)
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(batch):
-        engine.submit(torch.randint(0, cfg.model.vocab_size, (context,), generator=gen).tolist(),
-                      params)
-    while any(r.prefilling for r in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
-    engine.step()
+    start_decoding(engine, cfg, batch, context)
     return engine, setup
 
 

@@ -173,11 +173,10 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def decode_bound(model, cfg, args, batch: int, graphs: bool) -> dict:
-    """Pure decode steps of `batch` requests with args.bound_context tokens cached."""
-    engine = engine_for(model, args, batch, graphs)
-    context = min(args.bound_context, cfg.model.seq_length - args.bound_steps - 2)
-    # long enough that no request ends while the last ones still prefill (they are cancelled)
+def start_decoding(engine: Engine, cfg, batch: int, context: int) -> None:
+    """Submit `batch` random prompts of `context` tokens, prefill them, and run one decode step
+    (untimed: allocator warm). Each may generate up to the model's length, so none ends while
+    the last ones still prefill."""
     params = SamplingParams(max_tokens=cfg.model.seq_length - context - 1, greedy=True,
                             ignore_eos=True)
     gen = torch.Generator().manual_seed(1)
@@ -186,7 +185,14 @@ def decode_bound(model, cfg, args, batch: int, graphs: bool) -> dict:
                       params)
     while any(r.prefilling for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # prefill (and the first tokens)
-    engine.step()  # one decode step untimed (allocator warm)
+    engine.step()
+
+
+def decode_bound(model, cfg, args, batch: int, graphs: bool) -> dict:
+    """Pure decode steps of `batch` requests with args.bound_context tokens cached."""
+    engine = engine_for(model, args, batch, graphs)
+    context = min(args.bound_context, cfg.model.seq_length - args.bound_steps - 2)
+    start_decoding(engine, cfg, batch, context)
     assert len(engine.scheduler.running) == batch, "the pool is too small for the batch"
     cached = sum(r.num_cached for r in engine.scheduler.running) / batch
     cached += args.bound_steps / 2  # the mean over the timed steps

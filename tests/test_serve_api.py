@@ -72,13 +72,16 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @contextmanager
-def live_server(checkpoint: Path, api_key: str = "", **engine_settings):
-    """`trireme serve`'s app under uvicorn on a free loopback port, in this process."""
+def live_server(checkpoint: Path, api_key: str = "", *, name: str = "tiny",
+                server_settings: dict | None = None, **engine_settings):
+    """`trireme serve`'s app under uvicorn on a free loopback port, in this process; yields
+    (its URL, the engine)."""
     loaded = load_for_inference(str(checkpoint), device="cpu")
     settings = EngineSettings(**{"max_running": 32, "max_batch_tokens": 256, **engine_settings})
     engine = Engine(loaded.model, settings, tokenizer=loaded.tokenizer)
-    app = build_app(EngineThread(engine), chat_format(loaded),
-                    ServerSettings("tiny", api_key, max_body_bytes=64 * 1024))
+    served = ServerSettings(name, api_key, **{"max_body_bytes": 64 * 1024,
+                                              **(server_settings or {})})
+    app = build_app(EngineThread(engine), chat_format(loaded), served)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -16,8 +16,8 @@ import numpy as np
 import openai
 import pytest
 import torch
-import uvicorn
 from test_serve_api import client
+from test_serve_api import live_server as serve_api_server
 
 import trireme.inference.server as server_module
 from trireme.checkpoint.store import save_checkpoint
@@ -32,10 +32,8 @@ from trireme.inference.engine import Engine, EngineSettings, RequestError
 from trireme.inference.generate import generate
 from trireme.inference.image_parts import VisionInputs
 from trireme.inference.openai_api import parse_chat
-from trireme.inference.runner import EngineThread
 from trireme.inference.sampling import SamplingParams
 from trireme.inference.serve_cli import chat_format, serve_main
-from trireme.inference.server import ServerSettings, build_app
 from trireme.models.gpt import GPT
 from trireme.models.vision import num_image_tokens
 
@@ -137,24 +135,10 @@ def test_engine_greedy_equals_generate_with_images(positions, image_files):
 
 @contextmanager
 def live_server(checkpoint: Path, **server_settings):
-    """`trireme serve`'s app under uvicorn on a free loopback port, in this process."""
-    loaded = load_for_inference(str(checkpoint), device="cpu")
-    engine = Engine(loaded.model, EngineSettings(max_running=8, max_batch_tokens=24),
-                    tokenizer=loaded.tokenizer)
-    settings = ServerSettings("vlm", "", **{"max_body_bytes": 64 * 1024, **server_settings})
-    app = build_app(EngineThread(engine), chat_format(loaded), settings)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        assert thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield client(f"http://127.0.0.1:{port}", key="none")
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    """test_serve_api's live server for the vision model; yields an openai client of it."""
+    with serve_api_server(checkpoint, name="vlm", server_settings=server_settings,
+                          max_running=8, max_batch_tokens=24) as (url, _):
+        yield client(url, key="none")
 
 
 def cli_generate_image(checkpoint: Path, image: Path, prompt: str, capsys) -> str:
