@@ -10,5 +10,6 @@ part() {
     if [ "$left" -lt 30 ]; then echo "== $name: skipped ($left s left)"; return; fi
     [ "$limit" -gt "$left" ] && limit=$left
     echo "== $name (limit $limit s, at $SECONDS s)"
+    if declare -F "$1" >/dev/null; then export -f "$1"; set -- bash -c '"$@"' _ "$@"; fi
     timeout "$limit" "$@" 2>&1 | grep -v USDT | tee "$O/$name.log" | tail -"${TAIL:-30}"
 }

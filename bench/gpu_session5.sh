@@ -14,7 +14,7 @@ CALL=${1:-a}
 PARTS=${PARTS:-stash,parity,profile_gpt2,gpt2_mb64,install,kernels,fa4_train,cudnn_train,serve_hf,kernel_sweep,fresh_llama}
 . bench/gpu_part.sh
 ALL='model.fp8_layers=["qkv","out","fc1","fc2","output"]'
-IR=nvidia_cutlass_dsl/dsl_packages/cutlass/_mlir/_mlir_libs/_cutlass_ir.cu13.cpython-312-x86_64-linux-gnu.so
+export O IR=nvidia_cutlass_dsl/dsl_packages/cutlass/_mlir/_mlir_libs/_cutlass_ir.cu13.cpython-312-x86_64-linux-gnu.so
 stash() {
     mkdir -p /tmp/fa/site && tar -xJf .whlA/cu13-rest.tar.xz -C /tmp/fa/site \
         && mkdir -p "/tmp/fa/site/$(dirname $IR)" && xz -dc .whlA/ir.so.xz > "/tmp/fa/site/$IR.tmp" \
@@ -24,7 +24,7 @@ install() {
     [ -f "/tmp/fa/site/$IR" ] || { echo "no /tmp/fa/site: the machine is not the one of call a"; return 1; }
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whlB/*.whl && cp -a /tmp/fa/site/. /tmp/site/ \
-        && PYTHONPATH=/tmp/site python3 -c "import cutlass, flash_attn.cute, quack; print('imports ok')"
+        && PYTHONPATH=$FA_PATH python3 -c "import cutlass, flash_attn.cute, quack; print('imports ok')"
 }
 train() {  # name, overrides...: `trireme train` llama3-1b as shipped, 15 steps
     local name=$1; shift
@@ -50,7 +50,8 @@ a)
     ;;
 b)
     : "${TOTAL:=420}"
-    part install 60 install && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+    export FA_PATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+    part install 60 install && export PYTHONPATH=$FA_PATH:${PYTHONPATH:-}
     TAIL=60 part kernels 200 python bench/kernel_choices.py --ops attention,rmsnorm,rope,loss \
         --budget-s 60 --total-budget-s 190 --out "$O/kernel_choices-fa4-quack.json"
     part fa4_train 90 train fa4 --model.attention_backend=fa4
