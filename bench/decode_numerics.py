@@ -203,7 +203,7 @@ def ties(reference: torch.Tensor, eager: torch.Tensor) -> dict:
     change = ((reference[1:] - reference[:-1]).abs().max().item()
               if reference.shape[0] > 1 else None)
     rows = ((reference[:, 1:] - reference[:, :-1]).abs().max().item()
-            if reference.shape[0] > 1 else None)
+            if reference.shape[1] > 1 else None)
     return {"gap_median": gap.median().item(), "near_ties": (gap < row_err).float().mean().item(),
             "logit_scale": reference.abs().max().item(), "step_change": change,
             "row_change": rows}
