@@ -286,6 +286,10 @@ def measure(args, cfg, model, reference, device, compile: bool) -> list[dict]:
     return rows
 
 
+def number(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3g}"
+
+
 def format_table(rows: list[dict]) -> str:
     out = ["scale batch steps  path                max |err|  mean |err|  flips        "]
     for r in rows:
@@ -297,7 +301,7 @@ def format_table(rows: list[dict]) -> str:
                            f"{s['flips']:>4}/{s['rows']:<4} ({100 * s['flip_rate']:.1f}%)")
         out.append(f"{'':>11} logits up to {r['logit_scale']:.3g}; top-2 gap median "
                    f"{r['gap_median']:.3g}; near ties {100 * r['near_ties']:.1f}%; step change "
-                   f"{r['step_change'] or 0:.3g}; row change {r['row_change'] or 0:.3g}; "
+                   f"{number(r['step_change'])}; row change {number(r['row_change'])}; "
                    f"bf16 bound {r['bf16_bound']:.3g}")
     return "\n".join(out)
 
