@@ -10,7 +10,8 @@ once to bf16; the reference holds exactly the rounded weights, upcast):
     eager     the engine's decode path (Engine._forward: CUDA graphs of the eager forward)
     compiled  the same with EngineSettings.compile_decode (trireme.inference.compiled_decode)
     reference GPT.forward over the whole sequence (prompt + tokens so far), no cache, in fp32
-              (float64 on the CPU), logits of the last position only
+              (float64 on the CPU; no TF32), SDPA's math attention, logits of the last
+              position only
 
 For each batch B of --batches: B random prompts (seeded) of --context tokens are prefilled by
 the engine in one step (eager, the same for both engine paths), then --steps decode steps run
@@ -23,7 +24,8 @@ fraction of rows whose reference top-1 / top-2 gap is below eager's max error th
 bf16 path may flip); "step change" / "row change" the max |logit change| of the reference from
 one step / request to the next (what a path one step / row off would show: the errors above must
 be far below them; with tied embeddings a random model repeats its input token, so its steps
-barely change).
+barely change); "rounding bound" a first-order worst case of the engine dtype's rounding errors
+(rounding_bound), which eager's error must stay below.
 
 --temperature-scale S (a comma list) multiplies the final norm's gain by S (with a power of two,
 exactly; the same as scaling the output layer's weight, which llama3-1b ties to the embedding):
@@ -65,8 +67,7 @@ from trireme.inference.engine import Engine, EngineSettings  # noqa: E402
 from trireme.inference.sampling import SamplingParams  # noqa: E402
 from trireme.models.gpt import GPT  # noqa: E402
 
-SMOKE = ["model.vocab_size=256", "model.precision=bf16"]
-BF16_UNIT = 2.0**-8  # unit roundoff of bf16 (8 significand bits)
+SMOKE = ["model.vocab_size=256", "model.precision=bf16", "model.tie_embeddings=false"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -111,6 +112,9 @@ def build(args) -> tuple:
     model = model.to(DTYPES[cfg.model.precision]).eval()
     reference = copy.deepcopy(model).to(torch.float64 if device.type == "cpu"
                                         else torch.float32).eval()
+    for module in reference.modules():  # plain attention: softmax(q k^T) v, in the same dtype
+        if hasattr(module, "decode_backend"):
+            module.backend = "math"
     return cfg, model, reference, device
 
 
@@ -209,14 +213,15 @@ def ties(reference: torch.Tensor, eager: torch.Tensor) -> dict:
             "row_change": rows}
 
 
-def bf16_bound(cfg, logit_scale: float) -> float:
-    """A first-order bound on bf16 logit error: each bf16 rounding of an activation adds a
-    relative error <= u = 2^-8 and, to first order, relative errors along the path add. Along
-    the residual stream a layer rounds (per sublayer: the norm's output, the projection's
-    input and output, the residual sum; attention and the MLP one more inner product each)
-    about 5 times per sublayer, 2 sublayers: 10 per layer, plus the embedding, the final norm
-    and the logits: 10 L + 3 roundings, times u, times the logits' magnitude."""
-    return (10 * cfg.num_layers + 3) * BF16_UNIT * logit_scale
+def rounding_bound(cfg, dtype: torch.dtype, logit_scale: float) -> float:
+    """A first-order bound on the logit error of a forward computed in `dtype`: each rounding
+    of an activation adds a relative error <= u (the unit roundoff, eps / 2: 2^-8 for bf16,
+    2^-24 for fp32) and, to first order, relative errors along the path add. Along the residual
+    stream a layer rounds (per sublayer: the norm's output, the projection's input and output,
+    the residual sum; attention and the MLP one more inner product each) about 5 times per
+    sublayer, 2 sublayers: 10 per layer, plus the embedding, the final norm and the logits:
+    10 L + 3 roundings, times u, times the logits' magnitude."""
+    return (10 * cfg.num_layers + 3) * torch.finfo(dtype).eps / 2 * logit_scale
 
 
 def verdict(rows: list[dict], margin: float) -> dict:
@@ -268,6 +273,8 @@ def measure(args, cfg, model, reference, device, compile: bool) -> list[dict]:
                 prompts, forced, _ = refs[scale, b]
                 logits[mode, scale, b] = (engine_run(engine, prompts, forced, args.steps),
                                           active)
+        if mode == "compiled" and not (engine.graphs.compiled and not engine.graphs.broken):
+            raise RuntimeError("the compiled decode graphs were dropped while measuring")
         del engine
         free_memory()
     rows = []
@@ -281,7 +288,8 @@ def measure(args, cfg, model, reference, device, compile: bool) -> list[dict]:
             if compile:
                 row[part]["compiled_vs_eager"] = compare(got["compiled"], got["eager"])
         row.update(ties(want, logits["eager", scale, b][0]))
-        row["bf16_bound"] = bf16_bound(cfg.model, row["logit_scale"])
+        row["rounding_bound"] = rounding_bound(cfg.model, model.embedding.weight.dtype,
+                                               row["logit_scale"])
         rows.append(row)
     return rows
 
@@ -302,13 +310,15 @@ def format_table(rows: list[dict]) -> str:
         out.append(f"{'':>11} logits up to {r['logit_scale']:.3g}; top-2 gap median "
                    f"{r['gap_median']:.3g}; near ties {100 * r['near_ties']:.1f}%; step change "
                    f"{number(r['step_change'])}; row change {number(r['row_change'])}; "
-                   f"bf16 bound {r['bf16_bound']:.3g}")
+                   f"rounding bound {r['rounding_bound']:.3g}")
     return "\n".join(out)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     cfg, model, reference, device = build(args)
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference in fp32, not TF32
+    torch.backends.cudnn.allow_tf32 = False
     compile = {"on": True, "off": False, "auto": device.type == "cuda"}[args.compile]
     if compile and device.type != "cuda":
         raise SystemExit("--compile on needs CUDA (the compiled decode runs in CUDA graphs)")
