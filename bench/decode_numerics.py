@@ -61,6 +61,7 @@ import math
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -261,36 +262,44 @@ def verdict(rows: list[dict], margin: float) -> dict:
     return {"no_less_accurate": ok, "failed": failed, "line": line}
 
 
-def measure(args, cfg, model, reference, device, compile: bool) -> list[dict]:
-    """Every (scale, batch): each path's logits against the reference's, step 1 and all."""
-    batches = [int(b) for b in args.batches.split(",")]
-    scales = [float(s) for s in args.temperature_scale.split(",")]
+def path_logits(args, model, refs: dict, mode: str) -> dict:
+    """(scale, batch) -> (logits [steps, B, V] of the engine path `mode`, graphs used)."""
+    batches = sorted({b for _, b in refs})
+    engine = make_engine(model, args, max(batches), max(batches) * (args.context + 1),
+                         mode == "compiled")
+    active = engine.graphs is not None and not engine.graphs.broken
+    if mode == "compiled" and not (active and engine.graphs.compiled):
+        raise RuntimeError("the compiled decode graphs were not captured")
+    out = {}
+    for (scale, b), (prompts, forced, _) in refs.items():
+        set_scale([model], scale)
+        out[scale, b] = (engine_run(engine, prompts, forced, args.steps), active)
+    if mode == "compiled" and not (engine.graphs.compiled and not engine.graphs.broken):
+        raise RuntimeError("the compiled decode graphs were dropped while measuring")
+    del engine
+    free_memory()
+    return out
+
+
+def measure(args, cfg, model, reference, device, compile: bool) -> tuple[list[dict], dict]:
+    """Every (scale, batch): each path's logits against the reference's, step 1 and all; and
+    the seconds each part took (the engines' include building them: graphs, compiling)."""
+    seconds = {}
+    start = time.perf_counter()
     refs = {}
-    for scale in scales:
+    for scale in [float(s) for s in args.temperature_scale.split(",")]:
         set_scale([reference], scale)
-        for b in batches:
+        for b in [int(b) for b in args.batches.split(",")]:
             prompts = make_prompts(cfg.model.vocab_size, b, args.context, args.seed)
             refs[scale, b] = (prompts, *reference_run(reference, prompts, args.steps, device))
-    del reference
-    free_memory()
+    seconds["reference"] = time.perf_counter() - start
     modes = ["eager", "compiled"] if compile else ["eager"]
     logits: dict = {}
     for mode in modes:
-        engine = make_engine(model, args, max(batches), max(batches) * (args.context + 1),
-                             mode == "compiled")
-        active = engine.graphs is not None and not engine.graphs.broken
-        if mode == "compiled" and not (active and engine.graphs.compiled):
-            raise RuntimeError("the compiled decode graphs were not captured")
-        for scale in scales:
-            set_scale([model], scale)
-            for b in batches:
-                prompts, forced, _ = refs[scale, b]
-                logits[mode, scale, b] = (engine_run(engine, prompts, forced, args.steps),
-                                          active)
-        if mode == "compiled" and not (engine.graphs.compiled and not engine.graphs.broken):
-            raise RuntimeError("the compiled decode graphs were dropped while measuring")
-        del engine
-        free_memory()
+        start = time.perf_counter()
+        for key, value in path_logits(args, model, refs, mode).items():
+            logits[(mode, *key)] = value
+        seconds[mode] = time.perf_counter() - start
     rows = []
     for (scale, b), (_, _, want) in refs.items():
         row = {"scale": scale, "batch": b, "graphs": logits["eager", scale, b][1],
@@ -305,7 +314,7 @@ def measure(args, cfg, model, reference, device, compile: bool) -> list[dict]:
         row["rounding_bound"] = rounding_bound(cfg.model, model.embedding.weight.dtype,
                                                row["logit_scale"])
         rows.append(row)
-    return rows
+    return rows, seconds
 
 
 def number(x: float | None) -> str:
@@ -329,6 +338,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
+    start = time.perf_counter()
     args = parse_args(argv)
     cfg, model, reference, device = build(args)
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference in fp32, not TF32
@@ -338,9 +348,11 @@ def main(argv=None) -> int:
         raise SystemExit("--compile on needs CUDA (the compiled decode runs in CUDA graphs)")
     print(f"{args.preset}: {cfg.model.precision} engine vs {next(reference.parameters()).dtype} "
           f"reference on {device}; context {args.context}, {args.steps} teacher-forced steps")
-    rows = measure(args, cfg, model, reference, device, compile)
+    rows, seconds = measure(args, cfg, model, reference, device, compile)
     result = verdict(rows, args.margin)
     print(format_table(rows))
+    print("seconds:", ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()),
+          f"(total {time.perf_counter() - start:.1f})")
     print("verdict:", result["line"])
     name = "smoke" if args.smoke else args.preset
     out = Path(args.out) if args.out else HERE / "results" / f"decode_numerics-{name}.json"
@@ -349,7 +361,8 @@ def main(argv=None) -> int:
                        else platform.processor() or "cpu"),
             "torch": torch.__version__, "git_commit": git_commit(), "settings": vars(args),
             "reference_dtype": str(next(reference.parameters()).dtype).removeprefix("torch."),
-            "compiled_measured": compile, "results": rows, "verdict": result}
+            "compiled_measured": compile, "seconds": seconds, "results": rows,
+            "verdict": result}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")

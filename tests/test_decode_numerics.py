@@ -58,7 +58,8 @@ def check_rows(data: dict, unit: float, tight: bool) -> None:
 def test_decode_numerics_smoke_bf16(tmp_path, capsys):
     data, printed = smoke(tmp_path, "bf16", capsys)
     assert "verdict:" in printed and "max |err|" in printed
-    for key in ("date", "device", "torch", "git_commit", "settings", "results", "verdict"):
+    for key in ("date", "device", "torch", "git_commit", "settings", "seconds", "results",
+                "verdict"):
         assert key in data, key
     assert data["reference_dtype"] == "float64" and data["compiled_measured"] is False
     assert data["verdict"]["no_less_accurate"] is None  # no compiled path without CUDA
