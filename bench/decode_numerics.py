@@ -4,7 +4,7 @@ in higher precision.
     python bench/decode_numerics.py                    # llama3-1b shape, random weights, GPU
     python bench/decode_numerics.py --smoke            # preset tiny on the CPU, seconds
 
-On one H200 (about a minute, the compile warm-up included):
+On one H200 (estimated 1-2 minutes, the graphs and compile warm-up included):
 
     python bench/decode_numerics.py --temperature-scale 1,6
 
