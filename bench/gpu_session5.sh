@@ -4,14 +4,15 @@
 #                                  # loss parity (300 steps, real text); gpt2-124m profile
 #   bash bench/gpu_session5.sh b   # carry .whlB, on the same warm machine: install flash-attn-4,
 #                                  # quack and the cutlass DSL; kernel_choices; llama3-1b with fa4
-#   bash bench/gpu_session5.sh c   # serving: HF generate baseline, paged-kernel v2 sweep
+#   bash bench/gpu_session5.sh c   # serving: compiled vs eager decode numerics, HF generate
+#                                  # baseline, paged-kernel v2 sweep
 #   bash bench/gpu_session5.sh d   # llama3-1b `trireme train` against HF + compile, fresh processes
 # The cu13 runtime wheel (92 MB) is over one call's 64 MiB, so call a carries its two shared
 # libraries (xz -9e: 50 + 13.5 MB) and call b the other wheels; .whlA / .whlB are git-ignored.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 CALL=${1:-a}
-PARTS=${PARTS:-stash,parity,profile_gpt2,gpt2_mb64,install,kernels,fa4_train,cudnn_train,serve_hf,kernel_sweep,fresh_llama}
+PARTS=${PARTS:-stash,parity,profile_gpt2,gpt2_mb64,numerics,install,kernels,fa4_train,cudnn_train,serve_hf,kernel_sweep,fresh_llama}
 . bench/gpu_part.sh
 ALL='model.fp8_layers=["qkv","out","fc1","fc2","output"]'
 export O IR=nvidia_cutlass_dsl/dsl_packages/cutlass/_mlir/_mlir_libs/_cutlass_ir.cu13.cpython-312-x86_64-linux-gnu.so
@@ -60,6 +61,8 @@ b)
     ;;
 c)
     : "${TOTAL:=420}"
+    TAIL=30 part numerics 150 python bench/decode_numerics.py --temperature-scale 1 \
+        --out "$O/decode_numerics-llama3-1b.json"
     TAIL=40 part serve_hf 250 python bench/serve_throughput.py --graphs on --baseline hf \
         --out "$O/serve_throughput-llama3-1b-hf.json"
     TAIL=40 part kernel_sweep 160 python bench/serve_profile.py --kernel-configs --batches 64,1 \
