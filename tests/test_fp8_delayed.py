@@ -15,7 +15,7 @@ from test_fp8 import FP8_TOL, cpu_scaled_mm_works, rel_err, tiny_model_config
 from test_train import toy_data  # noqa: F401  (a fixture)
 from torch import nn
 
-from trireme.config import load_config, validate
+from trireme.config import FP8_LAYER_NAMES, load_config, validate
 from trireme.errors import ConfigError
 from trireme.models.gpt import GPT
 from trireme.ops import fp8_head
@@ -393,6 +393,7 @@ def test_fp8_head_skips_unaligned_shapes():
       "model.kernels=[\"liger_cross_entropy\"]"], "liger_cross_entropy"),
     (["model.precision=fp8", "model.fp8_amax_history=0"], "fp8_amax_history = 0"),
     (["model.precision=fp8", "model.fp8_layers=[\"head\"]"], "'head'.*'output'"),
+    (["model.precision=fp8", "model.fp8_layers=[\"auto\", \"fc1\"]"], "mixes 'auto'"),
 ])
 def test_fp8_config_errors(overrides, match):
     with pytest.raises(ConfigError, match=match):
@@ -412,9 +413,53 @@ def train_run(toy_data, tmp_path, *extra):  # noqa: F811
     return trainer, [json.loads(line)["loss"] for line in lines]
 
 
-FP8_ALL = ("model.precision=fp8", "model.fp8_emulate=true", "model.fp8_scaling=delayed",
-           "model.fp8_layers=[\"qkv\", \"out\", \"fc1\", \"fc2\", \"output\"]",
-           "model.fused_cross_entropy=true")
+FP8_NAMED = ("model.fp8_scaling=delayed",
+             "model.fp8_layers=[\"qkv\", \"out\", \"fc1\", \"fc2\", \"output\"]")
+# the defaults (fp8_scaling and fp8_layers "auto") are FP8_NAMED wherever the fused loss runs
+FP8_ALL = ("model.precision=fp8", "model.fp8_emulate=true", "model.fused_cross_entropy=true")
+
+
+@pytest.mark.parametrize("extra, layers, scaling", [
+    ([], (*FP8_LAYER_NAMES, "output"), "delayed"),
+    (["model.fused_cross_entropy=auto"], (*FP8_LAYER_NAMES, "output"), "delayed"),
+    (["model.fused_cross_entropy=false"], FP8_LAYER_NAMES, "delayed"),
+    (["model.kernels=[\"liger_cross_entropy\"]"], FP8_LAYER_NAMES, "delayed"),
+    (["model.fp8_backend=torchao"], (*FP8_LAYER_NAMES, "output"), "current"),
+    (["model.fp8_scaling=current", "model.fp8_layers=[\"fc1\"]"], ("fc1",), "current"),
+])
+def test_fp8_defaults_resolve_to_what_can_run(extra, layers, scaling):
+    """fp8_layers / fp8_scaling "auto": delayed scaling and the output layer where the fused
+    loss can take it; without it the output layer stays bf16 with no error (named, it errs:
+    test_fp8_config_errors). bf16 and fp32 configs with the same keys validate too."""
+    cfg = load_config("tiny", ["model.vocab_size=100", "model.precision=fp8", *extra])
+    validate(cfg)
+    assert cfg.model.fp8_layer_names() == layers and cfg.model.fp8_scaling_mode() == scaling
+    named = load_config("tiny", ["model.vocab_size=100", *FP8_ALL, *FP8_NAMED])
+    default = load_config("tiny", ["model.vocab_size=100", *FP8_ALL])
+    assert named.model.fp8_layer_names() == default.model.fp8_layer_names()
+    assert named.model.fp8_scaling_mode() == default.model.fp8_scaling_mode()
+    for precision in ("bf16", "fp32"):
+        validate(load_config("tiny", ["model.vocab_size=100", f"model.precision={precision}",
+                                      *extra]))
+
+
+@pytest.mark.parametrize("fused, head_in_fp8", [("auto", False), ("true", True)])
+def test_fp8_default_output_layer_follows_the_fused_loss(fused, head_in_fp8):
+    """The default's "output" runs in fp8 exactly where the fused loss runs: on the CPU under
+    fused_cross_entropy auto the loss equals the model's with only the four block linears
+    named; with the fused loss on, it differs (the emulated fp8 head)."""
+    from trireme.trainer import build_model
+
+    base = ["model.vocab_size=128", "model.precision=fp8", "model.fp8_emulate=true",
+            f"model.fused_cross_entropy={fused}"]
+    blocks = "model.fp8_layers=[\"qkv\", \"out\", \"fc1\", \"fc2\"]"
+    default = build_model(load_config("tiny", base), torch.device("cpu"))
+    four = build_model(load_config("tiny", [*base, blocks]), torch.device("cpu"))
+    assert type(default.layers["0"].mlp.fc1) is DelayedFloat8Linear
+    ids = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))
+    loss, loss_four = default(ids[:, :-1], ids[:, 1:]), four(ids[:, :-1], ids[:, 1:])
+    assert torch.equal(loss, loss_four) is not head_in_fp8
+    assert abs(loss.item() - loss_four.item()) < 0.05 * loss_four.item()
 
 
 def test_delayed_fp8_with_fp8_output_trains_like_bf16(toy_data, tmp_path):  # noqa: F811

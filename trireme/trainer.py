@@ -362,9 +362,10 @@ def build_model(
     init_parameters(model, cfg.train.seed)
     if cfg.model.precision == "fp8":  # swap the blocks' linears (same parameters, same names)
         m = cfg.model
-        swapped = to_fp8_training(model, device, m.fp8_emulate, m.fp8_backend,
-                                  fp8_targets(m.fp8_layers), m.fp8_scaling, m.fp8_amax_history)
-        if not swapped and model.layers and fp8_targets(m.fp8_layers):
+        targets = fp8_targets(m.fp8_layer_names())
+        swapped = to_fp8_training(model, device, m.fp8_emulate, m.fp8_backend, targets,
+                                  m.fp8_scaling_mode(), m.fp8_amax_history)
+        if not swapped and model.layers and targets:
             warnings.warn("model.precision = 'fp8' converted no layer (in/out features must be "
                           "multiples of 16): this model trains in bf16", stacklevel=2)
     model.set_recompute(cfg.train.recompute, cfg.train.recompute_layers)

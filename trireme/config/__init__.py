@@ -15,6 +15,7 @@ from typing import Any
 from trireme.config.checks import validate
 from trireme.config.model import (
     AUTO_MICRO_BATCH,
+    FP8_AUTO,
     FP8_LAYER_NAMES,
     FP8_OUTPUT,
     KERNEL_NAMES,
@@ -52,7 +53,8 @@ from trireme.config.values import (
 from trireme.errors import ConfigError
 
 __all__ = [
-    "AUTO_MICRO_BATCH", "FP8_LAYER_NAMES", "FP8_OUTPUT", "KERNEL_NAMES", "MIXERS", "NOT_YET",
+    "AUTO_MICRO_BATCH", "FP8_AUTO", "FP8_LAYER_NAMES", "FP8_OUTPUT", "KERNEL_NAMES", "MIXERS",
+    "NOT_YET",
     "PRESET_DIR", "SECTIONS", "SYMBOLS", "CheckpointConfig", "Config", "DataConfig",
     "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "ResumeStep", "RunConfig",
     "ScheduleConfig", "TrainConfig", "apply_dict", "config_from_toml", "doc", "load_config",

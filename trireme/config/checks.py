@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from trireme.config.model import (
     AUTO_MICRO_BATCH,
+    FP8_AUTO,
     FP8_LAYER_NAMES,
     FP8_OUTPUT,
     KERNEL_NAMES,
@@ -121,11 +122,17 @@ def _check_model(cfg: Config, need_vocab: bool) -> None:
 
 
 def _check_fp8(m: ModelConfig) -> None:
-    """model.fp8_layers, fp8_scaling and fp8_amax_history, and what they need."""
-    unknown = sorted(set(m.fp8_layers) - {*FP8_LAYER_NAMES, FP8_OUTPUT})
+    """model.fp8_layers, fp8_scaling and fp8_amax_history, and what they need. The "auto"
+    defaults resolve to what the config can run (ModelConfig.fp8_layer_names /
+    fp8_scaling_mode); only values named explicitly are held to their needs here."""
+    names = [*FP8_LAYER_NAMES, FP8_OUTPUT]
+    unknown = sorted(set(m.fp8_layers) - {*names, FP8_AUTO})
     if unknown:
         raise ConfigError(f"model.fp8_layers has unknown layer(s) {unknown}; choose from "
-                          f"{[*FP8_LAYER_NAMES, FP8_OUTPUT]}")
+                          f"{names} or [\"auto\"]")
+    if FP8_AUTO in m.fp8_layers and len(m.fp8_layers) > 1:
+        raise ConfigError(f"model.fp8_layers = {m.fp8_layers} mixes 'auto' with layer names; "
+                          "write ['auto'] alone or name the layers")
     fp8 = m.precision == "fp8"
     if FP8_OUTPUT in m.fp8_layers:
         if not fp8:
@@ -141,7 +148,7 @@ def _check_fp8(m: ModelConfig) -> None:
         if not fp8:
             raise ConfigError(f"model.fp8_scaling = 'delayed' with model.precision = "
                               f"{m.precision!r}; set model.precision = 'fp8' or fp8_scaling = "
-                              "'current'")
+                              "'auto'")
         if m.fp8_backend != "trireme":
             raise ConfigError("model.fp8_scaling = 'delayed' needs model.fp8_backend = "
                               "'trireme' (torchao's is current scaling)")

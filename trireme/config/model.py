@@ -14,6 +14,7 @@ AUTO_MICRO_BATCH = -1  # train.micro_batch_size: fit the device (TrainConfig)
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs"
 FP8_LAYER_NAMES = ("qkv", "out", "fc1", "fc2")  # the block linears model.fp8_layers can name
 FP8_OUTPUT = "output"  # model.fp8_layers: the output layer (in the fused cross-entropy)
+FP8_AUTO = "auto"  # model.fp8_layers / fp8_scaling default: the parity-tested recipe
 KERNEL_NAMES = ("liger_rmsnorm", "liger_swiglu", "liger_cross_entropy")  # model.kernels
 
 
@@ -121,7 +122,8 @@ class ModelConfig:
     precision: Literal["fp32", "bf16", "fp16", "fp8"] = doc(
         "fp32", "fp32; bf16 (bf16 params, fp32 main grads and master weights); fp16 (the same "
         "with dynamic loss scaling); fp8 (bf16, plus fp8 matmuls with per-tensor scaling in the "
-        "transformer blocks' linears; CUDA with compute capability >= 8.9)."
+        "transformer blocks' linears and the output layer: fp8_layers, fp8_scaling; CUDA with "
+        "compute capability >= 8.9)."
     )
     fp8_emulate: bool = doc(
         False, "fp8 only: run the fp8 matmuls as the fp32 reference emulation (quantize, "
@@ -131,23 +133,28 @@ class ModelConfig:
         "trireme", "fp8 only: whose fp8 linear layers. trireme: trireme.ops.fp8 "
         "(torch._scaled_mm); torchao: torchao.float8.convert_to_float8_training (needs torchao "
         "installed). Both: "
-        "e4m3 forward, e5m2 gradients, per-tensor current scaling."
+        "e4m3 forward, e5m2 gradients, per-tensor scaling (torchao: current only; see "
+        "fp8_scaling)."
     )
     fp8_layers: list[str] = doc(
-        list(FP8_LAYER_NAMES), "fp8 only: which linears of each transformer block run in "
-        "fp8 (any of qkv, out, fc1, fc2); the others stay bf16. \"output\" (not by default) "
-        "adds the output layer's three matmuls inside the chunked fused cross-entropy "
-        "(trireme.ops.fp8_head: x and W cast once per micro batch, the logits' gradient in "
-        "e5m2 with an a-priori scale); needs fused_cross_entropy (true, or auto on a GPU). The "
-        "embedding lookup (tied or not) and evaluation stay bf16."
+        [FP8_AUTO], "fp8 only: which linears run in fp8 (any of qkv, out, fc1, fc2, output); "
+        "the others stay bf16. \"output\" is the output layer's three matmuls inside the "
+        "chunked fused cross-entropy (trireme.ops.fp8_head: x and W cast once per micro batch, "
+        "the logits' gradient in e5m2 with an a-priori scale); named explicitly it needs "
+        "fused_cross_entropy (true, or auto: it runs on a GPU) and no liger_cross_entropy. "
+        "[\"auto\"] (the default): the four block linears, plus \"output\" unless "
+        "fused_cross_entropy = false or kernels names liger_cross_entropy (where the fused loss "
+        "does not run, e.g. on the CPU under auto, the output layer stays bf16). The embedding "
+        "lookup (tied or not) and evaluation stay bf16."
     )
-    fp8_scaling: Literal["current", "delayed"] = doc(
-        "current", "fp8 only: how each fp8 linear of the blocks scales x, W and the output "
+    fp8_scaling: Literal["auto", "current", "delayed"] = doc(
+        FP8_AUTO, "fp8 only: how each fp8 linear of the blocks scales x, W and the output "
         "gradient. current: from the tensor's own amax, computed before its cast (an extra "
         "pass). delayed (fp8_backend trireme): from the max of the last fp8_amax_history steps' "
         "amaxes, known before the tensor exists, so the cast fuses into the kernel producing it; "
         "the new amax is recorded as it is cast. The first step of a run (or after a resume: the "
-        "history is not checkpointed) scales currently and starts the history. The output layer "
+        "history is not checkpointed) scales currently and starts the history. auto (the "
+        "default): delayed with fp8_backend trireme, current with torchao. The output layer "
         "always scales x and W currently."
     )
     fp8_amax_history: int = doc(
@@ -295,6 +302,20 @@ class ModelConfig:
         """Whether the output layer and loss run chunked (fused_cross_entropy; auto: on a GPU)."""
         return self.fused_cross_entropy == "true" or (self.fused_cross_entropy == "auto"
                                                       and on_gpu)
+
+    def fp8_layer_names(self) -> tuple[str, ...]:
+        """fp8_layers with "auto" resolved (the four block linears, plus "output" where the
+        fused loss can take it: fused_cross_entropy not false, no liger_cross_entropy)."""
+        if FP8_AUTO not in self.fp8_layers:
+            return tuple(self.fp8_layers)
+        head = self.fused_cross_entropy != "false" and "liger_cross_entropy" not in self.kernels
+        return (*FP8_LAYER_NAMES, *((FP8_OUTPUT,) if head else ()))
+
+    def fp8_scaling_mode(self) -> str:
+        """fp8_scaling with "auto" resolved: "delayed" for fp8_backend trireme, else "current"."""
+        if self.fp8_scaling != FP8_AUTO:
+            return self.fp8_scaling
+        return "delayed" if self.fp8_backend == "trireme" else "current"
 
     @property
     def kv_heads(self) -> int:

@@ -161,8 +161,9 @@ class GPT(nn.Module):
         return self.embedding.weight if self.cfg.tie_embeddings else self.output.weight
 
     def _fp8_output(self) -> str:
-        """The fused loss's `fp8` mode: "off" unless model.fp8_layers names "output"."""
-        if self.cfg.precision != "fp8" or FP8_OUTPUT not in self.cfg.fp8_layers:
+        """The fused loss's `fp8` mode: "off" unless model.fp8_layers names "output" (or is
+        "auto", which takes it wherever the fused loss runs)."""
+        if self.cfg.precision != "fp8" or FP8_OUTPUT not in self.cfg.fp8_layer_names():
             return "off"
         return "emulate" if self.cfg.fp8_emulate else "on"
 

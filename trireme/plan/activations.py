@@ -162,7 +162,7 @@ def fp8_weight_bytes(cfg: Config, s: Shape, symbols: str) -> float:
     compiled: recomputed from the parameters in the backward)."""
     if not s.fp8 or s.compiled:
         return 0.0
-    layers = set(cfg.model.fp8_layers)
+    layers = set(cfg.model.fp8_layer_names())
     sizes = {"qkv": s.h * (s.q + 2 * s.k), "out": s.q * s.h,
              "fc1": s.h * s.ffn * (2 if s.swiglu else 1), "fc2": s.ffn * s.h}
     total = 0.0

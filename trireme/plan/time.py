@@ -107,7 +107,7 @@ def _layer_matmul_flops(cfg: Config, symbols: str, tensor: int) -> tuple[float, 
 
 def _fp8_elements(cfg: Config, s, symbols: str) -> tuple[float, float]:
     """Per token: (the inputs, the output gradients) the fp8 linears of a layer quantize."""
-    layers = set(cfg.model.fp8_layers)
+    layers = set(cfg.model.fp8_layer_names())
     sizes = {"qkv": (s.h, s.q + 2 * s.k), "out": (s.q, s.h),
              "fc1": (s.h, s.ffn * (2 if s.swiglu else 1)), "fc2": (s.ffn, s.h)}
     inputs, grads = 0.0, 0.0
