@@ -41,14 +41,16 @@ layer's input (e h; not with the fused loss), then the loss: the plain loss keep
 log-probabilities (4 V) and at its peak holds the logits (e V_p), their fp32 copy (4 V) and
 those; the fused loss (model.fused_cross_entropy) keeps the input's gradient (e h) and an fp32
 weight gradient (4 V_p h, per micro batch, not per token); the vocabulary-parallel loss under TP
-keeps the fp32 softmax of its V_p / T columns.
+keeps the fp32 softmax of its V_p / T columns. The fp8 output layer (trireme.ops.fp8_head,
+model.fp8_layers "output") adds to the fused loss's peak, not to what it keeps: q(x) (N h bytes),
+q(W) and its column-major copy (2 V h), and per chunk q5(g) and its transpose (2 c V).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trireme.config import Config
+from trireme.config import FP8_OUTPUT, Config
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,15 @@ def fp8_weight_bytes(cfg: Config, s: Shape, symbols: str) -> float:
     return total
 
 
+def fp8_head_runs(cfg: Config, s: Shape) -> bool:
+    """Whether the output layer runs in fp8 (trireme.ops.fp8_head): model.fp8_layers resolves
+    to "output", the fused loss runs (no tensor parallelism), and h and vocab are multiples of
+    16 (Float8Head.fits)."""
+    m = cfg.model
+    return (s.fp8 and FP8_OUTPUT in m.fp8_layer_names() and s.fused_loss and s.tensor == 1
+            and m.hidden_size % 16 == 0 and m.vocab_size % 16 == 0)
+
+
 @dataclass(frozen=True)
 class Head:
     """The last stage's output layer and loss for one micro batch: bytes kept until its backward
@@ -200,6 +211,8 @@ def head_bytes(cfg: Config, s: Shape, tokens: int) -> Head:
         kept = norm + s.e * s.h * tokens + grad_w  # the input's gradient, not the input
         # a chunk's logits, their fp32 copy (low precision) and the gradient cast back
         temps = chunk * vocab * (2 * s.e if s.compiled else s.e + (4 + s.e if s.e < 4 else 0))
+        if fp8_head_runs(cfg, s):  # the fp8 operands (module docstring)
+            temps += tokens * s.h + 2 * vocab * s.h + 2 * chunk * vocab
         return Head(kept, kept + temps)
     logits = s.e * padded * tokens
     copy = 0 if (s.e == 4 and vocab == padded) else 4 * vocab * tokens

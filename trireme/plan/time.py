@@ -3,7 +3,8 @@
 Per micro batch on the slowest pipeline rank (its layers, on this TP rank's share):
 
     matmuls      6 x (the linear weights a token goes through) x tokens / matmul rate
-                 (fp8: the blocks' linears at the fp8 rate, the output layer at bf16)
+                 (fp8: the blocks' linears at the fp8 rate, the output layer too where
+                 model.fp8_layers resolves to "output" and the fused loss runs, else bf16)
     attention    forward 2 q s / 2 per token (causal), backward twice that, at the measured
                  forward / backward rates
     elementwise  ELEMENTWISE_PASSES x the bytes a layer keeps (trireme.plan.activations), over
@@ -17,7 +18,10 @@ Per micro batch on the slowest pipeline rank (its layers, on this TP rank's shar
                  compiled: FP8_CAST_BYTES per element of x and g (torch.compile fuses the amax,
                    scale, clamp and cast into the norm / SwiGLU kernels and writes the
                    transposed copies in the same pass): 12 fits the H200 profile's 0.12 s of
-                   casts per llama3-1b step (bench/RESULTS.md)
+                   casts per llama3-1b step (bench/RESULTS.md), current scaling. That includes
+                   FP8_AMAX_BYTES = 2, the read of the bf16 tensor for its amax before the cast
+                   can start; delayed scaling (model.fp8_scaling) knows the scale beforehand and
+                   takes the amax in the cast's own pass, so it pays 12 - 2 = 10
                  eager: each op its own kernel, so per element of x, W and g
                    FP8_EAGER_BYTES = 29 at memory_tbps (amax 2, fp32 copy 2 + 4, scale 4 + 4,
                    clamp 4 + 4, fp8 cast 4 + 1), then one transposing copy of the fp8 tensor
@@ -27,9 +31,21 @@ Per micro batch on the slowest pipeline rank (its layers, on this TP rank's shar
                    (h200: 0.21 TB/s, fitted to bench/results/fp8_check.json's eager linears;
                    `trireme plan --calibrate` measures it). tests/test_plan_time.py counts
                    these bytes off the ops an fp8 linear runs.
+                   Delayed scaling runs the same eager ops (the amax is still its own
+                   reduction kernel, off the cast's critical path but not fewer bytes), so it
+                   is priced as current there.
                  Forward: x and W (a full recompute repeats it), backward: g and the copies.
                  The other elementwise work of an fp8 layer is a bf16 layer's (its norms, RoPE
                  and SwiGLU still read and write bf16), so it is priced at the bf16 bytes.
+    head         the output layer: 6 h vocab tokens at the bf16 rate and 12 bytes per logit
+                 (the loss reads and writes them a few times). fp8 output layer
+                 (trireme.ops.fp8_head, inside the fused loss): the matmuls at the fp8 rate;
+                 per micro batch x [N, h] and W [vocab, h] cast with current scaling
+                 (FP8_HEAD_CAST_BYTES each compiled: amax read 2, cast read 2 + write 1; eager
+                 FP8_EAGER_BYTES) plus a transposing copy of q(W) and, chunk by chunk, of q(x_c)
+                 and q5(g) (2 bytes per element: at memory_tbps compiled, transpose_tbps eager);
+                 q5(g) itself is cast in the softmax kernel (compiled: 1 byte written instead
+                 of 2; eager: FP8_EAGER_BYTES - FP8_AMAX_BYTES, its scale is a priori)
     recompute    selective: the attention forward again; full: the whole forward again
     TP           two all-reduces (or all-gather + reduce-scatter) of [tokens, h] per sublayer,
                  each way: 2 (T - 1) / T x bytes / bandwidth, not overlapped
@@ -60,14 +76,16 @@ from dataclasses import dataclass
 from trireme.config import Config
 from trireme.metrics import flops_per_token
 from trireme.models.stages import sublayer_flops
-from trireme.plan.activations import fp8_weight_bytes, layer_bytes, shape_of
+from trireme.plan.activations import fp8_head_runs, fp8_weight_bytes, layer_bytes, shape_of
 from trireme.plan.memory import Degrees, micro_batches, stages_of
 from trireme.plan.params import layer_symbols
 from trireme.plan.rates import Rates
 
 ELEMENTWISE_PASSES = {True: 5.0, False: 16.0}  # compiled blocks / eager
 OPTIMIZER_BYTES = 64.0
-FP8_CAST_BYTES = 12.0  # compiled: per element of x and g (fits the profile)
+FP8_CAST_BYTES = 12.0  # compiled, current scaling: per element of x and g (fits the profile)
+FP8_AMAX_BYTES = 2.0  # current scaling's amax read of a bf16 tensor before its cast
+FP8_HEAD_CAST_BYTES = 2.0 + 2 + 1  # compiled fp8 head, x and W: amax read, cast read + write
 # eager trireme.ops.fp8.quantize, bytes per element (bf16 in): amax read, fp32 copy (read,
 # write), scale and clamp in place (read, write each), fp8 cast (read fp32, write 1 byte)
 FP8_EAGER_BYTES = 2.0 + (2 + 4) + (4 + 4) + (4 + 4) + (4 + 1)
@@ -125,7 +143,9 @@ def fp8_seconds(cfg: Config, s, symbols: str, tokens: float, rates: Rates) -> tu
     x, g = (tokens * n for n in _fp8_elements(cfg, s, symbols))
     bw_mem = rates.memory_tbps * 1e12
     if s.compiled:
-        return FP8_CAST_BYTES * x / bw_mem, FP8_CAST_BYTES * g / bw_mem
+        per = FP8_CAST_BYTES - (FP8_AMAX_BYTES if cfg.model.fp8_scaling_mode() == "delayed"
+                                else 0.0)
+        return per * x / bw_mem, per * g / bw_mem
     w = fp8_weight_bytes(cfg, s, symbols)  # 1 byte each: the weight elements
     bw_t = (rates.transpose_tbps or rates.memory_tbps) * 1e12
     forward = FP8_EAGER_BYTES * (x + w) / bw_mem
@@ -138,7 +158,6 @@ def micro_batch_seconds(cfg: Config, deg: Degrees, rank: int, rates: Rates,
     """Compute and in-line communication of one micro batch on pipeline rank `rank`."""
     m, t = cfg.model, cfg.train
     tokens = t.micro_batch_size * m.seq_length / deg.context
-    head_rate = rates.matmul_tflops["fp32" if m.precision == "fp32" else "bf16"] * 1e12
     symbols = layer_symbols(m)
     out = dict(matmul=0.0, attention=0.0, elementwise=0.0, recompute=0.0, tp=0.0, cp=0.0,
                ep=0.0)
@@ -147,10 +166,32 @@ def micro_batch_seconds(cfg: Config, deg: Degrees, rank: int, rates: Rates,
             for key, value in layer_seconds(cfg, deg, kind, tokens, rates, per_node).items():
                 out[key] += count * value
         if stage.last:
-            vocab = m.padded_vocab_size / deg.tensor
-            out["matmul"] += 6 * m.hidden_size * vocab * tokens / head_rate
-            out["elementwise"] += 3 * 4 * vocab * tokens / (rates.memory_tbps * 1e12)
+            mm, ew = head_seconds(cfg, deg, tokens, rates)
+            out["matmul"] += mm
+            out["elementwise"] += ew
     return out
+
+
+def head_seconds(cfg: Config, deg: Degrees, tokens: float, rates: Rates) -> tuple[float, float]:
+    """(matmul, elementwise) seconds of the output layer and loss for a micro batch of `tokens`
+    on the last stage (module docstring, "head")."""
+    m = cfg.model
+    vocab = m.padded_vocab_size / deg.tensor
+    logits, bw_mem = vocab * tokens, rates.memory_tbps * 1e12
+    ew = 3 * 4 * logits / bw_mem
+    if not fp8_head_runs(cfg, shape_of(cfg, rates.norm_fused, rates.gpu)):
+        rate = rates.matmul_tflops["fp32" if m.precision == "fp32" else "bf16"] * 1e12
+        return 6 * m.hidden_size * logits / rate, ew
+    mm = 6 * m.hidden_size * logits / (rates.matmul_tflops["fp8"] * 1e12)
+    x, w = tokens * m.hidden_size, vocab * m.hidden_size  # elements cast per micro batch
+    compiled = m.compile and rates.gpu
+    bw_t = bw_mem if compiled else (rates.transpose_tbps or rates.memory_tbps) * 1e12
+    transposes = FP8_TRANSPOSE_BYTES * (w + x + logits) / bw_t  # q(W), q(x_c), q5(g)
+    if compiled:
+        casts = (FP8_HEAD_CAST_BYTES * (x + w) - logits) / bw_mem  # q5(g): 1 byte, not 2
+    else:
+        casts = (FP8_EAGER_BYTES * (x + w) + (FP8_EAGER_BYTES - FP8_AMAX_BYTES) * logits) / bw_mem
+    return mm, ew + casts + transposes
 
 
 def layer_seconds(cfg: Config, deg: Degrees, kind: str, tokens: float, rates: Rates,
