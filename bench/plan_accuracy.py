@@ -52,6 +52,11 @@ GPU_CONFIGS = {
     "none-mb8": {"train.recompute": "none", "train.micro_batch_size": 8},
     "fp8-mb4": {"model.precision": "fp8", "train.micro_batch_size": 4},
 }
+# model.precision = "fp8" meant current scaling on the four block linears until fp8_scaling and
+# fp8_layers defaulted to "auto" (delayed, the output layer too); files written before say
+# nothing of either ("fp8_defaults" absent), so their fp8 rows are predicted with that recipe
+FP8_BEFORE_AUTO = {"model.fp8_scaling": "current",
+                   "model.fp8_layers": '["qkv", "out", "fc1", "fc2"]'}
 SMOKE_CONFIGS = {
     "none-mb4": {"train.micro_batch_size": 4},
     "selective-mb2": {"train.recompute": "selective", "train.micro_batch_size": 2},
@@ -97,6 +102,14 @@ def overrides_of(text: list[str]) -> dict:
     return dict(o.split("=", 1) for o in text)
 
 
+def as_recorded(overrides: dict, fp8_defaults: str | None) -> dict:
+    """`overrides` of a recorded fp8 run with the fp8 recipe it ran (FP8_BEFORE_AUTO for a
+    file written before the "auto" defaults: `fp8_defaults` None)."""
+    if overrides.get("model.precision") != "fp8" or fp8_defaults is not None:
+        return overrides
+    return {**FP8_BEFORE_AUTO, **overrides}
+
+
 def repredict(path: str, rates) -> list[dict]:
     """The rows of a results file with their predictions made again with `rates` (the
     measurements as recorded)."""
@@ -105,6 +118,7 @@ def repredict(path: str, rates) -> list[dict]:
     for old in data["results"]:
         overrides = {"data.mock": True, **(SMOKE if data.get("smoke") else {}),
                      **old["overrides"], **overrides_of(data.get("override", []))}
+        overrides = as_recorded(overrides, data.get("fp8_defaults"))
         want = predict(load_config(data["preset"], overrides), rates)
         got = old["measured"]
         rows.append({**old, "predicted": want,
@@ -226,6 +240,7 @@ def write(rows: list[dict], args, preset: str, rates_name: str) -> None:
     data = {"date": datetime.datetime.now(datetime.UTC).isoformat(), "device": device,
             "torch": torch.__version__, "git_commit": commit, "preset": preset,
             "rates": rates_name, "smoke": args.smoke, "override": args.override,
+            "fp8_defaults": "auto",
             "warmup": args.warmup, "steps": args.steps, "results": rows}
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2))
