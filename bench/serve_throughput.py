@@ -379,20 +379,28 @@ def main(argv=None) -> int:
     name = "smoke" if args.smoke else args.preset
     out = Path(args.out) if args.out else REPO / "bench" / "results" / (
         f"serve_throughput-{name}.json")
-    device_name = (torch.cuda.get_device_name() if device.type == "cuda"
-                   else platform.processor() or "cpu")
-    data = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "device": device_name,
-            "torch": torch.__version__, "git_commit": git_commit(),
-            "settings": {k: v for k, v in vars(args).items() if k != "hf_worker"},
-            "results": levels, "decode_bound": bounds, "graphs_match_eager": check,
-            "kernel_max_error": error}
+    write_result(out, {**result_header(device),
+                       "settings": {k: v for k, v in vars(args).items() if k != "hf_worker"},
+                       "results": levels, "decode_bound": bounds, "graphs_match_eager": check,
+                       "kernel_max_error": error})
+    return 0
+
+
+def result_header(device: torch.device) -> dict:
+    """The fields every serving benchmark's JSON starts with: date, device, torch, commit."""
+    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "device": (torch.cuda.get_device_name() if device.type == "cuda"
+                       else platform.processor() or "cpu"),
+            "torch": torch.__version__, "git_commit": git_commit()}
+
+
+def write_result(out: Path, data: dict) -> None:
+    """Write `data` as JSON to `out` through a temporary name (nothing half-written)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(tmp, out)
     print(f"wrote {out}")
-    return 0
 
 
 if __name__ == "__main__":
