@@ -85,8 +85,9 @@ class EngineSettings:
         if self.num_blocks < 0 or self.max_memory_gib < 0:
             raise TriremeError("num_blocks and max_memory_gib must not be negative")
         if self.compile_decode and not self.cuda_graphs:
-            raise ConfigError("compile_decode (--compile-decode) is captured in the decode CUDA "
-                              "graphs: add cuda_graphs (--cuda-graphs) or drop it")
+            raise ConfigError("compile_decode on (--compile-decode on) is captured in the "
+                              "decode CUDA graphs: add cuda_graphs (--cuda-graphs), or use auto "
+                              "or off")
 
     def compiles_decode(self) -> bool:
         """compile_decode resolved: auto (None) follows cuda_graphs. The graphs themselves only
