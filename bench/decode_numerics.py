@@ -56,11 +56,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
 import math
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -71,7 +67,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from serve_throughput import DTYPES, free_memory, git_commit  # noqa: E402
+from serve_throughput import (  # noqa: E402
+    DTYPES,
+    free_memory,
+    result_header,
+    write_result,
+)
 
 from trireme.config import load_config  # noqa: E402
 from trireme.inference.engine import Engine, EngineSettings  # noqa: E402
@@ -357,18 +358,11 @@ def main(argv=None) -> int:
     print("verdict:", result["line"])
     name = "smoke" if args.smoke else args.preset
     out = Path(args.out) if args.out else HERE / "results" / f"decode_numerics-{name}.json"
-    data = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "device": (torch.cuda.get_device_name() if device.type == "cuda"
-                       else platform.processor() or "cpu"),
-            "torch": torch.__version__, "git_commit": git_commit(), "settings": vars(args),
-            "reference_dtype": str(next(reference.parameters()).dtype).removeprefix("torch."),
-            "compiled_measured": compile, "seconds": seconds, "results": rows,
-            "verdict": result}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, out)
-    print(f"wrote {out}")
+    write_result(out, {**result_header(device), "settings": vars(args),
+                       "reference_dtype": str(next(reference.parameters()).dtype)
+                       .removeprefix("torch."),
+                       "compiled_measured": compile, "seconds": seconds, "results": rows,
+                       "verdict": result})
     return 0
 
 

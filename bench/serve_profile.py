@@ -2,11 +2,13 @@ r"""Where a serving decode step's time goes: host work, graph replay, sampling, 
 
     python bench/serve_profile.py                   # llama3-1b shape, random weights, GPU
     python bench/serve_profile.py --smoke           # a tiny model on the CPU, seconds
-    python bench/serve_profile.py --compile on      # graphs of the compiled decode forward
+    python bench/serve_profile.py --compile off     # graphs of the eager decode forward
 
 For each batch B (--batches), B requests with --context tokens cached decode together. Reported:
-- setup: building the engine, which captures its CUDA graphs (and with --compile on
-  compiles the decode forward's pieces first: trireme.inference.compiled_decode);
+- setup: building the engine, which captures its CUDA graphs (and with the compiled decode
+  forward, --compile auto or on, compiles its pieces first: trireme.inference.compiled_decode;
+  auto, the default, is the engine's: on with graphs; "compiled" in the report says whether the
+  graphs really captured it);
 - agreement: one decode step's logits from the graph replay against the plain eager forward
   (no graphs, no compilation) of the same step: the largest difference and how many rows pick
   the same greedy token;
@@ -75,8 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--graphs", choices=["on", "off"], default="on")
-    p.add_argument("--compile", choices=["on", "off"], default="off",
-                   help="capture the compiled decode forward (EngineSettings.compile_decode)")
+    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                   help="capture the compiled decode forward (EngineSettings.compile_decode; "
+                   "auto: with --graphs on, the engine's default)")
     p.add_argument("--bandwidth", type=float, default=4.2e12)
     p.add_argument("--kernel-configs", action="store_true",
                    help="only sweep the paged decode kernel's launch settings (GPU)")
@@ -106,9 +109,10 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def filled_engine(model, cfg, batch: int, context: int, graphs: bool, compile: bool
+def filled_engine(model, cfg, batch: int, context: int, graphs: bool, compile: bool | None
                   ) -> tuple[Engine, float]:
-    """An engine with `batch` requests past their prompts; the seconds building it took."""
+    """An engine with `batch` requests past their prompts; the seconds building it took
+    (compile: EngineSettings.compile_decode, None for auto)."""
     settings = EngineSettings(max_running=batch, max_batch_tokens=max(2048, batch),
                               max_queue=10**6, cuda_graphs=graphs, overlap=False,
                               compile_decode=compile)
@@ -220,7 +224,7 @@ def profile_batch(model, cfg, args, batch: int, device: torch.device) -> dict:
     print(f"batch {batch}: building the engine (graphs {args.graphs}, compile {args.compile})",
           flush=True)
     engine, setup = filled_engine(model, cfg, batch, args.context, args.graphs == "on",
-                                  args.compile == "on")
+                                  {"auto": None, "on": True, "off": False}[args.compile])
     graphs = engine.graphs is not None and not engine.graphs.broken
     compiled = graphs and engine.graphs.compiled
     agree = agreement(engine)

@@ -20,6 +20,13 @@ bytes a step must read, weights + B x context x (K and V bytes per token of ever
 The HF baseline (LlamaForCausalLM, SDPA, bf16) runs in a fresh process: batches of C prompts
 left-padded to the longest, `generate(max_new_tokens=min_new_tokens=output_tokens)`; TTFT is a
 1-token generate of the batch, TPOT the rest divided by the remaining tokens.
+Engine settings are what `trireme serve` gives a user unless the flags say otherwise: CUDA graphs
+(--graphs), the overlap (--overlap auto: on with graphs) and the compiled decode forward
+(--compile-decode auto: on with graphs, EngineSettings.compile_decode; before this default the
+benchmark ran without it, as `--compile-decode off` still does). The "compiled" columns say
+whether a run's graphs really captured the compiled forward. The check that CUDA graphs give the
+eager greedy tokens captures the eager forward (compile off): the compiled one rounds differently
+in bf16 (bench/decode_numerics.py compares both with an fp32 reference).
 A table is printed and JSON written (default bench/results/serve_throughput-<preset>.json).
 """
 
@@ -87,6 +94,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
                    help="EngineSettings.overlap: launch each decode step before reading the "
                    "previous one's tokens (auto: with CUDA graphs)")
+    p.add_argument("--compile-decode", choices=["auto", "on", "off"], default="auto",
+                   help="EngineSettings.compile_decode: capture a torch.compile'd decode forward "
+                   "in the CUDA graphs (auto: with CUDA graphs, the engine's default)")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU")
     p.add_argument("--out", default=None)
     p.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
@@ -125,12 +135,19 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
 
 
-def engine_for(model, args, max_running: int, graphs: bool) -> Engine:
+AUTO_ON_OFF = {"auto": None, "on": True, "off": False}
+
+
+def engine_for(model, args, max_running: int, graphs: bool, compile: str | None = None
+               ) -> Engine:
+    """An engine with the benchmark's settings; `compile` overrides --compile-decode."""
+    compile = compile or args.compile_decode
     settings = EngineSettings(block_size=args.block_size, max_running=max_running,
                               max_batch_tokens=max(args.max_batch_tokens, max_running),
                               max_queue=10**6, max_memory_gib=args.max_memory,
                               cuda_graphs=graphs,
-                              overlap={"auto": None, "on": True, "off": False}[args.overlap])
+                              compile_decode=AUTO_ON_OFF[compile] if graphs else False,
+                              overlap=AUTO_ON_OFF[args.overlap])
     return Engine(model, settings)
 
 
@@ -138,11 +155,16 @@ def graphs_active(engine: Engine) -> bool:
     return engine.graphs is not None and not engine.graphs.broken
 
 
+def compiled_active(engine: Engine) -> bool:
+    """Whether the engine's graphs captured the compiled decode forward."""
+    return graphs_active(engine) and engine.graphs.compiled
+
+
 def run_level(model, args, prompts: list[list[int]], concurrency: int) -> dict:
     """Closed loop: `concurrency` requests in flight until every prompt is done."""
     count = len(prompts) if args.all_prompts else min(len(prompts), max(4 * concurrency, 16))
     engine = engine_for(model, args, concurrency, args.graphs != "off")
-    graphs = graphs_active(engine)
+    graphs, compiled = graphs_active(engine), compiled_active(engine)
     params = SamplingParams(max_tokens=args.output_tokens, greedy=True, ignore_eos=True)
     finished_at: dict[str, float] = {}
     on_output = lambda out: finished_at.__setitem__(out.request_id, time.monotonic()) if (
@@ -158,10 +180,11 @@ def run_level(model, args, prompts: list[list[int]], concurrency: int) -> dict:
     tpot = [(finished_at[r.request_id] - r.first_token_at) / max(len(r.output_ids) - 1, 1)
             for r in requests]
     tokens = sum(len(r.output_ids) for r in requests)
-    graphs = graphs and graphs_active(engine)
+    graphs, compiled = graphs and graphs_active(engine), compiled and compiled_active(engine)
     del engine
     free_memory()
     return {"system": "trireme", "concurrency": concurrency, "prompts": count, "graphs": graphs,
+            "compiled": compiled,
             "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
             "ttft_p50_ms": 1e3 * percentile(ttft, 0.5), "ttft_p99_ms": 1e3 * percentile(ttft, 0.99),
             "tpot_p50_ms": 1e3 * percentile(tpot, 0.5), "tpot_p99_ms": 1e3 * percentile(tpot, 0.99)}
@@ -210,10 +233,12 @@ def decode_bound(model, cfg, args, batch: int, graphs: bool) -> dict:
     bound = read / args.bandwidth
     step = statistics.median(times)
     graphs, overlap = graphs_active(engine), engine.ahead["used"] > 0
+    compiled = compiled_active(engine)
     engine.abort_all("cancelled")
     del engine
     free_memory()
-    return {"batch": batch, "graphs": graphs, "overlap": overlap, "context": round(cached),
+    return {"batch": batch, "graphs": graphs, "compiled": compiled, "overlap": overlap,
+            "context": round(cached),
             "step_ms": 1e3 * step, "step_mean_ms": 1e3 * mean,
             "bound_ms": 1e3 * bound, "ratio_to_bound": step / bound,
             "weights_gib": weights / 2**30, "kv_read_gib": batch * cached * kv_per_token / 2**30,
@@ -243,8 +268,10 @@ def kernel_error(cfg, device: torch.device, dtype: torch.dtype) -> float | None:
 
 
 def graphs_match_eager(model, args, prompts: list[list[int]]) -> bool | None:
-    """Greedy tokens of a few prompts with CUDA graphs equal those without (None: no graphs)."""
-    engine = engine_for(model, args, 8, True)
+    """Greedy tokens of a few prompts with CUDA graphs equal those without (None: no graphs).
+    The graphs capture the eager forward: this checks the capture, not the compiled forward's
+    bf16 rounding (module docstring)."""
+    engine = engine_for(model, args, 8, True, compile="off")
     if not graphs_active(engine):
         return None
     params = [SamplingParams(max_tokens=24, greedy=True, ignore_eos=True)] * 8
@@ -323,7 +350,8 @@ def run_hf(argv: list[str]) -> list[dict]:
 
 
 def format_tables(levels: list[dict], bounds: list[dict]) -> str:
-    rows = ["system   conc  prompts  out tok/s   TTFT p50/p99 ms     TPOT p50/p99 ms  graphs"]
+    rows = ["system   conc  prompts  out tok/s   TTFT p50/p99 ms     TPOT p50/p99 ms  graphs  "
+            "compiled"]
     for r in levels:
         if "error" in r:
             rows.append(f"{r['system']:<8} error: {r['error']}")
@@ -331,11 +359,13 @@ def format_tables(levels: list[dict], bounds: list[dict]) -> str:
         rows.append(f"{r['system']:<8} {r['concurrency']:>4}  {r['prompts']:>7}  "
                     f"{r['output_tokens_per_s']:>9.1f}   {r['ttft_p50_ms']:>7.1f} / "
                     f"{r['ttft_p99_ms']:<8.1f}  {r['tpot_p50_ms']:>6.2f} / "
-                    f"{r['tpot_p99_ms']:<6.2f}  {r.get('graphs', '')}")
+                    f"{r['tpot_p99_ms']:<6.2f}  {str(r.get('graphs', '')):>6}  "
+                    f"{r.get('compiled', '')}")
     rows += ["", "decode step vs bandwidth bound",
-             "batch  graphs  overlap  context  step ms  bound ms  ratio  decode tok/s"]
+             "batch  graphs  compiled  overlap  context  step ms  bound ms  ratio  decode tok/s"]
     for b in bounds:
-        rows.append(f"{b['batch']:>5}  {str(b['graphs']):>6}  {str(b['overlap']):>7}  "
+        rows.append(f"{b['batch']:>5}  {str(b['graphs']):>6}  {str(b['compiled']):>8}  "
+                    f"{str(b['overlap']):>7}  "
                     f"{b['context']:>7}  "
                     f"{b['step_ms']:>7.2f}  "
                     f"{b['bound_ms']:>8.3f}  {b['ratio_to_bound']:>5.2f}  "
@@ -379,20 +409,28 @@ def main(argv=None) -> int:
     name = "smoke" if args.smoke else args.preset
     out = Path(args.out) if args.out else REPO / "bench" / "results" / (
         f"serve_throughput-{name}.json")
-    device_name = (torch.cuda.get_device_name() if device.type == "cuda"
-                   else platform.processor() or "cpu")
-    data = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "device": device_name,
-            "torch": torch.__version__, "git_commit": git_commit(),
-            "settings": {k: v for k, v in vars(args).items() if k != "hf_worker"},
-            "results": levels, "decode_bound": bounds, "graphs_match_eager": check,
-            "kernel_max_error": error}
+    write_result(out, {**result_header(device),
+                       "settings": {k: v for k, v in vars(args).items() if k != "hf_worker"},
+                       "results": levels, "decode_bound": bounds, "graphs_match_eager": check,
+                       "kernel_max_error": error})
+    return 0
+
+
+def result_header(device: torch.device) -> dict:
+    """The fields every serving benchmark's JSON starts with: date, device, torch, commit."""
+    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "device": (torch.cuda.get_device_name() if device.type == "cuda"
+                       else platform.processor() or "cpu"),
+            "torch": torch.__version__, "git_commit": git_commit()}
+
+
+def write_result(out: Path, data: dict) -> None:
+    """Write `data` as JSON to `out` through a temporary name (nothing half-written)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(tmp, out)
     print(f"wrote {out}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -170,6 +170,8 @@ def test_serve_throughput_cpu_smoke(tmp_path):
         assert r["output_tokens"] == r["prompts"] * 8  # every request made all its tokens
     for b in data["decode_bound"]:
         assert b["bound_ms"] > 0 and b["ratio_to_bound"] > 0 and b["context"] > 4
+        assert b["compiled"] is False  # the CPU has no decode graphs: auto is off
+    assert data["settings"]["compile_decode"] == "auto"
 
 
 def test_serve_profile_and_batch_host_cpu_smoke(tmp_path):

@@ -15,11 +15,9 @@ from test_serve_engine import CONFIGS, EagerGraphs, config, model_of, prompts
 from torch._dynamo.utils import counters
 
 import trireme.inference.engine as engine_module
-from trireme.errors import ConfigError
 from trireme.inference.compiled_decode import compiled_layer, pieces
 from trireme.inference.engine import Engine, EngineSettings
 from trireme.inference.sampling import SamplingParams
-from trireme.inference.serve_cli import serve_parser
 from trireme.models.paged import PagedKV
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -60,6 +58,7 @@ def test_compiled_decode_gives_the_eager_logits_and_tokens(kind, monkeypatch):
     texts = prompts(6, seed=1, longest=20)
     params = [SamplingParams(max_tokens=3 + i % 4, greedy=True) for i in range(len(texts))]
     eager, want = recorded_run(model, None, monkeypatch, texts, params)
+    torch._dynamo.reset()  # graphs compiled by earlier tests would not count
     counters.clear()
     compiled, got = recorded_run(model, "aot_eager", monkeypatch, texts, params)
     assert [r.output_ids for r in compiled] == [r.output_ids for r in eager]
@@ -87,6 +86,7 @@ def test_inductor_compiled_decode_steps_give_the_eager_logits(monkeypatch):
     texts = [t + [1] * 5 for t in texts]  # at least two blocks each: the tables are 2+ wide
     params = [SamplingParams(max_tokens=7, greedy=True, ignore_eos=True)] * 2
     eager, want = recorded_run(model, None, monkeypatch, texts, params, False, 64)
+    torch._dynamo.reset()  # graphs compiled by earlier tests would not count
     counters.clear()
     compiled, got = recorded_run(model, "inductor", monkeypatch, texts, params, False, 64)
     assert counters["stats"]["unique_graphs"] == 2  # both layers, every step: pre and post
@@ -151,12 +151,3 @@ def test_a_failed_compiled_capture_falls_back_to_the_eager_forward_graphs():
         graphs.capture_all()
     assert not graphs.compiled and engine.cache.compiled_layer is None
     assert not graphs.broken and sorted(graphs.graphs) == [1, 2]
-
-
-def test_the_compiled_decode_is_off_unless_asked():
-    assert serve_parser().parse_args(["--checkpoint", "c"]).compile_decode is False
-    assert serve_parser().parse_args(["--checkpoint", "c", "--compile-decode"]
-                                     ).compile_decode is True
-    assert EngineSettings().compile_decode is False
-    with pytest.raises(ConfigError, match="--compile-decode.*add cuda_graphs \\(--cuda-graphs\\)"):
-        Engine(model_of(config()), EngineSettings(compile_decode=True))  # would do nothing

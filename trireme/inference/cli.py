@@ -96,6 +96,9 @@ def generate_from_checkpoint(
     return tok.decode(printable_ids(out_ids, len(ids), tok.eod))
 
 
+AUTO_ON_OFF = {"auto": None, "on": True, "off": False}  # a tri-state flag's setting
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The serving engine's options (`trireme serve`, `trireme generate --input`)."""
     group = parser.add_argument_group("engine (continuous batching, paged KV cache)")
@@ -116,9 +119,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
                        help="launch each decode step before reading the previous one's tokens "
                        "(auto: with --cuda-graphs; docs/serving.md)")
-    group.add_argument("--compile-decode", action="store_true",
-                       help="with --cuda-graphs: capture a torch.compile'd decode forward "
-                       "(experimental: docs/serving.md)")
+    group.add_argument("--compile-decode", choices=["auto", "on", "off"], default="auto",
+                       nargs="?", const="on",
+                       help="capture a torch.compile'd decode forward in the CUDA graphs (auto: "
+                       "with --cuda-graphs, the eager forward if compiling fails; on: that "
+                       "failure is an error; no value: on; docs/serving.md)")
 
 
 def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> Engine:
@@ -126,6 +131,6 @@ def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> Engine:
         block_size=args.block_size, num_blocks=args.num_blocks, max_memory_gib=args.max_memory,
         max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
         max_queue=args.max_queue, seed=args.seed if args.seed is not None else 0,
-        cuda_graphs=args.cuda_graphs, compile_decode=args.compile_decode,
-        overlap={"auto": None, "on": True, "off": False}[args.overlap])
+        cuda_graphs=args.cuda_graphs, compile_decode=AUTO_ON_OFF[args.compile_decode],
+        overlap=AUTO_ON_OFF[args.overlap])
     return Engine(loaded.model, settings, tokenizer=loaded.tokenizer)

@@ -131,6 +131,17 @@ def compiled_layer(backend: str = "inductor") -> Callable[..., torch.Tensor]:
     return run
 
 
+def unavailable() -> str | None:
+    """Why torch.compile cannot run in this process (e.g. an unsupported Python), or None."""
+    check = getattr(torch._dynamo.eval_frame, "check_if_dynamo_supported", None)
+    try:
+        if check is not None:  # else: this torch does not say; compiling will tell
+            check()
+    except Exception as e:  # noqa: BLE001 - any reason means: no compiled forward
+        return f"torch.compile is unavailable ({type(e).__name__}: {e})"
+    return None
+
+
 def compile_decode(cache: PagedCache, backend: str = "inductor") -> None:
     """Run `cache`'s decode-only steps through the compiled pieces."""
     cache.compiled_layer = compiled_layer(backend)

@@ -62,8 +62,10 @@ class EngineSettings:
     chunks); max_queue: waiting requests before `submit` raises QueueFull; seed: the shared
     sampler's; cuda_graphs: replay decode-only steps as CUDA graphs (trireme.inference.graphs);
     overlap: launch each decode step before reading the previous one's tokens (module
-    docstring; None: on when CUDA graphs are); compile_decode: with cuda_graphs, capture a
-    torch.compile'd decode forward (trireme.inference.compiled_decode)."""
+    docstring; None: on when CUDA graphs are); compile_decode: capture a torch.compile'd decode
+    forward in the CUDA graphs (trireme.inference.compiled_decode; None: on when CUDA graphs are,
+    falling back to the eager forward with a warning if compiling fails; True: that failure
+    raises; True without cuda_graphs is an error)."""
 
     block_size: int = 16
     num_blocks: int = 0
@@ -74,7 +76,7 @@ class EngineSettings:
     seed: int = 0
     cuda_graphs: bool = False
     overlap: bool | None = None
-    compile_decode: bool = False
+    compile_decode: bool | None = None
 
     def check(self) -> None:
         for name in ("block_size", "max_running", "max_batch_tokens", "max_queue"):
@@ -83,8 +85,14 @@ class EngineSettings:
         if self.num_blocks < 0 or self.max_memory_gib < 0:
             raise TriremeError("num_blocks and max_memory_gib must not be negative")
         if self.compile_decode and not self.cuda_graphs:
-            raise ConfigError("compile_decode (--compile-decode) is captured in the decode CUDA "
-                              "graphs: add cuda_graphs (--cuda-graphs) or drop it")
+            raise ConfigError("compile_decode on (--compile-decode on) is captured in the "
+                              "decode CUDA graphs: add cuda_graphs (--cuda-graphs), or use auto "
+                              "or off")
+
+    def compiles_decode(self) -> bool:
+        """compile_decode resolved: auto (None) follows cuda_graphs. The graphs themselves only
+        apply where graphs_supported says (CUDA, the Triton kernel, no per-request states)."""
+        return self.cuda_graphs if self.compile_decode is None else self.compile_decode
 
 
 @dataclass
@@ -144,7 +152,8 @@ class Engine:
         self.graphs = None
         if settings.cuda_graphs and graphs_supported(model, self.cache, settings.block_size):
             self.graphs = DecodeGraphs(model, self.cache, settings.max_running,
-                                       settings.block_size, compile=settings.compile_decode)
+                                       settings.block_size, compile=settings.compiles_decode(),
+                                       strict=settings.compile_decode is True)
             with torch.inference_mode():
                 self.graphs.capture_all()
         # an early forward that is discarded must leave no trace: only key/value writes, which

@@ -13,11 +13,13 @@ once. A graph has fixed shapes and addresses, so:
   wide tables cost nothing;
 - only steps without prompt chunks replay (prefill shapes vary); those run eagerly.
 
-With `compile_decode` (EngineSettings, off by default) the captured forward runs each block's
-pure pieces compiled, the KV store and the paged kernel eager between them
-(trireme.inference.compiled_decode: Inductor fuses the elementwise kernels between the GEMMs);
-the warm-up runs compile them, before the capture. If compiling or capturing the compiled
-forward fails, that bucket is captured from the eager forward instead, with a warning.
+With `compile` (EngineSettings.compile_decode: on by default with CUDA graphs) the captured
+forward runs each block's pure pieces compiled, the KV store and the paged kernel eager between
+them (trireme.inference.compiled_decode: Inductor fuses the elementwise kernels between the
+GEMMs); the warm-up runs compile them, before the capture. If torch.compile is unavailable, or
+compiling or capturing the compiled forward fails, the buckets from then on are captured from
+the eager forward instead, with one warning; with `strict` (compile_decode explicitly on) that
+raises a ConfigError instead.
 
 Only with the Triton paged kernel (CUDA, power-of-two head and block sizes): the gather path
 would gather the whole table. A model whose forward cannot be captured (a host sync inside, as in
@@ -33,7 +35,8 @@ from collections.abc import Callable
 
 import torch
 
-from trireme.inference.compiled_decode import compile_decode
+from trireme.errors import ConfigError
+from trireme.inference.compiled_decode import compile_decode, unavailable
 from trireme.models.gpt import GPT
 from trireme.models.paged import PagedCache, PagedKV, PagedStep
 from trireme.ops.paged_attention import kernel_available
@@ -49,6 +52,12 @@ def graphs_supported(model: GPT, cache: PagedCache, block_size: int) -> bool:
             and kernel_available())
 
 
+def first_line(e: Exception) -> str:
+    """'Type: the first line of the message' (at most 200 characters)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:200] if lines else ''}"
+
+
 def buckets_up_to(max_running: int) -> list[int]:
     sizes = [1 << i for i in range(max(max_running, 1).bit_length()) if 1 << i < max_running]
     return sizes + [max_running]
@@ -57,12 +66,20 @@ def buckets_up_to(max_running: int) -> list[int]:
 class DecodeGraphs:
     """The captured decode steps of one engine (module docstring)."""
 
+    backend = "inductor"  # torch.compile's, for the compiled decode forward
+
     def __init__(self, model: GPT, cache: PagedCache, max_running: int, block_size: int,
-                 compile: bool = False) -> None:
+                 compile: bool = False, strict: bool = False) -> None:
         self.model, self.cache = model, cache
-        self.compiled = compile
+        self.strict = strict  # compile_decode explicitly on: its failure raises
+        self.compiled = False
         if compile:
-            compile_decode(cache)
+            why = unavailable()
+            if why is None:
+                compile_decode(cache, self.backend)
+                self.compiled = True
+            else:
+                self._compile_failed(why)
         device = model.embedding.weight.device
         self.width = math.ceil(model.cfg.seq_length / block_size)
         self.buckets = buckets_up_to(max_running)
@@ -103,14 +120,20 @@ class DecodeGraphs:
             self.graphs[size] = self._record(size)
         except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly
             if self.compiled:  # try once more with the eager blocks
-                warnings.warn(f"the compiled decode forward is off: compiling or capturing it "
-                              f"failed ({type(e).__name__}: {str(e)[:200]})", stacklevel=2)
+                self._compile_failed(f"compiling or capturing it failed ({first_line(e)})", e)
                 self.compiled, self.cache.compiled_layer = False, None
                 return self._capture(size)
             warnings.warn(f"CUDA graphs are off for this model: capturing a decode step failed "
-                          f"({type(e).__name__}: {str(e)[:200]})", stacklevel=2)
+                          f"({first_line(e)})", stacklevel=2)
             self.broken = True
             self.graphs.clear()
+
+    def _compile_failed(self, why: str, cause: Exception | None = None) -> None:
+        """Warn (one line) that the eager forward is captured instead; raise when strict."""
+        if self.strict:
+            raise ConfigError(f"compile_decode is on (--compile-decode on) but {why}; use "
+                              "--compile-decode auto (the eager forward then) or off") from cause
+        warnings.warn(f"the compiled decode forward is off: {why}", stacklevel=3)
 
     def _record(self, size: int) -> tuple[Callable[[], None], torch.Tensor]:
         """(replay, the logits it refreshes) of one bucket, captured as a CUDA graph."""
