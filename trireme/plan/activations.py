@@ -43,7 +43,9 @@ those; the fused loss (model.fused_cross_entropy) keeps the input's gradient (e 
 weight gradient (4 V_p h, per micro batch, not per token); the vocabulary-parallel loss under TP
 keeps the fp32 softmax of its V_p / T columns. The fp8 output layer (trireme.ops.fp8_head,
 model.fp8_layers "output") adds to the fused loss's peak, not to what it keeps: q(x) (N h bytes),
-q(W) and its column-major copy (2 V h), and per chunk q5(g) and its transpose (2 c V).
+q(W) and its column-major copy (2 V h), and per chunk q5(g) and its transpose (2 c V), which
+compiled take the place of the bf16 gradient (e c V: cast in the softmax kernel) and eager come
+on top of it with quantize's fp32 copy (4 c V).
 """
 
 from __future__ import annotations
@@ -212,7 +214,8 @@ def head_bytes(cfg: Config, s: Shape, tokens: int) -> Head:
         # a chunk's logits, their fp32 copy (low precision) and the gradient cast back
         temps = chunk * vocab * (2 * s.e if s.compiled else s.e + (4 + s.e if s.e < 4 else 0))
         if fp8_head_runs(cfg, s):  # the fp8 operands (module docstring)
-            temps += tokens * s.h + 2 * vocab * s.h + 2 * chunk * vocab
+            per = 2 - s.e if s.compiled else 2 + 4  # q5(g) and its transpose (eager: fp32 copy)
+            temps += tokens * s.h + 2 * vocab * s.h + per * chunk * vocab
         return Head(kept, kept + temps)
     logits = s.e * padded * tokens
     copy = 0 if (s.e == 4 and vocab == padded) else 4 * vocab * tokens
