@@ -21,9 +21,10 @@ The saved q(x) and q(W) are reused in backward (quantization is elementwise, so 
 q(t) is q of the transpose); only their memory layout is changed where `_scaled_mm` needs it: its
 first operand row-major, its second column-major, every dimension a multiple of 16.
 
-Scaling is "current" by default: the scale of each tensor is computed from that tensor in the same
-step, so nothing is carried between steps. That needs amax(|t|) before the cast can start: one more
-pass over t that torch.compile cannot fuse into the kernel that produces t.
+"current" scaling (model.fp8_scaling = "current"; the default "auto" is delayed, below): the scale
+of each tensor is computed from that tensor in the same step, so nothing is carried between steps.
+That needs amax(|t|) before the cast can start: one more pass over t that torch.compile cannot
+fuse into the kernel that produces t.
 
 "delayed" scaling (DelayedFloat8Linear, model.fp8_scaling) takes each scale from the past instead:
 
@@ -73,8 +74,8 @@ AMAX_HISTORY = 16  # delayed scaling: steps of amax kept per tensor (model.fp8_a
 SCALINGS = ("current", "delayed")  # model.fp8_scaling
 
 # The transformer blocks' linears that can run in fp8 (model.fp8_layers names them by their last
-# part); the embedding stays bf16, the output layer too unless fp8_layers names "output"
-# (trireme.ops.fp8_head, inside the fused cross-entropy).
+# part); the embedding stays bf16, the output layer too unless fp8_layers resolves to "output"
+# (its default "auto" does where the fused loss runs; trireme.ops.fp8_head).
 FP8_LINEARS = ("attention.qkv", "attention.out", "mlp.fc1", "mlp.fc2")
 
 
