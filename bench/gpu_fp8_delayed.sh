@@ -11,6 +11,8 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 O=${OUT:-bench/results}
 ALL='model.fp8_layers=["qkv","out","fc1","fc2","output"]'
+# the recipe before the "auto" defaults: current scaling on BLOCKS (the defaults are now ALL, delayed)
+BLOCKS='model.fp8_layers=["qkv","out","fc1","fc2"]'
 tp() {  # name, overrides...: one throughput run (warmup 3: step 1 current, then delayed)
     local name=$1; shift
     timeout 280 python bench/train_throughput.py --preset llama3-1b --warmup 3 --steps 8 \
@@ -21,12 +23,12 @@ tp() {  # name, overrides...: one throughput run (warmup 3: step 1 current, then
 case ${1:-throughput-a} in
 throughput-a)
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    tp fp8 model.precision=fp8
+    tp fp8 model.precision=fp8 model.fp8_scaling=current "$BLOCKS"
     tp fp8-delayed-out model.precision=fp8 model.fp8_scaling=delayed "$ALL"
     ;;
 throughput-b)
-    tp fp8-delayed model.precision=fp8 model.fp8_scaling=delayed
-    tp fp8-out model.precision=fp8 "$ALL"
+    tp fp8-delayed model.precision=fp8 model.fp8_scaling=delayed "$BLOCKS"
+    tp fp8-out model.precision=fp8 model.fp8_scaling=current "$ALL"
     ;;
 parity)
     timeout 580 python bench/loss_parity.py --preset llama3-1b --steps 300 \
@@ -34,7 +36,7 @@ parity)
         --override model.seq_length=1024 train.global_batch_size=8 model.compile=true \
         model.fused_cross_entropy=true \
         --variant bf16:model.precision=bf16 \
-        --variant fp8:model.precision=fp8 \
+        --variant "fp8:model.precision=fp8,model.fp8_scaling=current,$BLOCKS" \
         --variant "fp8-delayed-out:model.precision=fp8,model.fp8_scaling=delayed,$ALL" \
         2>&1 | tee "$O/loss_parity-fp8-delayed.log" | tail -12
     ;;
