@@ -1,0 +1,102 @@
+"""One chunk's softmax part of the fused cross-entropy as one Triton kernel (imported only where it
+runs: it needs Triton). trireme.ops.fused_cross_entropy has the chunked loss around it and
+`_loss_and_grad`, the eager reference it is tested against (tests/test_cross_entropy_triton.py,
+through Triton's CPU interpreter, TRITON_INTERPRET=1).
+
+For logits z [c, V] (bf16 / fp16 / fp32; the columns from `vocab_size` on are padding), labels
+y [c] and weights w [c] (fp32), one program per row i, fp32 math:
+
+    pass 1 (reads the row's real columns once), an online logsumexp over tiles of BLOCK columns:
+        m_t   = max(m_{t-1}, max_j z_j)                     running max (a scalar)
+        s_t   = s_{t-1} * exp(m_{t-1} - m_t) + exp(z_tile - m_t)   per lane, [BLOCK]
+        lse   = m + log(sum over the lanes of s)
+    loss_i = w_i * (lse - z[y_i])                            (z[y_i]: one scalar load)
+    pass 2 (reads the row again: mostly from L2, it was just read), writes every column:
+        dz_j  = w_i * (exp(z_j - lse) - [j == y_i])          j < vocab_size
+        dz_j  = 0                                            j >= vocab_size (never read)
+
+cast to the logits' dtype. The lanes keep their own sums rescaled by the scalar running max, so
+each tile costs one cross-lane max and one exp per element; the sum is reduced once at the end.
+A label < 0 (-100: ignored) counts with weight 0: a zero loss term and a zero gradient row.
+Traffic per element: two reads and one write (the compiled torch version makes about four
+passes: max, sum of exp + target, gradient). The per-row loss terms go to a [c] fp32 buffer,
+summed by torch (no atomics: a deterministic sum).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 4096  # columns per tile: 8 KiB of bf16, 16 elements a thread at 8 warps
+NUM_WARPS = 8
+
+
+@triton.jit
+def _cross_entropy_kernel(
+    logits_ptr, out_ptr, labels_ptr, weight_ptr, loss_ptr,
+    logits_stride, out_stride, n_cols, vocab_size,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    z_row = logits_ptr + row.to(tl.int64) * logits_stride  # c * V can pass 2^31
+    dz_row = out_ptr + row.to(tl.int64) * out_stride
+    label = tl.load(labels_ptr + row)
+    w = tl.load(weight_ptr + row)
+    w = tl.where(label >= 0, w, 0.0)  # an ignored label: weight 0
+    cols = tl.arange(0, BLOCK)
+    neg_inf = float("-inf")
+    m = tl.max(tl.full([BLOCK], neg_inf, tl.float32), 0)  # running max, a scalar
+    s = tl.zeros([BLOCK], tl.float32)  # per-lane sums of exp(z - m)
+    for start in range(0, vocab_size, BLOCK):  # pass 1: the real columns only
+        c = start + cols
+        z = tl.load(z_row + c, mask=c < vocab_size, other=neg_inf).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(z, 0))
+        shift = tl.where(m_new == neg_inf, 0.0, m_new)  # all -inf so far: exp(-inf) = 0
+        s = s * tl.exp(m - shift) + tl.exp(z - shift)
+        m = m_new
+    shift = tl.where(m == neg_inf, 0.0, m)
+    lse = shift + tl.log(tl.sum(s, 0))
+    target = tl.load(z_row + tl.maximum(label, 0)).to(tl.float32)
+    target = tl.where(label < vocab_size, target, neg_inf)  # a padded label: as the reference
+    tl.store(loss_ptr + row, tl.where(w == 0.0, 0.0, w * (lse - target)))
+    for start in range(0, n_cols, BLOCK):  # pass 2: every column, padding written as 0
+        c = start + cols
+        real = c < vocab_size
+        z = tl.load(z_row + c, mask=real, other=neg_inf).to(tl.float32)
+        g = (tl.exp(z - lse) - tl.where(c == label, 1.0, 0.0)) * w
+        g = tl.where(real, g, 0.0)
+        tl.store(dz_row + c, g.to(out_ptr.dtype.element_ty), mask=c < n_cols)
+
+
+def loss_and_grad(
+    logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
+    vocab_size: int | None = None, *, in_place: bool = False, block: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of the weighted losses (fp32 scalar), d loss / d logits in logits.dtype): the
+    module docstring's kernel, the same contract as trireme.ops.fused_cross_entropy's
+    `_loss_and_grad`. logits [c, V] (rows may be strided, columns contiguous), labels [c] (-100
+    allowed), weight [c] fp32; columns from `vocab_size` on (None: none) are padding.
+    `in_place`: the gradient overwrites the logits (no second [c, V] tensor). `block` (a power of
+    two) and `num_warps` set the tile (default: BLOCK columns, or the vocabulary's next power of
+    two if smaller)."""
+    c, n_cols = logits.shape
+    vocab_size = n_cols if vocab_size is None else min(vocab_size, n_cols)
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    out = logits if in_place else torch.empty_like(logits, memory_format=torch.contiguous_format)
+    labels = labels.contiguous()
+    weight = weight.to(torch.float32).contiguous()
+    rows = torch.empty(c, dtype=torch.float32, device=logits.device)  # per-row loss terms
+    if block is None:
+        block = min(BLOCK, triton.next_power_of_2(max(vocab_size, 16)))
+    if num_warps is None:
+        num_warps = NUM_WARPS if block >= 2048 else 4
+    if c > 0:
+        _cross_entropy_kernel[(c,)](
+            logits, out, labels, weight, rows, logits.stride(0), out.stride(0), n_cols,
+            vocab_size, BLOCK=block, num_warps=num_warps,
+        )
+    return rows.sum(), out
