@@ -157,6 +157,12 @@ def _triton_loss_and_grad() -> Callable | None:
 SOFTMAX_KERNELS = ("compiled", "triton")
 
 
+def _triton_runs_on(device: torch.device) -> bool:
+    """Whether the Triton kernel is launched for tensors on `device` (CUDA; the tests also
+    run it on the CPU through Triton's interpreter)."""
+    return device.type == "cuda"
+
+
 def chunk_step(softmax_kernel: str, compile: bool, device: torch.device) -> Callable:
     """The per-chunk (loss, dlogits) function: the Triton kernel for "triton" on CUDA (where it
     imports), else `_loss_and_grad_pointwise` through torch.compile (`compile`) or the eager
@@ -164,7 +170,7 @@ def chunk_step(softmax_kernel: str, compile: bool, device: torch.device) -> Call
     if softmax_kernel not in SOFTMAX_KERNELS:
         raise TriremeError(f"softmax_kernel = {softmax_kernel!r} is not one of "
                            f"{', '.join(SOFTMAX_KERNELS)}")
-    if softmax_kernel == "triton" and device.type == "cuda":
+    if softmax_kernel == "triton" and _triton_runs_on(device):
         launch = _triton_loss_and_grad()
         if launch is not None:
             return launch

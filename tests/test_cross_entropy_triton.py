@@ -1,0 +1,178 @@
+"""The fused cross-entropy's Triton softmax kernel (trireme.ops.cross_entropy_triton) against the
+eager reference `_loss_and_grad`, through Triton's CPU interpreter; and the choice between it and
+the compiled path (model.fused_cross_entropy_kernel)."""
+
+import textwrap
+
+import pytest
+import torch
+from interpreted import BF16_ROUND, run_in_interpreter
+
+from trireme.config import load_config
+from trireme.errors import ConfigError, TriremeError
+from trireme.ops.fused_cross_entropy import (
+    _loss_and_grad,
+    chunk_step,
+    fused_linear_cross_entropy,
+)
+
+KERNEL_SCRIPT = BF16_ROUND + textwrap.dedent("""
+    import math
+    import torch
+    from trireme.ops.cross_entropy_triton import loss_and_grad
+    from trireme.ops.fused_cross_entropy import _loss_and_grad
+
+    def random_case(seed, c, n_cols, vocab):
+        gen = torch.Generator().manual_seed(seed)
+        z = torch.randn(c, n_cols, generator=gen) * 3
+        z[:, vocab:] = float("nan")  # padding: never read (the reference sets it to -inf)
+        y = torch.randint(0, vocab, (c,), generator=gen)
+        y[1] = -100  # ignored
+        w = torch.rand(c, generator=gen)  # a loss mask of fractional weights
+        w[1], w[2], w[3] = 0.0, 0.0, 2.5  # the ignored label, a masked token, a weight > 1
+        return z, y, w
+
+    def extreme_case(n_cols, vocab):
+        rows = [torch.zeros(vocab) for _ in range(7)]
+        rows[0][-1] = 1e4  # the max in the last tile: every earlier sum rescaled to 0
+        rows[1][0], rows[1][1:] = 80.0, -80.0  # the max first, tiny terms after
+        rows[2] = torch.linspace(-50.0, 50.0, vocab)  # a new max in every tile
+        rows[3][:20] = float("-inf")  # a first tile of -inf logits (masked tokens)
+        rows[3][20:] = torch.linspace(-3.0, 3.0, vocab - 20)
+        rows[4] += 1e3  # all equal and large
+        rows[5] = torch.linspace(-3e4, 3e4, vocab).flip(0)  # large magnitudes, both signs
+        rows[6] = -rows[5]
+        z = torch.full((7, n_cols), float("inf"))  # +inf padding: still probability 0
+        z[:, :vocab] = torch.stack(rows)
+        y = torch.tensor([vocab - 1, 5, 0, 25, 3, vocab - 1, 0])
+        return z, y, torch.tensor([1.0, 0.5, 1.0, 1.0, 1.0, 1.0, 0.25])
+
+    # (c, padded columns, vocab_size, block): tiles with a ragged last one, padding that spans
+    # a whole tile, no padding, one tile (the default block)
+    shapes = [(7, 48, 45, 16), (6, 64, 37, 16), (5, 40, 40, 16), (9, 100, 97, None)]
+    cases = [(f"random {s}", *random_case(i, *s[:3]), s[2], s[3]) for i, s in enumerate(shapes)]
+    cases += [("extreme", *extreme_case(70, 64), 64, 16), ("extreme 1 tile", *extreme_case(70, 64),
+              64, None)]
+    # the unit roundoff (half an ulp, relative) of each dtype
+    ROUNDOFF = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+    for name, z32, y, w, vocab, block in cases:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            if dtype == torch.float16 and "extreme" in name:
+                continue  # 1e4 and 3e4 do not fit fp16 exactly (6.5e4 is its max)
+            z = z32.to(dtype)
+            where = f"{name} {dtype}"
+            loss, d = loss_and_grad(z, y, w, vocab, block=block)
+            # the reference on the same values upcast: the exact math, before any rounding
+            ref_loss, ref32 = _loss_and_grad(z.float().clone(), y, w, vocab)  # overwritten
+            _, ref = _loss_and_grad(z.clone(), y, w, vocab)  # as the fused path calls it
+            assert d.dtype == dtype and d.shape == z.shape, where
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-5, msg=where)
+            # the kernel's fp32 gradient rounded once: within half an ulp of the exact one
+            # (plus the fp32 noise of a different summation order)
+            err = (d.float() - ref32).abs()
+            bound = (ROUNDOFF[dtype] + 2e-6) * ref32.abs() + 1e-7
+            assert (err <= bound).all(), (where, (err - bound).max().item())
+            torch.testing.assert_close(d.float(), ref.float(), rtol=2 * ROUNDOFF[dtype], atol=1e-7,
+                                       msg=where)  # at most an ulp from the reference's cast
+            assert (d[:, vocab:] == 0).all(), where  # padding: exactly 0 (nan / inf there)
+            assert (d[w == 0] == 0).all(), where  # ignored and masked rows: exactly 0
+            assert torch.isfinite(loss) and d[w > 0].abs().sum() > 0, where
+            # in place over strided rows (a wider buffer): the same numbers, no new tensor
+            wide = torch.zeros(z.shape[0], z.shape[1] + 5, dtype=dtype)
+            wide[:, : z.shape[1]] = z
+            view = wide[:, : z.shape[1]]
+            loss2, d2 = loss_and_grad(view, y, w, vocab, in_place=True, block=block)
+            assert d2.data_ptr() == view.data_ptr() and torch.equal(d2, d), where
+            assert torch.equal(loss2, loss) and (wide[:, z.shape[1]:] == 0).all(), where
+    print("ok")
+""")
+
+
+def test_kernel_matches_the_eager_reference_in_interpreter():
+    pytest.importorskip("triton", reason="the cross-entropy kernel needs Triton")
+    assert run_in_interpreter(KERNEL_SCRIPT).splitlines()[-1] == "ok"
+
+
+# the whole chunked loss with the kernel (its device check let through to the CPU, where the
+# interpreter runs it): a GPT's loss and gradients, and bf16 operands, against the torch path
+WIRING_SCRIPT = BF16_ROUND + textwrap.dedent("""
+    import dataclasses, sys
+    import torch
+    import trireme.ops.cross_entropy_triton as cet
+    import trireme.ops.fused_cross_entropy as fce
+    from trireme.config import ModelConfig
+    from trireme.models.gpt import GPT
+
+    calls = []
+    plain_launch = cet.loss_and_grad
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("in_place"))
+        return plain_launch(*args, **kwargs)
+    cet.loss_and_grad = counted
+    fce._triton_runs_on = lambda device: True
+
+    cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                      ffn_hidden_size=48, vocab_size=100, seq_length=16, tie_embeddings=True,
+                      fused_cross_entropy="true", loss_chunk_size=7)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 100, (2, 17), generator=gen)
+    tokens, labels = ids[:, :-1], ids[:, 1:].clone()
+    labels[0, :4] = -100
+    mask = torch.ones(2, 16)
+    mask[1, 10:] = 0.5
+    results = {}
+    for kernel in ("compiled", "triton"):
+        model = GPT(dataclasses.replace(cfg, fused_cross_entropy_kernel=kernel), seed=5)
+        loss = model(tokens, labels, loss_mask=mask)
+        loss.backward()
+        results[kernel] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    assert calls == [True] * 5, calls  # 32 tokens in chunks of 7, written in place
+    (loss_c, g_c), (loss_t, g_t) = results["compiled"], results["triton"]
+    torch.testing.assert_close(loss_t, loss_c, rtol=1e-6, atol=1e-6)
+    for name in g_c:
+        torch.testing.assert_close(g_t[name], g_c[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert g_t["embedding.weight"][100:].abs().sum() == 0  # the padded rows
+
+    x = torch.randn(20, 32, generator=gen).bfloat16()
+    w = (torch.randn(128, 32, generator=gen) * 0.5).bfloat16()
+    y = torch.randint(0, 100, (20,), generator=gen)
+    out = {}
+    for kernel in ("compiled", "triton"):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = fce.fused_linear_cross_entropy(xs, ws, y, vocab_size=100, chunk_size=8,
+                                              softmax_kernel=kernel)
+        loss.backward()
+        out[kernel] = (loss.detach(), xs.grad.float(), ws.grad.float())
+    for a, b in zip(out["triton"], out["compiled"]):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+    assert out["triton"][2][100:].abs().sum() == 0
+    print("ok")
+""")
+
+
+def test_chunked_loss_through_the_kernel_in_interpreter():
+    pytest.importorskip("triton", reason="the cross-entropy kernel needs Triton")
+    assert run_in_interpreter(WIRING_SCRIPT).splitlines()[-1] == "ok"
+
+
+def test_triton_choice_runs_the_torch_path_off_cuda():
+    cpu = torch.device("cpu")
+    assert chunk_step("triton", False, cpu) is _loss_and_grad
+    assert chunk_step("compiled", False, cpu) is _loss_and_grad
+    with pytest.raises(TriremeError, match="softmax_kernel = 'fast'"):
+        chunk_step("fast", False, cpu)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 8, generator=gen)
+    w = torch.randn(16, 8, generator=gen)
+    labels = torch.randint(0, 12, (9,), generator=gen)
+    losses = [fused_linear_cross_entropy(x, w, labels, vocab_size=12, chunk_size=4,
+                                         softmax_kernel=k) for k in ("compiled", "triton")]
+    assert torch.equal(losses[0], losses[1]) and losses[0] > 0
+
+
+def test_config_key():
+    assert load_config("tiny", []).model.fused_cross_entropy_kernel == "compiled"
+    cfg = load_config("tiny", ["model.fused_cross_entropy_kernel=triton"])
+    assert cfg.model.fused_cross_entropy_kernel == "triton"
+    with pytest.raises(ConfigError, match="fused_cross_entropy_kernel"):
+        load_config("tiny", ["model.fused_cross_entropy_kernel=fast"])
