@@ -62,6 +62,7 @@ KERNEL_SCRIPT = BF16_ROUND + textwrap.dedent("""
             z = z32.to(dtype)
             where = f"{name} {dtype}"
             loss, d = loss_and_grad(z, y, w, vocab, block=block)
+            loss_lane, d_lane = loss_and_grad(z, y, w, vocab, block=block, lane_max=True)
             # the reference on the same values upcast: the exact math, before any rounding
             ref_loss, ref32 = _loss_and_grad(z.float().clone(), y, w, vocab)  # overwritten
             _, ref = _loss_and_grad(z.clone(), y, w, vocab)  # as the fused path calls it
@@ -77,6 +78,9 @@ KERNEL_SCRIPT = BF16_ROUND + textwrap.dedent("""
             assert (d[:, vocab:] == 0).all(), where  # padding: exactly 0 (nan / inf there)
             assert (d[w == 0] == 0).all(), where  # ignored and masked rows: exactly 0
             assert torch.isfinite(loss) and d[w > 0].abs().sum() > 0, where
+            # the per-lane running max: the same up to fp32 summation order
+            torch.testing.assert_close(loss_lane, loss, rtol=1e-6, atol=1e-5, msg=where)
+            assert ((d_lane.float() - ref32).abs() <= bound).all(), where
             # in place over strided rows (a wider buffer): the same numbers, no new tensor
             wide = torch.zeros(z.shape[0], z.shape[1] + 5, dtype=dtype)
             wide[:, : z.shape[1]] = z

@@ -17,6 +17,8 @@ y [c] and weights w [c] (fp32), one program per row i, fp32 math:
 
 cast to the logits' dtype. The lanes keep their own sums rescaled by the scalar running max, so
 each tile costs one cross-lane max and one exp per element; the sum is reduced once at the end.
+(`lane_max`, a variant: a running max per lane too, so no cross-lane step in the loop but two
+exps per element; the lanes' (max, sum) pairs merge at the end.)
 A label < 0 (-100: ignored) counts with weight 0: a zero loss term and a zero gradient row.
 Traffic per element: two reads and one write (the compiled torch version makes about four
 passes: max, sum of exp + target, gradient). The per-row loss terms go to a [c] fp32 buffer,
@@ -34,10 +36,48 @@ NUM_WARPS = 8
 
 
 @triton.jit
+def _logsumexp_tile_max(z_row, vocab_size, BLOCK: tl.constexpr):
+    """Pass 1 with one running max per row: a cross-lane max per tile, one exp per element."""
+    cols = tl.arange(0, BLOCK)
+    neg_inf = float("-inf")
+    m = tl.max(tl.full([BLOCK], neg_inf, tl.float32), 0)  # running max, a scalar
+    s = tl.zeros([BLOCK], tl.float32)  # per-lane sums of exp(z - m)
+    for start in range(0, vocab_size, BLOCK):  # the real columns only
+        c = start + cols
+        z = tl.load(z_row + c, mask=c < vocab_size, other=neg_inf).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(z, 0))
+        shift = tl.where(m_new == neg_inf, 0.0, m_new)  # all -inf so far: exp(-inf) = 0
+        s = s * tl.exp(m - shift) + tl.exp(z - shift)
+        m = m_new
+    shift = tl.where(m == neg_inf, 0.0, m)
+    return shift + tl.log(tl.sum(s, 0))
+
+
+@triton.jit
+def _logsumexp_lane_max(z_row, vocab_size, BLOCK: tl.constexpr):
+    """Pass 1 with a running max per lane: no cross-lane step inside the loop, two exps per
+    element; the lanes' (max, sum) pairs are merged once at the end."""
+    cols = tl.arange(0, BLOCK)
+    neg_inf = float("-inf")
+    m = tl.full([BLOCK], neg_inf, tl.float32)
+    s = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, vocab_size, BLOCK):
+        c = start + cols
+        z = tl.load(z_row + c, mask=c < vocab_size, other=neg_inf).to(tl.float32)
+        m_new = tl.maximum(m, z)
+        shift = tl.where(m_new == neg_inf, 0.0, m_new)
+        s = s * tl.exp(m - shift) + tl.exp(z - shift)
+        m = m_new
+    top = tl.max(m, 0)
+    shift = tl.where(top == neg_inf, 0.0, top)
+    return shift + tl.log(tl.sum(s * tl.exp(m - shift), 0))
+
+
+@triton.jit
 def _cross_entropy_kernel(
     logits_ptr, out_ptr, labels_ptr, weight_ptr, loss_ptr,
     logits_stride, out_stride, n_cols, vocab_size,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, LANE_MAX: tl.constexpr,
 ):
     row = tl.program_id(0)
     z_row = logits_ptr + row.to(tl.int64) * logits_stride  # c * V can pass 2^31
@@ -47,17 +87,10 @@ def _cross_entropy_kernel(
     w = tl.where(label >= 0, w, 0.0)  # an ignored label: weight 0
     cols = tl.arange(0, BLOCK)
     neg_inf = float("-inf")
-    m = tl.max(tl.full([BLOCK], neg_inf, tl.float32), 0)  # running max, a scalar
-    s = tl.zeros([BLOCK], tl.float32)  # per-lane sums of exp(z - m)
-    for start in range(0, vocab_size, BLOCK):  # pass 1: the real columns only
-        c = start + cols
-        z = tl.load(z_row + c, mask=c < vocab_size, other=neg_inf).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(z, 0))
-        shift = tl.where(m_new == neg_inf, 0.0, m_new)  # all -inf so far: exp(-inf) = 0
-        s = s * tl.exp(m - shift) + tl.exp(z - shift)
-        m = m_new
-    shift = tl.where(m == neg_inf, 0.0, m)
-    lse = shift + tl.log(tl.sum(s, 0))
+    if LANE_MAX:  # pass 1: the real columns only
+        lse = _logsumexp_lane_max(z_row, vocab_size, BLOCK)
+    else:
+        lse = _logsumexp_tile_max(z_row, vocab_size, BLOCK)
     target = tl.load(z_row + tl.maximum(label, 0)).to(tl.float32)
     target = tl.where(label < vocab_size, target, neg_inf)  # a padded label: as the reference
     tl.store(loss_ptr + row, tl.where(w == 0.0, 0.0, w * (lse - target)))
@@ -73,7 +106,7 @@ def _cross_entropy_kernel(
 def loss_and_grad(
     logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
     vocab_size: int | None = None, *, in_place: bool = False, block: int | None = None,
-    num_warps: int | None = None,
+    num_warps: int | None = None, lane_max: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of the weighted losses (fp32 scalar), d loss / d logits in logits.dtype): the
     module docstring's kernel, the same contract as trireme.ops.fused_cross_entropy's
@@ -81,7 +114,8 @@ def loss_and_grad(
     allowed), weight [c] fp32; columns from `vocab_size` on (None: none) are padding.
     `in_place`: the gradient overwrites the logits (no second [c, V] tensor). `block` (a power of
     two) and `num_warps` set the tile (default: BLOCK columns, or the vocabulary's next power of
-    two if smaller)."""
+    two if smaller). `lane_max`: pass 1 keeps a running max per lane instead of per row (module
+    docstring), a variant for the benchmark."""
     c, n_cols = logits.shape
     vocab_size = n_cols if vocab_size is None else min(vocab_size, n_cols)
     if logits.stride(1) != 1:
@@ -97,6 +131,6 @@ def loss_and_grad(
     if c > 0:
         _cross_entropy_kernel[(c,)](
             logits, out, labels, weight, rows, logits.stride(0), out.stride(0), n_cols,
-            vocab_size, BLOCK=block, num_warps=num_warps,
+            vocab_size, BLOCK=block, LANE_MAX=lane_max, num_warps=num_warps,
         )
     return rows.sum(), out
