@@ -2,11 +2,15 @@
 eager reference `_loss_and_grad`, through Triton's CPU interpreter; and the choice between it and
 the compiled path (model.fused_cross_entropy_kernel)."""
 
+import os
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
-from interpreted import BF16_ROUND, run_in_interpreter
+from interpreted import BF16_ROUND, REPO, run_in_interpreter
 
 from trireme.config import load_config
 from trireme.errors import ConfigError, TriremeError
@@ -157,6 +161,51 @@ WIRING_SCRIPT = BF16_ROUND + textwrap.dedent("""
 def test_chunked_loss_through_the_kernel_in_interpreter():
     pytest.importorskip("triton", reason="the cross-entropy kernel needs Triton")
     assert run_in_interpreter(WIRING_SCRIPT).splitlines()[-1] == "ok"
+
+
+# compiled for an H100 / H200 (sm_90) without a GPU: the GPU lowering accepts the kernel (the
+# interpreter is laxer about types), rounds fp32 -> bf16 to nearest even (what BF16_ROUND makes
+# the interpreter do) and keeps the tile in registers (no local memory: no spills)
+SM90_SCRIPT = textwrap.dedent("""
+    import os, subprocess, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from trireme.ops.cross_entropy_triton import BLOCK, NUM_WARPS, _cross_entropy_kernel
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    for dtype, lane_max in (("bf16", False), ("fp32", True)):
+        signature = {"logits_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "labels_ptr": "*i64",
+                     "weight_ptr": "*fp32", "loss_ptr": "*fp32", "logits_stride": "i32",
+                     "out_stride": "i32", "n_cols": "i32", "vocab_size": "i32",
+                     "BLOCK": "constexpr", "LANE_MAX": "constexpr"}
+        source = ASTSource(fn=_cross_entropy_kernel, signature=signature,
+                           constexprs={"BLOCK": BLOCK, "LANE_MAX": lane_max})
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": NUM_WARPS})
+        ptx = kernel.asm["ptx"]
+        assert ("cvt.rn.bf16" in ptx) == (dtype == "bf16"), dtype
+        assert "ex2.approx" in ptx
+        with open("k.cubin", "wb") as f:
+            f.write(kernel.asm["cubin"])
+        usage = subprocess.run([tool, "--dump-resource-usage", "k.cubin"], capture_output=True,
+                               text=True, check=True).stdout
+        assert "LOCAL:0" in usage, usage
+    print("ok")
+""")
+
+
+def test_kernel_compiles_for_sm90(tmp_path, monkeypatch):
+    triton = pytest.importorskip("triton", reason="the cross-entropy kernel needs Triton")
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        pytest.skip("Triton without its NVIDIA backend tools")
+    monkeypatch.chdir(tmp_path)
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache"),
+           "TRITON_DEFAULT_FP_FUSION": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", SM90_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
 
 
 def test_triton_choice_runs_the_torch_path_off_cuda():
