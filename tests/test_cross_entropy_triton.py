@@ -19,6 +19,7 @@ from trireme.ops.fused_cross_entropy import (
     chunk_step,
     fused_linear_cross_entropy,
 )
+from trireme.plan.activations import head_bytes, shape_of
 
 KERNEL_SCRIPT = BF16_ROUND + textwrap.dedent("""
     import math
@@ -229,3 +230,20 @@ def test_config_key():
     assert cfg.model.fused_cross_entropy_kernel == "triton"
     with pytest.raises(ConfigError, match="fused_cross_entropy_kernel"):
         load_config("tiny", ["model.fused_cross_entropy_kernel=fast"])
+
+
+def test_plan_counts_the_gradient_written_over_the_logits():
+    """trireme plan's head peak: the Triton kernel needs the chunk's logits only (no second
+    [chunk, vocab] tensor), where it runs: on a GPU, not for the fp8 output layer."""
+    base = {"model.vocab_size": 1000, "model.fused_cross_entropy": "true",
+            "model.precision": "bf16", "model.loss_chunk_size": 64}
+
+    def peak(gpu, **extra):
+        cfg = load_config("tiny", {**base, **extra})
+        return head_bytes(cfg, shape_of(cfg, norm_fused=False, gpu=gpu), 256).peak
+
+    triton = {"model.fused_cross_entropy_kernel": "triton"}
+    assert peak(True) - peak(True, **triton) == 64 * 1000 * 2  # one bf16 [chunk, vocab] less
+    assert peak(False, **triton) == peak(False)  # the CPU: the torch path
+    fp8 = {"model.precision": "fp8", "model.fp8_layers": ["qkv", "output"]}
+    assert peak(True, **fp8, **triton) == peak(True, **fp8)
