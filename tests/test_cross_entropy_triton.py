@@ -68,6 +68,7 @@ KERNEL_SCRIPT = BF16_ROUND + textwrap.dedent("""
             where = f"{name} {dtype}"
             loss, d = loss_and_grad(z, y, w, vocab, block=block)
             loss_lane, d_lane = loss_and_grad(z, y, w, vocab, block=block, lane_max=True)
+            loss_one, d_one = loss_and_grad(z, y, w, vocab, one_tile=True)
             # the reference on the same values upcast: the exact math, before any rounding
             ref_loss, ref32 = _loss_and_grad(z.float().clone(), y, w, vocab)  # overwritten
             _, ref = _loss_and_grad(z.clone(), y, w, vocab)  # as the fused path calls it
@@ -86,6 +87,10 @@ KERNEL_SCRIPT = BF16_ROUND + textwrap.dedent("""
             # the per-lane running max: the same up to fp32 summation order
             torch.testing.assert_close(loss_lane, loss, rtol=1e-6, atol=1e-5, msg=where)
             assert ((d_lane.float() - ref32).abs() <= bound).all(), where
+            # and the whole row as one tile
+            torch.testing.assert_close(loss_one, loss, rtol=1e-6, atol=1e-5, msg=where)
+            assert ((d_one.float() - ref32).abs() <= bound).all(), where
+            assert (d_one[:, vocab:] == 0).all() and (d_one[w == 0] == 0).all(), where
             # in place over strided rows (a wider buffer): the same numbers, no new tensor
             wide = torch.zeros(z.shape[0], z.shape[1] + 5, dtype=dtype)
             wide[:, : z.shape[1]] = z
@@ -166,7 +171,8 @@ def test_chunked_loss_through_the_kernel_in_interpreter():
 
 # compiled for an H100 / H200 (sm_90) without a GPU: the GPU lowering accepts the kernel (the
 # interpreter is laxer about types), rounds fp32 -> bf16 to nearest even (what BF16_ROUND makes
-# the interpreter do) and keeps the tile in registers (no local memory: no spills)
+# the interpreter do) and keeps the tile in registers (no stack or local memory: no
+# spills)
 SM90_SCRIPT = textwrap.dedent("""
     import os, subprocess, triton
     from triton.backends.compiler import GPUTarget
@@ -174,15 +180,17 @@ SM90_SCRIPT = textwrap.dedent("""
     from trireme.ops.cross_entropy_triton import BLOCK, NUM_WARPS, _cross_entropy_kernel
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    for dtype, lane_max in (("bf16", False), ("fp32", True)):
+    for dtype, lane_max, one_tile in (("bf16", False, False), ("fp32", True, False),
+                                      ("bf16", False, True)):
         signature = {"logits_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "labels_ptr": "*i64",
                      "weight_ptr": "*fp32", "loss_ptr": "*fp32", "logits_stride": "i32",
                      "out_stride": "i32", "n_cols": "i32", "vocab_size": "i32",
-                     "BLOCK": "constexpr", "LANE_MAX": "constexpr"}
+                     "BLOCK": "constexpr", "LANE_MAX": "constexpr", "ONE_TILE": "constexpr"}
         source = ASTSource(fn=_cross_entropy_kernel, signature=signature,
-                           constexprs={"BLOCK": BLOCK, "LANE_MAX": lane_max})
-        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": NUM_WARPS})
+                           constexprs={"BLOCK": 65536 if one_tile else BLOCK,
+                                       "LANE_MAX": lane_max, "ONE_TILE": one_tile})
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),  # one_tile: gpt2
+                                options={"num_warps": 32 if one_tile else NUM_WARPS})
         ptx = kernel.asm["ptx"]
         assert ("cvt.rn.bf16" in ptx) == (dtype == "bf16"), dtype
         assert "ex2.approx" in ptx
@@ -190,7 +198,9 @@ SM90_SCRIPT = textwrap.dedent("""
             f.write(kernel.asm["cubin"])
         usage = subprocess.run([tool, "--dump-resource-usage", "k.cubin"], capture_output=True,
                                text=True, check=True).stdout
-        assert "LOCAL:0" in usage, usage
+        print(dtype, lane_max, one_tile, usage.split("REG")[1].split("CONSTANT")[0].strip())
+        if not one_tile:  # the whole gpt2 row in registers spills a little (a variant)
+            assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
     print("ok")
 """)
 
@@ -206,7 +216,8 @@ def test_kernel_compiles_for_sm90(tmp_path, monkeypatch):
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", SM90_SCRIPT], env=env, capture_output=True,
                           text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+    assert proc.returncode == 0 and proc.stdout.split()[-1] == "ok", proc.stdout + proc.stderr
+    print(proc.stdout)
 
 
 def test_triton_choice_runs_the_torch_path_off_cuda():

@@ -18,7 +18,9 @@ y [c] and weights w [c] (fp32), one program per row i, fp32 math:
 cast to the logits' dtype. The lanes keep their own sums rescaled by the scalar running max, so
 each tile costs one cross-lane max and one exp per element; the sum is reduced once at the end.
 (`lane_max`, a variant: a running max per lane too, so no cross-lane step in the loop but two
-exps per element; the lanes' (max, sum) pairs merge at the end.)
+exps per element; the lanes' (max, sum) pairs merge at the end. `one_tile`, another: the
+whole row as one tile held in registers, so read once, for vocabularies that fit, such as
+GPT-2's 50304 columns at 32 warps.)
 A label < 0 (-100: ignored) counts with weight 0: a zero loss term and a zero gradient row.
 Traffic per element: two reads and one write (the compiled torch version makes about four
 passes: max, sum of exp + target, gradient). The per-row loss terms go to a [c] fp32 buffer,
@@ -74,10 +76,17 @@ def _logsumexp_lane_max(z_row, vocab_size, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _gradient(z, c, lse, label, w, vocab_size):
+    """d loss / d z for fp32 logits z at columns c: exactly 0 from vocab_size on."""
+    g = (tl.exp(z - lse) - tl.where(c == label, 1.0, 0.0)) * w
+    return tl.where(c < vocab_size, g, 0.0)
+
+
+@triton.jit
 def _cross_entropy_kernel(
     logits_ptr, out_ptr, labels_ptr, weight_ptr, loss_ptr,
     logits_stride, out_stride, n_cols, vocab_size,
-    BLOCK: tl.constexpr, LANE_MAX: tl.constexpr,
+    BLOCK: tl.constexpr, LANE_MAX: tl.constexpr, ONE_TILE: tl.constexpr,
 ):
     row = tl.program_id(0)
     z_row = logits_ptr + row.to(tl.int64) * logits_stride  # c * V can pass 2^31
@@ -87,26 +96,33 @@ def _cross_entropy_kernel(
     w = tl.where(label >= 0, w, 0.0)  # an ignored label: weight 0
     cols = tl.arange(0, BLOCK)
     neg_inf = float("-inf")
-    if LANE_MAX:  # pass 1: the real columns only
+    if ONE_TILE:  # BLOCK >= n_cols: the row is read once and kept in registers
+        z_all = tl.load(z_row + cols, mask=cols < vocab_size, other=neg_inf).to(tl.float32)
+        top = tl.max(z_all, 0)
+        shift = tl.where(top == neg_inf, 0.0, top)
+        lse = shift + tl.log(tl.sum(tl.exp(z_all - shift), 0))
+    elif LANE_MAX:  # pass 1: the real columns only
         lse = _logsumexp_lane_max(z_row, vocab_size, BLOCK)
     else:
         lse = _logsumexp_tile_max(z_row, vocab_size, BLOCK)
     target = tl.load(z_row + tl.maximum(label, 0)).to(tl.float32)
     target = tl.where(label < vocab_size, target, neg_inf)  # a padded label: as the reference
     tl.store(loss_ptr + row, tl.where(w == 0.0, 0.0, w * (lse - target)))
-    for start in range(0, n_cols, BLOCK):  # pass 2: every column, padding written as 0
-        c = start + cols
-        real = c < vocab_size
-        z = tl.load(z_row + c, mask=real, other=neg_inf).to(tl.float32)
-        g = (tl.exp(z - lse) - tl.where(c == label, 1.0, 0.0)) * w
-        g = tl.where(real, g, 0.0)
-        tl.store(dz_row + c, g.to(out_ptr.dtype.element_ty), mask=c < n_cols)
+    if ONE_TILE:
+        g = _gradient(z_all, cols, lse, label, w, vocab_size)
+        tl.store(dz_row + cols, g.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
+    else:
+        for start in range(0, n_cols, BLOCK):  # pass 2: every column, padding written as 0
+            c = start + cols
+            z = tl.load(z_row + c, mask=c < vocab_size, other=neg_inf).to(tl.float32)
+            g = _gradient(z, c, lse, label, w, vocab_size)
+            tl.store(dz_row + c, g.to(out_ptr.dtype.element_ty), mask=c < n_cols)
 
 
 def loss_and_grad(
     logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
     vocab_size: int | None = None, *, in_place: bool = False, block: int | None = None,
-    num_warps: int | None = None, lane_max: bool = False,
+    num_warps: int | None = None, lane_max: bool = False, one_tile: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of the weighted losses (fp32 scalar), d loss / d logits in logits.dtype): the
     module docstring's kernel, the same contract as trireme.ops.fused_cross_entropy's
@@ -114,8 +130,9 @@ def loss_and_grad(
     allowed), weight [c] fp32; columns from `vocab_size` on (None: none) are padding.
     `in_place`: the gradient overwrites the logits (no second [c, V] tensor). `block` (a power of
     two) and `num_warps` set the tile (default: BLOCK columns, or the vocabulary's next power of
-    two if smaller). `lane_max`: pass 1 keeps a running max per lane instead of per row (module
-    docstring), a variant for the benchmark."""
+    two if smaller). Variants for the benchmark (module docstring): `lane_max`, a running max per
+    lane; `one_tile`, the whole row as one tile (block: V's next power of two; by default one
+    warp per 2048 columns, up to 32), read once."""
     c, n_cols = logits.shape
     vocab_size = n_cols if vocab_size is None else min(vocab_size, n_cols)
     if logits.stride(1) != 1:
@@ -124,13 +141,17 @@ def loss_and_grad(
     labels = labels.contiguous()
     weight = weight.to(torch.float32).contiguous()
     rows = torch.empty(c, dtype=torch.float32, device=logits.device)  # per-row loss terms
-    if block is None:
+    if one_tile:
+        block = triton.next_power_of_2(max(n_cols, 16))
+    elif block is None:
         block = min(BLOCK, triton.next_power_of_2(max(vocab_size, 16)))
     if num_warps is None:
-        num_warps = NUM_WARPS if block >= 2048 else 4
+        num_warps = min(32, max(4, block // 2048)) if one_tile else (
+            NUM_WARPS if block >= 2048 else 4)
     if c > 0:
         _cross_entropy_kernel[(c,)](
             logits, out, labels, weight, rows, logits.stride(0), out.stride(0), n_cols,
-            vocab_size, BLOCK=block, LANE_MAX=lane_max, num_warps=num_warps,
+            vocab_size, BLOCK=block, LANE_MAX=lane_max, ONE_TILE=one_tile,
+            num_warps=num_warps,
         )
     return rows.sum(), out
