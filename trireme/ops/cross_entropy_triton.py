@@ -29,6 +29,8 @@ summed by torch (no atomics: a deterministic sum).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -148,10 +150,13 @@ def loss_and_grad(
     if num_warps is None:
         num_warps = min(32, max(4, block // 2048)) if one_tile else (
             NUM_WARPS if block >= 2048 else 4)
+    # Triton launches on the current device (the interpreter: the CPU)
+    where = torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext()
     if c > 0:
-        _cross_entropy_kernel[(c,)](
-            logits, out, labels, weight, rows, logits.stride(0), out.stride(0), n_cols,
-            vocab_size, BLOCK=block, LANE_MAX=lane_max, ONE_TILE=one_tile,
-            num_warps=num_warps,
-        )
+        with where:
+            _cross_entropy_kernel[(c,)](
+                logits, out, labels, weight, rows, logits.stride(0), out.stride(0), n_cols,
+                vocab_size, BLOCK=block, LANE_MAX=lane_max, ONE_TILE=one_tile,
+                num_warps=num_warps,
+            )
     return rows.sum(), out
