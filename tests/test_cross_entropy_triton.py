@@ -185,15 +185,29 @@ SM90_SCRIPT = textwrap.dedent("""
         signature = {"logits_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "labels_ptr": "*i64",
                      "weight_ptr": "*fp32", "loss_ptr": "*fp32", "logits_stride": "i32",
                      "out_stride": "i32", "n_cols": "i32", "vocab_size": "i32",
-                     "BLOCK": "constexpr", "LANE_MAX": "constexpr", "ONE_TILE": "constexpr"}
-        source = ASTSource(fn=_cross_entropy_kernel, signature=signature,
+                     "BLOCK": "constexpr", "LANE_MAX": "constexpr", "ONE_TILE": "constexpr",
+                     "EVICT_1": "constexpr", "EVICT_2": "constexpr"}
+        # what Triton's launcher assumes for gpt2's [c, 50304] logits: 16-byte aligned
+        # pointers, strides and column count multiples of 16 (the vocabulary 50257 is not)
+        aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(signature)
+                   if n.endswith(("_ptr", "_stride")) or n == "n_cols"}
+        source = ASTSource(fn=_cross_entropy_kernel, signature=signature, attrs=aligned,
                            constexprs={"BLOCK": 65536 if one_tile else BLOCK,
-                                       "LANE_MAX": lane_max, "ONE_TILE": one_tile})
+                                       "LANE_MAX": lane_max, "ONE_TILE": one_tile,
+                                       "EVICT_1": "evict_last", "EVICT_2": "evict_first"})
         kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),  # one_tile: gpt2
                                 options={"num_warps": 32 if one_tile else NUM_WARPS})
         ptx = kernel.asm["ptx"]
         assert ("cvt.rn.bf16" in ptx) == (dtype == "bf16"), dtype
         assert "ex2.approx" in ptx
+        assert one_tile or ("evict_last" in ptx and "evict_first" in ptx)  # the L2 hints
+        # the logits move as 16-byte vectors in both passes (a load masked by the odd vocabulary
+        # would be 16 scalar ones a thread): the only narrow load is the target logit's
+        loads = [line for line in ptx.splitlines() if "ld.global" in line]
+        stores = [line for line in ptx.splitlines() if "st.global" in line]
+        assert sum(".v4." in line for line in loads) >= (2 if one_tile else 4), loads
+        assert sum(".v4." in line for line in stores) >= 2, stores
+        assert sum(".v4." not in line for line in loads) <= 3, loads  # label, weight, target
         with open("k.cubin", "wb") as f:
             f.write(kernel.asm["cubin"])
         usage = subprocess.run([tool, "--dump-resource-usage", "k.cubin"], capture_output=True,

@@ -11,9 +11,10 @@ y [c] and weights w [c] (fp32), one program per row i, fp32 math:
         s_t   = s_{t-1} * exp(m_{t-1} - m_t) + exp(z_tile - m_t)   per lane, [BLOCK]
         lse   = m + log(sum over the lanes of s)
     loss_i = w_i * (lse - z[y_i])                            (z[y_i]: one scalar load)
-    pass 2 (reads the row again: mostly from L2, it was just read), writes every column:
+    pass 2 (reads the row again, from L2 if it is still there: pass 1 loads it "evict_last"),
+    writes every column:
         dz_j  = w_i * (exp(z_j - lse) - [j == y_i])          j < vocab_size
-        dz_j  = 0                                            j >= vocab_size (never read)
+        dz_j  = 0                                            j >= vocab_size (not used)
 
 cast to the logits' dtype. The lanes keep their own sums rescaled by the scalar running max, so
 each tile costs one cross-lane max and one exp per element; the sum is reduced once at the end.
@@ -40,7 +41,17 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _logsumexp_tile_max(z_row, vocab_size, BLOCK: tl.constexpr):
+def _load(z_row, c, n_cols, vocab_size, EVICT: tl.constexpr):
+    """fp32 logits at columns c, -inf from vocab_size on. The load is masked by n_cols, not
+    vocab_size, and the padding replaced after it: a mask that is constant over 8 columns lets
+    Triton load 16-byte vectors (an odd vocabulary such as 50257 would make every load scalar);
+    the few padding columns of the last tile are read for it."""
+    z = tl.load(z_row + c, mask=c < n_cols, other=float("-inf"), eviction_policy=EVICT)
+    return tl.where(c < vocab_size, z.to(tl.float32), float("-inf"))
+
+
+@triton.jit
+def _logsumexp_tile_max(z_row, n_cols, vocab_size, BLOCK: tl.constexpr, EVICT: tl.constexpr):
     """Pass 1 with one running max per row: a cross-lane max per tile, one exp per element."""
     cols = tl.arange(0, BLOCK)
     neg_inf = float("-inf")
@@ -48,7 +59,7 @@ def _logsumexp_tile_max(z_row, vocab_size, BLOCK: tl.constexpr):
     s = tl.zeros([BLOCK], tl.float32)  # per-lane sums of exp(z - m)
     for start in range(0, vocab_size, BLOCK):  # the real columns only
         c = start + cols
-        z = tl.load(z_row + c, mask=c < vocab_size, other=neg_inf).to(tl.float32)
+        z = _load(z_row, c, n_cols, vocab_size, EVICT)
         m_new = tl.maximum(m, tl.max(z, 0))
         shift = tl.where(m_new == neg_inf, 0.0, m_new)  # all -inf so far: exp(-inf) = 0
         s = s * tl.exp(m - shift) + tl.exp(z - shift)
@@ -58,7 +69,7 @@ def _logsumexp_tile_max(z_row, vocab_size, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _logsumexp_lane_max(z_row, vocab_size, BLOCK: tl.constexpr):
+def _logsumexp_lane_max(z_row, n_cols, vocab_size, BLOCK: tl.constexpr, EVICT: tl.constexpr):
     """Pass 1 with a running max per lane: no cross-lane step inside the loop, two exps per
     element; the lanes' (max, sum) pairs are merged once at the end."""
     cols = tl.arange(0, BLOCK)
@@ -67,7 +78,7 @@ def _logsumexp_lane_max(z_row, vocab_size, BLOCK: tl.constexpr):
     s = tl.zeros([BLOCK], tl.float32)
     for start in range(0, vocab_size, BLOCK):
         c = start + cols
-        z = tl.load(z_row + c, mask=c < vocab_size, other=neg_inf).to(tl.float32)
+        z = _load(z_row, c, n_cols, vocab_size, EVICT)
         m_new = tl.maximum(m, z)
         shift = tl.where(m_new == neg_inf, 0.0, m_new)
         s = s * tl.exp(m - shift) + tl.exp(z - shift)
@@ -89,6 +100,7 @@ def _cross_entropy_kernel(
     logits_ptr, out_ptr, labels_ptr, weight_ptr, loss_ptr,
     logits_stride, out_stride, n_cols, vocab_size,
     BLOCK: tl.constexpr, LANE_MAX: tl.constexpr, ONE_TILE: tl.constexpr,
+    EVICT_1: tl.constexpr, EVICT_2: tl.constexpr,
 ):
     row = tl.program_id(0)
     z_row = logits_ptr + row.to(tl.int64) * logits_stride  # c * V can pass 2^31
@@ -99,14 +111,14 @@ def _cross_entropy_kernel(
     cols = tl.arange(0, BLOCK)
     neg_inf = float("-inf")
     if ONE_TILE:  # BLOCK >= n_cols: the row is read once and kept in registers
-        z_all = tl.load(z_row + cols, mask=cols < vocab_size, other=neg_inf).to(tl.float32)
+        z_all = _load(z_row, cols, n_cols, vocab_size, "")
         top = tl.max(z_all, 0)
         shift = tl.where(top == neg_inf, 0.0, top)
         lse = shift + tl.log(tl.sum(tl.exp(z_all - shift), 0))
     elif LANE_MAX:  # pass 1: the real columns only
-        lse = _logsumexp_lane_max(z_row, vocab_size, BLOCK)
+        lse = _logsumexp_lane_max(z_row, n_cols, vocab_size, BLOCK, EVICT_1)
     else:
-        lse = _logsumexp_tile_max(z_row, vocab_size, BLOCK)
+        lse = _logsumexp_tile_max(z_row, n_cols, vocab_size, BLOCK, EVICT_1)
     target = tl.load(z_row + tl.maximum(label, 0)).to(tl.float32)
     target = tl.where(label < vocab_size, target, neg_inf)  # a padded label: as the reference
     tl.store(loss_ptr + row, tl.where(w == 0.0, 0.0, w * (lse - target)))
@@ -116,7 +128,7 @@ def _cross_entropy_kernel(
     else:
         for start in range(0, n_cols, BLOCK):  # pass 2: every column, padding written as 0
             c = start + cols
-            z = tl.load(z_row + c, mask=c < vocab_size, other=neg_inf).to(tl.float32)
+            z = _load(z_row, c, n_cols, vocab_size, EVICT_2)
             g = _gradient(z, c, lse, label, w, vocab_size)
             tl.store(dz_row + c, g.to(out_ptr.dtype.element_ty), mask=c < n_cols)
 
@@ -125,6 +137,7 @@ def loss_and_grad(
     logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
     vocab_size: int | None = None, *, in_place: bool = False, block: int | None = None,
     num_warps: int | None = None, lane_max: bool = False, one_tile: bool = False,
+    l2_hints: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of the weighted losses (fp32 scalar), d loss / d logits in logits.dtype): the
     module docstring's kernel, the same contract as trireme.ops.fused_cross_entropy's
@@ -134,7 +147,8 @@ def loss_and_grad(
     two) and `num_warps` set the tile (default: BLOCK columns, or the vocabulary's next power of
     two if smaller). Variants for the benchmark (module docstring): `lane_max`, a running max per
     lane; `one_tile`, the whole row as one tile (block: V's next power of two; by default one
-    warp per 2048 columns, up to 32), read once."""
+    warp per 2048 columns, up to 32), read once. `l2_hints`: pass 1 loads "evict_last" and
+    pass 2 "evict_first" (keep the row in L2 between the two)."""
     c, n_cols = logits.shape
     vocab_size = n_cols if vocab_size is None else min(vocab_size, n_cols)
     if logits.stride(1) != 1:
@@ -157,6 +171,7 @@ def loss_and_grad(
             _cross_entropy_kernel[(c,)](
                 logits, out, labels, weight, rows, logits.stride(0), out.stride(0), n_cols,
                 vocab_size, BLOCK=block, LANE_MAX=lane_max, ONE_TILE=one_tile,
+                EVICT_1="evict_last" if l2_hints else "", EVICT_2="evict_first" if l2_hints else "",
                 num_warps=num_warps,
             )
     return rows.sum(), out
