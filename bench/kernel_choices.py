@@ -4,6 +4,11 @@
 --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH && \
 python3 bench/kernel_choices.py --out bench/results/kernel_choices.json
 
+The output layer + loss alone (both models' shapes; the ce_step sections time the softmax part):
+
+    python3 bench/kernel_choices.py --ops ce_step_gpt2,ce_step,loss_gpt2,loss \
+--out bench/results/kernel_choices_loss.json
+
 Registry kernels (flash-attn-4, quack, liger, torchao float8) against ours, side by side, forward +
 backward, at the llama3-1b training shapes. `--total-budget-s` (default 540) keeps the whole run
 under the 10-minute call limit (later sections are then skipped, and the JSON, rewritten after every
@@ -25,9 +30,19 @@ seq 4096, micro batch 8, bf16):
                compiled fused_swiglu, liger through trireme.ops.liger (model.kernels)
     rope       q [8, 32, 4096, 64], k [8, 8, 4096, 64]: compiled ours, liger, quack
     loss       hidden [32768, 2048] x vocab 128256: ours (chunked fused, compiled softmax part),
+               ours with the Triton softmax part (model.fused_cross_entropy_kernel = "triton"),
                plain (bf16 logits + F.cross_entropy), liger fused linear CE (default, and as
                trireme.ops.liger calls it: fp32 weight-gradient sums), quack chunked linear CE,
                quack CE on materialized logits
+    loss_gpt2  the same at gpt2-124m's output layer: hidden [32768, 768] x vocab 50257 in a
+               weight of 50304 rows (ours takes the padded weight, the others its real rows)
+    ce_step    one chunk's softmax part alone (no autograd), logits [4096, 128256] -> (loss,
+               dlogits): eager `_loss_and_grad`, compiled (torch.compile, the default), the
+               Triton kernel (trireme.ops.cross_entropy_triton) out of place, in place, without
+               its L2 hints, at other tiles (triton_b<columns>_w<warps>), with a running max
+               per lane (triton_lane_b<columns>_w<warps>), and (gpt2) the whole row as one tile
+               read once (triton_one_tile_w<warps>); GB/s of one read + one write
+    ce_step_gpt2  the same at [4096, 50304], columns from 50257 on padding
     fp8        x [32768, K] @ W [N, K]^T for (K, N) in (2048, 3072) (2048, 2048) (2048, 16384)
                (8192, 2048): bf16 nn.Linear, ours Float8Linear, torchao tensorwise, rowwise; all
                compiled, as in a compiled block
@@ -64,7 +79,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trireme.ops.attention import attention  # noqa: E402
 from trireme.ops.fp8 import Float8Linear  # noqa: E402
-from trireme.ops.fused_cross_entropy import fused_linear_cross_entropy  # noqa: E402
+from trireme.ops.fused_cross_entropy import (  # noqa: E402
+    _compiled_loss_and_grad,
+    _loss_and_grad,
+    fused_linear_cross_entropy,
+)
 from trireme.ops.liger import (  # noqa: E402
     liger_linear_cross_entropy,
     liger_rms_norm,
@@ -91,6 +110,9 @@ class Sizes:
     hidden: int = 2048
     ffn: int = 8192
     vocab: int = 128256
+    gpt2_hidden: int = 768  # the gpt2-124m output layer (loss_gpt2, ce_step_gpt2)
+    gpt2_vocab: int = 50257  # padded to 50304 columns (model.make_vocab_size_divisible_by 128)
+    step_rows: int = 4096  # ce_step: one chunk of model.loss_chunk_size tokens
     fp8_shapes: tuple = ((2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048))
 
     @property
@@ -99,7 +121,11 @@ class Sizes:
 
 
 SMOKE = Sizes(batch=2, seq=32, heads=4, kv_heads=2, head_dim=16, hidden=32, ffn=64, vocab=100,
-              fp8_shapes=((32, 48), (64, 32)))
+              gpt2_hidden=24, gpt2_vocab=90, step_rows=24, fp8_shapes=((32, 48), (64, 32)))
+
+
+def padded(vocab: int, multiple: int = 128) -> int:
+    return -(-vocab // multiple) * multiple
 
 
 @dataclass
@@ -114,6 +140,7 @@ class Case:
     bytes: float = 0.0
     ref_slice: Callable[[torch.Tensor], torch.Tensor] | None = None  # compare a part only
     results: list[dict] = field(default_factory=list)
+    run: Callable | None = None  # run_case's replacement (a section that is not autograd)
 
 
 def _tuple(out) -> tuple[torch.Tensor, ...]:
@@ -388,53 +415,151 @@ def rope_case(s: Sizes, dev: str, dt: torch.dtype, on_gpu: bool) -> Case:
 # ---------------------------------------------------------------------------------- loss
 
 def loss_case(s: Sizes, dev: str, dt: torch.dtype, on_gpu: bool, chunk: int = 4096) -> Case:
-    m, h, vocab = s.tokens, s.hidden, s.vocab
+    return _loss_case("loss", s.tokens, s.hidden, s.vocab, s.vocab, dev, dt, on_gpu, chunk)
+
+
+def loss_gpt2_case(s: Sizes, dev: str, dt: torch.dtype, on_gpu: bool, chunk: int = 4096) -> Case:
+    """gpt2-124m's output layer: hidden 768, 50257 tokens in a weight of 50304 rows."""
+    return _loss_case("loss_gpt2", s.tokens, s.gpt2_hidden, s.gpt2_vocab, padded(s.gpt2_vocab),
+                      dev, dt, on_gpu, chunk)
+
+
+def _loss_case(op: str, m: int, h: int, vocab: int, rows: int, dev: str, dt: torch.dtype,
+               on_gpu: bool, chunk: int) -> Case:
+    """x [m, h] against a weight of `rows` rows, the first `vocab` of them real (the model's
+    padding: ours takes the padded weight, the others its first `vocab` rows)."""
     chunk = min(chunk, m)
 
     def inputs():
         g = torch.Generator(device=dev).manual_seed(0)
         x = torch.randn(m, h, generator=g, device=dev, dtype=dt)
-        w = torch.randn(vocab, h, generator=g, device=dev, dtype=dt) / math.sqrt(h)
+        w = torch.randn(rows, h, generator=g, device=dev, dtype=dt) / math.sqrt(h)
         return [_leaf(x), _leaf(w)]
 
     labels = torch.randint(0, vocab, (m,), generator=torch.Generator().manual_seed(2)).to(dev)
 
-    def ours():
-        return lambda x, w: fused_linear_cross_entropy(x, w, labels, chunk_size=chunk,
-                                                       compile=on_gpu)
+    def ours(kernel):
+        return lambda: lambda x, w: fused_linear_cross_entropy(
+            x, w, labels, vocab_size=vocab, chunk_size=chunk, compile=on_gpu,
+            softmax_kernel=kernel)
 
     def plain(x, w):
-        return F.cross_entropy(F.linear(x, w).float(), labels)
+        return F.cross_entropy(F.linear(x, w)[:, :vocab].float(), labels)
 
     def liger():
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
-        return lambda x, w: liger_fused_linear_cross_entropy(x, w, labels)
+        return lambda x, w: liger_fused_linear_cross_entropy(x, w[:vocab], labels)
 
     def quack_lce():
         from quack.linear_cross_entropy import chunked_linear_cross_entropy
-        return lambda x, w: chunked_linear_cross_entropy(x, w, labels, chunk_size=chunk)
+        return lambda x, w: chunked_linear_cross_entropy(x, w[:vocab], labels, chunk_size=chunk)
 
     def quack_ce():
         from quack import cross_entropy
-        return lambda x, w: cross_entropy(F.linear(x, w), labels)
+        return lambda x, w: cross_entropy(F.linear(x, w[:vocab]), labels)
 
     def ref(xs):  # fp32, `chunk` tokens at a time (the full fp32 logits would be 16 GiB)
         x32, w32 = _leaf(xs[0].float()), _leaf(xs[1].float())
         loss = torch.zeros((), device=dev)
         for start in range(0, m, chunk):
-            part = F.cross_entropy(x32[start:start + chunk] @ w32.t(),
+            part = F.cross_entropy(x32[start:start + chunk] @ w32[:vocab].t(),
                                    labels[start:start + chunk], reduction="sum") / m
             part.backward()
             loss += part.detach()
         return [loss], [x32.grad, w32.grad]
 
-    cands = {"ours_fused": ours, "plain": lambda: plain}
+    cands = {"ours_fused": ours("compiled"), "plain": lambda: plain}
     if on_gpu:
-        cands |= {"liger_flce": liger,
-                  "liger_trireme": lambda: lambda x, w: liger_linear_cross_entropy(x, w, labels),
+        cands |= {"ours_fused_triton": ours("triton"), "liger_flce": liger,
+                  "liger_trireme": lambda: lambda x, w: liger_linear_cross_entropy(
+                      x, w[:vocab], labels),
                   "quack_chunked_lce": quack_lce,
                   "quack_ce_logits": quack_ce}
-    return Case("loss", inputs, cands, ref, flops=6 * m * h * vocab)
+    return Case(op, inputs, cands, ref, flops=6 * m * h * rows)
+
+
+# ---------------------------------------------------------------------------------- ce_step
+
+def ce_step_case(s: Sizes, dev: str, dt: torch.dtype, on_gpu: bool) -> Case:
+    return _ce_step_case("ce_step", s.step_rows, s.vocab, s.vocab, dev, dt, on_gpu)
+
+
+def ce_step_gpt2_case(s: Sizes, dev: str, dt: torch.dtype, on_gpu: bool) -> Case:
+    return _ce_step_case("ce_step_gpt2", s.step_rows, s.gpt2_vocab, padded(s.gpt2_vocab), dev,
+                         dt, on_gpu)
+
+
+def _ce_step_case(op: str, c: int, vocab: int, cols: int, dev: str, dt: torch.dtype,
+                  on_gpu: bool) -> Case:
+    """One chunk's softmax part alone (trireme.ops.fused_cross_entropy's `step`): logits
+    [c, cols] in, (summed loss, dlogits) out, the columns from `vocab` on padding. The rate is
+    the minimal traffic, one read and one write of the logits."""
+    labels = torch.randint(0, vocab, (c,), generator=torch.Generator().manual_seed(2)).to(dev)
+    weight = torch.ones(c, device=dev)
+
+    def inputs():
+        g = torch.Generator(device=dev).manual_seed(0)
+        return [torch.randn(c, cols, generator=g, device=dev, dtype=dt) * 4]
+
+    def ref(xs):  # the eager reference on the fp32 values
+        loss, dlogits = _loss_and_grad(xs[0].float().clone(), labels, weight, vocab)
+        return [loss], [dlogits]
+
+    def triton_step(**kw):
+        def build():
+            from trireme.ops.cross_entropy_triton import loss_and_grad
+            return lambda z: loss_and_grad(z, labels, weight, vocab, **kw)
+        return build
+
+    def step(f):
+        return lambda: lambda z: f(z, labels, weight, vocab)
+
+    cands = {"eager": step(_loss_and_grad)}
+    if on_gpu:
+        cands |= {"compiled": lambda: step(_compiled_loss_and_grad())(),
+                  "triton": triton_step(), "triton_in_place": triton_step(in_place=True)}
+        cands["triton_no_l2_hints"] = triton_step(l2_hints=False)
+        # 32 warps: one program per SM, so the rows read in pass 1 are more likely in L2 still
+        for block, warps in ((1024, 4), (2048, 8), (8192, 8), (8192, 16), (16384, 16),
+                             (8192, 32), (16384, 32)):
+            cands[f"triton_b{block}_w{warps}"] = triton_step(block=block, num_warps=warps)
+        for block, warps in ((4096, 8), (2048, 8), (8192, 16)):  # a running max per lane
+            cands[f"triton_lane_b{block}_w{warps}"] = triton_step(block=block, num_warps=warps,
+                                                                  lane_max=True)
+        if cols <= 65536:  # the whole row in registers, read once (gpt2's 50304 columns)
+            for warps in (16, 32):
+                cands[f"triton_one_tile_w{warps}"] = triton_step(one_tile=True, num_warps=warps)
+    nbytes = 2 * c * cols * torch.finfo(dt).bits // 8
+    return Case(op, inputs, cands, ref, bytes=nbytes, run=run_step_case)
+
+
+def run_step_case(case: Case, args, cuda: bool) -> None:
+    """run_case for a section without autograd: each candidate on fresh logits (the in-place
+    one overwrites them), its loss and dlogits against the reference, then its median time."""
+    t_section = time.perf_counter()
+    (ref_loss,), (ref_grad,) = case.ref(case.inputs())
+    for name, build in case.candidates.items():
+        row: dict = {"candidate": name}
+        case.results.append(row)
+        if time.perf_counter() - t_section > args.budget_s:
+            row["skipped"] = f"op section over --budget-s {args.budget_s}"
+            continue
+        try:
+            row |= _measure_step(case, build(), ref_loss, ref_grad, args, cuda)
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {e}"[:500]
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def _measure_step(case: Case, f: Callable, ref_loss, ref_grad, args, cuda: bool) -> dict:
+    z = case.inputs()[0]
+    loss, dlogits = f(z)
+    row = {"max_abs_out": [max_diff(loss, ref_loss, None)],
+           "max_abs_grad": [max_diff(dlogits, ref_grad, None)]}
+    del loss, dlogits
+    ms = median_ms(lambda: f(z), args.warmup, args.repeats, cuda)
+    return row | {"ms": round(ms, 4), "gbps": float(f"{case.bytes / ms / 1e6:.4g}")}
 
 
 # ---------------------------------------------------------------------------------- fp8
@@ -495,7 +620,8 @@ def _set_weight(mod: nn.Module, w: torch.Tensor) -> None:
 
 # ---------------------------------------------------------------------------------- main
 
-OPS = ("attention", "rmsnorm", "swiglu", "swiglu_h", "rope", "loss", "fp8")
+OPS = ("attention", "rmsnorm", "swiglu", "swiglu_h", "rope", "loss", "fp8", "loss_gpt2",
+       "ce_step", "ce_step_gpt2")
 
 
 def versions() -> dict[str, str]:
@@ -516,7 +642,9 @@ def versions() -> dict[str, str]:
 
 def build_cases(s: Sizes, dev: str, dt: torch.dtype, on_gpu: bool, ops: set[str]) -> list[Case]:
     makers = {"attention": attention_case, "rmsnorm": rmsnorm_case, "swiglu": swiglu_case,
-              "swiglu_h": swiglu_h_case, "rope": rope_case, "loss": loss_case}
+              "swiglu_h": swiglu_h_case, "rope": rope_case, "loss": loss_case,
+              "loss_gpt2": loss_gpt2_case, "ce_step": ce_step_case,
+              "ce_step_gpt2": ce_step_gpt2_case}
     cases = [mk(s, dev, dt, on_gpu) for name, mk in makers.items() if name in ops]
     if "fp8" in ops:
         cases += fp8_cases(s, dev, dt, on_gpu)
@@ -607,7 +735,7 @@ def main(argv=None) -> int:
             case.results.append({"candidate": "*", "skipped": f"over --total-budget-s "
                                  f"{args.total_budget_s}"})
         else:
-            run_case(case, args, on_gpu)
+            (case.run or run_case)(case, args, on_gpu)
         print(f"[{case.op}: {time.perf_counter() - t0:.0f} s]", flush=True)
         write_json(Path(args.out), device, found, dt, sizes, args, cases)
     print_table(cases)

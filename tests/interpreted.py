@@ -39,3 +39,21 @@ def _create_dot(self, a, b, *rest):
     return _plain_dot(self, _widened(a), _widened(b), *rest)
 _interp.InterpreterBuilder.create_dot = _create_dot
 """
+
+
+# Prepend to a script whose kernels cast fp32 to bf16 and whose test compares the rounding:
+# Triton 3.9's interpreter truncates fp32 -> bf16 (drops the low 16 bits); the GPU rounds to the
+# nearest even (LLVM's fptrunc), as torch does, which this makes the interpreter do.
+BF16_ROUND = """
+import numpy as _np
+import torch as _torch
+from triton.runtime import interpreter as _interp
+import triton.language as _tl
+_plain_cast = _interp.InterpreterBuilder.cast_impl
+def _cast_impl(self, src, dst_type):
+    if src.dtype.scalar != _tl.float32 or dst_type.scalar != _tl.bfloat16:
+        return _plain_cast(self, src, dst_type)
+    rounded = _torch.from_numpy(_np.array(src.data, dtype=_np.float32)).to(_torch.bfloat16)
+    return _interp.TensorHandle(rounded.view(_torch.int16).numpy().view(_np.uint16), _tl.bfloat16)
+_interp.InterpreterBuilder.cast_impl = _cast_impl
+"""

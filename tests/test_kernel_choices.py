@@ -21,7 +21,8 @@ def test_kernel_choices_smoke(tmp_path):
     assert data["settings"]["smoke"]
     assert data["versions"]["torch"] == __import__("torch").__version__
     ops = data["ops"]
-    assert {"attention", "rmsnorm", "swiglu", "swiglu_h", "rope", "loss"} <= set(ops)
+    assert {"attention", "rmsnorm", "swiglu", "swiglu_h", "rope", "loss", "loss_gpt2", "ce_step",
+            "ce_step_gpt2"} <= set(ops)
     assert any(op.startswith("fp8_linear_") for op in ops)
     for op, rows in ops.items():
         assert rows, op

@@ -189,6 +189,13 @@ class ModelConfig:
         4096, "fused_cross_entropy: tokens per chunk; each chunk holds a few [chunk, vocab] "
         "tensors (bf16 logits and their gradient, fp32 temporaries unless compiled)."
     )
+    fused_cross_entropy_kernel: Literal["compiled", "triton"] = doc(
+        "compiled", "fused_cross_entropy: the kernel of each chunk's softmax, loss and logits' "
+        "gradient on a GPU. compiled: torch ops through torch.compile (eager with compile = "
+        "false); triton: trireme.ops.cross_entropy_triton (one online-softmax pass and one "
+        "gradient pass, the gradient written over the logits; needs Triton, else compiled). "
+        "The fp8 output layer (fp8_layers \"output\") always takes compiled."
+    )
     moe_num_experts: int = doc(8, "MoE (E in layer_pattern): routed experts per MoE sublayer.")
     moe_top_k: int = doc(2, "MoE: experts each token is sent to.")
     moe_ffn_hidden_size: int = doc(

@@ -342,7 +342,7 @@ class GPT(nn.Module):
             return fused_linear_cross_entropy(
                 x, self.output_weight(), labels, loss_mask, vocab_size=self.cfg.vocab_size,
                 chunk_size=self.cfg.loss_chunk_size, compile=self.cfg.compile and x.is_cuda,
-                fp8=self._fp8_output(),
+                fp8=self._fp8_output(), softmax_kernel=self.cfg.fused_cross_entropy_kernel,
             )
         logits = F.linear(x, self.output_weight())  # [b, s, padded_vocab]: a padded-size matmul
         logits = logits[..., : self.cfg.vocab_size]  # [b, s, vocab]: the padding never leaves

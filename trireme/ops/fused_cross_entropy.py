@@ -35,6 +35,13 @@ their gradient and hence the padded rows' gradient are exactly 0. On CUDA the
 per-chunk softmax part can run through torch.compile (`compile=True`): one fused kernel reads the
 bf16 logits and writes the bf16 gradient, with no fp32 [c, vocab] temporaries.
 
+`softmax_kernel` (model.fused_cross_entropy_kernel) picks the per-chunk softmax part on CUDA:
+"compiled" (the default and the reference: the torch ops above, through torch.compile when
+`compile`, else eagerly) or "triton" (trireme.ops.cross_entropy_triton: an online logsumexp, so
+two reads of the logits and one write, the gradient written over the logits in place: no second
+[c, vocab] tensor). Off CUDA, or without Triton (one warning), "triton" runs the "compiled" path;
+so does the fp8 output layer, whose e5m2 gradient is only written by the compiled kernel.
+
 `fp8` ("on" / "emulate", model.fp8_layers "output"): the three matmuls run in fp8 instead, from
 copies of x and W cast once per micro batch, and the softmax kernel writes the logits' gradient
 in e5m2 (trireme.ops.fp8_head has the math and the scales).
@@ -43,6 +50,7 @@ in e5m2 (trireme.ops.fp8_head has the math and the scales).
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -51,7 +59,7 @@ from trireme.errors import TriremeError
 from trireme.ops.fp8 import E5M2, quantize
 from trireme.ops.fp8_head import Float8Head
 
-__all__ = ["fused_linear_cross_entropy", "token_weights"]
+__all__ = ["SOFTMAX_KERNELS", "chunk_step", "fused_linear_cross_entropy", "token_weights"]
 
 
 def token_weights(
@@ -134,6 +142,42 @@ def _compiled_loss_and_grad_e5m2() -> Callable:
 
 
 @functools.cache
+def _triton_loss_and_grad() -> Callable | None:
+    """trireme.ops.cross_entropy_triton's launcher (writing in place), or None (with a warning)
+    without Triton."""
+    try:
+        from trireme.ops.cross_entropy_triton import loss_and_grad
+    except Exception as e:  # missing, or installed but broken
+        warnings.warn(f"Triton is unavailable ({e}); the fused cross-entropy's softmax runs "
+                      "through torch", stacklevel=2)
+        return None
+    return functools.partial(loss_and_grad, in_place=True)
+
+
+SOFTMAX_KERNELS = ("compiled", "triton")
+
+
+def _triton_runs_on(device: torch.device) -> bool:
+    """Whether the Triton kernel is launched for tensors on `device` (CUDA; the tests also
+    run it on the CPU through Triton's interpreter)."""
+    return device.type == "cuda"
+
+
+def chunk_step(softmax_kernel: str, compile: bool, device: torch.device) -> Callable:
+    """The per-chunk (loss, dlogits) function: the Triton kernel for "triton" on CUDA (where it
+    imports), else `_loss_and_grad_pointwise` through torch.compile (`compile`) or the eager
+    `_loss_and_grad`."""
+    if softmax_kernel not in SOFTMAX_KERNELS:
+        raise TriremeError(f"softmax_kernel = {softmax_kernel!r} is not one of "
+                           f"{', '.join(SOFTMAX_KERNELS)}")
+    if softmax_kernel == "triton" and _triton_runs_on(device):
+        launch = _triton_loss_and_grad()
+        if launch is not None:
+            return launch
+    return _compiled_loss_and_grad() if compile else _loss_and_grad
+
+
+@functools.cache
 def _has_mixed_addmm(device: torch.device) -> bool:
     """Whether torch.addmm(fp32, bf16, bf16, out_dtype=fp32, out=fp32) works in place here
     (CUDA in recent torch): the product is then summed into fp32 without a bf16 temporary."""
@@ -171,11 +215,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def forward(
         ctx, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, token_w: torch.Tensor,
         norm: torch.Tensor, vocab_size: int, chunk_size: int, compile: bool, fp8: str,
+        step: Callable,
     ) -> torch.Tensor:
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.weight_dtype = weight.dtype
         ctx.used = False
-        step = _compiled_loss_and_grad() if compile else _loss_and_grad
         w = weight  # [padded_vocab, h]: aligned matmuls; the padded columns are masked in `step`
         emulate = fp8 == "emulate"
         head = None  # fp8 operands, cast once per micro batch (trireme.ops.fp8_head)
@@ -220,7 +264,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_x = (grad_x.float() * scale).to(grad_x.dtype)
         if grad_w is not None:
             grad_w = grad_w.mul_(scale).to(ctx.weight_dtype)
-        return grad_x, grad_w, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(
@@ -233,6 +277,7 @@ def fused_linear_cross_entropy(
     chunk_size: int = 4096,
     compile: bool = False,
     fp8: str = "off",
+    softmax_kernel: str = "compiled",
 ) -> torch.Tensor:
     """The mean cross-entropy (fp32 scalar) of logits = x @ weight[:vocab_size]^T, computed
     `chunk_size` tokens at a time; equal to `cross_entropy(F.linear(x, weight)[..., :vocab_size],
@@ -242,6 +287,7 @@ def fused_linear_cross_entropy(
     loss_mask [...] (0/1 or weights). `compile` runs the per-chunk softmax through torch.compile.
     `fp8`: "off"; "on": the three matmuls in fp8 (trireme.ops.fp8_head, torch._scaled_mm);
     "emulate": the same through the fp32 emulation (any device). Evaluation stays bf16.
+    `softmax_kernel`: "compiled" or "triton" (the module docstring; `chunk_step`).
     """
     if chunk_size < 1:
         raise TriremeError(f"chunk_size = {chunk_size} must be at least 1")
@@ -253,11 +299,12 @@ def fused_linear_cross_entropy(
     labels = labels.reshape(-1)  # [N]
     if labels.shape[0] != x.shape[0]:
         raise TriremeError(f"{labels.shape[0]} labels for {x.shape[0]} tokens")
+    step = chunk_step(softmax_kernel, compile, x.device)
     token_w, norm = token_weights(labels, loss_mask)
     if not torch.is_grad_enabled():  # evaluation: the loss alone, no gradient work
         return _loss_only(x, weight, labels, token_w, chunk_size, vocab_size) * norm
     return _FusedLinearCrossEntropy.apply(
-        x, weight, labels, token_w, norm, vocab_size, chunk_size, compile, fp8
+        x, weight, labels, token_w, norm, vocab_size, chunk_size, compile, fp8, step
     )
 
 

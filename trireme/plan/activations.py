@@ -76,6 +76,7 @@ class Shape:
     activation_recomputed: bool  # fused SwiGLU or a compiled block: silu(gate) not kept
     compiled: bool  # model.compile on a GPU (the CPU always runs eagerly)
     fused_loss: bool  # model.fused_cross_entropy, "auto" resolved for the device
+    loss_in_place: bool = False  # its Triton softmax on a GPU: the gradient over the logits
 
 
 def shape_of(cfg: Config, norm_fused: bool, gpu: bool) -> Shape:
@@ -91,7 +92,9 @@ def shape_of(cfg: Config, norm_fused: bool, gpu: bool) -> Shape:
         context_mode=p.context_mode, fp8=m.precision == "fp8", norm_fused=norm_fused,
         layernorm=m.normalization == "layernorm", swiglu=m.activation == "swiglu",
         activation_recomputed=m.fused_swiglu or (m.compile and gpu),
-        compiled=m.compile and gpu, fused_loss=m.fused_loss(gpu))
+        compiled=m.compile and gpu, fused_loss=m.fused_loss(gpu),
+        loss_in_place=gpu and m.fused_cross_entropy_kernel == "triton"
+        and not (m.precision == "fp8" and FP8_OUTPUT in m.fp8_layer_names()))
 
 
 def norm_bytes(s: Shape) -> float:
@@ -211,8 +214,10 @@ def head_bytes(cfg: Config, s: Shape, tokens: int) -> Head:
         chunk = min(m.loss_chunk_size, tokens)
         grad_w = 4 * padded * s.h
         kept = norm + s.e * s.h * tokens + grad_w  # the input's gradient, not the input
-        # a chunk's logits, their fp32 copy (low precision) and the gradient cast back
-        temps = chunk * vocab * (2 * s.e if s.compiled else s.e + (4 + s.e if s.e < 4 else 0))
+        # a chunk's logits, their fp32 copy (low precision) and the gradient cast back; the
+        # Triton kernel writes the gradient over the logits
+        temps = chunk * vocab * (s.e if s.loss_in_place else 2 * s.e if s.compiled
+                                 else s.e + (4 + s.e if s.e < 4 else 0))
         if fp8_head_runs(cfg, s):  # the fp8 operands (module docstring)
             per = 2 - s.e if s.compiled else 2 + 4  # q5(g) and its transpose (eager: fp32 copy)
             temps += tokens * s.h + 2 * vocab * s.h + per * chunk * vocab

@@ -1,0 +1,309 @@
+"""The fused cross-entropy's Triton softmax kernel (trireme.ops.cross_entropy_triton) against the
+eager reference `_loss_and_grad`, through Triton's CPU interpreter; and the choice between it and
+the compiled path (model.fused_cross_entropy_kernel)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from interpreted import BF16_ROUND, REPO, run_in_interpreter
+
+from trireme.config import load_config
+from trireme.errors import ConfigError, TriremeError
+from trireme.ops.fused_cross_entropy import (
+    _loss_and_grad,
+    chunk_step,
+    fused_linear_cross_entropy,
+)
+from trireme.plan.activations import head_bytes, shape_of
+
+KERNEL_SCRIPT = BF16_ROUND + textwrap.dedent("""
+    import math
+    import torch
+    from trireme.ops.cross_entropy_triton import loss_and_grad
+    from trireme.ops.fused_cross_entropy import _loss_and_grad
+
+    def random_case(seed, c, n_cols, vocab):
+        gen = torch.Generator().manual_seed(seed)
+        z = torch.randn(c, n_cols, generator=gen) * 3
+        z[:, vocab:] = float("nan")  # padding: never read (the reference sets it to -inf)
+        y = torch.randint(0, vocab, (c,), generator=gen)
+        y[1] = -100  # ignored
+        w = torch.rand(c, generator=gen)  # a loss mask of fractional weights
+        w[1], w[2], w[3] = 0.0, 0.0, 2.5  # the ignored label, a masked token, a weight > 1
+        return z, y, w
+
+    def extreme_case(n_cols, vocab):
+        rows = [torch.zeros(vocab) for _ in range(7)]
+        rows[0][-1] = 1e4  # the max in the last tile: every earlier sum rescaled to 0
+        rows[1][0], rows[1][1:] = 80.0, -80.0  # the max first, tiny terms after
+        rows[2] = torch.linspace(-50.0, 50.0, vocab)  # a new max in every tile
+        rows[3][:20] = float("-inf")  # a first tile of -inf logits (masked tokens)
+        rows[3][20:] = torch.linspace(-3.0, 3.0, vocab - 20)
+        rows[4] += 1e3  # all equal and large
+        rows[5] = torch.linspace(-3e4, 3e4, vocab).flip(0)  # large magnitudes, both signs
+        rows[6] = -rows[5]
+        z = torch.full((7, n_cols), float("inf"))  # +inf padding: still probability 0
+        z[:, :vocab] = torch.stack(rows)
+        y = torch.tensor([vocab - 1, 5, 0, 25, 3, vocab - 1, 0])
+        return z, y, torch.tensor([1.0, 0.5, 1.0, 1.0, 1.0, 1.0, 0.25])
+
+    # (c, padded columns, vocab_size, block): tiles with a ragged last one, padding that spans
+    # a whole tile, no padding, one tile (the default block)
+    shapes = [(7, 48, 45, 16), (6, 64, 37, 16), (5, 40, 40, 16), (9, 100, 97, None)]
+    cases = [(f"random {s}", *random_case(i, *s[:3]), s[2], s[3]) for i, s in enumerate(shapes)]
+    cases += [("extreme", *extreme_case(70, 64), 64, 16), ("extreme 1 tile", *extreme_case(70, 64),
+              64, None)]
+    # the unit roundoff (half an ulp, relative) of each dtype
+    ROUNDOFF = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+    for name, z32, y, w, vocab, block in cases:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            if dtype == torch.float16 and "extreme" in name:
+                continue  # 1e4 and 3e4 do not fit fp16 exactly (6.5e4 is its max)
+            z = z32.to(dtype)
+            where = f"{name} {dtype}"
+            loss, d = loss_and_grad(z, y, w, vocab, block=block)
+            loss_lane, d_lane = loss_and_grad(z, y, w, vocab, block=block, lane_max=True)
+            loss_one, d_one = loss_and_grad(z, y, w, vocab, one_tile=True)
+            # the reference on the same values upcast: the exact math, before any rounding
+            ref_loss, ref32 = _loss_and_grad(z.float().clone(), y, w, vocab)  # overwritten
+            _, ref = _loss_and_grad(z.clone(), y, w, vocab)  # as the fused path calls it
+            assert d.dtype == dtype and d.shape == z.shape, where
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-5, msg=where)
+            # the kernel's fp32 gradient rounded once: within half an ulp of the exact one
+            # (plus the fp32 noise of a different summation order)
+            err = (d.float() - ref32).abs()
+            bound = (ROUNDOFF[dtype] + 2e-6) * ref32.abs() + 1e-7
+            assert (err <= bound).all(), (where, (err - bound).max().item())
+            torch.testing.assert_close(d.float(), ref.float(), rtol=2 * ROUNDOFF[dtype], atol=1e-7,
+                                       msg=where)  # at most an ulp from the reference's cast
+            assert (d[:, vocab:] == 0).all(), where  # padding: exactly 0 (nan / inf there)
+            assert (d[w == 0] == 0).all(), where  # ignored and masked rows: exactly 0
+            assert torch.isfinite(loss) and d[w > 0].abs().sum() > 0, where
+            # the per-lane running max: the same up to fp32 summation order
+            torch.testing.assert_close(loss_lane, loss, rtol=1e-6, atol=1e-5, msg=where)
+            assert ((d_lane.float() - ref32).abs() <= bound).all(), where
+            # and the whole row as one tile
+            torch.testing.assert_close(loss_one, loss, rtol=1e-6, atol=1e-5, msg=where)
+            assert ((d_one.float() - ref32).abs() <= bound).all(), where
+            assert (d_one[:, vocab:] == 0).all() and (d_one[w == 0] == 0).all(), where
+            # in place over strided rows (a wider buffer): the same numbers, no new tensor
+            wide = torch.zeros(z.shape[0], z.shape[1] + 5, dtype=dtype)
+            wide[:, : z.shape[1]] = z
+            view = wide[:, : z.shape[1]]
+            loss2, d2 = loss_and_grad(view, y, w, vocab, in_place=True, block=block)
+            assert d2.data_ptr() == view.data_ptr() and torch.equal(d2, d), where
+            assert torch.equal(loss2, loss) and (wide[:, z.shape[1]:] == 0).all(), where
+    print("ok")
+""")
+
+
+def test_kernel_matches_the_eager_reference_in_interpreter():
+    pytest.importorskip("triton", reason="the cross-entropy kernel needs Triton")
+    assert run_in_interpreter(KERNEL_SCRIPT).splitlines()[-1] == "ok"
+
+
+# the whole chunked loss with the kernel (its device check let through to the CPU, where the
+# interpreter runs it): a GPT's loss and gradients, and bf16 operands, against the torch path
+WIRING_SCRIPT = BF16_ROUND + textwrap.dedent("""
+    import dataclasses, sys
+    import torch
+    import trireme.ops.cross_entropy_triton as cet
+    import trireme.ops.fused_cross_entropy as fce
+    from trireme.config import ModelConfig
+    from trireme.models.gpt import GPT
+
+    calls = []
+    plain_launch = cet.loss_and_grad
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("in_place"))
+        return plain_launch(*args, **kwargs)
+    cet.loss_and_grad = counted
+    fce._triton_runs_on = lambda device: True
+
+    cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                      ffn_hidden_size=48, vocab_size=100, seq_length=16, tie_embeddings=True,
+                      fused_cross_entropy="true", loss_chunk_size=7)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 100, (2, 17), generator=gen)
+    tokens, labels = ids[:, :-1], ids[:, 1:].clone()
+    labels[0, :4] = -100
+    mask = torch.ones(2, 16)
+    mask[1, 10:] = 0.5
+    results = {}
+    for kernel in ("compiled", "triton"):
+        model = GPT(dataclasses.replace(cfg, fused_cross_entropy_kernel=kernel), seed=5)
+        loss = model(tokens, labels, loss_mask=mask)
+        loss.backward()
+        results[kernel] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    assert calls == [True] * 5, calls  # 32 tokens in chunks of 7, written in place
+    (loss_c, g_c), (loss_t, g_t) = results["compiled"], results["triton"]
+    torch.testing.assert_close(loss_t, loss_c, rtol=1e-6, atol=1e-6)
+    for name in g_c:
+        torch.testing.assert_close(g_t[name], g_c[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert g_t["embedding.weight"][100:].abs().sum() == 0  # the padded rows
+
+    x = torch.randn(20, 32, generator=gen).bfloat16()
+    w = (torch.randn(128, 32, generator=gen) * 0.5).bfloat16()
+    y = torch.randint(0, 100, (20,), generator=gen)
+    out = {}
+    for kernel in ("compiled", "triton"):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = fce.fused_linear_cross_entropy(xs, ws, y, vocab_size=100, chunk_size=8,
+                                              softmax_kernel=kernel)
+        loss.backward()
+        out[kernel] = (loss.detach(), xs.grad.float(), ws.grad.float())
+    for a, b in zip(out["triton"], out["compiled"]):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+    assert out["triton"][2][100:].abs().sum() == 0
+    print("ok")
+""")
+
+
+def test_chunked_loss_through_the_kernel_in_interpreter():
+    pytest.importorskip("triton", reason="the cross-entropy kernel needs Triton")
+    assert run_in_interpreter(WIRING_SCRIPT).splitlines()[-1] == "ok"
+
+
+# compiled for an H100 / H200 (sm_90) without a GPU: the GPU lowering accepts the kernel (the
+# interpreter is laxer about types), rounds fp32 -> bf16 to nearest even (what BF16_ROUND makes
+# the interpreter do) and keeps the tile in registers (no stack or local memory: no
+# spills)
+SM90_SCRIPT = textwrap.dedent("""
+    import os, subprocess, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from trireme.ops.cross_entropy_triton import BLOCK, NUM_WARPS, _cross_entropy_kernel
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    for dtype, lane_max, one_tile in (("bf16", False, False), ("fp32", True, False),
+                                      ("bf16", False, True)):
+        signature = {"logits_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "labels_ptr": "*i64",
+                     "weight_ptr": "*fp32", "loss_ptr": "*fp32", "logits_stride": "i32",
+                     "out_stride": "i32", "n_cols": "i32", "vocab_size": "i32",
+                     "BLOCK": "constexpr", "LANE_MAX": "constexpr", "ONE_TILE": "constexpr",
+                     "EVICT_1": "constexpr", "EVICT_2": "constexpr"}
+        # what Triton's launcher assumes for gpt2's [c, 50304] logits: 16-byte aligned
+        # pointers, strides and column count multiples of 16 (the vocabulary 50257 is not)
+        aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(signature)
+                   if n.endswith(("_ptr", "_stride")) or n == "n_cols"}
+        source = ASTSource(fn=_cross_entropy_kernel, signature=signature, attrs=aligned,
+                           constexprs={"BLOCK": 65536 if one_tile else BLOCK,
+                                       "LANE_MAX": lane_max, "ONE_TILE": one_tile,
+                                       "EVICT_1": "evict_last", "EVICT_2": "evict_first"})
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),  # one_tile: gpt2
+                                options={"num_warps": 32 if one_tile else NUM_WARPS})
+        ptx = kernel.asm["ptx"]
+        assert ("cvt.rn.bf16" in ptx) == (dtype == "bf16"), dtype
+        assert "ex2.approx" in ptx
+        assert one_tile or ("evict_last" in ptx and "evict_first" in ptx)  # the L2 hints
+        # the logits move as 16-byte vectors in both passes (a load masked by the odd vocabulary
+        # would be 16 scalar ones a thread): the only narrow load is the target logit's
+        loads = [line for line in ptx.splitlines() if "ld.global" in line]
+        stores = [line for line in ptx.splitlines() if "st.global" in line]
+        assert sum(".v4." in line for line in loads) >= (2 if one_tile else 4), loads
+        assert sum(".v4." in line for line in stores) >= 2, stores
+        assert sum(".v4." not in line for line in loads) <= 3, loads  # label, weight, target
+        with open("k.cubin", "wb") as f:
+            f.write(kernel.asm["cubin"])
+        usage = subprocess.run([tool, "--dump-resource-usage", "k.cubin"], capture_output=True,
+                               text=True, check=True).stdout
+        print(dtype, lane_max, one_tile, usage.split("REG")[1].split("CONSTANT")[0].strip())
+        if not one_tile:  # the whole gpt2 row in registers spills a little (a variant)
+            assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+    print("ok")
+""")
+
+
+def test_kernel_compiles_for_sm90(tmp_path, monkeypatch):
+    triton = pytest.importorskip("triton", reason="the cross-entropy kernel needs Triton")
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        pytest.skip("Triton without its NVIDIA backend tools")
+    monkeypatch.chdir(tmp_path)
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache"),
+           "TRITON_DEFAULT_FP_FUSION": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", SM90_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split()[-1] == "ok", proc.stdout + proc.stderr
+    print(proc.stdout)
+
+
+def test_triton_choice_runs_the_torch_path_off_cuda():
+    cpu = torch.device("cpu")
+    assert chunk_step("triton", False, cpu) is _loss_and_grad
+    assert chunk_step("compiled", False, cpu) is _loss_and_grad
+    with pytest.raises(TriremeError, match="softmax_kernel = 'fast'"):
+        chunk_step("fast", False, cpu)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 8, generator=gen)
+    w = torch.randn(16, 8, generator=gen)
+    labels = torch.randint(0, 12, (9,), generator=gen)
+    losses = [fused_linear_cross_entropy(x, w, labels, vocab_size=12, chunk_size=4,
+                                         softmax_kernel=k) for k in ("compiled", "triton")]
+    assert torch.equal(losses[0], losses[1]) and losses[0] > 0
+
+
+def test_config_key():
+    assert load_config("tiny", []).model.fused_cross_entropy_kernel == "compiled"
+    cfg = load_config("tiny", ["model.fused_cross_entropy_kernel=triton"])
+    assert cfg.model.fused_cross_entropy_kernel == "triton"
+    with pytest.raises(ConfigError, match="fused_cross_entropy_kernel"):
+        load_config("tiny", ["model.fused_cross_entropy_kernel=fast"])
+
+
+def test_plan_counts_the_gradient_written_over_the_logits():
+    """trireme plan's head peak: the Triton kernel needs the chunk's logits only (no second
+    [chunk, vocab] tensor), where it runs: on a GPU, not for the fp8 output layer."""
+    base = {"model.vocab_size": 1000, "model.fused_cross_entropy": "true",
+            "model.precision": "bf16", "model.loss_chunk_size": 64}
+
+    def peak(gpu, **extra):
+        cfg = load_config("tiny", {**base, **extra})
+        return head_bytes(cfg, shape_of(cfg, norm_fused=False, gpu=gpu), 256).peak
+
+    triton = {"model.fused_cross_entropy_kernel": "triton"}
+    assert peak(True) - peak(True, **triton) == 64 * 1000 * 2  # one bf16 [chunk, vocab] less
+    assert peak(False, **triton) == peak(False)  # the CPU: the torch path
+    fp8 = {"model.precision": "fp8", "model.fp8_layers": ["qkv", "output"]}
+    assert peak(True, **fp8, **triton) == peak(True, **fp8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel runs on CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_on_cuda(dtype):
+    """On a GPU: gpt2's padded vocabulary (50257 of 50304 columns), against the eager reference
+    on the same values, and the chunked loss through it against the compiled path."""
+    pytest.importorskip("triton")
+    from trireme.ops.cross_entropy_triton import loss_and_grad
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    z = (torch.randn(64, 50304, generator=gen, device="cuda") * 4).to(dtype)
+    y = torch.randint(0, 50257, (64,), generator=gen, device="cuda")
+    y[::7] = -100
+    w = (y != -100).float() * torch.rand(64, generator=gen, device="cuda")
+    loss, d = loss_and_grad(z, y, w, 50257)
+    ref_loss, ref32 = _loss_and_grad(z.float().clone(), y, w, 50257)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-3)
+    roundoff = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -24
+    assert ((d.float() - ref32).abs() <= (roundoff + 1e-5) * ref32.abs() + 1e-7).all()
+    assert (d[:, 50257:] == 0).all() and (d[w == 0] == 0).all()
+
+    x = torch.randn(300, 64, generator=gen, device="cuda").to(dtype)
+    weight = (torch.randn(50304, 64, generator=gen, device="cuda") * 0.2).to(dtype)
+    labels = torch.randint(0, 50257, (300,), generator=gen, device="cuda")
+    out = {}
+    for kernel in ("compiled", "triton"):
+        xs, ws = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss = fused_linear_cross_entropy(xs, ws, labels, vocab_size=50257, chunk_size=128,
+                                          compile=True, softmax_kernel=kernel)
+        loss.backward()
+        out[kernel] = (loss.detach(), xs.grad.float(), ws.grad.float())
+    tol = dict(rtol=2e-2, atol=2e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    for a, b in zip(out["triton"], out["compiled"]):
+        torch.testing.assert_close(a, b, **tol)
