@@ -19,7 +19,9 @@ Cases, each --reps times (median), on one engine step (overlap off; tokens sampl
 Per case: wall ms (building the step's tensors, the forward, to the device sync), build ms (the
 host building the step's inputs: Engine._batch), host ms (until the forward call returns: on a
 GPU the host's launch work, on the CPU all of it), and of one more rep under torch.profiler the
-kernels (GPU: CUDA kernels and their summed time; CPU: aten ops and their self CPU time).
+kernels (GPU: CUDA kernels and their summed time; CPU: aten ops and their self CPU time);
+syncs: the calls that made the host wait for the GPU while building and launching the step
+(torch.cuda sync debug mode, once per engine case; -1 on the CPU), which should be 0.
 
 --sdpa-order cudnn-first puts cuDNN first for the prompt attention again (what Hopper got
 before trireme.ops.attention's VARYING_ORDER): cuDNN builds an execution plan for each new
@@ -34,6 +36,7 @@ import json
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -104,7 +107,8 @@ def drop(engine: Engine, request) -> None:
         engine._cancel_requested()
 
 
-def timed_step(engine: Engine, device: torch.device) -> dict[str, float]:
+def timed_step(engine: Engine, device: torch.device, count_syncs: bool = False
+               ) -> dict[str, float]:
     """One serial engine step, its parts timed (ms): the plan's inputs, the forward's launch,
     to the sync; then sampled and read as Engine.step does."""
     with torch.inference_mode():
@@ -119,10 +123,13 @@ def timed_step(engine: Engine, device: torch.device) -> dict[str, float]:
         t2 = time.perf_counter()
         sync(device)
         t3 = time.perf_counter()
+        if count_syncs:  # the same inputs and forward again, watched (its keys are the same)
+            syncs = host_syncs(lambda: engine._forward(plan, engine._batch(plan)), device)
         engine._commit(plan)
         engine._read(engine._sample(batch.sampled, logits))
-    return {"wall_ms": 1e3 * (t3 - t0), "build_ms": 1e3 * (t1 - t0), "host_ms": 1e3 * (t2 - t1),
-            "tokens": plan.num_tokens}
+    out = {"wall_ms": 1e3 * (t3 - t0), "build_ms": 1e3 * (t1 - t0), "host_ms": 1e3 * (t2 - t1),
+           "tokens": plan.num_tokens}
+    return {**out, "host_syncs": syncs} if count_syncs else out
 
 
 def profiled(fn, device: torch.device) -> dict[str, float]:
@@ -140,10 +147,26 @@ def profiled(fn, device: torch.device) -> dict[str, float]:
     return {"kernels": len(ops), "kernel_ms": sum(e.self_cpu_time_total for e in ops) / 1e3}
 
 
+def host_syncs(fn, device: torch.device) -> int:
+    """How many calls in one call of fn made the host wait for the GPU (torch's sync debug
+    mode; -1 off CUDA). A prefill or mixed step should have none before its one read."""
+    if device.type != "cuda":
+        return -1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def case(name: str, reps: list[dict], extra: dict) -> dict:
     keys = [k for k in reps[0] if k.endswith("_ms")]
     row = {"case": name, "tokens": reps[0].get("tokens", 0)}
     row.update({k: statistics.median(r[k] for r in reps) for k in keys})
+    row["host_syncs"] = max(r.get("host_syncs", -1) for r in reps)
     return {**row, **extra}
 
 
@@ -153,9 +176,9 @@ def prefill_cases(model, cfg, args, device, lengths: Lengths) -> list[dict]:
                               if device.type == "cuda" else 0.0, overlap=False)
     engine = Engine(model, settings)
 
-    def prefill(length: int) -> dict:
+    def prefill(length: int, watch: bool = False) -> dict:
         request = submit(engine, cfg, length)
-        out = timed_step(engine, device)
+        out = timed_step(engine, device, watch)
         drop(engine, request)
         return out
 
@@ -163,7 +186,7 @@ def prefill_cases(model, cfg, args, device, lengths: Lengths) -> list[dict]:
     rows = []
     for name, length_of in (("prefill_new", lambda: lengths.new(args.prompt)),
                             ("prefill_same", lambda: args.prompt)):
-        reps = [prefill(length_of()) for _ in range(args.reps)]
+        reps = [prefill(length_of(), i == 1) for i in range(args.reps)]
         kernels = profiled(lambda f=length_of: prefill(f()), device)
         rows.append(case(name, reps[1:] if name.endswith("same") else reps, kernels))
     engine.abort_all("cancelled")
@@ -230,16 +253,17 @@ def batch_cases(model, cfg, args, device, lengths: Lengths) -> list[dict]:
     engine = Engine(model, settings)
     start_decoding(engine, cfg, args.batch, args.context)
 
-    def mixed() -> dict:
+    def mixed(watch: bool = False) -> dict:
         request = submit(engine, cfg, lengths.new(args.mixed_prompt))
-        out = timed_step(engine, device)
+        out = timed_step(engine, device, watch)
         drop(engine, request)
         return out
 
-    rows = [case("mixed_new", [mixed() for _ in range(args.reps)], profiled(mixed, device))]
+    reps = [mixed(i == 0) for i in range(args.reps)]
+    rows = [case("mixed_new", reps, profiled(mixed, device))]
     replay, engine.graphs = engine.graphs, None
     timed_step(engine, device)
-    reps = [timed_step(engine, device) for _ in range(args.reps)]
+    reps = [timed_step(engine, device, i == 0) for i in range(args.reps)]
     rows.append(case("decode", reps, profiled(lambda: timed_step(engine, device), device)))
     engine.graphs = replay
     if replay is not None and not replay.broken:
@@ -254,10 +278,11 @@ def batch_cases(model, cfg, args, device, lengths: Lengths) -> list[dict]:
 def print_rows(rows: list[dict], device: torch.device) -> None:
     unit = "kernels" if device.type == "cuda" else "aten ops"
     print(f"{'case':18} {'tokens':>7} {'wall ms':>9} {'build ms':>9} {'host ms':>9} "
-          f"{unit + ' ms':>13} {unit:>9}")
+          f"{unit + ' ms':>13} {unit:>9} {'syncs':>6}")
     for r in rows:
         print(f"{r['case']:18} {r['tokens']:7d} {r['wall_ms']:9.2f} {r['build_ms']:9.2f} "
-              f"{r['host_ms']:9.2f} {r['kernel_ms']:13.2f} {r['kernels']:9d}")
+              f"{r['host_ms']:9.2f} {r['kernel_ms']:13.2f} {r['kernels']:9d} "
+              f"{r['host_syncs']:6d}")
 
 
 def main(argv=None) -> int:
