@@ -190,3 +190,16 @@ def test_serve_profile_and_batch_host_cpu_smoke(tmp_path):
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads(out.read_text())["results"][0]["batch_us"] > 0
+
+
+def test_serve_mixed_cpu_smoke(tmp_path):
+    env = {**{k: v for k, v in os.environ.items() if k != "OUT"}, "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "mixed.json"
+    cmd = [sys.executable, str(REPO / "bench" / "serve_mixed.py"), "--smoke", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r["case"]: r for r in json.loads(out.read_text())["rows"]}
+    assert {"prefill_new", "prefill_same", "forward_new", "mixed_new", "decode",
+            "sdpa_cudnn_new", "sdpa_varying_same"} <= set(rows)
+    assert rows["prefill_same"]["tokens"] == 40 and rows["mixed_new"]["tokens"] > 4
+    assert all(r["wall_ms"] > 0 and r["kernels"] > 0 for r in rows.values())

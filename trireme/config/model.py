@@ -163,7 +163,8 @@ class ModelConfig:
     )
     attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math", "fa4",
                                "reference"] = doc(
-        "auto", "Attention kernel. auto: cuDNN on Hopper, then flash, efficient, math; "
+        "auto", "Attention kernel. auto: cuDNN on Hopper, then flash, efficient, math (never "
+        "cuDNN for generation and serving, whose shapes vary: it plans each new shape); "
         "fa4: FlashAttention-4 (optional package flash-attn-4, pip install 'trireme[fa4]') for "
         "training's causal calls on CUDA in bf16 / fp16, auto for the rest (decoding, masks, "
         "dropout, the CPU); reference: plain PyTorch softmax(QK^T)V."

@@ -152,6 +152,6 @@ class Attention(nn.Module):
             backend = self.backend if cache is None else self.decode_backend
             y = attention(
                 q, k, v, causal=self.causal, backend=backend, dropout_p=dropout_p,
-                q_offset=start_pos, document_ids=document_ids,
+                q_offset=start_pos, document_ids=document_ids, varying=cache is not None,
             )  # [b, n_heads, s, d]
         return y.transpose(1, 2).reshape(b, s, self.num_heads * d)  # [b, s, n_heads * d]

@@ -120,8 +120,10 @@ class PagedKV:
                 groups = q.shape[1] // keys.shape[1]
                 keys = keys.repeat_interleave(groups, dim=1)
                 values = values.repeat_interleave(groups, dim=1)
+            # varying: every prompt (chunk) length is a new shape, no per-shape kernel plans
             parts.append(attention(q[:, :, first : first + count], keys, values, causal=True,
-                                   backend=backend, q_offset=start))  # [1, H, count, d]
+                                   backend=backend, q_offset=start,
+                                   varying=True))  # [1, H, count, d]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 

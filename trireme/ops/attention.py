@@ -10,10 +10,12 @@ top left corner (query i sees keys 0..i), which is right only when `q_offset == 
 an explicit mask, except a single query at the end of the keys, which sees everything (no mask).
 
 Backends: "auto" lets SDPA choose, with cuDNN first on Hopper (fastest there, see REFERENCE.md),
-then flash, memory-efficient, math; "cudnn", "flash", "efficient" and "math" force one kernel;
-"fa4" runs FlashAttention-4 (the optional flash-attn-4 package, trireme.ops.attention_fa4) on the
-calls it fits (CUDA, bf16 / fp16, no mask, dropout or KV-cache offset) and "auto" on the others;
-"reference" is plain PyTorch in fp32, the yardstick the tests hold the kernels to.
+then flash, memory-efficient, math; never cuDNN for calls whose shapes vary (`varying`: a KV
+cache, serving), as its plan per new shape costs more than a prompt's attention. "cudnn",
+"flash", "efficient" and "math" force one kernel; "fa4" runs FlashAttention-4 (the optional
+flash-attn-4 package, trireme.ops.attention_fa4) on the calls it fits (CUDA, bf16 / fp16, no
+mask, dropout or KV-cache offset) and "auto" on the others; "reference" is plain PyTorch in
+fp32, the yardstick the tests hold the kernels to.
 """
 
 from __future__ import annotations
@@ -49,11 +51,13 @@ _HOPPER_ORDER = [
     SDPBackend.EFFICIENT_ATTENTION,
     SDPBackend.MATH,
 ]
-# KV-cache calls (q_offset > 0) see a new key length every step, and cuDNN builds an execution plan
-# for each new shape (~5 ms of CPU per call on the H200, 10x a decode step); flash needs none.
-_HOPPER_DECODE_ORDER = [
+# Calls whose shapes vary from call to call (a KV cache: a new key length every step; serving: a
+# new prompt length every request, new chunk lengths every step) never go to cuDNN: it builds an
+# execution plan for each new shape (~5 ms of CPU per decode call on the H200, 10x a decode step;
+# tens of ms for a prompt, more than the prompt's own compute), while flash and the
+# memory-efficient kernel need none. cuDNN is left out rather than put last: math takes any call.
+VARYING_ORDER = [
     SDPBackend.FLASH_ATTENTION,
-    SDPBackend.CUDNN_ATTENTION,
     SDPBackend.EFFICIENT_ATTENTION,
     SDPBackend.MATH,
 ]
@@ -69,15 +73,16 @@ def _is_hopper(device_index: int | None) -> bool:
 
 
 def _kernel_choice(
-    backend: str, device: torch.device, decoding: bool = False
+    backend: str, device: torch.device, varying: bool = False
 ) -> contextlib.AbstractContextManager:
-    """The `sdpa_kernel` context that makes SDPA use `backend` on `device`."""
+    """The `sdpa_kernel` context that makes SDPA use `backend` on `device`; `varying`: shapes
+    change from call to call (VARYING_ORDER, on any GPU)."""
+    if backend == "auto" and device.type == "cuda" and (varying or _is_hopper(device.index)):
+        order = VARYING_ORDER if varying else _HOPPER_ORDER
+        if _HAS_SET_PRIORITY:
+            return sdpa_kernel(order, set_priority=True)
+        return sdpa_kernel(order)
     if backend == "auto":
-        if device.type == "cuda" and _is_hopper(device.index):
-            order = _HOPPER_DECODE_ORDER if decoding else _HOPPER_ORDER
-            if _HAS_SET_PRIORITY:
-                return sdpa_kernel(order, set_priority=True)
-            return sdpa_kernel(order)
         return contextlib.nullcontext()  # CPU and other GPUs: SDPA's own choice
     return sdpa_kernel([_SDPA_BACKENDS[backend]])
 
@@ -150,13 +155,16 @@ def attention(
     dropout_p: float = 0.0,
     q_offset: int = 0,
     document_ids: torch.Tensor | None = None,
+    varying: bool = False,
 ) -> torch.Tensor:
     """Attention of q [b, n_heads, s_q, d] over k, v [b, n_kv, s_k, d] -> [b, n_heads, s_q, d].
 
     `q_offset` is the absolute position of the first query (keys start at position 0), as when
     decoding with a KV cache. `dropout_p` applies to the attention probabilities; pass 0 in eval.
     `document_ids` [b, s] (training on packed documents, no cache): tokens see only their own
-    document, through a dense mask (slower than the plain causal kernels).
+    document, through a dense mask (slower than the plain causal kernels). `varying`: the
+    caller's shapes change from call to call (generation, serving; so does any q_offset > 0):
+    "auto" then keeps off cuDNN and its per-shape plan builds (VARYING_ORDER).
     """
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
@@ -177,7 +185,7 @@ def attention(
         if fa4_applies(q, k, dropout_p, q_offset, attn_mask is not None):
             return fa4_attention(q, k, v, causal)
         backend = "auto"  # a call FlashAttention-4 is not wired for: SDPA's choice
-    with _kernel_choice(backend, q.device, decoding=q_offset > 0):
+    with _kernel_choice(backend, q.device, varying=varying or q_offset > 0):
         return F.scaled_dot_product_attention(
             q,
             k,
