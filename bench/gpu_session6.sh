@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# What session 5 built without a GPU, to measure on one H200 (each call < 10 min; logs and JSON
+# under $OUT). flash-attn-4 needs the cutlass DSL runtime carried over two calls on one warm
+# machine as in bench/gpu_session5.sh (`a` then `b`, the second issued at once).
+#   bash bench/gpu_session6.sh serve   # prefill/mixed steps after the cuDNN fix; compiled decode
+#                                      # by default; GEMM autotuning and split-context paged kernels
+#   bash bench/gpu_session6.sh loss    # the Triton loss-gradient kernel against the compiled one
+#   bash bench/gpu_session6.sh fp8     # fp8 defaults (delayed, output layer) as `trireme train` runs them
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+CALL=${1:-serve}
+PARTS=${PARTS:-serve_mixed_before,serve_mixed,serve_profile,serve_autotune,kernel_splits,serve_default,serve_off,ce_tests,ce_kernels,gpt2_ce_compiled,gpt2_ce_triton,fp8_train,bf16_train}
+. bench/gpu_part.sh
+train() {  # name, preset, overrides...: `trireme train` as shipped, 15 steps
+    local name=$1 preset=$2; shift 2
+    python -m trireme train --config "$preset" --data.mock=true --train.steps=15 \
+        --train.log_interval=3 --train.eval_interval=0 --train.sample_tokens=0 \
+        --logging.progress=false --logging.tensorboard=false --run.dir="/tmp/$name" "$@" \
+        && cp "/tmp/$name/metrics.jsonl" "$O/train-$name-metrics.jsonl"
+}
+export O
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+case $CALL in
+serve)
+    : "${TOTAL:=560}"
+    TAIL=25 part serve_mixed_before 150 python bench/serve_mixed.py --sdpa-order cudnn-first
+    TAIL=25 part serve_mixed 150 python bench/serve_mixed.py
+    TAIL=30 part serve_profile 120 python bench/serve_profile.py --batches 1,64 \
+        --out "$O/serve_profile-llama3-1b.json"
+    TAIL=20 part serve_autotune 150 env TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 python \
+        bench/serve_profile.py --batches 64 --out "$O/serve_profile-llama3-1b-autotune.json"
+    TAIL=12 part kernel_splits 120 python bench/serve_profile.py --kernel-configs --batches 64 \
+        --variants v1,v2 --tiles 32,64 --warps 4 --splits 1,2,4 --heads 2,4,8 --heads-first 0 \
+        --prefetch 0 --max-seconds 100 --out "$O/serve_profile-kernel-splits.json"
+    TAIL=30 part serve_default 200 python bench/serve_throughput.py --graphs on \
+        --out "$O/serve_throughput-llama3-1b.json"
+    TAIL=30 part serve_off 200 python bench/serve_throughput.py --graphs on --compile-decode off \
+        --out "$O/serve_throughput-llama3-1b-eager.json"
+    ;;
+loss)
+    : "${TOTAL:=560}"
+    part ce_tests 90 python3 -m pytest tests/test_cross_entropy_triton.py \
+        tests/test_fused_cross_entropy.py -q -x
+    TAIL=80 part ce_kernels 200 python3 bench/kernel_choices.py \
+        --ops loss,loss_gpt2,ce_step,ce_step_gpt2 --out "$O/kernel_choices_loss.json"
+    for k in compiled triton; do
+        TAIL=4 part gpt2_ce_$k 120 python3 bench/train_throughput.py --preset gpt2-124m --compile \
+            --fused-cross-entropy --override model.fused_cross_entropy_kernel=$k \
+            --out "$O/train_throughput-gpt2-124m-ce-$k.json"
+    done
+    ;;
+fp8)
+    : "${TOTAL:=300}"
+    part fp8_train 120 train llama3-1b-fp8 llama3-1b --model.precision=fp8
+    part bf16_train 120 train llama3-1b-bf16 llama3-1b
+    ;;
+esac
+echo "== done at $SECONDS s"
