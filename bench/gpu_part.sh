@@ -1,11 +1,11 @@
 # Sourced by the one-call GPU scripts (bench/gpu_session*.sh): `part NAME SECONDS CMD...` runs CMD
 # under min(SECONDS, what is left of $TOTAL), logs to $O/NAME.log and prints its tail; a part not
-# named in $PARTS (comma-separated) is skipped, and so is one with under 30 s left.
+# named in $PARTS (comma-separated; unset: every part) is skipped, and so is one with under 30 s left.
 O=${OUT:-bench/results}
 
 part() {
     local name=$1 limit=$2; shift 2
-    case ",$PARTS," in *",$name,"*) ;; *) return ;; esac
+    if [ -n "${PARTS:-}" ]; then case ",$PARTS," in *",$name,"*) ;; *) return ;; esac; fi
     local left=$((${TOTAL:-560} - SECONDS))
     if [ "$left" -lt 30 ]; then echo "== $name: skipped ($left s left)"; return; fi
     [ "$limit" -gt "$left" ] && limit=$left

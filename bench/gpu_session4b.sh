@@ -5,18 +5,9 @@
 # time limit and is skipped when the call's time is nearly spent; logs and JSON under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-O=${OUT:-bench/results}
 TOTAL=${TOTAL:-560}
 PARTS=${PARTS:-serve_profile,train_gpt2,plan_check,serve_throughput,kernel_choices}
-part() {  # part NAME SECONDS CMD...: run CMD under min(SECONDS, what is left), log to $O/NAME.log
-    local name=$1 limit=$2; shift 2
-    case ",$PARTS," in *",$name,"*) ;; *) return ;; esac
-    local left=$((TOTAL - SECONDS))
-    if [ "$left" -lt 30 ]; then echo "== $name: skipped ($left s left)"; return; fi
-    [ "$limit" -gt "$left" ] && limit=$left
-    echo "== $name (limit $limit s, at $SECONDS s)"
-    timeout "$limit" "$@" 2>&1 | grep -v USDT | tee "$O/$name.log" | tail -${TAIL:-30}
-}
+. bench/gpu_part.sh
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 if [ -d .whl3 ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -5,16 +5,8 @@
 # time limit and is skipped when the call's time is nearly spent; logs and JSON under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-O=${OUT:-bench/results}
 TOTAL=${TOTAL:-500}
-part() {  # part NAME SECONDS CMD...: run CMD under min(SECONDS, what is left), log to $O/NAME.log
-    local name=$1 limit=$2; shift 2
-    local left=$((TOTAL - SECONDS))
-    if [ "$left" -lt 30 ]; then echo "== $name: skipped ($left s left)"; return; fi
-    [ "$limit" -gt "$left" ] && limit=$left
-    echo "== $name (limit $limit s, at $SECONDS s)"
-    timeout "$limit" "$@" 2>&1 | grep -v USDT | tee "$O/$name.log" | tail -${TAIL:-30}
-}
+. bench/gpu_part.sh
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 TAIL=45 part serve_profile 150 python bench/serve_profile.py --batches 1,64 --compile on \
     --out "$O/serve_profile-llama3-1b-compiled.json"
