@@ -5,11 +5,12 @@
 #   bash bench/gpu_session6.sh serve   # prefill/mixed steps after the cuDNN fix; compiled decode
 #                                      # by default; GEMM autotuning and split-context paged kernels
 #   bash bench/gpu_session6.sh loss    # the Triton loss-gradient kernel against the compiled one
+#   bash bench/gpu_session6.sh parity  # 300 steps: Triton loss kernel against the compiled one
 #   bash bench/gpu_session6.sh fp8     # fp8 defaults (delayed, output layer) as `trireme train` runs them
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 CALL=${1:-serve}
-PARTS=${PARTS:-serve_mixed_before,serve_mixed,serve_profile,serve_autotune,kernel_splits,serve_default,serve_off,ce_tests,ce_kernels,gpt2_ce_compiled,gpt2_ce_triton,fp8_train,bf16_train}
+PARTS=${PARTS:-serve_mixed_before,serve_mixed,serve_profile,serve_autotune,kernel_splits,serve_default,serve_off,ce_tests,ce_kernels,gpt2_ce_compiled,gpt2_ce_triton,parity_gpt2-124m,parity_llama3-1b,fp8_train,bf16_train}
 . bench/gpu_part.sh
 train() {  # name, preset, overrides...: `trireme train` as shipped, 15 steps
     local name=$1 preset=$2; shift 2
@@ -47,6 +48,17 @@ loss)
         TAIL=4 part gpt2_ce_$k 120 python3 bench/train_throughput.py --preset gpt2-124m --compile \
             --fused-cross-entropy --override model.fused_cross_entropy_kernel=$k \
             --out "$O/train_throughput-gpt2-124m-ce-$k.json"
+    done
+    ;;
+parity)  # the Triton loss kernel as a default: 300 steps of real text against the compiled one
+    : "${TOTAL:=560}"
+    for preset in gpt2-124m llama3-1b; do
+        TAIL=14 part "parity_$preset" 240 python bench/loss_parity.py --preset $preset --steps 300 \
+            --tag "$preset-ce-triton" --override model.seq_length=1024 train.global_batch_size=16 \
+            model.compile=true model.fused_cross_entropy=true \
+            --variant compiled:model.fused_cross_entropy_kernel=compiled \
+            --variant triton:model.fused_cross_entropy_kernel=triton \
+            --out "$O/loss_parity-$preset-ce-triton.json"
     done
     ;;
 fp8)
