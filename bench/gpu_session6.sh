@@ -50,16 +50,21 @@ loss)
             --out "$O/train_throughput-gpt2-124m-ce-$k.json"
     done
     ;;
-parity)  # the Triton loss kernel as a default: 300 steps of real text against the compiled one
+parity)  # the Triton loss kernel as a default: 300 steps of real text against the compiled one,
+    # and the compiled one against itself at another loss chunk size (a neutral change of the
+    # order of fp32 sums: how far two runs drift apart without any change of the math)
     : "${TOTAL:=560}"
-    for preset in gpt2-124m llama3-1b; do
-        TAIL=14 part "parity_$preset" 240 python bench/loss_parity.py --preset $preset --steps 300 \
-            --tag "$preset-ce-triton" --override model.seq_length=1024 train.global_batch_size=16 \
-            model.compile=true model.fused_cross_entropy=true \
-            --variant compiled:model.fused_cross_entropy_kernel=compiled \
-            --variant triton:model.fused_cross_entropy_kernel=triton \
-            --out "$O/loss_parity-$preset-ce-triton.json"
-    done
+    CE=model.fused_cross_entropy_kernel
+    TAIL=14 part parity_gpt2-124m 200 python bench/loss_parity.py --preset gpt2-124m --steps 300 \
+        --override model.seq_length=1024 train.global_batch_size=32 train.micro_batch_size=32 \
+        model.compile=true model.fused_cross_entropy=true \
+        --variant compiled:$CE=compiled --variant compiled-chunk2048:$CE=compiled,model.loss_chunk_size=2048 \
+        --variant triton:$CE=triton --out "$O/loss_parity-gpt2-124m-ce-triton.json"
+    TAIL=14 part parity_llama3-1b 300 python bench/loss_parity.py --preset llama3-1b --steps 300 \
+        --override model.seq_length=1024 train.global_batch_size=16 model.compile=true \
+        model.fused_cross_entropy=true model.loss_chunk_size=2048 \
+        --variant compiled-chunk2048:$CE=compiled --variant triton-chunk2048:$CE=triton \
+        --out "$O/loss_parity-llama3-1b-ce-triton-chunk2048.json"
     ;;
 fp8)
     : "${TOTAL:=300}"
