@@ -39,9 +39,8 @@ seq 4096, micro batch 8, bf16):
     ce_step    one chunk's softmax part alone (no autograd), logits [4096, 128256] -> (loss,
                dlogits): eager `_loss_and_grad`, compiled (torch.compile, the default), the
                Triton kernel (trireme.ops.cross_entropy_triton) out of place, in place, without
-               its L2 hints, at other tiles (triton_b<columns>_w<warps>), with a running max
-               per lane (triton_lane_b<columns>_w<warps>), and (gpt2) the whole row as one tile
-               read once (triton_one_tile_w<warps>); GB/s of one read + one write
+               its L2 hints, at other tiles (triton_b<columns>_w<warps>); GB/s of one read +
+               one write
     ce_step_gpt2  the same at [4096, 50304], columns from 50257 on padding
     fp8        x [32768, K] @ W [N, K]^T for (K, N) in (2048, 3072) (2048, 2048) (2048, 16384)
                (8192, 2048): bf16 nn.Linear, ours Float8Linear, torchao tensorwise, rowwise; all
@@ -523,12 +522,6 @@ def _ce_step_case(op: str, c: int, vocab: int, cols: int, dev: str, dt: torch.dt
         for block, warps in ((1024, 4), (2048, 8), (8192, 8), (8192, 16), (16384, 16),
                              (8192, 32), (16384, 32)):
             cands[f"triton_b{block}_w{warps}"] = triton_step(block=block, num_warps=warps)
-        for block, warps in ((4096, 8), (2048, 8), (8192, 16)):  # a running max per lane
-            cands[f"triton_lane_b{block}_w{warps}"] = triton_step(block=block, num_warps=warps,
-                                                                  lane_max=True)
-        if cols <= 65536:  # the whole row in registers, read once (gpt2's 50304 columns)
-            for warps in (16, 32):
-                cands[f"triton_one_tile_w{warps}"] = triton_step(one_tile=True, num_warps=warps)
     nbytes = 2 * c * cols * torch.finfo(dt).bits // 8
     return Case(op, inputs, cands, ref, bytes=nbytes, run=run_step_case)
 

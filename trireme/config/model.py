@@ -191,11 +191,12 @@ class ModelConfig:
         "tensors (bf16 logits and their gradient, fp32 temporaries unless compiled)."
     )
     fused_cross_entropy_kernel: Literal["compiled", "triton"] = doc(
-        "compiled", "fused_cross_entropy: the kernel of each chunk's softmax, loss and logits' "
-        "gradient on a GPU. compiled: torch ops through torch.compile (eager with compile = "
-        "false); triton: trireme.ops.cross_entropy_triton (one online-softmax pass and one "
-        "gradient pass, the gradient written over the logits; needs Triton, else compiled). "
-        "The fp8 output layer (fp8_layers \"output\") always takes compiled."
+        "triton", "fused_cross_entropy: the kernel of each chunk's softmax, loss and logits' "
+        "gradient on a GPU. triton: trireme.ops.cross_entropy_triton (one online-softmax pass "
+        "and one gradient pass, the gradient written over the logits; where Triton does not "
+        "import: compiled, with a warning); compiled: torch ops through torch.compile (eager "
+        "with compile = false), the reference. The fp8 output layer (fp8_layers \"output\") "
+        "always takes compiled."
     )
     moe_num_experts: int = doc(8, "MoE (E in layer_pattern): routed experts per MoE sublayer.")
     moe_top_k: int = doc(2, "MoE: experts each token is sent to.")

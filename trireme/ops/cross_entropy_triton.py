@@ -18,10 +18,9 @@ y [c] and weights w [c] (fp32), one program per row i, fp32 math:
 
 cast to the logits' dtype. The lanes keep their own sums rescaled by the scalar running max, so
 each tile costs one cross-lane max and one exp per element; the sum is reduced once at the end.
-(`lane_max`, a variant: a running max per lane too, so no cross-lane step in the loop but two
-exps per element; the lanes' (max, sum) pairs merge at the end. `one_tile`, another: the
-whole row as one tile held in registers, so read once, for vocabularies that nearly fit, such
-as GPT-2's 50304 columns at 32 warps: compiled for sm_90 it spills about 800 bytes a thread.)
+(Measured on the H200 against this: a running max per lane, with no cross-lane step but two exps
+per element, and the whole row as one tile held in registers, read once; both were slower at the
+llama3 and GPT-2 vocabularies, bench/results/session6/ce_kernels.log, and were removed.)
 A label < 0 (-100: ignored) counts with weight 0: a zero loss term and a zero gradient row.
 Traffic per element: two reads and one write (the compiled torch version makes about four
 passes: max, sum of exp + target, gradient). The per-row loss terms go to a [c] fp32 buffer,
@@ -69,26 +68,6 @@ def _logsumexp_tile_max(z_row, n_cols, vocab_size, BLOCK: tl.constexpr, EVICT: t
 
 
 @triton.jit
-def _logsumexp_lane_max(z_row, n_cols, vocab_size, BLOCK: tl.constexpr, EVICT: tl.constexpr):
-    """Pass 1 with a running max per lane: no cross-lane step inside the loop, two exps per
-    element; the lanes' (max, sum) pairs are merged once at the end."""
-    cols = tl.arange(0, BLOCK)
-    neg_inf = float("-inf")
-    m = tl.full([BLOCK], neg_inf, tl.float32)
-    s = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, vocab_size, BLOCK):
-        c = start + cols
-        z = _load(z_row, c, n_cols, vocab_size, EVICT)
-        m_new = tl.maximum(m, z)
-        shift = tl.where(m_new == neg_inf, 0.0, m_new)
-        s = s * tl.exp(m - shift) + tl.exp(z - shift)
-        m = m_new
-    top = tl.max(m, 0)
-    shift = tl.where(top == neg_inf, 0.0, top)
-    return shift + tl.log(tl.sum(s * tl.exp(m - shift), 0))
-
-
-@triton.jit
 def _gradient(z, c, lse, label, w, vocab_size):
     """d loss / d z for fp32 logits z at columns c: exactly 0 from vocab_size on."""
     g = (tl.exp(z - lse) - tl.where(c == label, 1.0, 0.0)) * w
@@ -99,8 +78,7 @@ def _gradient(z, c, lse, label, w, vocab_size):
 def _cross_entropy_kernel(
     logits_ptr, out_ptr, labels_ptr, weight_ptr, loss_ptr,
     logits_stride, out_stride, n_cols, vocab_size,
-    BLOCK: tl.constexpr, LANE_MAX: tl.constexpr, ONE_TILE: tl.constexpr,
-    EVICT_1: tl.constexpr, EVICT_2: tl.constexpr,
+    BLOCK: tl.constexpr, EVICT_1: tl.constexpr, EVICT_2: tl.constexpr,
 ):
     row = tl.program_id(0)
     z_row = logits_ptr + row.to(tl.int64) * logits_stride  # c * V can pass 2^31
@@ -110,34 +88,21 @@ def _cross_entropy_kernel(
     w = tl.where(label >= 0, w, 0.0)  # an ignored label: weight 0
     cols = tl.arange(0, BLOCK)
     neg_inf = float("-inf")
-    if ONE_TILE:  # BLOCK >= n_cols: the row is read once and kept in registers
-        z_all = _load(z_row, cols, n_cols, vocab_size, "")
-        top = tl.max(z_all, 0)
-        shift = tl.where(top == neg_inf, 0.0, top)
-        lse = shift + tl.log(tl.sum(tl.exp(z_all - shift), 0))
-    elif LANE_MAX:  # pass 1: the real columns only
-        lse = _logsumexp_lane_max(z_row, n_cols, vocab_size, BLOCK, EVICT_1)
-    else:
-        lse = _logsumexp_tile_max(z_row, n_cols, vocab_size, BLOCK, EVICT_1)
+    lse = _logsumexp_tile_max(z_row, n_cols, vocab_size, BLOCK, EVICT_1)  # pass 1
     target = tl.load(z_row + tl.maximum(label, 0)).to(tl.float32)
     target = tl.where(label < vocab_size, target, neg_inf)  # a padded label: as the reference
     tl.store(loss_ptr + row, tl.where(w == 0.0, 0.0, w * (lse - target)))
-    if ONE_TILE:
-        g = _gradient(z_all, cols, lse, label, w, vocab_size)
-        tl.store(dz_row + cols, g.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
-    else:
-        for start in range(0, n_cols, BLOCK):  # pass 2: every column, padding written as 0
-            c = start + cols
-            z = _load(z_row, c, n_cols, vocab_size, EVICT_2)
-            g = _gradient(z, c, lse, label, w, vocab_size)
-            tl.store(dz_row + c, g.to(out_ptr.dtype.element_ty), mask=c < n_cols)
+    for start in range(0, n_cols, BLOCK):  # pass 2: every column, padding written as 0
+        c = start + cols
+        z = _load(z_row, c, n_cols, vocab_size, EVICT_2)
+        g = _gradient(z, c, lse, label, w, vocab_size)
+        tl.store(dz_row + c, g.to(out_ptr.dtype.element_ty), mask=c < n_cols)
 
 
 def loss_and_grad(
     logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
     vocab_size: int | None = None, *, in_place: bool = False, block: int | None = None,
-    num_warps: int | None = None, lane_max: bool = False, one_tile: bool = False,
-    l2_hints: bool = True,
+    num_warps: int | None = None, l2_hints: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of the weighted losses (fp32 scalar), d loss / d logits in logits.dtype): the
     module docstring's kernel, the same contract as trireme.ops.fused_cross_entropy's
@@ -145,10 +110,8 @@ def loss_and_grad(
     allowed), weight [c] fp32; columns from `vocab_size` on (None: none) are padding.
     `in_place`: the gradient overwrites the logits (no second [c, V] tensor). `block` (a power of
     two) and `num_warps` set the tile (default: BLOCK columns, or the vocabulary's next power of
-    two if smaller). Variants for the benchmark (module docstring): `lane_max`, a running max per
-    lane; `one_tile`, the whole row as one tile (block: V's next power of two; by default one
-    warp per 2048 columns, up to 32), read once. `l2_hints`: pass 1 loads "evict_last" and
-    pass 2 "evict_first" (keep the row in L2 between the two)."""
+    two if smaller). `l2_hints`: pass 1 loads "evict_last" and pass 2 "evict_first" (keep the
+    row in L2 between the two)."""
     c, n_cols = logits.shape
     vocab_size = n_cols if vocab_size is None else min(vocab_size, n_cols)
     if logits.stride(1) != 1:
@@ -157,20 +120,17 @@ def loss_and_grad(
     labels = labels.contiguous()
     weight = weight.to(torch.float32).contiguous()
     rows = torch.empty(c, dtype=torch.float32, device=logits.device)  # per-row loss terms
-    if one_tile:
-        block = triton.next_power_of_2(max(n_cols, 16))
-    elif block is None:
+    if block is None:
         block = min(BLOCK, triton.next_power_of_2(max(vocab_size, 16)))
     if num_warps is None:
-        num_warps = min(32, max(4, block // 2048)) if one_tile else (
-            NUM_WARPS if block >= 2048 else 4)
+        num_warps = NUM_WARPS if block >= 2048 else 4
     # Triton launches on the current device (the interpreter: the CPU)
     where = torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext()
     if c > 0:
         with where:
             _cross_entropy_kernel[(c,)](
                 logits, out, labels, weight, rows, logits.stride(0), out.stride(0), n_cols,
-                vocab_size, BLOCK=block, LANE_MAX=lane_max, ONE_TILE=one_tile,
+                vocab_size, BLOCK=block,
                 EVICT_1="evict_last" if l2_hints else "", EVICT_2="evict_first" if l2_hints else "",
                 num_warps=num_warps,
             )

@@ -36,11 +36,12 @@ per-chunk softmax part can run through torch.compile (`compile=True`): one fused
 bf16 logits and writes the bf16 gradient, with no fp32 [c, vocab] temporaries.
 
 `softmax_kernel` (model.fused_cross_entropy_kernel) picks the per-chunk softmax part on CUDA:
-"compiled" (the default and the reference: the torch ops above, through torch.compile when
-`compile`, else eagerly) or "triton" (trireme.ops.cross_entropy_triton: an online logsumexp, so
-two reads of the logits and one write, the gradient written over the logits in place: no second
-[c, vocab] tensor). Off CUDA, or without Triton (one warning), "triton" runs the "compiled" path;
-so does the fp8 output layer, whose e5m2 gradient is only written by the compiled kernel.
+"triton" (the default: trireme.ops.cross_entropy_triton, an online logsumexp, so two reads of
+the logits and one write, the gradient written over the logits in place: no second [c, vocab]
+tensor) or "compiled" (the reference: the torch ops above, through torch.compile when
+`compile`, else eagerly). Off CUDA, or without Triton (one warning), "triton" runs the
+"compiled" path; so does the fp8 output layer, whose e5m2 gradient only the compiled kernel
+writes.
 
 `fp8` ("on" / "emulate", model.fp8_layers "output"): the three matmuls run in fp8 instead, from
 copies of x and W cast once per micro batch, and the softmax kernel writes the logits' gradient
