@@ -44,8 +44,9 @@ def as_if_on_a_gpu(monkeypatch, graphs_class) -> None:
 
 
 def test_auto_follows_cuda_graphs_and_on_without_them_is_an_error():
-    assert EngineSettings().compile_decode is None
-    assert not EngineSettings().compiles_decode()
+    assert EngineSettings().compile_decode is None and EngineSettings().cuda_graphs is None
+    assert EngineSettings().compiles_decode()  # graphs auto: wherever they run, compiled
+    assert not EngineSettings(cuda_graphs=False).compiles_decode()
     assert EngineSettings(cuda_graphs=True).compiles_decode()
     assert not EngineSettings(cuda_graphs=True, compile_decode=False).compiles_decode()
     assert EngineSettings(cuda_graphs=True, compile_decode=True).compiles_decode()
@@ -53,8 +54,8 @@ def test_auto_follows_cuda_graphs_and_on_without_them_is_an_error():
     assert Engine(model, settings()).graphs is None  # CPU, no graphs: nothing compiled
     # asked for graphs on the CPU: graphs_supported says no, so no graphs and no compiling
     assert Engine(model, settings(cuda_graphs=True)).graphs is None
-    with pytest.raises(ConfigError, match="on.*add cuda_graphs \\(--cuda-graphs\\), or use auto"):
-        Engine(model, settings(compile_decode=True))  # would do nothing
+    with pytest.raises(ConfigError, match="on.*--cuda-graphs off.*--compile-decode auto or off"):
+        Engine(model, settings(cuda_graphs=False, compile_decode=True))  # would do nothing
 
 
 def test_the_cli_flag_is_auto_on_off_and_bare_means_on():
@@ -80,10 +81,13 @@ def test_the_flags_reach_the_engine_settings(capsys):
                                           "--max-running", "2", *flags])
         return engine_from_args(loaded, args)
 
-    assert engine().settings.compile_decode is None
+    assert engine().settings.compile_decode is None and engine().settings.cuda_graphs is None
     assert engine("--compile-decode", "off").settings.compile_decode is False
+    assert engine("--cuda-graphs").settings.cuda_graphs is True  # the flag as it was: on
+    assert engine("--cuda-graphs", "off").settings.cuda_graphs is False
     with pytest.raises(ConfigError, match="compile_decode on \\(--compile-decode on\\)"):
-        engine("--compile-decode")
+        engine("--compile-decode", "--cuda-graphs", "off")
+    assert engine("--compile-decode").settings.compile_decode is True  # graphs auto
     assert engine("--compile-decode", "on", "--cuda-graphs").settings.compile_decode is True
     with pytest.raises(SystemExit):
         generate_main(["--checkpoint", "c", "--prompt", "p", "--compile-decode", "yes"])

@@ -114,15 +114,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="tokens per step: one per decoding request, the rest prompt chunks")
     group.add_argument("--max-queue", type=int, default=256,
                        help="waiting requests at most (the server answers 429 beyond)")
-    group.add_argument("--cuda-graphs", action="store_true",
-                       help="replay decode steps as CUDA graphs (GPU; docs/serving.md)")
+    group.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
+                       nargs="?", const="on",
+                       help="replay decode-only steps as CUDA graphs (auto, on: wherever they "
+                       "can run: a GPU with Triton, attention-only models; no value: on; "
+                       "docs/serving.md)")
     group.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
                        help="launch each decode step before reading the previous one's tokens "
-                       "(auto: with --cuda-graphs; docs/serving.md)")
+                       "(auto: with the CUDA graphs; docs/serving.md)")
     group.add_argument("--compile-decode", choices=["auto", "on", "off"], default="auto",
                        nargs="?", const="on",
                        help="capture a torch.compile'd decode forward in the CUDA graphs (auto: "
-                       "with --cuda-graphs, the eager forward if compiling fails; on: that "
+                       "with the graphs, the eager forward if compiling fails; on: that "
                        "failure is an error; no value: on; docs/serving.md)")
 
 
@@ -131,6 +134,7 @@ def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> Engine:
         block_size=args.block_size, num_blocks=args.num_blocks, max_memory_gib=args.max_memory,
         max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
         max_queue=args.max_queue, seed=args.seed if args.seed is not None else 0,
-        cuda_graphs=args.cuda_graphs, compile_decode=AUTO_ON_OFF[args.compile_decode],
+        cuda_graphs=AUTO_ON_OFF[args.cuda_graphs],
+        compile_decode=AUTO_ON_OFF[args.compile_decode],
         overlap=AUTO_ON_OFF[args.overlap])
     return Engine(loaded.model, settings, tokenizer=loaded.tokenizer)

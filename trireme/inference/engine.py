@@ -60,12 +60,14 @@ class EngineSettings:
     from free GPU memory, or on the CPU enough for max_running full contexts, up to 1 GiB);
     max_running: requests decoded together; max_batch_tokens: tokens per step (decode + prompt
     chunks); max_queue: waiting requests before `submit` raises QueueFull; seed: the shared
-    sampler's; cuda_graphs: replay decode-only steps as CUDA graphs (trireme.inference.graphs);
-    overlap: launch each decode step before reading the previous one's tokens (module
-    docstring; None: on when CUDA graphs are); compile_decode: capture a torch.compile'd decode
-    forward in the CUDA graphs (trireme.inference.compiled_decode; None: on when CUDA graphs are,
-    falling back to the eager forward with a warning if compiling fails; True: that failure
-    raises; True without cuda_graphs is an error)."""
+    sampler's; cuda_graphs: replay decode-only steps as CUDA graphs (trireme.inference.graphs;
+    None, the default: wherever they can run, i.e. graphs_supported: CUDA, the Triton kernel,
+    attention-only models; True: the same; False: never); overlap: launch each decode step
+    before reading the previous one's tokens (module docstring; None: on when CUDA graphs are);
+    compile_decode: capture a torch.compile'd decode forward in the CUDA graphs
+    (trireme.inference.compiled_decode; None: on when CUDA graphs are, falling back to the eager
+    forward with a warning if compiling fails; True: that failure raises; True with cuda_graphs
+    False is an error)."""
 
     block_size: int = 16
     num_blocks: int = 0
@@ -74,7 +76,7 @@ class EngineSettings:
     max_batch_tokens: int = 512
     max_queue: int = 256
     seed: int = 0
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
     overlap: bool | None = None
     compile_decode: bool | None = None
 
@@ -84,15 +86,18 @@ class EngineSettings:
                 raise TriremeError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.num_blocks < 0 or self.max_memory_gib < 0:
             raise TriremeError("num_blocks and max_memory_gib must not be negative")
-        if self.compile_decode and not self.cuda_graphs:
+        if self.compile_decode and self.cuda_graphs is False:
             raise ConfigError("compile_decode on (--compile-decode on) is captured in the "
-                              "decode CUDA graphs: add cuda_graphs (--cuda-graphs), or use auto "
-                              "or off")
+                              "decode CUDA graphs, which are off (--cuda-graphs off): turn them "
+                              "on (auto), or use --compile-decode auto or off")
 
     def compiles_decode(self) -> bool:
-        """compile_decode resolved: auto (None) follows cuda_graphs. The graphs themselves only
-        apply where graphs_supported says (CUDA, the Triton kernel, no per-request states)."""
-        return self.cuda_graphs if self.compile_decode is None else self.compile_decode
+        """compile_decode resolved: auto (None) follows cuda_graphs (on unless they are off).
+        The graphs themselves only apply where graphs_supported says (CUDA, the Triton kernel,
+        no per-request states)."""
+        if self.compile_decode is None:
+            return self.cuda_graphs is not False
+        return self.compile_decode
 
 
 @dataclass
@@ -150,7 +155,8 @@ class Engine:
                                    settings.max_batch_tokens, settings.max_queue)
         self.generator = torch.Generator(device=self.device).manual_seed(settings.seed)
         self.graphs = None
-        if settings.cuda_graphs and graphs_supported(model, self.cache, settings.block_size):
+        if (settings.cuda_graphs is not False
+                and graphs_supported(model, self.cache, settings.block_size)):
             self.graphs = DecodeGraphs(model, self.cache, settings.max_running,
                                        settings.block_size, compile=settings.compiles_decode(),
                                        strict=settings.compile_decode is True)
