@@ -3,8 +3,12 @@ isfinite(...).all, through Triton's CPU interpreter; its tiling; and the serving
 the pair (greedy ids, finite flags) from one call."""
 
 import json
+import os
+import subprocess
+import sys
 import textwrap
 
+import pytest
 import torch
 from interpreted import REPO, run_in_interpreter
 
@@ -79,6 +83,59 @@ KERNEL_SCRIPT = textwrap.dedent("""
 
 def test_kernel_equals_torch_argmax_and_isfinite_all():
     assert run_in_interpreter(KERNEL_SCRIPT) == str(3 * 4 + 2 * 2 + 2)
+
+
+# compiled for an H100 / H200 (sm_90) without a GPU: the GPU lowering accepts both kernels (the
+# interpreter is laxer: it reads plain Python globals, which compiling refuses), the logits move
+# as 16-byte vectors (the launcher's divisibility by 16 of the column count and row stride, as
+# for 128256 columns) and nothing spills (no stack or local memory)
+SM90_SCRIPT = textwrap.dedent("""
+    import os, subprocess, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from trireme.ops.argmax_triton import BLOCK, NUM_WARPS, _chunk_kernel, _merge_kernel
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+
+    def build(fn, signature, constexprs, aligned, warps):
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(signature) if n in aligned}
+        source = ASTSource(fn=fn, signature=signature, attrs=attrs, constexprs=constexprs)
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": warps})
+        with open("k.cubin", "wb") as f:
+            f.write(kernel.asm["cubin"])
+        usage = subprocess.run([tool, "--dump-resource-usage", "k.cubin"], capture_output=True,
+                               text=True, check=True).stdout
+        assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+        return kernel.asm["ptx"]
+
+    for dtype in ("bf16", "fp16", "fp32"):
+        signature = {"logits_ptr": f"*{dtype}", "part_ptr": "*i32", "row_stride": "i32",
+                     "n_cols": "i32", "part_plane": "i32", "n_parts": "i32",
+                     "BLOCK": "constexpr", "TILES": "constexpr"}
+        ptx = build(_chunk_kernel, signature, {"BLOCK": BLOCK, "TILES": 8},
+                    ("logits_ptr", "part_ptr", "row_stride", "n_cols"), NUM_WARPS)
+        loads = [line for line in ptx.splitlines() if "ld.global" in line]
+        assert loads and all(".v4." in line for line in loads), loads
+    signature = {"part_ptr": "*i32", "out_ptr": "*i64", "n_rows": "i32", "part_plane": "i32",
+                 "n_parts": "i32", "S_BLOCK": "constexpr"}
+    build(_merge_kernel, signature, {"S_BLOCK": 16}, ("part_ptr", "out_ptr"), 1)
+    print("ok")
+""")
+
+
+def test_kernels_compile_for_sm90(tmp_path, monkeypatch):
+    triton = pytest.importorskip("triton", reason="the kernel needs Triton")
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        pytest.skip("Triton without its NVIDIA backend tools")
+    monkeypatch.chdir(tmp_path)
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache"),
+           "TRITON_DEFAULT_FP_FUSION": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", SM90_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split()[-1] == "ok", proc.stdout + proc.stderr
 
 
 def test_split_fills_the_gpu_with_power_of_two_chunks():
