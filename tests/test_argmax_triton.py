@@ -77,6 +77,11 @@ KERNEL_SCRIPT = textwrap.dedent("""
         checked += 1
     empty = greedy_and_finite(torch.randn(0, 9))
     assert empty.shape == (2, 0)
+    # the dispatcher, told to take the kernel off CUDA: the interpreter's answer
+    from trireme.ops import argmax
+    z = special_rows(37).bfloat16()
+    assert torch.equal(argmax.greedy_and_finite(z, kernel=True), greedy_and_finite_reference(z))
+    assert argmax.kernel_available()
     print(checked)
 """)
 
@@ -136,6 +141,26 @@ def test_kernels_compile_for_sm90(tmp_path, monkeypatch):
     proc = subprocess.run([sys.executable, "-c", SM90_SCRIPT], env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.split()[-1] == "ok", proc.stdout + proc.stderr
+
+
+def test_a_failing_kernel_warns_once_and_falls_back(monkeypatch):
+    from trireme.ops import argmax
+
+    calls = []
+
+    def broken(logits):
+        calls.append(logits.shape)
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setattr(argmax, "_kernel", lambda: broken)
+    monkeypatch.setattr(argmax, "_FAILED", [])
+    z = torch.randn(3, 10)
+    z[1, 4] = float("nan")
+    with pytest.warns(UserWarning, match="greedy / finite kernel failed.*no such kernel"):
+        first = argmax.greedy_and_finite(z, kernel=True)
+    assert torch.equal(first, greedy_and_finite_reference(z)) and not argmax.kernel_available()
+    assert torch.equal(argmax.greedy_and_finite(z, kernel=True), first)  # not tried again
+    assert calls == [(3, 10)]
 
 
 def test_split_fills_the_gpu_with_power_of_two_chunks():

@@ -42,21 +42,21 @@ def kernel_available() -> bool:
     return _kernel() is not None and not _FAILED
 
 
-def greedy_and_finite(logits: torch.Tensor) -> torch.Tensor:
+def greedy_and_finite(logits: torch.Tensor, kernel: bool | None = None) -> torch.Tensor:
     """[2, n] int64 for logits [n, V] (bf16 / fp16 / fp32): row 0 the argmax ids, row 1 the
-    finite flags (module docstring). The Triton kernel on CUDA; torch's ops on the CPU, without
+    finite flags (module docstring). The Triton kernel on CUDA (`kernel` True: also elsewhere,
+    e.g. CPU tensors under Triton's interpreter; False: never); torch's ops on the CPU, without
     Triton, or after the kernel failed once in this process (a warning, then the plain path;
     inside a CUDA graph capture the error is raised)."""
-    usable = (logits.is_cuda and logits.dim() == 2 and logits.shape[1] > 0
-              and logits.shape[1] < 2**31 - 1
+    usable = (logits.dim() == 2 and 0 < logits.shape[1] < 2**31 - 1
               and logits.dtype in (torch.float32, torch.bfloat16, torch.float16))
-    if usable and not _FAILED:
+    if usable and (logits.is_cuda if kernel is None else kernel) and not _FAILED:
         launch = _kernel()
         if launch is not None:
             try:
                 return launch(logits)
             except Exception as e:  # a Triton compile error: keep serving on the plain path
-                if torch.cuda.is_current_stream_capturing():
+                if logits.is_cuda and torch.cuda.is_current_stream_capturing():
                     raise  # a CUDA graph capture gives up on its own (trireme.inference.graphs)
                 warnings.warn(f"the greedy / finite kernel failed ({type(e).__name__}: "
                               f"{str(e)[:200]}); using torch's argmax and isfinite instead",
