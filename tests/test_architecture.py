@@ -36,7 +36,8 @@ OPTIONAL = ("torchao", "triton", "torch.utils.tensorboard", "tensorboard", "tikt
             "trireme.ops.accumulate_triton", "wandb", "trireme.ops.paged_attention_triton",
             "uvicorn", "fastapi", "jinja2", "trireme.inference.server", "mamba_ssm",
             "causal_conv1d", "trireme.ops.ssd_triton", "PIL", "flash_attn",
-            "liger_kernel", "trireme.ops.cross_entropy_triton")
+            "liger_kernel", "trireme.ops.cross_entropy_triton",
+            "trireme.ops.argmax_triton")
 
 
 def module_files() -> dict[str, Path]:

@@ -31,9 +31,9 @@ def recorded_run(model, backend: str | None, monkeypatch, texts, params, graphs:
     rows: list[torch.Tensor] = []
     real = engine_module.sample_rows
 
-    def recording(logits, p, generators, shared):
+    def recording(logits, p, generators, shared, greedy=None):
         rows.extend(logits.clone())
-        return real(logits, p, generators, shared)
+        return real(logits, p, generators, shared, greedy=greedy)
 
     monkeypatch.setattr(engine_module, "sample_rows", recording)
     engine = Engine(model, EngineSettings(block_size=4, max_running=4,

@@ -78,10 +78,10 @@ def test_paged_cache_equals_the_contiguous_cache_token_for_token(kind, monkeypat
     seen: dict[int, list[torch.Tensor]] = {}  # request (by its params object) -> logits rows
     real = engine_module.sample_rows
 
-    def recording(logits, params, generators, shared):
+    def recording(logits, params, generators, shared, greedy=None):
         for row, p in zip(logits, params):
             seen.setdefault(id(p), []).append(row.clone())
-        return real(logits, params, generators, shared)
+        return real(logits, params, generators, shared, greedy=greedy)
 
     monkeypatch.setattr(engine_module, "sample_rows", recording)
     # small blocks, few slots and a small token budget: prompts are prefilled in chunks, beside

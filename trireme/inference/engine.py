@@ -44,6 +44,7 @@ from trireme.inference.text import TextStream
 from trireme.models.gpt import GPT
 from trireme.models.paged import PagedCache, PagedKV, PagedLayout
 from trireme.models.vision import ImageRows, num_image_tokens
+from trireme.ops.argmax import greedy_and_finite
 
 
 class RequestError(TriremeError):
@@ -385,9 +386,11 @@ class Engine:
     def _sample(self, sampled: list[Request], logits: torch.Tensor) -> Launched:
         """Sample the rows on the device and start copying the ids (and whether each row's
         logits were finite) to the host; nothing waits here."""
+        both = greedy_and_finite(logits)  # [2, n]: argmax ids, finite flags (one read)
         next_ids = sample_rows(logits, [r.params for r in sampled],
-                               [r.generator for r in sampled], self.generator)
-        both = torch.stack([next_ids, torch.isfinite(logits).all(dim=-1).long()])  # [2, n]
+                               [r.generator for r in sampled], self.generator, greedy=both[0])
+        if not all(r.params.is_greedy for r in sampled):  # some rows drew their ids
+            both = torch.stack([next_ids, both[1]])  # [2, n]
         event = None
         if both.is_cuda:
             host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)

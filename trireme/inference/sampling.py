@@ -1,7 +1,9 @@
 """Per-request sampling settings, and the sampler that serves a whole step's rows at once.
 
 Each row of a step's logits belongs to one request with its own settings. Greedy rows take the
-argmax; the others are filtered together (temperature, top-k, top-p as per-row tensors, through
+argmax (the first index among ties; trireme.ops.argmax.greedy_and_finite: one Triton split
+reduction on CUDA, which also gives the engine its per-row finite flags); the others are
+filtered together (temperature, top-k, top-p as per-row tensors, through
 trireme.inference.generate.filter_logits, the same rule as `trireme generate`) and drawn by one
 multinomial, except rows with their own `seed`, which draw from their request's generator (the
 request's tokens then do not depend on what else runs beside it).
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from trireme.inference.generate import filter_logits
+from trireme.ops.argmax import greedy_and_finite
 
 
 @dataclass(frozen=True)
@@ -62,9 +65,12 @@ def request_generator(params: SamplingParams, device: torch.device) -> torch.Gen
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None],
-                shared: torch.Generator | None = None) -> torch.Tensor:
-    """Token ids [n] for logits [n, vocab], row i sampled by params[i] (module docstring)."""
-    next_ids = logits.argmax(dim=-1)  # [n]: the greedy rows' answer
+                shared: torch.Generator | None = None,
+                greedy: torch.Tensor | None = None) -> torch.Tensor:
+    """Token ids [n] for logits [n, vocab], row i sampled by params[i] (module docstring).
+    `greedy`: the argmax ids [n] if the caller has them already (row 0 of
+    trireme.ops.argmax.greedy_and_finite); returned as is when every row is greedy."""
+    next_ids = greedy_and_finite(logits)[0] if greedy is None else greedy  # [n]: greedy rows
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if not rows:
         return next_ids

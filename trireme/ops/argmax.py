@@ -1,0 +1,68 @@
+"""A decode step's greedy token ids and per-row "logits are finite" flags, from one read of the
+logits (the serving engine's sampler, trireme.inference.sampling / engine).
+
+    logits [n, V] -> [2, n] int64:
+        row 0: ids[i]    = argmax_j logits[i, j]    the first index among ties; NaN counts as
+                                                    the largest value (torch.argmax's rule)
+        row 1: finite[i] = 1 if all_j isfinite(logits[i, j]) else 0
+
+On CUDA with Triton one split reduction reads the logits once (trireme.ops.argmax_triton: about
+n * V * itemsize bytes, e.g. 16 MB at [64, 128256] bf16, with enough programs to fill the GPU
+at small n); elsewhere, and as the reference, torch's argmax and isfinite(...).all (an argmax
+reduce with one program per row, and an isfinite / all chain of several passes).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+
+def greedy_and_finite_reference(logits: torch.Tensor) -> torch.Tensor:
+    """The module docstring's [2, n] int64 by plain torch ops."""
+    return torch.stack([logits.argmax(dim=-1), torch.isfinite(logits).all(dim=-1).long()])
+
+
+@functools.cache
+def _kernel():
+    """trireme.ops.argmax_triton's launcher, or None (with a warning) without Triton."""
+    try:
+        from trireme.ops.argmax_triton import greedy_and_finite as launch
+    except Exception as e:  # missing, or installed but broken
+        warnings.warn(f"Triton is unavailable ({e}); the greedy ids and finite flags use "
+                      "torch's argmax and isfinite", stacklevel=2)
+        return None
+    return launch
+
+
+def kernel_available() -> bool:
+    """Whether the Triton kernel can run here (Triton imports, and it has not failed)."""
+    return _kernel() is not None and not _FAILED
+
+
+def greedy_and_finite(logits: torch.Tensor, kernel: bool | None = None) -> torch.Tensor:
+    """[2, n] int64 for logits [n, V] (bf16 / fp16 / fp32): row 0 the argmax ids, row 1 the
+    finite flags (module docstring). The Triton kernel on CUDA (`kernel` True: also elsewhere,
+    e.g. CPU tensors under Triton's interpreter; False: never); torch's ops on the CPU, without
+    Triton, or after the kernel failed once in this process (a warning, then the plain path;
+    inside a CUDA graph capture the error is raised)."""
+    usable = (logits.dim() == 2 and 0 < logits.shape[1] < 2**31 - 1
+              and logits.dtype in (torch.float32, torch.bfloat16, torch.float16))
+    if usable and (logits.is_cuda if kernel is None else kernel) and not _FAILED:
+        launch = _kernel()
+        if launch is not None:
+            try:
+                return launch(logits)
+            except Exception as e:  # a Triton compile error: keep serving on the plain path
+                if logits.is_cuda and torch.cuda.is_current_stream_capturing():
+                    raise  # a CUDA graph capture gives up on its own (trireme.inference.graphs)
+                warnings.warn(f"the greedy / finite kernel failed ({type(e).__name__}: "
+                              f"{str(e)[:200]}); using torch's argmax and isfinite instead",
+                              stacklevel=2)
+                _FAILED.append(e)
+    return greedy_and_finite_reference(logits)
+
+
+_FAILED: list[Exception] = []  # the kernel failed once in this process: not tried again
