@@ -6,6 +6,7 @@
 #                                      # by default; GEMM autotuning and split-context paged kernels
 #   bash bench/gpu_session6.sh loss    # the Triton loss-gradient kernel against the compiled one
 #   bash bench/gpu_session6.sh parity  # 300 steps: Triton loss kernel against the compiled one
+#   bash bench/gpu_session6.sh final   # the decode step after the fused KV store and greedy kernel
 #   bash bench/gpu_session6.sh fp8     # fp8 defaults (delayed, output layer) as `trireme train` runs them
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -65,6 +66,22 @@ parity)  # the Triton loss kernel as a default: 300 steps of real text against t
         model.fused_cross_entropy=true model.loss_chunk_size=2048 \
         --variant compiled-chunk2048:$CE=compiled --variant triton-chunk2048:$CE=triton \
         --out "$O/loss_parity-llama3-1b-ce-triton-chunk2048.json"
+    ;;
+final)  # after the fused KV store and the fused greedy/finite kernel: the decode step again
+    : "${TOTAL:=400}"
+    part gpu_tests 60 python3 -m pytest -q -x -p no:warnings -k "cuda or gpu" \
+        tests/test_cross_entropy_triton.py tests/test_paged_attention.py tests/test_greedy_finite.py
+    TAIL=30 part serve_profile_final 90 python bench/serve_profile.py --batches 1,64 \
+        --out "$O/serve_profile-llama3-1b-final.json"
+    TAIL=16 part serve_final 70 python bench/serve_throughput.py --graphs on \
+        --out "$O/serve_throughput-llama3-1b-final.json"
+    TAIL=16 part serve_final_v2 70 env TRIREME_PAGED_KERNEL=v2,tile=32,heads=4 python \
+        bench/serve_throughput.py --graphs on --out "$O/serve_throughput-llama3-1b-final-v2.json"
+    TAIL=4 part gpt2_default 60 python3 bench/train_throughput.py --preset gpt2-124m --compile \
+        --fused-cross-entropy --out "$O/train_throughput-gpt2-124m-default.json"
+    TAIL=4 part gpt2_cudagraphs 70 env TORCHINDUCTOR_CUDAGRAPHS=1 python3 \
+        bench/train_throughput.py --preset gpt2-124m --compile --fused-cross-entropy \
+        --out "$O/train_throughput-gpt2-124m-inductor-cudagraphs.json"
     ;;
 fp8)
     : "${TOTAL:=300}"

@@ -11,11 +11,27 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
+# Prepended to every script: Triton 3.6's interpreter turns a runtime scalar (a loop bound such
+# as `range(0, n_cols, BLOCK)`) into an int with int() of a one-element 1-d numpy array, which
+# NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars"); Triton
+# 3.9 squeezes it first, and so does this, on any version that patches tensors this way.
+INDEX_FIX = """
+from triton.runtime import interpreter as _interp
+_plain_patch_tensor = getattr(_interp, "_patch_lang_tensor", None)
+if _plain_patch_tensor is not None:
+    def _patch_tensor(tensor, scope):
+        _plain_patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+    _interp._patch_lang_tensor = _patch_tensor
+"""
+
+
 def run_in_interpreter(script: str) -> str:
-    """`python -c script` with TRITON_INTERPRET=1 and the repository importable; its stdout,
-    stripped. Fails (with its output) if the script does."""
+    """`python -c script` with TRITON_INTERPRET=1 and the repository importable (INDEX_FIX
+    first); its stdout, stripped. Fails (with its output) if the script does."""
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    script = INDEX_FIX + script
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
