@@ -39,6 +39,24 @@ HEADS 2, TILE 32 237 (59); both loops are pipelined by Triton (cp.async, num_sta
 into registers before tile i's math: a program always has the next tile in flight, at the cost
 of about twice the registers (150-170 against 71-92), so fewer programs fit on an SM
 (bench/paged_kernel_static.py prints these counts).
+
+Storing this step's keys (NEW: `new` = k_new, v_new [r, n_kv, d], slots [r]; saves the two
+index_copy_ launches per layer of a decode step): request b's new key sits at position
+last = lengths[b] - 1, pool row slots[b] (block slots[b] // BLOCK, offset slots[b] % BLOCK).
+Each program loads k_new[b], v_new[b] of its kv heads once ([D] in v1, [HEADS, D] in v2), reads
+from the pool only positions < min(end, last) (the loads' mask), and puts the new ones into the
+tile that holds position last (tl.where); the program of chunk j == 0 of each (request, kv heads)
+also stores them at row slots[b]. So the call equals
+
+    pools[slots] = k_new, v_new (index_copy_)      then the kernel without NEW
+
+bitwise for the pools, and with the same key bits for the attention (the substituted keys are
+the stored ones). No race: the rows written are position last of request b, the program's own
+kv heads, and no program reads them: request b's programs read positions < last only, and
+another request's only its own blocks (the engine gives each request blocks of its own). The
+CUDA graphs' padding rows (slot 0 in block 0, length 1) write that row from several programs, as
+index_copy_ with repeated indices does; those rows read no pool at all (only their new key), and
+a real request never reads block 0. Without NEW (a constexpr) the kernels are as before.
 trireme.ops.paged_attention has the plain torch version both are tested against (through
 Triton's CPU interpreter).
 """
@@ -55,15 +73,33 @@ import triton.language as tl
 
 from trireme.errors import ConfigError
 
+NewKeys = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # k_new, v_new [r, n_kv, d], slots [r]
+
+
+@triton.jit
+def _new_keys(k_new_ptr, v_new_ptr, slots_ptr, k_ptr, v_ptr, b, new_cols, pool_cols, j,
+              stride_nr, stride_kb, stride_ks, BLOCK: tl.constexpr):
+    """This step's key and value of request b: k_new[b], v_new[b] at `new_cols` (the program's
+    kv heads' [..., D] offsets), and in chunk j == 0's program their store into the pools' row
+    slots[b] (block slot // BLOCK, offset slot % BLOCK; `pool_cols` the same heads' offsets)."""
+    k = tl.load(k_new_ptr + b * stride_nr + new_cols)
+    v = tl.load(v_new_ptr + b * stride_nr + new_cols)
+    if j == 0:
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        row = (slot // BLOCK) * stride_kb + (slot % BLOCK) * stride_ks
+        tl.store(k_ptr + row + pool_cols, k)
+        tl.store(v_ptr + row + pool_cols, v)
+    return k, v
+
 
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, out_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, k_new_ptr, v_new_ptr, slots_ptr,
     stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_tr, stride_or, stride_oh,
-    scale, n_heads,
+    stride_nr, stride_nh, scale, n_heads,
     GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-    TILE: tl.constexpr, SPLITS: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    TILE: tl.constexpr, SPLITS: tl.constexpr, HEADS_FIRST: tl.constexpr, NEW: tl.constexpr,
 ):
     if HEADS_FIRST:  # neighbouring programs: one request's kv heads (adjacent in the pool)
         h = tl.program_id(0)
@@ -80,6 +116,12 @@ def _paged_decode_kernel(
     d = tl.arange(0, D)
     t = tl.arange(0, TILE)
     g_mask = g < GROUPS
+    pooled = end  # keys first..pooled-1 come from the pool
+    if NEW:  # key length-1 is this step's: from k_new, v_new, stored by chunk 0 (docstring)
+        pooled = tl.minimum(end, length - 1)
+        k_new, v_new = _new_keys(k_new_ptr, v_new_ptr, slots_ptr, k_ptr, v_ptr, b,
+                                 h * stride_nh + d, h * stride_kh + d, j, stride_nr, stride_kb,
+                                 stride_ks, BLOCK)  # [D] each
     q_rows = h * GROUPS + g
     q = tl.load(q_ptr + b * stride_qr + q_rows[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None], other=0.0)  # [G, D]
@@ -90,10 +132,15 @@ def _paged_decode_kernel(
     for start in range(first, end, TILE):
         pos = start + t  # [TILE] key positions
         valid = pos < end
-        block = tl.load(tables_ptr + b * stride_tr + pos // BLOCK, mask=valid, other=0)
+        read = pos < pooled
+        block = tl.load(tables_ptr + b * stride_tr + pos // BLOCK, mask=read, other=0)
         rows = block.to(tl.int64) * stride_kb + (pos % BLOCK) * stride_ks + h * stride_kh
-        k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=read[:, None], other=0.0)
+        v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=read[:, None], other=0.0)
+        if NEW:
+            fresh = (pos == length - 1)[:, None]  # [TILE, 1]
+            k = tl.where(fresh, k_new[None, :], k)
+            v = tl.where(fresh, v_new[None, :], v)
         s = tl.dot(q, tl.trans(k.to(tl.float32)))  # [G, TILE] in fp32
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -140,6 +187,16 @@ def _tile_rows(tables_ptr, b, stride_tr, pos, end, stride_kb, stride_ks, BLOCK: 
 
 
 @triton.jit
+def _with_new(k, v, pos, last, k_new, v_new):
+    """k [H, D, T], v [H, T, D] with key position `last` (of pos [T]) taken from this step's
+    k_new, v_new [H, D] (the pool's row there is masked out of the load)."""
+    fresh = pos == last
+    k = tl.where(fresh[None, None, :], k_new[:, :, None], k)
+    v = tl.where(fresh[None, :, None], v_new[:, None, :], v)
+    return k, v
+
+
+@triton.jit
 def _tile_step(q, k, v, live, scale, m, denom, acc):
     """The online softmax over one tile: q [H, G, D], k [H, D, T], v [H, T, D], live [T]."""
     s = tl.dot(q, k) * scale  # [H, G, T] fp32
@@ -153,23 +210,27 @@ def _tile_step(q, k, v, live, scale, m, denom, acc):
 
 
 @triton.jit
-def _walk_prefetched(q, k_at, v_at, tables_ptr, b, stride_tr, first, end, stride_kb, stride_ks,
-                     scale, m, denom, acc, BLOCK: tl.constexpr, TILE: tl.constexpr):
+def _walk_prefetched(q, k_at, v_at, tables_ptr, b, stride_tr, first, end, pooled, last,
+                     stride_kb, stride_ks, scale, m, denom, acc, k_new, v_new,
+                     BLOCK: tl.constexpr, TILE: tl.constexpr, NEW: tl.constexpr):
     """Keys first..end-1 tile by tile, tile i+1's K, V loads (and tile i+2's block ids) issued
-    before tile i's math; k_at [H, D, 1] and v_at [H, 1, D] point at row 0's columns."""
+    before tile i's math; k_at [H, D, 1] and v_at [H, 1, D] point at row 0's columns. Keys
+    before `pooled` come from the pool; with NEW key `last` comes from k_new, v_new [H, D]."""
     t = tl.arange(0, TILE)
-    rows = _tile_rows(tables_ptr, b, stride_tr, first + t, end, stride_kb, stride_ks, BLOCK)
-    live = first + t < end
-    k = tl.load(k_at + rows[None, None, :], mask=live[None, None, :], other=0.0)
-    v = tl.load(v_at + rows[None, :, None], mask=live[None, :, None], other=0.0)
-    rows = _tile_rows(tables_ptr, b, stride_tr, first + TILE + t, end, stride_kb, stride_ks,
+    rows = _tile_rows(tables_ptr, b, stride_tr, first + t, pooled, stride_kb, stride_ks, BLOCK)
+    read = first + t < pooled
+    k = tl.load(k_at + rows[None, None, :], mask=read[None, None, :], other=0.0)
+    v = tl.load(v_at + rows[None, :, None], mask=read[None, :, None], other=0.0)
+    rows = _tile_rows(tables_ptr, b, stride_tr, first + TILE + t, pooled, stride_kb, stride_ks,
                       BLOCK)
     for start in range(first, end, TILE):
-        live_next = start + TILE + t < end
-        k_next = tl.load(k_at + rows[None, None, :], mask=live_next[None, None, :], other=0.0)
-        v_next = tl.load(v_at + rows[None, :, None], mask=live_next[None, :, None], other=0.0)
-        rows = _tile_rows(tables_ptr, b, stride_tr, start + 2 * TILE + t, end, stride_kb,
+        read_next = start + TILE + t < pooled
+        k_next = tl.load(k_at + rows[None, None, :], mask=read_next[None, None, :], other=0.0)
+        v_next = tl.load(v_at + rows[None, :, None], mask=read_next[None, :, None], other=0.0)
+        rows = _tile_rows(tables_ptr, b, stride_tr, start + 2 * TILE + t, pooled, stride_kb,
                           stride_ks, BLOCK)
+        if NEW:
+            k, v = _with_new(k, v, start + t, last, k_new, v_new)
         m, denom, acc = _tile_step(q, k, v, start + t < end, scale, m, denom, acc)
         k = k_next
         v = v_next
@@ -179,11 +240,12 @@ def _walk_prefetched(q, k_at, v_at, tables_ptr, b, stride_tr, first, end, stride
 @triton.jit
 def _paged_decode_v2_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, out_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, k_new_ptr, v_new_ptr, slots_ptr,
     stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_tr, stride_or, stride_oh,
-    scale, n_heads,
+    stride_nr, stride_nh, scale, n_heads,
     GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
     BLOCK: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
+    NEW: tl.constexpr,
 ):
     """v2 (module docstring): program (b, c, j) serves kv heads c * HEADS .. + HEADS of request
     b (all their query heads) over chunk j; with PREFETCH the next tile's K, V loads are in
@@ -207,20 +269,32 @@ def _paged_decode_v2_kernel(
     m = tl.full([HEADS, GROUPS_POW2], float("-inf"), tl.float32)
     denom = tl.zeros([HEADS, GROUPS_POW2], tl.float32)
     acc = tl.zeros([HEADS, GROUPS_POW2, D], tl.float32)
+    pooled = end  # keys first..pooled-1 come from the pool
+    k_new = q  # (unused without NEW)
+    v_new = q
+    if NEW:  # key length-1 is this step's: from k_new, v_new, stored by chunk 0 (docstring)
+        pooled = tl.minimum(end, length - 1)
+        new_cols = kh[:, None] * stride_nh + d[None, :]  # [HEADS, D]
+        k_new, v_new = _new_keys(k_new_ptr, v_new_ptr, slots_ptr, k_ptr, v_ptr, b, new_cols,
+                                 kh[:, None] * stride_kh + d[None, :], j, stride_nr, stride_kb,
+                                 stride_ks, BLOCK)  # [HEADS, D] each
     if PREFETCH:  # the next tile's loads in registers, issued before this tile's math
         m, denom, acc = _walk_prefetched(q, k_ptr + k_cols, v_ptr + v_cols, tables_ptr, b,
-                                         stride_tr, first, end, stride_kb, stride_ks, scale,
-                                         m, denom, acc, BLOCK, TILE)
+                                         stride_tr, first, end, pooled, length - 1,
+                                         stride_kb, stride_ks, scale, m, denom, acc, k_new,
+                                         v_new, BLOCK, TILE, NEW)
     else:  # loads where they are used: Triton's pipeliner may overlap them (num_stages)
         for start in range(first, end, TILE):
-            rows = _tile_rows(tables_ptr, b, stride_tr, start + t, end, stride_kb, stride_ks,
+            rows = _tile_rows(tables_ptr, b, stride_tr, start + t, pooled, stride_kb, stride_ks,
                               BLOCK)
-            live = start + t < end
-            k = tl.load(k_ptr + k_cols + rows[None, None, :], mask=live[None, None, :],
+            read = start + t < pooled
+            k = tl.load(k_ptr + k_cols + rows[None, None, :], mask=read[None, None, :],
                         other=0.0)  # [HEADS, D, TILE]
-            v = tl.load(v_ptr + v_cols + rows[None, :, None], mask=live[None, :, None],
+            v = tl.load(v_ptr + v_cols + rows[None, :, None], mask=read[None, :, None],
                         other=0.0)  # [HEADS, TILE, D]
-            m, denom, acc = _tile_step(q, k, v, live, scale, m, denom, acc)
+            if NEW:
+                k, v = _with_new(k, v, start + t, length - 1, k_new, v_new)
+            m, denom, acc = _tile_step(q, k, v, start + t < end, scale, m, denom, acc)
     if SPLITS == 1:
         out = acc / denom[:, :, None]
         tl.store(out_ptr + b * stride_or + q_rows[:, :, None] * stride_oh + d[None, None, :],
@@ -274,8 +348,11 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                            tables: torch.Tensor, lengths: torch.Tensor, *, tile: int = 0,
                            splits: int = 0, num_warps: int = 4, num_stages: int = 0,
                            heads_first: bool = False, variant: str = "",
-                           heads: int = 1, prefetch: bool = False) -> torch.Tensor:
-    """[r, n_heads, d]: each request's query heads over its first lengths[r] keys. `variant`
+                           heads: int = 1, prefetch: bool = False,
+                           new: NewKeys | None = None) -> torch.Tensor:
+    """[r, n_heads, d]: each request's query heads over its first lengths[r] keys; with `new`
+    (k_new, v_new [r, n_kv, d], slots [r]) key lengths[r] - 1 is k_new[r], stored into the
+    pools' row slots[r] by the kernel too (module docstring: store, then attend). `variant`
     picks the kernel ("": $TRIREME_PAGED_KERNEL's, with its settings: env_choice). `tile` (keys
     per iteration, default max(64, block)), `splits` (a power of two; default: default_splits),
     num_warps, num_stages (0: Triton's default) tune the launch; heads_first (the grid's order:
@@ -297,17 +374,39 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     for key in ("tile", "splits"):
         if kw[key] & (kw[key] - 1):
             raise ConfigError(f"{key}={kw[key]} must be a power of two (or 0: the default)")
-    return _launch(q, k_pool, v_pool, tables, lengths, variant, **{**kw, "heads": heads})
+    return _launch(q, k_pool, v_pool, tables, lengths, variant, **{**kw, "heads": heads},
+                   new=new_keys(new, q, k_pool, v_pool))
+
+
+def new_keys(new: NewKeys | None, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
+             ) -> NewKeys | None:
+    """`new` checked against the pools (shape [r, n_kv, d], their dtype and device, slots [r]),
+    its keys and values with unit column stride (the kernel's addressing)."""
+    if new is None:
+        return None
+    k_new, v_new, slots = new
+    want = (q.shape[0], *k_pool.shape[2:])
+    for name, t, pool in (("k_new", k_new, k_pool), ("v_new", v_new, v_pool)):
+        if tuple(t.shape) != want or t.dtype != pool.dtype or t.device != pool.device:
+            raise ValueError(f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}; the new keys "
+                             f"must be {want} {pool.dtype} on {pool.device}, as the pools")
+    if tuple(slots.shape) != (q.shape[0],):
+        raise ValueError(f"slots is {tuple(slots.shape)}; it must be [{q.shape[0]}], one per "
+                         "request")
+    if k_new.stride() != v_new.stride() or k_new.stride(-1) != 1:  # one set serves both
+        k_new, v_new = k_new.contiguous(), v_new.contiguous()
+    return k_new, v_new, slots
 
 
 def _launch(q, k_pool, v_pool, tables, lengths, variant: str, tile: int, splits: int,
             num_warps: int, num_stages: int, heads_first: bool, heads: int,
-            prefetch: bool) -> torch.Tensor:
-    """paged_decode_attention's launch, its settings checked."""
+            prefetch: bool, new: NewKeys | None = None) -> torch.Tensor:
+    """paged_decode_attention's launch, its settings (and `new`: new_keys) checked."""
     r, n_heads, d = q.shape
     n_kv = k_pool.shape[2]
     block = k_pool.shape[1]
     q = q.contiguous()
+    k_new, v_new, slots = new if new is not None else (k_pool, v_pool, lengths)  # (unused)
     out = torch.empty_like(q)
     groups = n_heads // n_kv
     tile = tile or max(64, block)  # several blocks per iteration: more loads in flight
@@ -318,11 +417,14 @@ def _launch(q, k_pool, v_pool, tables, lengths, variant: str, tile: int, splits:
                  q.new_empty(r, n_heads, splits, dtype=torch.float32),
                  q.new_empty(r, n_heads, splits, d, dtype=torch.float32)]
     stages = {"num_stages": num_stages} if num_stages else {}
-    args = (q, k_pool, v_pool, tables, lengths, out, *parts,
+    args = (q, k_pool, v_pool, tables, lengths, out, *parts, k_new, v_new, slots,
             q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-            tables.stride(0), out.stride(0), out.stride(1), 1.0 / math.sqrt(d), n_heads)
+            tables.stride(0), out.stride(0), out.stride(1),
+            k_new.stride(0) if new is not None else 0, k_new.stride(1) if new is not None else 0,
+            1.0 / math.sqrt(d), n_heads)
     consts = dict(GROUPS=groups, GROUPS_POW2=max(16, triton.next_power_of_2(groups)), D=d,
-                  BLOCK=block, TILE=tile, SPLITS=splits, num_warps=num_warps, **stages)
+                  BLOCK=block, TILE=tile, SPLITS=splits, NEW=new is not None,
+                  num_warps=num_warps, **stages)
     if variant == "v1":
         grid = (n_kv, r, splits) if heads_first else (r, n_kv, splits)
         _paged_decode_kernel[grid](*args, HEADS_FIRST=bool(heads_first), **consts)

@@ -1,0 +1,127 @@
+"""The paged decode kernels' fused store (trireme.ops.paged_attention_triton, `new=`): one launch
+that writes this step's keys and values into the pools and attends with them gives the output of
+"index_copy_ into the pools, then attend" and leaves the pools bitwise as index_copy_ does, for
+v1 and v2, one split and several, GQA, lengths 1 (only the new key) and on block and tile edges;
+and the dispatcher's gather path (CPU, no Triton) stores then attends."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from interpreted import BF16_DOT, run_in_interpreter
+from test_paged_attention import paged_case
+
+from trireme.ops.paged_attention import (
+    paged_decode_attention,
+    paged_decode_reference,
+    store_new,
+)
+
+
+def new_case(n_heads: int, n_kv: int, lengths: list[int], block: int, d: int, seed: int = 0,
+             strided: bool = False):
+    """paged_case plus this step's keys, values [r, n_kv, d] and their pool rows [r] (the slot
+    of position lengths[i] - 1 through request i's table); `strided`: k, v as [r, n_kv, d] views
+    of [n_kv, r, d] tensors (the eager forward's layout)."""
+    q, k_pool, v_pool, tables, lens = paged_case(n_heads, n_kv, lengths, block=block, d=d,
+                                                 seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    shape = (n_kv, len(lengths), d) if strided else (len(lengths), n_kv, d)
+    k_new, v_new = (torch.randn(shape, generator=gen) for _ in range(2))
+    if strided:
+        k_new, v_new = k_new.transpose(0, 1), v_new.transpose(0, 1)
+    last = lens - 1
+    slots = tables.gather(1, (last // block)[:, None])[:, 0] * block + last % block
+    return (q, k_pool, v_pool, tables, lens), (k_new, v_new, slots)
+
+
+def stored_then_attended(case, new):
+    """The reference: index_copy_ into copies of the pools, then the gather path."""
+    q, k_pool, v_pool, tables, lengths = case
+    k_pool, v_pool = k_pool.clone(), v_pool.clone()
+    store_new(k_pool, v_pool, new)
+    return paged_decode_reference(q, k_pool, v_pool, tables, lengths), k_pool, v_pool
+
+
+def test_gather_path_stores_then_attends():
+    """Without the kernel (CPU) `new` is index_copy_ then the gather path; the new keys count:
+    attending without storing them gives another answer."""
+    case, new = new_case(6, 2, [1, 4, 5, 11], block=4, d=16, strided=True)
+    want, k_want, v_want = stored_then_attended(case, new)
+    q, k_pool, v_pool, tables, lengths = case
+    before = paged_decode_reference(*case)
+    got = paged_decode_attention(q, k_pool, v_pool, tables, lengths, new=new)
+    assert torch.equal(k_pool, k_want) and torch.equal(v_pool, v_want)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert (got - before).abs().max() > 1e-3
+
+
+SCRIPT = BF16_DOT + """
+import json, sys, torch
+sys.path.insert(0, TESTS)
+from test_paged_decode_store import new_case, stored_then_attended
+import trireme.ops.paged_attention_triton as kernels
+# (n_heads, n_kv, d, block, lengths, strided): GQA 4:1 and 2:1, lengths 1 (only the new key),
+# ending on a block edge (4, 8, 16, 32), just past one, on a 16-key tile edge (16, 32) and past
+# it (17, 33), and an eager-layout (strided) k_new
+shapes = [(8, 2, 16, 4, [1, 4, 5, 16, 17, 33, 8, 32], False),
+          (4, 2, 32, 8, [1, 9, 24, 40], True)]
+launches = [("v1", {}), ("v1", dict(tile=16, splits=4)),
+            ("v1", dict(tile=16, splits=2, heads_first=True)),
+            ("v2", {}), ("v2", dict(heads=2, tile=16, prefetch=True)),
+            ("v2", dict(heads=2, tile=16, splits=4)),
+            ("v2", dict(heads=1, tile=16, splits=2, prefetch=True))]
+out, pools = {}, {}
+for n_heads, n_kv, d, block, lengths, strided in shapes:
+    case, new = new_case(n_heads, n_kv, lengths, block, d, seed=len(lengths), strided=strided)
+    want, k_want, v_want = stored_then_attended(case, new)
+    for variant, kw in launches:
+        q, k_pool, v_pool, tables, lens = case
+        k_pool, v_pool = k_pool.clone(), v_pool.clone()
+        got = kernels.paged_decode_attention(q, k_pool, v_pool, tables, lens, new=new,
+                                             variant=variant, **kw)
+        key = f"{variant} {kw}"
+        out[key] = max(out.get(key, 0.0), (got - want).abs().max().item())
+        pools[key] = pools.get(key, True) and torch.equal(k_pool, k_want) and torch.equal(
+            v_pool, v_want)
+# bf16 pools (the GPU's): stored bits equal index_copy_'s, output near the fp32 reference
+case, new = new_case(8, 2, [1, 16, 21], 8, 16, seed=3)
+bf = lambda t: t.bfloat16() if t.is_floating_point() else t
+case, new = [bf(t) for t in case], [bf(t) for t in new]
+want, k_want, v_want = stored_then_attended([t.float() if t.is_floating_point() else t
+                                             for t in case], [t.float() if t.is_floating_point()
+                                                              else t for t in new])
+q, k_pool, v_pool, tables, lens = case
+got = kernels.paged_decode_attention(q, k_pool, v_pool, tables, lens, new=new, variant="v2",
+                                     heads=2, tile=16)
+bf16 = {"err": (got.float() - want).abs().max().item(),
+        "pools": torch.equal(k_pool, k_want.bfloat16()) and torch.equal(v_pool, v_want.bfloat16())}
+print(json.dumps({"errors": out, "pools": pools, "bf16": bf16}))
+"""
+
+
+def test_fused_store_equals_store_then_attend_in_the_interpreter():
+    pytest.importorskip("triton")
+    script = SCRIPT.replace("TESTS", repr(str(Path(__file__).parent)))
+    out = json.loads(run_in_interpreter(script).splitlines()[-1])
+    assert len(out["errors"]) == 7 and max(out["errors"].values()) < 1e-4, out
+    assert all(out["pools"].values()), out
+    assert out["bf16"]["pools"] and out["bf16"]["err"] < 2e-2, out
+
+
+def test_new_keys_are_checked():
+    pytest.importorskip("triton")
+    from trireme.ops.paged_attention_triton import new_keys
+
+    case, (k_new, v_new, slots) = new_case(4, 2, [3, 9], block=4, d=16)
+    q, k_pool, v_pool = case[:3]
+    with pytest.raises(ValueError, match=r"k_new is \(2, 2, 8\).*must be \(2, 2, 16\)"):
+        new_keys((k_new[..., :8], v_new, slots), q, k_pool, v_pool)
+    with pytest.raises(ValueError, match="v_new is .*bfloat16.*must be .*float32"):
+        new_keys((k_new, v_new.bfloat16(), slots), q, k_pool, v_pool)
+    with pytest.raises(ValueError, match=r"slots is \(3,\); it must be \[2\]"):
+        new_keys((k_new, v_new, torch.zeros(3, dtype=torch.long)), q, k_pool, v_pool)
+    strided = k_new.transpose(0, 1).contiguous().transpose(0, 1)
+    k, v, _ = new_keys((strided, v_new, slots), q, k_pool, v_pool)  # one set of strides
+    assert k.stride() == v.stride() and torch.equal(k, k_new)
