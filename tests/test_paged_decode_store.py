@@ -22,15 +22,16 @@ from trireme.ops.paged_attention import (
 def new_case(n_heads: int, n_kv: int, lengths: list[int], block: int, d: int, seed: int = 0,
              strided: bool = False):
     """paged_case plus this step's keys, values [r, n_kv, d] and their pool rows [r] (the slot
-    of position lengths[i] - 1 through request i's table); `strided`: k, v as [r, n_kv, d] views
-    of [n_kv, r, d] tensors (the eager forward's layout)."""
+    of position lengths[i] - 1 through request i's table); `strided`: k, v [r, n_kv, d] views
+    with different strides (as the eager forward's)."""
     q, k_pool, v_pool, tables, lens = paged_case(n_heads, n_kv, lengths, block=block, d=d,
                                                  seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
-    shape = (n_kv, len(lengths), d) if strided else (len(lengths), n_kv, d)
-    k_new, v_new = (torch.randn(shape, generator=gen) for _ in range(2))
-    if strided:
-        k_new, v_new = k_new.transpose(0, 1), v_new.transpose(0, 1)
+    r = len(lengths)
+    k_new, v_new = (torch.randn(r, n_kv, d, generator=gen) for _ in range(2))
+    if strided:  # k a view of [n_kv, r, d], v of [r, n_kv, 2 d]: strides of their own
+        k_new = torch.randn(n_kv, r, d, generator=gen).transpose(0, 1)
+        v_new = torch.randn(r, n_kv, 2 * d, generator=gen)[..., :d]
     last = lens - 1
     slots = tables.gather(1, (last // block)[:, None])[:, 0] * block + last % block
     return (q, k_pool, v_pool, tables, lens), (k_new, v_new, slots)
@@ -122,6 +123,9 @@ def test_new_keys_are_checked():
         new_keys((k_new, v_new.bfloat16(), slots), q, k_pool, v_pool)
     with pytest.raises(ValueError, match=r"slots is \(3,\); it must be \[2\]"):
         new_keys((k_new, v_new, torch.zeros(3, dtype=torch.long)), q, k_pool, v_pool)
-    strided = k_new.transpose(0, 1).contiguous().transpose(0, 1)
-    k, v, _ = new_keys((strided, v_new, slots), q, k_pool, v_pool)  # one set of strides
-    assert k.stride() == v.stride() and torch.equal(k, k_new)
+    strided = k_new.transpose(0, 1).contiguous().transpose(0, 1)  # kept: unit column stride
+    k, v, _ = new_keys((strided, v_new[..., ::1], slots), q, k_pool, v_pool)
+    assert k.data_ptr() == strided.data_ptr() and v.data_ptr() == v_new.data_ptr()
+    spread = torch.randn(2, 2, 32)[..., ::2]  # columns 2 apart: copied
+    k, _, _ = new_keys((spread, v_new, slots), q, k_pool, v_pool)
+    assert k.stride(-1) == 1 and torch.equal(k, spread)

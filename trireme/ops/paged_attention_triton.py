@@ -41,22 +41,26 @@ of about twice the registers (150-170 against 71-92), so fewer programs fit on a
 (bench/paged_kernel_static.py prints these counts).
 
 Storing this step's keys (NEW: `new` = k_new, v_new [r, n_kv, d], slots [r]; saves the two
-index_copy_ launches per layer of a decode step): request b's new key sits at position
-last = lengths[b] - 1, pool row slots[b] (block slots[b] // BLOCK, offset slots[b] % BLOCK).
-Each program loads k_new[b], v_new[b] of its kv heads once ([D] in v1, [HEADS, D] in v2), reads
-from the pool only positions < min(end, last) (the loads' mask), and puts the new ones into the
-tile that holds position last (tl.where); the program of chunk j == 0 of each (request, kv heads)
-also stores them at row slots[b]. So the call equals
+index_copy_ launches per layer of a decode step). Request b's new key sits at position
+last = lengths[b] - 1, pool row slots[b] (block slots[b] // BLOCK, offset slots[b] % BLOCK):
 
-    pools[slots] = k_new, v_new (index_copy_)      then the kernel without NEW
+- every program reads from the pool only positions < min(end, last) (its tile loop, unchanged,
+  runs to that bound);
+- the program whose chunk first..end-1 holds position last then takes k_new[b], v_new[b] of its
+  kv heads into the online softmax as one more key (s = q . k_new / sqrt(d) in fp32, after the
+  loop, so the loop compiles as without NEW: bench/paged_kernel_static.py --new counts the same
+  loop instructions; registers: v1 80 either way, v2 HEADS 2 TILE 32 94 against 80);
+- the program of chunk j == 0 of each (request, kv heads) stores k_new[b], v_new[b] of its heads
+  at row slots[b] of the pools.
 
-bitwise for the pools, and with the same key bits for the attention (the substituted keys are
-the stored ones). No race: the rows written are position last of request b, the program's own
-kv heads, and no program reads them: request b's programs read positions < last only, and
-another request's only its own blocks (the engine gives each request blocks of its own). The
+So the call equals "pools[slots] = k_new, v_new (index_copy_), then the kernel without NEW":
+bitwise for the pools, and the same keys for the attention (summed in another order: equal up
+to rounding). No race: the rows written are position last of request b, the writer's own kv
+heads, and no program reads them: request b's programs read positions < last only, and another
+request's only its own blocks (trireme.inference.blocks hands each block to one request). The
 CUDA graphs' padding rows (slot 0 in block 0, length 1) write that row from several programs, as
-index_copy_ with repeated indices does; those rows read no pool at all (only their new key), and
-a real request never reads block 0. Without NEW (a constexpr) the kernels are as before.
+index_copy_ with repeated indices does; they read no pool at all (only their new key), and a
+real request never reads block 0. Without NEW (a constexpr) the kernels are as before.
 trireme.ops.paged_attention has the plain torch version both are tested against (through
 Triton's CPU interpreter).
 """
@@ -77,19 +81,32 @@ NewKeys = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # k_new, v_new [r, n_
 
 
 @triton.jit
-def _new_keys(k_new_ptr, v_new_ptr, slots_ptr, k_ptr, v_ptr, b, new_cols, pool_cols, j,
-              stride_nr, stride_kb, stride_ks, BLOCK: tl.constexpr):
-    """This step's key and value of request b: k_new[b], v_new[b] at `new_cols` (the program's
-    kv heads' [..., D] offsets), and in chunk j == 0's program their store into the pools' row
-    slots[b] (block slot // BLOCK, offset slot % BLOCK; `pool_cols` the same heads' offsets)."""
-    k = tl.load(k_new_ptr + b * stride_nr + new_cols)
-    v = tl.load(v_new_ptr + b * stride_nr + new_cols)
+def _new_key(q, m, denom, acc, k_new_ptr, v_new_ptr, slots_ptr, k_ptr, v_ptr, b, heads, cols, j,
+             first, end, length, scale, stride_knr, stride_knh, stride_vnr, stride_vnh,
+             stride_kb, stride_ks, stride_kh, BLOCK: tl.constexpr):
+    """This step's key and value of request b, kv heads `heads` (h, or [HEADS, 1]) at columns
+    `cols` (d, or [1, D]): chunk j == 0's program stores them into the pools' row slots[b]
+    (block slot // BLOCK, offset slot % BLOCK), and the program whose chunk first..end-1 holds
+    position length - 1 takes them into its online softmax (q [G, D] or [HEADS, G, D], m and
+    denom [G] or [HEADS, G], acc as q) as one more key, s = q . k_new * scale in fp32."""
+    k = tl.load(k_new_ptr + b * stride_knr + heads * stride_knh + cols)  # [D] or [HEADS, D]
+    v = tl.load(v_new_ptr + b * stride_vnr + heads * stride_vnh + cols)
     if j == 0:
         slot = tl.load(slots_ptr + b).to(tl.int64)
-        row = (slot // BLOCK) * stride_kb + (slot % BLOCK) * stride_ks
-        tl.store(k_ptr + row + pool_cols, k)
-        tl.store(v_ptr + row + pool_cols, v)
-    return k, v
+        row = (slot // BLOCK) * stride_kb + (slot % BLOCK) * stride_ks + heads * stride_kh
+        tl.store(k_ptr + row + cols, k)
+        tl.store(v_ptr + row + cols, v)
+    last = length - 1
+    if (last >= first) & (last < end):
+        s = tl.sum(q.to(tl.float32) * tl.expand_dims(k.to(tl.float32), -2), axis=-1) * scale
+        m_new = tl.maximum(m, s)
+        p = tl.exp(s - m_new)
+        alpha = tl.exp(m - m_new)
+        denom = denom * alpha + p
+        acc = (acc * tl.expand_dims(alpha, -1)
+               + tl.expand_dims(p, -1) * tl.expand_dims(v.to(tl.float32), -2))
+        m = m_new
+    return m, denom, acc
 
 
 @triton.jit
@@ -97,7 +114,7 @@ def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, out_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr, k_new_ptr, v_new_ptr, slots_ptr,
     stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_tr, stride_or, stride_oh,
-    stride_nr, stride_nh, scale, n_heads,
+    stride_knr, stride_knh, stride_vnr, stride_vnh, scale, n_heads,
     GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
     TILE: tl.constexpr, SPLITS: tl.constexpr, HEADS_FIRST: tl.constexpr, NEW: tl.constexpr,
 ):
@@ -116,12 +133,6 @@ def _paged_decode_kernel(
     d = tl.arange(0, D)
     t = tl.arange(0, TILE)
     g_mask = g < GROUPS
-    pooled = end  # keys first..pooled-1 come from the pool
-    if NEW:  # key length-1 is this step's: from k_new, v_new, stored by chunk 0 (docstring)
-        pooled = tl.minimum(end, length - 1)
-        k_new, v_new = _new_keys(k_new_ptr, v_new_ptr, slots_ptr, k_ptr, v_ptr, b,
-                                 h * stride_nh + d, h * stride_kh + d, j, stride_nr, stride_kb,
-                                 stride_ks, BLOCK)  # [D] each
     q_rows = h * GROUPS + g
     q = tl.load(q_ptr + b * stride_qr + q_rows[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None], other=0.0)  # [G, D]
@@ -129,18 +140,16 @@ def _paged_decode_kernel(
     m = tl.full([GROUPS_POW2], float("-inf"), tl.float32)
     denom = tl.zeros([GROUPS_POW2], tl.float32)
     acc = tl.zeros([GROUPS_POW2, D], tl.float32)
-    for start in range(first, end, TILE):
+    pooled = end  # the keys first..pooled-1 are read from the pool
+    if NEW:  # key length - 1 is this step's, taken after the loop (module docstring)
+        pooled = tl.minimum(end, length - 1)
+    for start in range(first, pooled, TILE):
         pos = start + t  # [TILE] key positions
-        valid = pos < end
-        read = pos < pooled
-        block = tl.load(tables_ptr + b * stride_tr + pos // BLOCK, mask=read, other=0)
+        valid = pos < pooled
+        block = tl.load(tables_ptr + b * stride_tr + pos // BLOCK, mask=valid, other=0)
         rows = block.to(tl.int64) * stride_kb + (pos % BLOCK) * stride_ks + h * stride_kh
-        k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=read[:, None], other=0.0)
-        v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=read[:, None], other=0.0)
-        if NEW:
-            fresh = (pos == length - 1)[:, None]  # [TILE, 1]
-            k = tl.where(fresh, k_new[None, :], k)
-            v = tl.where(fresh, v_new[None, :], v)
+        k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k.to(tl.float32)))  # [G, TILE] in fp32
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -149,6 +158,11 @@ def _paged_decode_kernel(
         denom = denom * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))  # [G, D]
         m = m_new
+    if NEW:
+        m, denom, acc = _new_key(q, m, denom, acc, k_new_ptr, v_new_ptr, slots_ptr, k_ptr,
+                                 v_ptr, b, h, d, j, first, end, length, 1.0, stride_knr,
+                                 stride_knh, stride_vnr, stride_vnh, stride_kb, stride_ks,
+                                 stride_kh, BLOCK)
     if SPLITS == 1:
         out = acc / denom[:, None]
         tl.store(out_ptr + b * stride_or + q_rows[:, None] * stride_oh + d[None, :],
@@ -187,16 +201,6 @@ def _tile_rows(tables_ptr, b, stride_tr, pos, end, stride_kb, stride_ks, BLOCK: 
 
 
 @triton.jit
-def _with_new(k, v, pos, last, k_new, v_new):
-    """k [H, D, T], v [H, T, D] with key position `last` (of pos [T]) taken from this step's
-    k_new, v_new [H, D] (the pool's row there is masked out of the load)."""
-    fresh = pos == last
-    k = tl.where(fresh[None, None, :], k_new[:, :, None], k)
-    v = tl.where(fresh[None, :, None], v_new[:, None, :], v)
-    return k, v
-
-
-@triton.jit
 def _tile_step(q, k, v, live, scale, m, denom, acc):
     """The online softmax over one tile: q [H, G, D], k [H, D, T], v [H, T, D], live [T]."""
     s = tl.dot(q, k) * scale  # [H, G, T] fp32
@@ -210,27 +214,23 @@ def _tile_step(q, k, v, live, scale, m, denom, acc):
 
 
 @triton.jit
-def _walk_prefetched(q, k_at, v_at, tables_ptr, b, stride_tr, first, end, pooled, last,
-                     stride_kb, stride_ks, scale, m, denom, acc, k_new, v_new,
-                     BLOCK: tl.constexpr, TILE: tl.constexpr, NEW: tl.constexpr):
+def _walk_prefetched(q, k_at, v_at, tables_ptr, b, stride_tr, first, end, stride_kb, stride_ks,
+                     scale, m, denom, acc, BLOCK: tl.constexpr, TILE: tl.constexpr):
     """Keys first..end-1 tile by tile, tile i+1's K, V loads (and tile i+2's block ids) issued
-    before tile i's math; k_at [H, D, 1] and v_at [H, 1, D] point at row 0's columns. Keys
-    before `pooled` come from the pool; with NEW key `last` comes from k_new, v_new [H, D]."""
+    before tile i's math; k_at [H, D, 1] and v_at [H, 1, D] point at row 0's columns."""
     t = tl.arange(0, TILE)
-    rows = _tile_rows(tables_ptr, b, stride_tr, first + t, pooled, stride_kb, stride_ks, BLOCK)
-    read = first + t < pooled
-    k = tl.load(k_at + rows[None, None, :], mask=read[None, None, :], other=0.0)
-    v = tl.load(v_at + rows[None, :, None], mask=read[None, :, None], other=0.0)
-    rows = _tile_rows(tables_ptr, b, stride_tr, first + TILE + t, pooled, stride_kb, stride_ks,
+    rows = _tile_rows(tables_ptr, b, stride_tr, first + t, end, stride_kb, stride_ks, BLOCK)
+    live = first + t < end
+    k = tl.load(k_at + rows[None, None, :], mask=live[None, None, :], other=0.0)
+    v = tl.load(v_at + rows[None, :, None], mask=live[None, :, None], other=0.0)
+    rows = _tile_rows(tables_ptr, b, stride_tr, first + TILE + t, end, stride_kb, stride_ks,
                       BLOCK)
     for start in range(first, end, TILE):
-        read_next = start + TILE + t < pooled
-        k_next = tl.load(k_at + rows[None, None, :], mask=read_next[None, None, :], other=0.0)
-        v_next = tl.load(v_at + rows[None, :, None], mask=read_next[None, :, None], other=0.0)
-        rows = _tile_rows(tables_ptr, b, stride_tr, start + 2 * TILE + t, pooled, stride_kb,
+        live_next = start + TILE + t < end
+        k_next = tl.load(k_at + rows[None, None, :], mask=live_next[None, None, :], other=0.0)
+        v_next = tl.load(v_at + rows[None, :, None], mask=live_next[None, :, None], other=0.0)
+        rows = _tile_rows(tables_ptr, b, stride_tr, start + 2 * TILE + t, end, stride_kb,
                           stride_ks, BLOCK)
-        if NEW:
-            k, v = _with_new(k, v, start + t, last, k_new, v_new)
         m, denom, acc = _tile_step(q, k, v, start + t < end, scale, m, denom, acc)
         k = k_next
         v = v_next
@@ -242,7 +242,7 @@ def _paged_decode_v2_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, out_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr, k_new_ptr, v_new_ptr, slots_ptr,
     stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_tr, stride_or, stride_oh,
-    stride_nr, stride_nh, scale, n_heads,
+    stride_knr, stride_knh, stride_vnr, stride_vnh, scale, n_heads,
     GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
     BLOCK: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
     NEW: tl.constexpr,
@@ -269,32 +269,28 @@ def _paged_decode_v2_kernel(
     m = tl.full([HEADS, GROUPS_POW2], float("-inf"), tl.float32)
     denom = tl.zeros([HEADS, GROUPS_POW2], tl.float32)
     acc = tl.zeros([HEADS, GROUPS_POW2, D], tl.float32)
-    pooled = end  # keys first..pooled-1 come from the pool
-    k_new = q  # (unused without NEW)
-    v_new = q
-    if NEW:  # key length-1 is this step's: from k_new, v_new, stored by chunk 0 (docstring)
+    pooled = end  # the keys first..pooled-1 are read from the pool
+    if NEW:  # key length - 1 is this step's, taken after the loop (module docstring)
         pooled = tl.minimum(end, length - 1)
-        new_cols = kh[:, None] * stride_nh + d[None, :]  # [HEADS, D]
-        k_new, v_new = _new_keys(k_new_ptr, v_new_ptr, slots_ptr, k_ptr, v_ptr, b, new_cols,
-                                 kh[:, None] * stride_kh + d[None, :], j, stride_nr, stride_kb,
-                                 stride_ks, BLOCK)  # [HEADS, D] each
     if PREFETCH:  # the next tile's loads in registers, issued before this tile's math
         m, denom, acc = _walk_prefetched(q, k_ptr + k_cols, v_ptr + v_cols, tables_ptr, b,
-                                         stride_tr, first, end, pooled, length - 1,
-                                         stride_kb, stride_ks, scale, m, denom, acc, k_new,
-                                         v_new, BLOCK, TILE, NEW)
+                                         stride_tr, first, pooled, stride_kb, stride_ks, scale,
+                                         m, denom, acc, BLOCK, TILE)
     else:  # loads where they are used: Triton's pipeliner may overlap them (num_stages)
-        for start in range(first, end, TILE):
+        for start in range(first, pooled, TILE):
             rows = _tile_rows(tables_ptr, b, stride_tr, start + t, pooled, stride_kb, stride_ks,
                               BLOCK)
-            read = start + t < pooled
-            k = tl.load(k_ptr + k_cols + rows[None, None, :], mask=read[None, None, :],
+            live = start + t < pooled
+            k = tl.load(k_ptr + k_cols + rows[None, None, :], mask=live[None, None, :],
                         other=0.0)  # [HEADS, D, TILE]
-            v = tl.load(v_ptr + v_cols + rows[None, :, None], mask=read[None, :, None],
+            v = tl.load(v_ptr + v_cols + rows[None, :, None], mask=live[None, :, None],
                         other=0.0)  # [HEADS, TILE, D]
-            if NEW:
-                k, v = _with_new(k, v, start + t, length - 1, k_new, v_new)
-            m, denom, acc = _tile_step(q, k, v, start + t < end, scale, m, denom, acc)
+            m, denom, acc = _tile_step(q, k, v, live, scale, m, denom, acc)
+    if NEW:
+        m, denom, acc = _new_key(q, m, denom, acc, k_new_ptr, v_new_ptr, slots_ptr, k_ptr,
+                                 v_ptr, b, kh[:, None], d[None, :], j, first, end, length, scale,
+                                 stride_knr, stride_knh, stride_vnr, stride_vnh, stride_kb,
+                                 stride_ks, stride_kh, BLOCK)
     if SPLITS == 1:
         out = acc / denom[:, :, None]
         tl.store(out_ptr + b * stride_or + q_rows[:, :, None] * stride_oh + d[None, None, :],
@@ -393,8 +389,7 @@ def new_keys(new: NewKeys | None, q: torch.Tensor, k_pool: torch.Tensor, v_pool:
     if tuple(slots.shape) != (q.shape[0],):
         raise ValueError(f"slots is {tuple(slots.shape)}; it must be [{q.shape[0]}], one per "
                          "request")
-    if k_new.stride() != v_new.stride() or k_new.stride(-1) != 1:  # one set serves both
-        k_new, v_new = k_new.contiguous(), v_new.contiguous()
+    k_new, v_new = (t if t.stride(-1) == 1 else t.contiguous() for t in (k_new, v_new))
     return k_new, v_new, slots
 
 
@@ -420,7 +415,7 @@ def _launch(q, k_pool, v_pool, tables, lengths, variant: str, tile: int, splits:
     args = (q, k_pool, v_pool, tables, lengths, out, *parts, k_new, v_new, slots,
             q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
             tables.stride(0), out.stride(0), out.stride(1),
-            k_new.stride(0) if new is not None else 0, k_new.stride(1) if new is not None else 0,
+            *(k_new.stride()[:2] + v_new.stride()[:2] if new is not None else (0,) * 4),
             1.0 / math.sqrt(d), n_heads)
     consts = dict(GROUPS=groups, GROUPS_POW2=max(16, triton.next_power_of_2(groups)), D=d,
                   BLOCK=block, TILE=tile, SPLITS=splits, NEW=new is not None,
