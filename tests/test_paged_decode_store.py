@@ -129,3 +129,55 @@ def test_new_keys_are_checked():
     spread = torch.randn(2, 2, 32)[..., ::2]  # columns 2 apart: copied
     k, _, _ = new_keys((spread, v_new, slots), q, k_pool, v_pool)
     assert k.stride(-1) == 1 and torch.equal(k, spread)
+
+
+ENGINE_SCRIPT = """
+import json, sys, torch
+sys.path.insert(0, TESTS)
+torch.set_num_threads(1)
+from test_serve_engine import CONFIGS, EagerGraphs, model_of, prompts
+import trireme.models.paged as paged
+import trireme.ops.paged_attention_triton as kernels
+from trireme.inference.compiled_decode import compiled_layer
+from trireme.inference.engine import Engine, EngineSettings
+from trireme.inference.sampling import SamplingParams
+model = model_of(CONFIGS["llama-gqa-untied"])
+texts = prompts(5, seed=2, longest=12)
+params = [SamplingParams(max_tokens=3 + i % 4, greedy=True) for i in range(len(texts))]
+
+def tokens(graphs, compiled):
+    engine = Engine(model, EngineSettings(block_size=4, max_running=4))
+    if graphs:  # decode steps padded to buckets 1, 2, 4: padding rows write slot 0
+        engine.graphs = EagerGraphs(model, engine.cache, 4, 4)
+    if compiled:
+        engine.cache.compiled_layer = compiled_layer("aot_eager")
+    with torch.no_grad():
+        return [r.output_ids for r in engine.generate(texts, params)]
+
+want = tokens(False, False)  # index_copy_, then the gather path
+real, fused = paged.paged_decode_attention, []
+def through_kernel(q, k_pool, v_pool, tables, lengths, backend="auto", new=None):
+    if new is None:
+        return real(q, k_pool, v_pool, tables, lengths, backend)
+    fused.append(q.shape[0])  # the CPU dispatcher would gather: run the kernel as CUDA would
+    return kernels.paged_decode_attention(q, k_pool, v_pool, tables, lengths, new=new)
+paged.paged_decode_attention = through_kernel
+got, calls = {}, {}
+for name, graphs, compiled in [("eager", False, False), ("graphs", True, False),
+                               ("compiled", True, True)]:
+    fused.clear()
+    got[name] = tokens(graphs, compiled)
+    calls[name] = sorted(set(fused))
+print(json.dumps({"want": want, "got": got, "calls": calls}))
+"""
+
+
+def test_engine_decode_steps_through_the_fused_kernel_give_the_same_tokens():
+    """The engine's decode-only steps (eager, padded graph buckets, compiled pieces) with the
+    fused kernel (through the interpreter) give the tokens of index_copy_ + the gather path."""
+    pytest.importorskip("triton")
+    script = ENGINE_SCRIPT.replace("TESTS", repr(str(Path(__file__).parent)))
+    out = json.loads(run_in_interpreter(script).splitlines()[-1])
+    assert all(tokens == out["want"] for tokens in out["got"].values()), out
+    assert out["calls"]["eager"] and set(out["calls"]["graphs"]) <= {1, 2, 4}, out
+    assert 4 in out["calls"]["graphs"] and out["calls"]["compiled"], out
