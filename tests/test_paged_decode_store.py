@@ -181,3 +181,31 @@ def test_engine_decode_steps_through_the_fused_kernel_give_the_same_tokens():
     assert all(tokens == out["want"] for tokens in out["got"].values()), out
     assert out["calls"]["eager"] and set(out["calls"]["graphs"]) <= {1, 2, 4}, out
     assert 4 in out["calls"]["graphs"] and out["calls"]["compiled"], out
+
+
+def test_a_failing_kernel_falls_back_and_still_stores(monkeypatch):
+    """When the kernel fails (a Triton compile error), the call warns, stores the new keys with
+    index_copy_ and attends on the gather path: the same output and pools."""
+    import contextlib
+
+    import trireme.ops.paged_attention as dispatch
+
+    calls = []
+
+    def failing(*args, new=None):
+        calls.append(new)
+        raise RuntimeError("no kernel today")
+
+    monkeypatch.setattr(dispatch, "_fits_kernel", lambda q, k_pool, backend: True)
+    monkeypatch.setattr(dispatch, "_kernel", lambda: failing)
+    monkeypatch.setattr(dispatch, "_FAILED", [])
+    monkeypatch.setattr(dispatch.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(dispatch.torch.cuda, "is_current_stream_capturing", lambda: False)
+    case, new = new_case(4, 2, [1, 6, 9], block=4, d=16)
+    want, k_want, v_want = stored_then_attended(case, new)
+    q, k_pool, v_pool, tables, lengths = case
+    with pytest.warns(UserWarning, match="paged decode kernel failed.*no kernel today"):
+        got = dispatch.paged_decode_attention(q, k_pool, v_pool, tables, lengths, new=new)
+    assert calls == [new] and len(dispatch._FAILED) == 1
+    assert torch.equal(k_pool, k_want) and torch.equal(v_pool, v_want)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)

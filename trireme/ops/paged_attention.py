@@ -71,6 +71,13 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def _fits_kernel(q: torch.Tensor, k_pool: torch.Tensor, backend: str) -> bool:
+    """Whether the Triton kernel is the one to try: CUDA, backend "auto", power-of-two head and
+    block sizes, and no earlier failure."""
+    return (q.is_cuda and backend == "auto" and _power_of_two(q.shape[-1])
+            and _power_of_two(k_pool.shape[1]) and not _FAILED)
+
+
 def store_new(k_pool: torch.Tensor, v_pool: torch.Tensor, new: NewKeys) -> None:
     """k_new, v_new [r, n_kv, d] into the pools' rows slots [r] (block * block_size + offset),
     in place: the reference's half of `new` (module docstring)."""
@@ -86,8 +93,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     """The module docstring's attention; `backend` "reference" (or any forced SDPA kernel)
     takes the gather path. With `new` = (k_new, v_new, slots) this step's keys are stored
     first (the kernel: as it attends; elsewhere store_new, then the gather path)."""
-    if (q.is_cuda and backend == "auto" and _power_of_two(q.shape[-1])
-            and _power_of_two(k_pool.shape[1]) and not _FAILED):
+    if _fits_kernel(q, k_pool, backend):
         launch = _kernel()
         if launch is not None:
             try:
