@@ -3,6 +3,7 @@ the instructions of the loop over key tiles, for each launch setting (v1 / v2).
 
     python bench/paged_kernel_static.py                      # llama3-1b's shape, sm_90 (H200)
     python bench/paged_kernel_static.py --settings v1:1:64:4:0 v2:2:32:4:0
+    python bench/paged_kernel_static.py --new                # with the fused store of new keys
 
 A setting is variant:heads:tile:num_warps:prefetch (heads and prefetch only mean something for
 v2). Each kernel is compiled with Triton for --arch (no device needed) with 16-divisible strides
@@ -30,7 +31,8 @@ sys.path.insert(0, str(HERE.parent))
 
 POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "tables_ptr": "*i64",
             "lengths_ptr": "*i64", "out_ptr": "*bf16", "part_m_ptr": "*fp32",
-            "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32"}
+            "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "k_new_ptr": "*bf16",
+            "v_new_ptr": "*bf16", "slots_ptr": "*i64"}
 DEFAULT = ["v1:1:64:4:0", "v1:1:128:8:0", "v2:1:64:4:0", "v2:2:32:4:0", "v2:4:32:8:0",
            "v2:8:16:8:0", "v2:1:64:4:1", "v2:2:32:4:1"]
 
@@ -43,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head-size", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--splits", type=int, default=1)
+    p.add_argument("--new", action="store_true",
+                   help="with the fused store of the step's keys (the kernels' NEW)")
     p.add_argument("--out", default=str(HERE / "results" / "paged_kernel_static.json"))
     return p.parse_args(argv)
 
@@ -74,7 +78,8 @@ def compile_one(setting: str, args) -> dict:
     variant, heads, tile, warps, prefetch = setting.split(":")
     heads, tile, warps = int(heads), int(tile), int(warps)
     consts = dict(GROUPS=args.groups, GROUPS_POW2=max(16, triton.next_power_of_2(args.groups)),
-                  D=args.head_size, BLOCK=args.block_size, TILE=tile, SPLITS=args.splits)
+                  D=args.head_size, BLOCK=args.block_size, TILE=tile, SPLITS=args.splits,
+                  NEW=args.new)
     if variant == "v1":
         fn, heads = kernels._paged_decode_kernel, 1
         consts["HEADS_FIRST"] = False
@@ -129,7 +134,7 @@ def main(argv=None) -> int:
     import triton
 
     tmp.write_text(json.dumps({"triton": triton.__version__, "arch": args.arch,
-                               "groups": args.groups,
+                               "groups": args.groups, "new": args.new,
                                "head_size": args.head_size, "block_size": args.block_size,
                                "rows": rows}, indent=1))
     tmp.replace(out)

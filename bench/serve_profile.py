@@ -3,6 +3,7 @@ r"""Where a serving decode step's time goes: host work, graph replay, sampling, 
     python bench/serve_profile.py                   # llama3-1b shape, random weights, GPU
     python bench/serve_profile.py --smoke           # a tiny model on the CPU, seconds
     python bench/serve_profile.py --compile off     # graphs of the eager decode forward
+    python bench/serve_profile.py --kv-store separate  # index_copy_ the step's keys, then attend
 
 For each batch B (--batches), B requests with --context tokens cached decode together. Reported:
 - setup: building the engine, which captures its CUDA graphs (and with the compiled decode
@@ -23,6 +24,10 @@ For each batch B (--batches), B requests with --context tokens cached decode tog
 - the kernels of one eager decode step (torch.profiler): the top --top by time, with counts, and
   the sum, against the bandwidth bound (weights + KV bytes read / --bandwidth).
 
+Decode-only steps store their keys and values inside the paged kernel (PagedKV.attend_decode:
+trireme.ops.paged_attention's `new`); --kv-store separate stores them first with two index_copy_
+launches per layer, as the engine did before, to compare the two in one run of this script.
+
     python bench/serve_profile.py --kernel-configs  # only: sweep the paged decode kernel's launch
 
 --kernel-configs times the paged decode kernel alone (trireme.ops.paged_attention_triton) at each
@@ -32,7 +37,9 @@ kernel of --variants every tile x num_warps x splits x num_stages of --tiles / -
 kv-heads-per-program of --heads with and without register prefetch (--prefetch). Each is
 checked against the gather reference first (on the CPU only under TRITON_INTERPRET=1, to check
 the sweep), then timed from one CUDA graph of launches over enough pools to miss the L2; the
-best of each variant is printed against the default.
+best of each variant is printed against the default. Then the shipped default with the step's
+keys stored by the kernel (`new`, as the engine runs it) is checked against index_copy_ then the
+kernel, and both are timed ("fused_store" in the JSON).
 The H200 sweep of both variants (batch 64 first; about 3 minutes, most of it compiling):
 
     python bench/serve_profile.py --kernel-configs --batches 64,1 --variants v1,v2 \
@@ -64,7 +71,12 @@ from serve_throughput import DTYPES, SMOKE, build, free_memory, start_decoding  
 
 from trireme.config import load_config  # noqa: E402
 from trireme.inference.engine import Engine, EngineSettings  # noqa: E402
-from trireme.ops.paged_attention import paged_decode_reference  # noqa: E402
+from trireme.models.paged import PagedKV  # noqa: E402
+from trireme.ops.paged_attention import (  # noqa: E402
+    paged_decode_attention,
+    paged_decode_reference,
+    store_new,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -94,6 +106,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-seconds", type=float, default=1e9,
                    help="start no setting after this many seconds of sweeping")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-store", choices=["fused", "separate"], default="fused",
+                   help="decode steps' keys stored by the paged kernel, or index_copy_ first")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -102,6 +116,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.device = "cpu" if args.device == "auto" else args.device
         args.batches, args.context, args.steps = "1,4", 32, 3
     return args
+
+
+def separate_store() -> None:
+    """--kv-store separate: decode-only steps index_copy_ their keys and values into the pools,
+    then attend (two launches per layer more than the fused store)."""
+    def attend_decode(self, q, k, v, backend="auto"):
+        self.store(k, v)
+        return paged_decode_attention(q, self.k_pool, self.v_pool, self.step.decode_tables,
+                                      self.step.decode_lengths, backend)
+
+    PagedKV.attend_decode = attend_decode
 
 
 def sync(device: torch.device) -> None:
@@ -288,6 +313,50 @@ def kernel_case(m, batch: int, context: int, block: int, device: torch.device, d
     return q, k_pool, v_pool, order.view(batch, width), lengths
 
 
+def with_new_keys(case, seed: int = 0):
+    """A kernel_case and this step's keys (k_new, v_new [B, n_kv, d], the slots of position
+    lengths - 1 through the tables)."""
+    q, k_pool, v_pool, tables, lengths = case
+    block = k_pool.shape[1]
+    gen = torch.Generator(device=q.device).manual_seed(seed)
+    k_new, v_new = (torch.randn(q.shape[0], *k_pool.shape[2:], generator=gen, device=q.device,
+                                dtype=k_pool.dtype) for _ in range(2))
+    last = lengths - 1
+    slots = tables.gather(1, (last // block)[:, None])[:, 0] * block + last % block
+    return case, (k_new, v_new, slots)
+
+
+def fused_store(launch, cases, batch: int, device: torch.device) -> dict:
+    """The shipped kernel storing the step's keys itself (`new`) against two index_copy_
+    launches and then the kernel: agreement (output, and the pools bitwise) and microseconds."""
+    (q, k_pool, v_pool, tables, lengths), new = with_new_keys(cases[0])
+    fused = [k_pool.clone(), v_pool.clone()]
+    got = launch(q, *fused, tables, lengths, new=new).float()
+    stored = [k_pool.clone(), v_pool.clone()]
+    store_new(*stored, new)
+    want = launch(q, *stored, tables, lengths).float()
+    news = [with_new_keys(c, i) for i, c in enumerate(cases)]
+
+    def separate(i):
+        (q, k_pool, v_pool, tables, lengths), new = news[i % len(news)]
+        store_new(k_pool, v_pool, new)
+        return launch(q, k_pool, v_pool, tables, lengths)
+
+    def together(i):
+        case, new = news[i % len(news)]
+        return launch(*case, new=new)
+
+    reps = max(48, len(cases)) if device.type == "cuda" else 1
+    row = {"batch": batch, "max_err": (got - want).abs().max().item(),
+           "pools_equal": torch.equal(fused[0], stored[0]) and torch.equal(fused[1], stored[1]),
+           "separate_us": launches_us(separate, reps, device),
+           "fused_us": launches_us(together, reps, device)}
+    print(f"B {batch:>3} store + kernel {row['separate_us']:8.1f} us, fused "
+          f"{row['fused_us']:8.1f} us; err {row['max_err']:.1e}, pools equal "
+          f"{row['pools_equal']}", flush=True)
+    return row
+
+
 def launch_settings(args, n_kv: int) -> list[tuple[str, dict]]:
     """(variant, launch keywords) to sweep: the shipped default first, then every tile x warps x
     splits x stages, by grid order (v1) or kv heads per program and prefetching (v2, at most
@@ -340,7 +409,7 @@ def kernel_configs(cfg, args, device: torch.device, dtype, out: Path) -> list[di
     Stops starting settings after --max-seconds; writes `out` after each batch."""
     from trireme.ops.paged_attention_triton import paged_decode_attention as launch
 
-    rows, began = [], time.perf_counter()
+    rows, stores, began = [], [], time.perf_counter()
     for batch in (int(b) for b in args.batches.split(",")):
         one = kernel_case(cfg.model, batch, args.context, args.block_size, device, dtype)
         kv_bytes = 2 * batch * args.context * cfg.model.kv_heads * cfg.model.head_size * (
@@ -367,8 +436,9 @@ def kernel_configs(cfg, args, device: torch.device, dtype, out: Path) -> list[di
             print(f"B {batch:>3} {variant} {shown}"
                   + (f": {row['us']:8.1f} us {row['tb_s']:5.2f} TB/s err {row['max_err']:.1e}"
                      if "us" in row else f": {row['error']}"), flush=True)
+        stores.append(fused_store(launch, cases, batch, device))
         summarise(rows, batch)
-        write_json(out, args, device, rows)
+        write_json(out, args, device, rows, stores)
     return rows
 
 
@@ -389,13 +459,15 @@ def summarise(rows: list[dict], batch: int) -> None:
         print(f"  fastest at batch {batch}: {best['us']:.1f} us: TRIREME_PAGED_KERNEL={spec}")
 
 
-def write_json(out: Path, args, device: torch.device, rows: list[dict]) -> None:
+def write_json(out: Path, args, device: torch.device, rows: list[dict],
+               stores: list[dict]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps({"preset": args.preset, "context": args.context,
                                "block_size": args.block_size,
                                "device": torch.cuda.get_device_name()
-                               if device.type == "cuda" else "cpu", "rows": rows}, indent=1))
+                               if device.type == "cuda" else "cpu", "rows": rows,
+                               "fused_store": stores}, indent=1))
     tmp.replace(out)
 
 
@@ -408,6 +480,8 @@ def main(argv=None) -> int:
         out = Path(args.out or HERE / "results" / f"serve_kernel_configs-{args.preset}.json")
         kernel_configs(cfg, args, device, DTYPES[cfg.model.precision], out)
         return 0
+    if args.kv_store == "separate":
+        separate_store()
     cfg, model, device = build(args)
     results = [profile_batch(model, cfg, args, int(b), device) for b in args.batches.split(",")]
     for r in results:
@@ -415,7 +489,7 @@ def main(argv=None) -> int:
     out = Path(args.out or HERE / "results" / f"serve_profile-{args.preset}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"preset": args.preset, "torch": torch.__version__,
-                               "compile": args.compile,
+                               "compile": args.compile, "kv_store": args.kv_store,
                                "device": torch.cuda.get_device_name() if device.type == "cuda"
                                else "cpu", "results": results}, indent=1))
     return 0

@@ -154,7 +154,8 @@ def test_paged_decode_kernel_settings_are_checked():
 
 def test_kernel_configs_sweep_runs_both_variants(tmp_path):
     """bench/serve_profile.py --kernel-configs on a tiny model through the interpreter: every
-    setting of both variants agrees with the gather path, and the shipped default is timed."""
+    setting of both variants agrees with the gather path, and the shipped default is timed, also
+    with the step's keys stored by the kernel."""
     pytest.importorskip("triton")
     out = tmp_path / "configs.json"
     argv = ["serve_profile.py", "--smoke", "--kernel-configs", "--tiles",
@@ -163,7 +164,12 @@ def test_kernel_configs_sweep_runs_both_variants(tmp_path):
     bench = Path(__file__).resolve().parent.parent / "bench" / "serve_profile.py"
     run_in_interpreter(f"import runpy, sys; sys.argv = {argv!r}; "
                        f"runpy.run_path({str(bench)!r}, run_name='__main__')")
-    rows = json.loads(out.read_text())["rows"]
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    # the shipped kernel storing the step's keys itself agrees with index_copy_ then the kernel
+    assert [r["batch"] for r in data["fused_store"]] == [1, 4], data["fused_store"]
+    for r in data["fused_store"]:
+        assert r["pools_equal"] and r["max_err"] < 1e-4 and r["fused_us"] > 0, r
     settings = [(r["batch"], r["variant"], r.get("heads_first"), r.get("heads"),
                  r.get("prefetch")) for r in rows]
     v2 = [("v2", None, h, f) for h in (1, 2) for f in (False, True)]
@@ -175,15 +181,21 @@ def test_kernel_configs_sweep_runs_both_variants(tmp_path):
 
 def test_both_variants_compile_for_the_h200_without_a_gpu(tmp_path, monkeypatch):
     """bench/paged_kernel_static.py compiles v1 and v2 for sm_90 (Triton's compiler and ptxas,
-    no device): both loops are pipelined through cp.async, and no registers spill."""
+    no device): both loops are pipelined through cp.async, and no registers spill; with the
+    step's keys stored by the kernel (--new) the tile loop is the same length."""
     pytest.importorskip("triton")
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
     import paged_kernel_static
 
-    out = tmp_path / "static.json"
-    paged_kernel_static.main(["--settings", "v1:1:64:4:0", "v2:2:32:4:0", "--out", str(out)])
-    rows = json.loads(out.read_text())["rows"]
-    assert [r.get("error") for r in rows] == [None, None], rows
-    for r in rows:
-        assert r["registers"] > 0 and r["spill_bytes"] == 0 and r["loop_instructions"] > 0, r
-        assert r["cp_async"] > 0, r
+    found = {}
+    for new in ([], ["--new"]):
+        out = tmp_path / "static.json"
+        paged_kernel_static.main(["--settings", "v1:1:64:4:0", "v2:2:32:4:0", "--out", str(out),
+                                  *new])
+        rows = found[bool(new)] = json.loads(out.read_text())["rows"]
+        assert [r.get("error") for r in rows] == [None, None], rows
+        for r in rows:
+            assert r["registers"] > 0 and r["spill_bytes"] == 0 and r["loop_instructions"] > 0, r
+            assert r["cp_async"] > 0, r
+    assert ([r["loop_instructions"] for r in found[True]]
+            == [r["loop_instructions"] for r in found[False]]), found

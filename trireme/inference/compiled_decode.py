@@ -6,8 +6,9 @@ block's decode forward on a decode-only step x [1, T, h] (T requests, one token 
 
     q, k, v = pre(x)                  compiled: input norm, qkv, split per head, QK-norm, RoPE
                                       -> q [T, n_heads, d], k, v [T, n_kv, d] (contiguous)
-    store k, v in the pools           eager: index_copy_ into the pools, in place
-    y = paged_decode_attention(q)     eager: the paged kernel (trireme.ops.paged_attention)
+    y = paged_decode_attention(q,     eager: the paged kernel (trireme.ops.paged_attention),
+          new=(k, v, slots))          which also stores k, v in the pools, in place (without
+                                      the kernel: index_copy_, then the gather path)
     x = post(x, y)                    compiled: x + out(y), then each following sublayer
                                       x + mlp(norm(x)) (up to the next mixer)
 
@@ -37,7 +38,6 @@ from typing import Any
 import torch
 
 from trireme.models.paged import PagedCache, PagedKV, PagedStep
-from trireme.ops.paged_attention import paged_decode_attention
 
 RECOMPILE_LIMIT = 64  # graphs compiled per process: batch buckets x dtypes x models x pieces
 
@@ -90,13 +90,11 @@ def pieces(block: torch.nn.Module, states: dict[str, Any]) -> list[Piece]:
     return out
 
 
-def _attend(block: torch.nn.Module, name: str, kv: PagedKV, step: PagedStep, q: torch.Tensor,
-            k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Eager: store k, v [T, n_kv, d] in the pools, attend q [T, n_heads, d] -> y [T, H, d]."""
-    kv.store(k, v)
-    backend = getattr(block, name).decode_backend
-    return paged_decode_attention(q, kv.k_pool, kv.v_pool, step.decode_tables,
-                                  step.decode_lengths, backend)
+def _attend(block: torch.nn.Module, name: str, kv: PagedKV, q: torch.Tensor, k: torch.Tensor,
+            v: torch.Tensor) -> torch.Tensor:
+    """Eager: store k, v [T, n_kv, d] in the pools and attend q [T, n_heads, d] -> y [T, H, d]
+    (one launch of the paged kernel: PagedKV.attend_decode)."""
+    return kv.attend_decode(q, k, v, getattr(block, name).decode_backend)
 
 
 def _limit_key() -> str:
@@ -119,7 +117,7 @@ def compiled_layer(backend: str = "inductor") -> Callable[..., torch.Tensor]:
             for kind, name, names in pieces(block, states):
                 if kind == "attend":
                     q, k, v = pre(block, name, x, rope)
-                    y = _attend(block, name, states[name], step, q, k, v)
+                    y = _attend(block, name, states[name], q, k, v)
                 elif kind == "eager":
                     h = getattr(block, f"{name}_norm")(x)
                     x = x + getattr(block, name)(h, rope, states.get(name), 0)

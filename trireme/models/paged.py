@@ -96,11 +96,26 @@ class PagedKV:
         self.k_pool.view(-1, n_kv, d).index_copy_(0, step.slot_ids, k)  # [bs * blocks, n_kv, d]
         self.v_pool.view(-1, n_kv, d).index_copy_(0, step.slot_ids, v)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               backend: str = "auto") -> torch.Tensor:
-        """q [1, n_heads, T, d], k, v [1, n_kv, T, d] (RoPE'd) -> y [1, n_heads, T, d]."""
+    def attend_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      backend: str = "auto") -> torch.Tensor:
+        """A decode-only step (step.decode_only): q [T, n_heads, d], k, v [T, n_kv, d] ->
+        y [T, n_heads, d]. The paged kernel stores k, v at step.slot_ids as it attends (one
+        launch: trireme.ops.paged_attention's `new`); elsewhere this is `store`, then attend."""
         step = self.step
         assert step is not None, "PagedKV used outside a step (PagedCache.begin)"
+        return paged_decode_attention(q, self.k_pool, self.v_pool, step.decode_tables,
+                                      step.decode_lengths, backend, new=(k, v, step.slot_ids))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               backend: str = "auto") -> torch.Tensor:
+        """q [1, n_heads, T, d], k, v [1, n_kv, T, d] (RoPE'd) -> y [1, n_heads, T, d]; a
+        decode-only step through attend_decode, a step with prompt chunks stores all its keys
+        first."""
+        step = self.step
+        assert step is not None, "PagedKV used outside a step (PagedCache.begin)"
+        if step.decode_only:
+            y = self.attend_decode(*(t[0].transpose(0, 1) for t in (q, k, v)), backend)
+            return y.transpose(0, 1).unsqueeze(0)  # [1, n_heads, T, d]
         self.store(k[0].transpose(0, 1), v[0].transpose(0, 1))  # [T, n_kv, d]
         parts = []
         if step.num_decode:

@@ -9,6 +9,17 @@ On CUDA with Triton (and power-of-two head and block sizes) one kernel reads the
 variant); elsewhere, and as the reference, the blocks are gathered into a padded
 [r, n_kv, W * block_size, d] copy (one index_select per pool) and attended with one masked SDPA
 call (trireme.ops.attention.padded_attention).
+
+With `new` = (k_new, v_new [r, n_kv, d], slots [r]), this decode step's keys and values, the call
+also stores them: request i's key at position lengths[i] - 1 is k_new[i], and afterwards the
+pools hold k_new[i], v_new[i] at row slots[i] (block * block_size + offset of that position, in
+the [num_blocks * block_size, n_kv, d] view), exactly as
+
+    store_new(k_pool, v_pool, new)   # two index_copy_ launches
+    paged_decode_attention(q, k_pool, v_pool, tables, lengths)
+
+which is what the gather path does. The kernel does both in its one launch (how, and why it
+cannot race with itself: trireme.ops.paged_attention_triton).
 """
 
 from __future__ import annotations
@@ -20,6 +31,8 @@ import torch
 
 from trireme.errors import ConfigError
 from trireme.ops.attention import padded_attention
+
+NewKeys = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # k_new, v_new [r, n_kv, d], slots [r]
 
 
 def gather_blocks(pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
@@ -58,18 +71,34 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def _fits_kernel(q: torch.Tensor, k_pool: torch.Tensor, backend: str) -> bool:
+    """Whether the Triton kernel is the one to try: CUDA, backend "auto", power-of-two head and
+    block sizes, and no earlier failure."""
+    return (q.is_cuda and backend == "auto" and _power_of_two(q.shape[-1])
+            and _power_of_two(k_pool.shape[1]) and not _FAILED)
+
+
+def store_new(k_pool: torch.Tensor, v_pool: torch.Tensor, new: NewKeys) -> None:
+    """k_new, v_new [r, n_kv, d] into the pools' rows slots [r] (block * block_size + offset),
+    in place: the reference's half of `new` (module docstring)."""
+    k_new, v_new, slots = new
+    n_kv, d = k_pool.shape[2], k_pool.shape[3]
+    k_pool.view(-1, n_kv, d).index_copy_(0, slots, k_new)  # [num_blocks * block_size, n_kv, d]
+    v_pool.view(-1, n_kv, d).index_copy_(0, slots, v_new)
+
+
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            tables: torch.Tensor, lengths: torch.Tensor,
-                           backend: str = "auto") -> torch.Tensor:
+                           backend: str = "auto", new: NewKeys | None = None) -> torch.Tensor:
     """The module docstring's attention; `backend` "reference" (or any forced SDPA kernel)
-    takes the gather path."""
-    if (q.is_cuda and backend == "auto" and _power_of_two(q.shape[-1])
-            and _power_of_two(k_pool.shape[1]) and not _FAILED):
+    takes the gather path. With `new` = (k_new, v_new, slots) this step's keys are stored
+    first (the kernel: as it attends; elsewhere store_new, then the gather path)."""
+    if _fits_kernel(q, k_pool, backend):
         launch = _kernel()
         if launch is not None:
             try:
                 with torch.cuda.device(q.device):
-                    return launch(q, k_pool, v_pool, tables, lengths)
+                    return launch(q, k_pool, v_pool, tables, lengths, new=new)
             except ConfigError:  # a bad $TRIREME_PAGED_KERNEL: say so, do not fall back
                 raise
             except Exception as e:  # a Triton compile error: keep serving on the plain path
@@ -78,6 +107,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                 warnings.warn(f"the paged decode kernel failed ({type(e).__name__}: "
                               f"{str(e)[:200]}); gathering the KV blocks instead", stacklevel=2)
                 _FAILED.append(e)
+    if new is not None:
+        store_new(k_pool, v_pool, new)
     return paged_decode_reference(q, k_pool, v_pool, tables, lengths, backend)
 
 

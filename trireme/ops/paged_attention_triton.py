@@ -39,6 +39,28 @@ HEADS 2, TILE 32 237 (59); both loops are pipelined by Triton (cp.async, num_sta
 into registers before tile i's math: a program always has the next tile in flight, at the cost
 of about twice the registers (150-170 against 71-92), so fewer programs fit on an SM
 (bench/paged_kernel_static.py prints these counts).
+
+Storing this step's keys (NEW: `new` = k_new, v_new [r, n_kv, d], slots [r]; saves the two
+index_copy_ launches per layer of a decode step). Request b's new key sits at position
+last = lengths[b] - 1, pool row slots[b] (block slots[b] // BLOCK, offset slots[b] % BLOCK):
+
+- every program reads from the pool only positions < min(end, last) (its tile loop, unchanged,
+  runs to that bound);
+- the program whose chunk first..end-1 holds position last then takes k_new[b], v_new[b] of its
+  kv heads into the online softmax as one more key (s = q . k_new / sqrt(d) in fp32, after the
+  loop, so the loop compiles as without NEW: bench/paged_kernel_static.py --new counts the same
+  loop instructions; registers: v1 80 either way, v2 HEADS 2 TILE 32 94 against 80);
+- the program of chunk j == 0 of each (request, kv heads) stores k_new[b], v_new[b] of its heads
+  at row slots[b] of the pools.
+
+So the call equals "pools[slots] = k_new, v_new (index_copy_), then the kernel without NEW":
+bitwise for the pools, and the same keys for the attention (summed in another order: equal up
+to rounding). No race: the rows written are position last of request b, the writer's own kv
+heads, and no program reads them: request b's programs read positions < last only, and another
+request's only its own blocks (trireme.inference.blocks hands each block to one request). The
+CUDA graphs' padding rows (slot 0 in block 0, length 1) write that row from several programs, as
+index_copy_ with repeated indices does; they read no pool at all (only their new key), and a
+real request never reads block 0. Without NEW (a constexpr) the kernels are as before.
 trireme.ops.paged_attention has the plain torch version both are tested against (through
 Triton's CPU interpreter).
 """
@@ -55,15 +77,46 @@ import triton.language as tl
 
 from trireme.errors import ConfigError
 
+NewKeys = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # k_new, v_new [r, n_kv, d], slots [r]
+
+
+@triton.jit
+def _new_key(q, m, denom, acc, k_new_ptr, v_new_ptr, slots_ptr, k_ptr, v_ptr, b, heads, cols, j,
+             first, end, length, scale, stride_knr, stride_knh, stride_vnr, stride_vnh,
+             stride_kb, stride_ks, stride_kh, BLOCK: tl.constexpr):
+    """This step's key and value of request b, kv heads `heads` (h, or [HEADS, 1]) at columns
+    `cols` (d, or [1, D]): chunk j == 0's program stores them into the pools' row slots[b]
+    (block slot // BLOCK, offset slot % BLOCK), and the program whose chunk first..end-1 holds
+    position length - 1 takes them into its online softmax (q [G, D] or [HEADS, G, D], m and
+    denom [G] or [HEADS, G], acc as q) as one more key, s = q . k_new * scale in fp32."""
+    k = tl.load(k_new_ptr + b * stride_knr + heads * stride_knh + cols)  # [D] or [HEADS, D]
+    v = tl.load(v_new_ptr + b * stride_vnr + heads * stride_vnh + cols)
+    if j == 0:
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        row = (slot // BLOCK) * stride_kb + (slot % BLOCK) * stride_ks + heads * stride_kh
+        tl.store(k_ptr + row + cols, k)
+        tl.store(v_ptr + row + cols, v)
+    last = length - 1
+    if (last >= first) & (last < end):
+        s = tl.sum(q.to(tl.float32) * tl.expand_dims(k.to(tl.float32), -2), axis=-1) * scale
+        m_new = tl.maximum(m, s)
+        p = tl.exp(s - m_new)
+        alpha = tl.exp(m - m_new)
+        denom = denom * alpha + p
+        acc = (acc * tl.expand_dims(alpha, -1)
+               + tl.expand_dims(p, -1) * tl.expand_dims(v.to(tl.float32), -2))
+        m = m_new
+    return m, denom, acc
+
 
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, out_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, k_new_ptr, v_new_ptr, slots_ptr,
     stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_tr, stride_or, stride_oh,
-    scale, n_heads,
+    stride_knr, stride_knh, stride_vnr, stride_vnh, scale, n_heads,
     GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-    TILE: tl.constexpr, SPLITS: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    TILE: tl.constexpr, SPLITS: tl.constexpr, HEADS_FIRST: tl.constexpr, NEW: tl.constexpr,
 ):
     if HEADS_FIRST:  # neighbouring programs: one request's kv heads (adjacent in the pool)
         h = tl.program_id(0)
@@ -87,9 +140,12 @@ def _paged_decode_kernel(
     m = tl.full([GROUPS_POW2], float("-inf"), tl.float32)
     denom = tl.zeros([GROUPS_POW2], tl.float32)
     acc = tl.zeros([GROUPS_POW2, D], tl.float32)
-    for start in range(first, end, TILE):
+    pooled = end  # the keys first..pooled-1 are read from the pool
+    if NEW:  # key length - 1 is this step's, taken after the loop (module docstring)
+        pooled = tl.minimum(end, length - 1)
+    for start in range(first, pooled, TILE):
         pos = start + t  # [TILE] key positions
-        valid = pos < end
+        valid = pos < pooled
         block = tl.load(tables_ptr + b * stride_tr + pos // BLOCK, mask=valid, other=0)
         rows = block.to(tl.int64) * stride_kb + (pos % BLOCK) * stride_ks + h * stride_kh
         k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
@@ -102,6 +158,11 @@ def _paged_decode_kernel(
         denom = denom * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))  # [G, D]
         m = m_new
+    if NEW:
+        m, denom, acc = _new_key(q, m, denom, acc, k_new_ptr, v_new_ptr, slots_ptr, k_ptr,
+                                 v_ptr, b, h, d, j, first, end, length, 1.0, stride_knr,
+                                 stride_knh, stride_vnr, stride_vnh, stride_kb, stride_ks,
+                                 stride_kh, BLOCK)
     if SPLITS == 1:
         out = acc / denom[:, None]
         tl.store(out_ptr + b * stride_or + q_rows[:, None] * stride_oh + d[None, :],
@@ -179,11 +240,12 @@ def _walk_prefetched(q, k_at, v_at, tables_ptr, b, stride_tr, first, end, stride
 @triton.jit
 def _paged_decode_v2_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, out_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, k_new_ptr, v_new_ptr, slots_ptr,
     stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_tr, stride_or, stride_oh,
-    scale, n_heads,
+    stride_knr, stride_knh, stride_vnr, stride_vnh, scale, n_heads,
     GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
     BLOCK: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
+    NEW: tl.constexpr,
 ):
     """v2 (module docstring): program (b, c, j) serves kv heads c * HEADS .. + HEADS of request
     b (all their query heads) over chunk j; with PREFETCH the next tile's K, V loads are in
@@ -207,20 +269,28 @@ def _paged_decode_v2_kernel(
     m = tl.full([HEADS, GROUPS_POW2], float("-inf"), tl.float32)
     denom = tl.zeros([HEADS, GROUPS_POW2], tl.float32)
     acc = tl.zeros([HEADS, GROUPS_POW2, D], tl.float32)
+    pooled = end  # the keys first..pooled-1 are read from the pool
+    if NEW:  # key length - 1 is this step's, taken after the loop (module docstring)
+        pooled = tl.minimum(end, length - 1)
     if PREFETCH:  # the next tile's loads in registers, issued before this tile's math
         m, denom, acc = _walk_prefetched(q, k_ptr + k_cols, v_ptr + v_cols, tables_ptr, b,
-                                         stride_tr, first, end, stride_kb, stride_ks, scale,
+                                         stride_tr, first, pooled, stride_kb, stride_ks, scale,
                                          m, denom, acc, BLOCK, TILE)
     else:  # loads where they are used: Triton's pipeliner may overlap them (num_stages)
-        for start in range(first, end, TILE):
-            rows = _tile_rows(tables_ptr, b, stride_tr, start + t, end, stride_kb, stride_ks,
+        for start in range(first, pooled, TILE):
+            rows = _tile_rows(tables_ptr, b, stride_tr, start + t, pooled, stride_kb, stride_ks,
                               BLOCK)
-            live = start + t < end
+            live = start + t < pooled
             k = tl.load(k_ptr + k_cols + rows[None, None, :], mask=live[None, None, :],
                         other=0.0)  # [HEADS, D, TILE]
             v = tl.load(v_ptr + v_cols + rows[None, :, None], mask=live[None, :, None],
                         other=0.0)  # [HEADS, TILE, D]
             m, denom, acc = _tile_step(q, k, v, live, scale, m, denom, acc)
+    if NEW:
+        m, denom, acc = _new_key(q, m, denom, acc, k_new_ptr, v_new_ptr, slots_ptr, k_ptr,
+                                 v_ptr, b, kh[:, None], d[None, :], j, first, end, length, scale,
+                                 stride_knr, stride_knh, stride_vnr, stride_vnh, stride_kb,
+                                 stride_ks, stride_kh, BLOCK)
     if SPLITS == 1:
         out = acc / denom[:, :, None]
         tl.store(out_ptr + b * stride_or + q_rows[:, :, None] * stride_oh + d[None, None, :],
@@ -274,8 +344,11 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                            tables: torch.Tensor, lengths: torch.Tensor, *, tile: int = 0,
                            splits: int = 0, num_warps: int = 4, num_stages: int = 0,
                            heads_first: bool = False, variant: str = "",
-                           heads: int = 1, prefetch: bool = False) -> torch.Tensor:
-    """[r, n_heads, d]: each request's query heads over its first lengths[r] keys. `variant`
+                           heads: int = 1, prefetch: bool = False,
+                           new: NewKeys | None = None) -> torch.Tensor:
+    """[r, n_heads, d]: each request's query heads over its first lengths[r] keys; with `new`
+    (k_new, v_new [r, n_kv, d], slots [r]) key lengths[r] - 1 is k_new[r], stored into the
+    pools' row slots[r] by the kernel too (module docstring: store, then attend). `variant`
     picks the kernel ("": $TRIREME_PAGED_KERNEL's, with its settings: env_choice). `tile` (keys
     per iteration, default max(64, block)), `splits` (a power of two; default: default_splits),
     num_warps, num_stages (0: Triton's default) tune the launch; heads_first (the grid's order:
@@ -297,17 +370,38 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     for key in ("tile", "splits"):
         if kw[key] & (kw[key] - 1):
             raise ConfigError(f"{key}={kw[key]} must be a power of two (or 0: the default)")
-    return _launch(q, k_pool, v_pool, tables, lengths, variant, **{**kw, "heads": heads})
+    return _launch(q, k_pool, v_pool, tables, lengths, variant, **{**kw, "heads": heads},
+                   new=new_keys(new, q, k_pool, v_pool))
+
+
+def new_keys(new: NewKeys | None, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
+             ) -> NewKeys | None:
+    """`new` checked against the pools (shape [r, n_kv, d], their dtype and device, slots [r]),
+    its keys and values with unit column stride (the kernel's addressing)."""
+    if new is None:
+        return None
+    k_new, v_new, slots = new
+    want = (q.shape[0], *k_pool.shape[2:])
+    for name, t, pool in (("k_new", k_new, k_pool), ("v_new", v_new, v_pool)):
+        if tuple(t.shape) != want or t.dtype != pool.dtype or t.device != pool.device:
+            raise ValueError(f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}; the new keys "
+                             f"must be {want} {pool.dtype} on {pool.device}, as the pools")
+    if tuple(slots.shape) != (q.shape[0],):
+        raise ValueError(f"slots is {tuple(slots.shape)}; it must be [{q.shape[0]}], one per "
+                         "request")
+    k_new, v_new = (t if t.stride(-1) == 1 else t.contiguous() for t in (k_new, v_new))
+    return k_new, v_new, slots
 
 
 def _launch(q, k_pool, v_pool, tables, lengths, variant: str, tile: int, splits: int,
             num_warps: int, num_stages: int, heads_first: bool, heads: int,
-            prefetch: bool) -> torch.Tensor:
-    """paged_decode_attention's launch, its settings checked."""
+            prefetch: bool, new: NewKeys | None = None) -> torch.Tensor:
+    """paged_decode_attention's launch, its settings (and `new`: new_keys) checked."""
     r, n_heads, d = q.shape
     n_kv = k_pool.shape[2]
     block = k_pool.shape[1]
     q = q.contiguous()
+    k_new, v_new, slots = new if new is not None else (k_pool, v_pool, lengths)  # (unused)
     out = torch.empty_like(q)
     groups = n_heads // n_kv
     tile = tile or max(64, block)  # several blocks per iteration: more loads in flight
@@ -318,11 +412,14 @@ def _launch(q, k_pool, v_pool, tables, lengths, variant: str, tile: int, splits:
                  q.new_empty(r, n_heads, splits, dtype=torch.float32),
                  q.new_empty(r, n_heads, splits, d, dtype=torch.float32)]
     stages = {"num_stages": num_stages} if num_stages else {}
-    args = (q, k_pool, v_pool, tables, lengths, out, *parts,
+    args = (q, k_pool, v_pool, tables, lengths, out, *parts, k_new, v_new, slots,
             q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-            tables.stride(0), out.stride(0), out.stride(1), 1.0 / math.sqrt(d), n_heads)
+            tables.stride(0), out.stride(0), out.stride(1),
+            *(k_new.stride()[:2] + v_new.stride()[:2] if new is not None else (0,) * 4),
+            1.0 / math.sqrt(d), n_heads)
     consts = dict(GROUPS=groups, GROUPS_POW2=max(16, triton.next_power_of_2(groups)), D=d,
-                  BLOCK=block, TILE=tile, SPLITS=splits, num_warps=num_warps, **stages)
+                  BLOCK=block, TILE=tile, SPLITS=splits, NEW=new is not None,
+                  num_warps=num_warps, **stages)
     if variant == "v1":
         grid = (n_kv, r, splits) if heads_first else (r, n_kv, splits)
         _paged_decode_kernel[grid](*args, HEADS_FIRST=bool(heads_first), **consts)
