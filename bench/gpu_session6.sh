@@ -69,19 +69,23 @@ parity)  # the Triton loss kernel as a default: 300 steps of real text against t
     ;;
 final)  # after the fused KV store and the fused greedy/finite kernel: the decode step again
     : "${TOTAL:=400}"
-    part gpu_tests 60 python3 -m pytest -q -x -p no:warnings -k "cuda or gpu" \
-        tests/test_cross_entropy_triton.py tests/test_paged_attention.py tests/test_greedy_finite.py
-    TAIL=30 part serve_profile_final 90 python bench/serve_profile.py --batches 1,64 \
+    TAIL=20 part argmax_check 40 python bench/argmax_check.py --out "$O/argmax_check.json"
+    TAIL=12 part store_check 60 python bench/serve_profile.py --kernel-configs --batches 64,1 \
+        --variants v1 --tiles 64 --warps 4 --splits 0 --heads-first 0 --max-seconds 40 \
+        --out "$O/serve_kernel_configs-fused-store.json"
+    TAIL=30 part serve_profile_final 80 python bench/serve_profile.py --batches 1,64 \
         --out "$O/serve_profile-llama3-1b-final.json"
-    TAIL=16 part serve_final 70 python bench/serve_throughput.py --graphs on \
+    TAIL=16 part serve_final 60 python bench/serve_throughput.py --graphs on \
         --out "$O/serve_throughput-llama3-1b-final.json"
-    TAIL=16 part serve_final_v2 70 env TRIREME_PAGED_KERNEL=v2,tile=32,heads=4 python \
+    TAIL=16 part serve_final_v2 60 env TRIREME_PAGED_KERNEL=v2,tile=32,heads=4 python \
         bench/serve_throughput.py --graphs on --out "$O/serve_throughput-llama3-1b-final-v2.json"
-    TAIL=4 part gpt2_default 60 python3 bench/train_throughput.py --preset gpt2-124m --compile \
+    TAIL=4 part gpt2_default 50 python3 bench/train_throughput.py --preset gpt2-124m --compile \
         --fused-cross-entropy --out "$O/train_throughput-gpt2-124m-default.json"
-    TAIL=4 part gpt2_cudagraphs 70 env TORCHINDUCTOR_CUDAGRAPHS=1 python3 \
+    TAIL=4 part gpt2_cudagraphs 60 env TORCHINDUCTOR_CUDAGRAPHS=1 python3 \
         bench/train_throughput.py --preset gpt2-124m --compile --fused-cross-entropy \
         --out "$O/train_throughput-gpt2-124m-inductor-cudagraphs.json"
+    TAIL=30 part serve_profile_separate 60 python bench/serve_profile.py --batches 64 \
+        --kv-store separate --out "$O/serve_profile-llama3-1b-separate.json"
     ;;
 fp8)
     : "${TOTAL:=300}"
