@@ -44,6 +44,7 @@ from trireme.inference.text import TextStream
 from trireme.models.gpt import GPT
 from trireme.models.paged import PagedCache, PagedKV, PagedLayout
 from trireme.models.vision import ImageRows, num_image_tokens
+from trireme.ops import argmax, paged_attention
 from trireme.ops.argmax import greedy_and_finite
 
 
@@ -180,6 +181,23 @@ class Engine:
         self.ids = itertools.count()
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
                          "requests_finished": 0}
+        self.warm_kernels()
+
+    def warm_kernels(self) -> None:
+        """Compile now (CUDA only) the Triton kernels the steps outside the CUDA graphs launch:
+        the greedy / finite kernel for the model's logits and the paged decode kernel at every
+        split count (with its fused store too when no graphs replay the decode-only steps).
+        A step that met one uncompiled stalled the engine for ~0.5-1 s, and on a fresh machine
+        (an empty Triton cache) the first minutes of serving met several; it costs a few
+        seconds at startup instead (cached on disk by Triton after the first time)."""
+        if self.device.type != "cuda":
+            return
+        argmax.warm_up(self.cfg.vocab_size, self.model.padded_vocab_size, self.dtype,
+                       self.device)
+        kv = next((s for s in self.cache.states() if isinstance(s, PagedKV)), None)
+        if kv is not None:
+            paged_attention.warm_up(kv.k_pool, kv.v_pool, self.cfg.num_attention_heads,
+                                    width=1, store=self.graphs is None)
 
     # ------------------------------------------------------------------ requests in and out
 

@@ -65,4 +65,17 @@ def greedy_and_finite(logits: torch.Tensor, kernel: bool | None = None) -> torch
     return greedy_and_finite_reference(logits)
 
 
+def warm_up(vocab: int, padded: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Compile the kernel now for logits [*, vocab] of `dtype` on `device` (CUDA only), in both
+    layouts a serving step hands it: a slice of [*, padded] rows (the output layer's) and
+    contiguous rows (an index_select of them). Triton specializes a kernel on whether integer
+    arguments divide by 16, so the two row strides may be two compiled kernels; compiling them
+    during a step would stall it for ~0.5-1 s."""
+    if device.type != "cuda":
+        return
+    wide = torch.zeros(1, max(padded, vocab), dtype=dtype, device=device)
+    greedy_and_finite(wide[:, :vocab])
+    greedy_and_finite(wide[:, :vocab].contiguous())
+
+
 _FAILED: list[Exception] = []  # the kernel failed once in this process: not tried again

@@ -48,6 +48,11 @@ import triton.language as tl
 BLOCK = 2048
 MIN_CHUNK = 4096  # columns per stage-1 program at least (a program's fixed cost amortized)
 PROGRAMS_PER_SM = 4  # stage-1 programs aimed for: about this many per SM
+# the tiling is chosen for this many rows whatever n is: its constexprs (TILES, S_BLOCK) then
+# depend only on V and the GPU, so a serving engine whose steps sample 1, 5, 64, ... rows
+# compiles the kernels once (at startup: trireme.ops.argmax.warm_up), not once per new row
+# count in the middle of serving (each Triton compile stalls the engine for ~0.5-1 s)
+REFERENCE_ROWS = 64
 NUM_WARPS = 4
 INT32_MIN = tl.constexpr(-2147483648)  # constexpr: a global a kernel may read
 INT32_MAX = tl.constexpr(2147483647)
@@ -143,16 +148,19 @@ def greedy_and_finite(logits: torch.Tensor, *, block: int | None = None,
     row 1 whether each row is all finite (1 / 0), by the module docstring's two kernels.
     `block` (a power of two), `min_chunk`, `programs` and `num_warps` override the launch
     (tests, benchmark; default: BLOCK, MIN_CHUNK, PROGRAMS_PER_SM per SM or 4 programs off
-    CUDA, NUM_WARPS (1 for tiles under 1024 columns))."""
+    CUDA, NUM_WARPS (1 for tiles under 1024 columns)). Without `programs` the tiling is the
+    one for REFERENCE_ROWS rows whatever n is (one compiled kernel per V)."""
     n, n_cols = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     out = torch.empty(2, n, dtype=torch.int64, device=logits.device)
     if n == 0:
         return out
+    rows = n
     if programs is None:
         programs = PROGRAMS_PER_SM * _sm_count(logits.device.index or 0) if logits.is_cuda else 4
-    block, tiles, s = split(n, n_cols, programs, block or BLOCK, min_chunk or MIN_CHUNK)
+        rows = REFERENCE_ROWS
+    block, tiles, s = split(rows, n_cols, programs, block or BLOCK, min_chunk or MIN_CHUNK)
     part = torch.empty(3, n, s, dtype=torch.int32, device=logits.device)
     # Triton launches on the current device (the interpreter: the CPU)
     where = torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext()

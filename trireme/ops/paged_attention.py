@@ -24,6 +24,7 @@ cannot race with itself: trireme.ops.paged_attention_triton).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 
@@ -110,6 +111,31 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if new is not None:
         store_new(k_pool, v_pool, new)
     return paged_decode_reference(q, k_pool, v_pool, tables, lengths, backend)
+
+
+WARM_SPLITS = (1, 2, 4, 8, 16)  # every split count default_splits can pick
+
+
+def warm_up(k_pool: torch.Tensor, v_pool: torch.Tensor, n_heads: int, width: int,
+            store: bool) -> None:
+    """Compile now the kernels a serving engine's eager steps may launch on these pools: one
+    query over a table of `width` blocks, at every split count (the count a step gets depends
+    on its batch and its longest context, so a step could otherwise meet a new one, and its
+    Triton compile of ~0.5-1 s, in the middle of serving), without and, if `store`, with the
+    fused store (writing zeros into row 0 of block 0, the padding block no request owns).
+    Nothing on the CPU, without Triton, or where the kernel is not the one that runs."""
+    d = k_pool.shape[-1]
+    q = k_pool.new_zeros(1, n_heads, d)
+    if not _fits_kernel(q, k_pool, "auto") or _kernel() is None:
+        return
+    tables = torch.zeros(1, width, dtype=torch.long, device=q.device)
+    lengths = torch.ones(1, dtype=torch.long, device=q.device)
+    kv = k_pool.new_zeros(1, k_pool.shape[2], d)
+    slots = torch.zeros(1, dtype=torch.long, device=q.device)
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        for splits in WARM_SPLITS:
+            for new in [None, (kv, kv, slots)][: 2 if store else 1]:
+                _kernel()(q, k_pool, v_pool, tables, lengths, splits=splits, new=new)
 
 
 _FAILED: list[Exception] = []  # the kernel failed once in this process: not tried again

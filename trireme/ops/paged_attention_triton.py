@@ -109,7 +109,9 @@ def _new_key(q, m, denom, acc, k_new_ptr, v_new_ptr, slots_ptr, k_ptr, v_ptr, b,
     return m, denom, acc
 
 
-@triton.jit
+# stride_tr (the tables' width) varies with a step's longest request: not specialized on (no
+# new compile when it becomes a multiple of 16)
+@triton.jit(do_not_specialize=["stride_tr"])
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, out_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr, k_new_ptr, v_new_ptr, slots_ptr,
@@ -237,7 +239,7 @@ def _walk_prefetched(q, k_at, v_at, tables_ptr, b, stride_tr, first, end, stride
     return m, denom, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tr"])  # as v1's
 def _paged_decode_v2_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, out_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr, k_new_ptr, v_new_ptr, slots_ptr,
