@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -73,3 +75,20 @@ def _cast_impl(self, src, dst_type):
     return _interp.TensorHandle(rounded.view(_torch.int16).numpy().view(_np.uint16), _tl.bfloat16)
 _interp.InterpreterBuilder.cast_impl = _cast_impl
 """
+
+
+def run_sm90_script(script: str, tmp_path: Path) -> str:
+    """`python -c script` in tmp_path (a Triton cache of its own, fp fusion on as on a GPU): a
+    script that compiles kernels for sm_90 without a GPU and prints "ok" last; skipped without
+    Triton's NVIDIA tools. Its stdout."""
+    triton = pytest.importorskip("triton", reason="the kernels need Triton")
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        pytest.skip("Triton without its NVIDIA backend tools")
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache"),
+           "TRITON_DEFAULT_FP_FUSION": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.split()[-1] == "ok", proc.stdout + proc.stderr
+    return proc.stdout
