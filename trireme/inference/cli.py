@@ -127,6 +127,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="capture a torch.compile'd decode forward in the CUDA graphs (auto: "
                        "with the graphs, the eager forward if compiling fails; on: that "
                        "failure is an error; no value: on; docs/serving.md)")
+    group.add_argument("--compile-prefill", choices=["on", "off"], default="off",
+                       help="run the steps with prompt chunks through a torch.compile'd "
+                       "forward, compiled at startup (default off until measured; if compiling "
+                       "fails, an error; docs/serving.md)")
 
 
 def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> Engine:
@@ -136,5 +140,6 @@ def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> Engine:
         max_queue=args.max_queue, seed=args.seed if args.seed is not None else 0,
         cuda_graphs=AUTO_ON_OFF[args.cuda_graphs],
         compile_decode=AUTO_ON_OFF[args.compile_decode],
+        compile_prefill=args.compile_prefill == "on",
         overlap=AUTO_ON_OFF[args.overlap])
     return Engine(loaded.model, settings, tokenizer=loaded.tokenizer)

@@ -35,6 +35,7 @@ import torch
 from trireme.data.tokenizer_base import Tokenizer
 from trireme.errors import ConfigError, TriremeError
 from trireme.inference.blocks import BlockAllocator, pool_blocks
+from trireme.inference.compiled_prefill import compile_prefill
 from trireme.inference.graphs import DecodeGraphs, graphs_supported
 from trireme.inference.images import RequestImages
 from trireme.inference.sampling import SamplingParams, request_generator, sample_rows
@@ -69,7 +70,9 @@ class EngineSettings:
     compile_decode: capture a torch.compile'd decode forward in the CUDA graphs
     (trireme.inference.compiled_decode; None: on when CUDA graphs are, falling back to the eager
     forward with a warning if compiling fails; True: that failure raises; True with cuda_graphs
-    False is an error)."""
+    False is an error); compile_prefill: run the steps with prompt chunks through a
+    torch.compile'd forward, T dynamic (trireme.inference.compiled_prefill; compiled at engine
+    start; off by default until measured; if compiling fails, a ConfigError)."""
 
     block_size: int = 16
     num_blocks: int = 0
@@ -81,6 +84,7 @@ class EngineSettings:
     cuda_graphs: bool | None = None
     overlap: bool | None = None
     compile_decode: bool | None = None
+    compile_prefill: bool = False
 
     def check(self) -> None:
         for name in ("block_size", "max_running", "max_batch_tokens", "max_queue"):
@@ -133,6 +137,8 @@ class Engine:
     """Continuous batching for one model (module docstring). `tokenizer` turns outputs into
     text and enables stop strings; `eos_id` ends a request (default: the tokenizer's eod)."""
 
+    prefill_backend = "inductor"  # torch.compile's, for compile_prefill
+
     def __init__(self, model: GPT, settings: EngineSettings | None = None, *,
                  tokenizer: Tokenizer | None = None, eos_id: int | None = None) -> None:
         self.settings = settings = settings or EngineSettings()
@@ -164,6 +170,10 @@ class Engine:
                                        strict=settings.compile_decode is True)
             with torch.inference_mode():
                 self.graphs.capture_all()
+        if settings.compile_prefill:
+            with torch.inference_mode():  # the steps' mode: the compiled guards check it
+                compile_prefill(model, self.cache, settings.max_batch_tokens,
+                                self.prefill_backend)
         # an early forward that is discarded must leave no trace: only key/value writes, which
         # the forward that replaces it rewrites (per-request recurrent states would advance)
         self.only_attention = all(isinstance(s, PagedKV) for s in self.cache.states())

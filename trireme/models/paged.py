@@ -156,7 +156,8 @@ class PagedCache:
     -> PagedKV or SlotState), made by each block's `new_cache`. `ragged`: the model takes
     per-token positions with it (GPT.forward's position_ids). `compiled_layer`: when set
     (trireme.inference.compiled_decode), decode-only steps run each block through it
-    (`forward_layer`); other steps, and the reference, run the blocks eagerly."""
+    (`forward_layer`); `compiled_prefill` (trireme.inference.compiled_prefill): the same for
+    steps with prompt chunks; other steps, and the reference, run the blocks eagerly."""
 
     ragged = True
 
@@ -176,6 +177,7 @@ class PagedCache:
                                       for sub, s in states.items()}
         self.step: PagedStep | None = None
         self.compiled_layer: Callable[..., torch.Tensor] | None = None
+        self.compiled_prefill: Callable[..., torch.Tensor] | None = None
 
     def states(self) -> list[PagedKV | SlotState]:
         return [s for layer in self.layers.values() for s in layer.values()]
@@ -189,9 +191,14 @@ class PagedCache:
     def forward_layer(self, block: torch.nn.Module, x: torch.Tensor, rope: Any,
                       layer: int) -> torch.Tensor:
         """Layer `layer`'s block on this step's x [1, T, h] (GPT's decoding loop calls it):
-        through `compiled_layer` for a decode-only step when one is set, else eagerly."""
-        if self.compiled_layer is not None and self.step is not None and self.step.decode_only:
-            return self.compiled_layer(block, x, rope, self.layers[layer], self.step)
+        through `compiled_layer` for a decode-only step when one is set, `compiled_prefill` for
+        a step with prompt chunks when one is set, else eagerly."""
+        step = self.step
+        if step is not None:
+            compiled = (self.compiled_layer if step.decode_only
+                        else self.compiled_prefill if step.prefills else None)
+            if compiled is not None:
+                return compiled(block, x, rope, self.layers[layer], step)
         return block.forward(x, rope, self.layers[layer], 0)
 
     def nbytes(self) -> int:
