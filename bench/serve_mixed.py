@@ -3,6 +3,7 @@ r"""Where an engine step that carries prompt tokens spends its time, against a d
     python bench/serve_mixed.py                            # llama3-1b shape, random weights, GPU
     python bench/serve_mixed.py --smoke                    # a tiny model on the CPU, seconds
     python bench/serve_mixed.py --sdpa-order cudnn-first   # prompt attention as before the fix
+    python bench/serve_mixed.py --compile-prefill on       # prompt / mixed steps compiled
 
 Cases, each --reps times (median), on one engine step (overlap off; tokens sampled and read):
 - prefill_new: one prompt of about --prompt tokens, a length never seen before each time (as in
@@ -26,7 +27,11 @@ syncs: the calls that made the host wait for the GPU while building and launchin
 --sdpa-order cudnn-first puts cuDNN first for the prompt attention again (what Hopper got
 before trireme.ops.attention's VARYING_ORDER): cuDNN builds an execution plan for each new
 shape, which shows as prefill_new and mixed_new far above prefill_same and forward_same.
-Prints a table; writes JSON (default bench/results/serve_mixed-<preset>[-cudnn-first].json).
+--compile-prefill on: the engines' steps with prompt chunks run the compiled forward
+(EngineSettings.compile_prefill, trireme.inference.compiled_prefill; compiled when each engine
+starts, not in the timed steps); the forward_* and sdpa_* cases do not change.
+Prints a table; writes JSON (default bench/results/serve_mixed-<preset>[-cudnn-first]
+[-compile-prefill].json).
 """
 
 from __future__ import annotations
@@ -65,6 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-memory", type=float, default=16.0, help="GiB for the KV pool (GPU)")
     p.add_argument("--sdpa-order", choices=["varying", "cudnn-first"], default="varying")
+    p.add_argument("--compile-prefill", choices=["on", "off"], default="off",
+                   help="EngineSettings.compile_prefill: prompt / mixed steps compiled")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -173,7 +180,8 @@ def case(name: str, reps: list[dict], extra: dict) -> dict:
 def prefill_cases(model, cfg, args, device, lengths: Lengths) -> list[dict]:
     settings = EngineSettings(block_size=args.block_size, max_running=2,
                               max_batch_tokens=args.prompt, max_memory_gib=args.max_memory
-                              if device.type == "cuda" else 0.0, overlap=False)
+                              if device.type == "cuda" else 0.0, overlap=False,
+                              compile_prefill=args.compile_prefill == "on")
     engine = Engine(model, settings)
 
     def prefill(length: int, watch: bool = False) -> dict:
@@ -249,7 +257,8 @@ def batch_cases(model, cfg, args, device, lengths: Lengths) -> list[dict]:
     settings = EngineSettings(block_size=args.block_size, max_running=args.batch + 1,
                               max_batch_tokens=args.batch + args.mixed_prompt, max_queue=10**6,
                               max_memory_gib=args.max_memory if graphs else 0.0,
-                              cuda_graphs=graphs, overlap=False)
+                              cuda_graphs=graphs, overlap=False,
+                              compile_prefill=args.compile_prefill == "on")
     engine = Engine(model, settings)
     start_decoding(engine, cfg, args.batch, args.context)
 
@@ -298,9 +307,11 @@ def main(argv=None) -> int:
     free_memory()
     rows += sdpa_cases(cfg, args, device, next(model.parameters()).dtype, lengths)
     print(f"{args.preset} on {device}, batch {args.batch} (context {args.context}), prompts "
-          f"~{args.prompt} / mixed ~{args.mixed_prompt}, sdpa order {args.sdpa_order}")
+          f"~{args.prompt} / mixed ~{args.mixed_prompt}, sdpa order {args.sdpa_order}, "
+          f"compile prefill {args.compile_prefill}")
     print_rows(rows, device)
     suffix = "-smoke" if args.smoke else ("-cudnn-first" if args.sdpa_order != "varying" else "")
+    suffix += "-compile-prefill" if args.compile_prefill == "on" else ""
     out = Path(args.out or HERE / "results" / f"serve_mixed-{args.preset}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")

@@ -26,7 +26,10 @@ Engine settings are what `trireme serve` gives a user unless the flags say other
 benchmark ran without it, as `--compile-decode off` still does). The "compiled" columns say
 whether a run's graphs really captured the compiled forward. The check that CUDA graphs give the
 eager greedy tokens captures the eager forward (compile off): the compiled one rounds differently
-in bf16 (bench/decode_numerics.py compares both with an fp32 reference).
+in bf16 (bench/decode_numerics.py compares both with an fp32 reference). --compile-prefill on:
+every engine's steps with prompt chunks run the compiled forward (EngineSettings.compile_prefill,
+compiled when the engine starts; the "prefill" column says it was on); the JSON's default name
+then ends in -compile-prefill.
 A table is printed and JSON written (default bench/results/serve_throughput-<preset>.json).
 """
 
@@ -97,6 +100,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile-decode", choices=["auto", "on", "off"], default="auto",
                    help="EngineSettings.compile_decode: capture a torch.compile'd decode forward "
                    "in the CUDA graphs (auto: with CUDA graphs, the engine's default)")
+    p.add_argument("--compile-prefill", choices=["on", "off"], default="off",
+                   help="EngineSettings.compile_prefill: a torch.compile'd forward for the "
+                   "steps with prompt chunks")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU")
     p.add_argument("--out", default=None)
     p.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
@@ -147,7 +153,8 @@ def engine_for(model, args, max_running: int, graphs: bool, compile: str | None 
                               max_queue=10**6, max_memory_gib=args.max_memory,
                               cuda_graphs=graphs,
                               compile_decode=AUTO_ON_OFF[compile] if graphs else False,
-                              overlap=AUTO_ON_OFF[args.overlap])
+                              overlap=AUTO_ON_OFF[args.overlap],
+                              compile_prefill=args.compile_prefill == "on")
     return Engine(model, settings)
 
 
@@ -165,6 +172,7 @@ def run_level(model, args, prompts: list[list[int]], concurrency: int) -> dict:
     count = len(prompts) if args.all_prompts else min(len(prompts), max(4 * concurrency, 16))
     engine = engine_for(model, args, concurrency, args.graphs != "off")
     graphs, compiled = graphs_active(engine), compiled_active(engine)
+    prefill = engine.cache.compiled_prefill is not None
     params = SamplingParams(max_tokens=args.output_tokens, greedy=True, ignore_eos=True)
     finished_at: dict[str, float] = {}
     on_output = lambda out: finished_at.__setitem__(out.request_id, time.monotonic()) if (
@@ -184,7 +192,7 @@ def run_level(model, args, prompts: list[list[int]], concurrency: int) -> dict:
     del engine
     free_memory()
     return {"system": "trireme", "concurrency": concurrency, "prompts": count, "graphs": graphs,
-            "compiled": compiled,
+            "compiled": compiled, "compiled_prefill": prefill,
             "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
             "ttft_p50_ms": 1e3 * percentile(ttft, 0.5), "ttft_p99_ms": 1e3 * percentile(ttft, 0.99),
             "tpot_p50_ms": 1e3 * percentile(tpot, 0.5), "tpot_p99_ms": 1e3 * percentile(tpot, 0.99)}
@@ -351,7 +359,7 @@ def run_hf(argv: list[str]) -> list[dict]:
 
 def format_tables(levels: list[dict], bounds: list[dict]) -> str:
     rows = ["system   conc  prompts  out tok/s   TTFT p50/p99 ms     TPOT p50/p99 ms  graphs  "
-            "compiled"]
+            "compiled  prefill"]
     for r in levels:
         if "error" in r:
             rows.append(f"{r['system']:<8} error: {r['error']}")
@@ -360,7 +368,7 @@ def format_tables(levels: list[dict], bounds: list[dict]) -> str:
                     f"{r['output_tokens_per_s']:>9.1f}   {r['ttft_p50_ms']:>7.1f} / "
                     f"{r['ttft_p99_ms']:<8.1f}  {r['tpot_p50_ms']:>6.2f} / "
                     f"{r['tpot_p99_ms']:<6.2f}  {str(r.get('graphs', '')):>6}  "
-                    f"{r.get('compiled', '')}")
+                    f"{str(r.get('compiled', '')):>8}  {r.get('compiled_prefill', '')}")
     rows += ["", "decode step vs bandwidth bound",
              "batch  graphs  compiled  overlap  context  step ms  bound ms  ratio  decode tok/s"]
     for b in bounds:
@@ -408,7 +416,8 @@ def main(argv=None) -> int:
     print(format_tables(levels, bounds))
     name = "smoke" if args.smoke else args.preset
     out = Path(args.out) if args.out else REPO / "bench" / "results" / (
-        f"serve_throughput-{name}.json")
+        f"serve_throughput-{name}"
+        f"{'-compile-prefill' if args.compile_prefill == 'on' else ''}.json")
     write_result(out, {**result_header(device),
                        "settings": {k: v for k, v in vars(args).items() if k != "hf_worker"},
                        "results": levels, "decode_bound": bounds, "graphs_match_eager": check,

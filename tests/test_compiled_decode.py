@@ -111,18 +111,23 @@ WRITES = ("index_copy", "index_put", "copy_", "scatter", "setitem")
 
 
 @torch.no_grad()
-def test_no_kv_pool_reaches_a_compiled_graph():
+def test_no_kv_pool_reaches_a_compiled_graph(monkeypatch):
     """The compiled pieces take activations and weights only: no input has a pool's size, and
-    no graph writes into anything (the KV store runs eagerly between them)."""
+    no graph writes into anything (the KV store runs eagerly between them). The same for the
+    pieces of the steps with prompt chunks (compile_prefill: trireme.inference.compiled_prefill,
+    T dynamic: their inputs include the token count)."""
     model = model_of(CONFIGS["llama-gqa-untied"])
-    recorder = Recorder()
-    engine = Engine(model, EngineSettings(block_size=4, max_running=4, max_batch_tokens=16))
+    recorder, prefill_recorder = Recorder(), Recorder()
+    monkeypatch.setattr(Engine, "prefill_backend", prefill_recorder)
+    engine = Engine(model, EngineSettings(block_size=4, max_running=4, max_batch_tokens=16,
+                                          compile_prefill=True))
     engine.cache.compiled_layer = compiled_layer(recorder)
     texts = prompts(3, seed=3, longest=10)
     engine.generate(texts, [SamplingParams(max_tokens=3, greedy=True)] * 3)
     pool = next(s for s in engine.cache.states() if isinstance(s, PagedKV)).k_pool
     assert len(recorder.graphs) >= 2  # the pre- and post-attention pieces
-    for gm, inputs in recorder.graphs:
+    assert len(prefill_recorder.graphs) >= 2  # theirs for prompt steps (T = 1, T dynamic)
+    for gm, inputs in recorder.graphs + prefill_recorder.graphs:
         sizes = [t.numel() for t in inputs if isinstance(t, torch.Tensor)]
         assert pool.numel() not in sizes
         assert all(t.data_ptr() != pool.data_ptr() for t in inputs

@@ -137,7 +137,8 @@ def test_a_failed_compile_or_no_torch_compile_is_an_error(monkeypatch):
         Engine(model, EngineSettings(**SETTINGS, compile_prefill=True))
     monkeypatch.setattr(compiled_prefill, "unavailable",
                         lambda: "torch.compile is unavailable (RuntimeError: no dynamo here)")
-    with pytest.raises(ConfigError, match=r"unavailable \(RuntimeError: no dynamo here\); use --compile-prefill off"):
+    with pytest.raises(ConfigError, match=r"unavailable \(RuntimeError: no dynamo here\); "
+                       "use --compile-prefill off"):
         Engine(model, EngineSettings(**SETTINGS, compile_prefill=True))
     assert Engine(model, EngineSettings(**SETTINGS)).cache.compiled_prefill is None  # default
 
@@ -174,11 +175,12 @@ def test_inductor_compiled_prompt_and_mixed_steps_give_the_eager_logits(monkeypa
     model = model_of(config(num_layers=2))
     texts = prompts(5, seed=2, longest=30)
     params = [SamplingParams(max_tokens=4, greedy=True, ignore_eos=True)] * len(texts)
-    _, eager, want, _ = recorded(model, monkeypatch, texts, params)
+    _, eager, want, _ = recorded(model, monkeypatch, texts, params, max_batch_tokens=40)
     torch._dynamo.reset()
     counters.clear()
     compiled_prefill.compiled_prefill_layer.cache_clear()
-    _, compiled, got, steps = recorded(model, monkeypatch, texts, params, "inductor")
+    _, compiled, got, steps = recorded(model, monkeypatch, texts, params, "inductor",
+                                       max_batch_tokens=40)
     assert len({t for _, t in steps}) >= 3 and any(d > 0 for d, _ in steps)
     assert counters["stats"]["unique_graphs"] == 4  # pre and post, T = 1 and T dynamic
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
