@@ -183,6 +183,8 @@ def prefill_cases(model, cfg, args, device, lengths: Lengths) -> list[dict]:
                               if device.type == "cuda" else 0.0, overlap=False,
                               compile_prefill=args.compile_prefill == "on")
     engine = Engine(model, settings)
+    if engine.prefill_compile_s:
+        print(f"compile_prefill: {engine.prefill_compile_s:.1f} s compiling at engine start")
 
     def prefill(length: int, watch: bool = False) -> dict:
         request = submit(engine, cfg, length)

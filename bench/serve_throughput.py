@@ -172,7 +172,7 @@ def run_level(model, args, prompts: list[list[int]], concurrency: int) -> dict:
     count = len(prompts) if args.all_prompts else min(len(prompts), max(4 * concurrency, 16))
     engine = engine_for(model, args, concurrency, args.graphs != "off")
     graphs, compiled = graphs_active(engine), compiled_active(engine)
-    prefill = engine.cache.compiled_prefill is not None
+    prefill, prefill_s = engine.cache.compiled_prefill is not None, engine.prefill_compile_s
     params = SamplingParams(max_tokens=args.output_tokens, greedy=True, ignore_eos=True)
     finished_at: dict[str, float] = {}
     on_output = lambda out: finished_at.__setitem__(out.request_id, time.monotonic()) if (
@@ -193,6 +193,7 @@ def run_level(model, args, prompts: list[list[int]], concurrency: int) -> dict:
     free_memory()
     return {"system": "trireme", "concurrency": concurrency, "prompts": count, "graphs": graphs,
             "compiled": compiled, "compiled_prefill": prefill,
+            "prefill_compile_s": prefill_s,
             "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
             "ttft_p50_ms": 1e3 * percentile(ttft, 0.5), "ttft_p99_ms": 1e3 * percentile(ttft, 0.99),
             "tpot_p50_ms": 1e3 * percentile(tpot, 0.5), "tpot_p99_ms": 1e3 * percentile(tpot, 0.99)}

@@ -170,10 +170,11 @@ class Engine:
                                        strict=settings.compile_decode is True)
             with torch.inference_mode():
                 self.graphs.capture_all()
+        self.prefill_compile_s = 0.0  # compile_prefill: seconds compiling at startup
         if settings.compile_prefill:
             with torch.inference_mode():  # the steps' mode: the compiled guards check it
-                compile_prefill(model, self.cache, settings.max_batch_tokens,
-                                self.prefill_backend)
+                self.prefill_compile_s = compile_prefill(
+                    model, self.cache, settings.max_batch_tokens, self.prefill_backend)
         # an early forward that is discarded must leave no trace: only key/value writes, which
         # the forward that replaces it rewrites (per-request recurrent states would advance)
         self.only_attention = all(isinstance(s, PagedKV) for s in self.cache.states())
