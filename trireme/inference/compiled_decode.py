@@ -26,7 +26,9 @@ inputs, into an out-of-place copy of the whole pool plus a copy back, every laye
   recompile limit is raised around these calls only (RECOMPILE_LIMIT), not for the process.
 - A mixer that keeps a per-request state (SlotState) runs eagerly in place of pre/store/attend.
 - Only decode-only steps run this way (PagedCache.forward_layer); prefill and mixed steps stay
-  eager, and the eager forward stays the reference the tests hold this one to.
+  eager (or, with compile_prefill, run these pieces compiled apart, T dynamic:
+  trireme.inference.compiled_prefill), and the eager forward stays the reference the tests
+  hold this one to.
 """
 
 from __future__ import annotations

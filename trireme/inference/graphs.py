@@ -11,7 +11,8 @@ once. A graph has fixed shapes and addresses, so:
   wide as the longest context, lengths) before each replay; the paged decode kernel
   (trireme.ops.paged_attention_triton) reads each request's blocks only up to its length, so the
   wide tables cost nothing;
-- only steps without prompt chunks replay (prefill shapes vary); those run eagerly.
+- only steps without prompt chunks replay (prefill shapes vary); those run eagerly (or
+  compiled, with compile_prefill: trireme.inference.compiled_prefill).
 
 With `compile` (EngineSettings.compile_decode: on by default with CUDA graphs) the captured
 forward runs each block's pure pieces compiled, the KV store and the paged kernel eager between
