@@ -29,7 +29,9 @@ before trireme.ops.attention's VARYING_ORDER): cuDNN builds an execution plan fo
 shape, which shows as prefill_new and mixed_new far above prefill_same and forward_same.
 --compile-prefill on: the engines' steps with prompt chunks run the compiled forward
 (EngineSettings.compile_prefill, trireme.inference.compiled_prefill; compiled when each engine
-starts, not in the timed steps); the forward_* and sdpa_* cases do not change.
+starts, not in the timed steps); the forward_* and sdpa_* cases do not change. It also
+compares one prompt step's logits (4 prompts) from the compiled and the eager forward
+(compiled_vs_eager in the JSON: the largest difference, whether the argmaxes agree).
 Prints a table; writes JSON (default bench/results/serve_mixed-<preset>[-cudnn-first]
 [-compile-prefill].json).
 """
@@ -286,6 +288,32 @@ def batch_cases(model, cfg, args, device, lengths: Lengths) -> list[dict]:
     return rows
 
 
+def compiled_vs_eager(model, cfg, args, device) -> dict:
+    """--compile-prefill on: the logits of one prompt step (4 prompts of about --prompt / 4
+    tokens, one sampled row each) from the compiled forward against the eager one, in the
+    model's dtype: the largest difference and whether every row's argmax agrees."""
+    gen = torch.Generator().manual_seed(3)
+    texts = [torch.randint(0, cfg.model.vocab_size, (max(args.prompt // 4 - i, 1),),
+                           generator=gen).tolist() for i in range(4)]
+    params = SamplingParams(max_tokens=1, greedy=True, ignore_eos=True)
+    logits = []
+    for on in (False, True):
+        engine = Engine(model, EngineSettings(
+            block_size=args.block_size, max_running=4, max_batch_tokens=sum(map(len, texts)),
+            max_memory_gib=1.0 if device.type == "cuda" else 0.0, cuda_graphs=False,
+            overlap=False, compile_prefill=on))
+        with torch.inference_mode():
+            for ids in texts:
+                engine.submit(ids, params)
+            plan = engine._plan()
+            logits.append(engine._forward(plan, engine._batch(plan)).float())  # [4, vocab]
+        del engine
+    eager, compiled = logits
+    return {"max_abs_logit_diff": (compiled - eager).abs().max().item(),
+            "max_abs_logit": eager.abs().max().item(),
+            "same_argmax": bool((compiled.argmax(-1) == eager.argmax(-1)).all())}
+
+
 def print_rows(rows: list[dict], device: torch.device) -> None:
     unit = "kernels" if device.type == "cuda" else "aten ops"
     print(f"{'case':18} {'tokens':>7} {'wall ms':>9} {'build ms':>9} {'host ms':>9} "
@@ -308,6 +336,10 @@ def main(argv=None) -> int:
     rows += batch_cases(model, cfg, args, device, lengths)
     free_memory()
     rows += sdpa_cases(cfg, args, device, next(model.parameters()).dtype, lengths)
+    agreement = None
+    if args.compile_prefill == "on":
+        agreement = compiled_vs_eager(model, cfg, args, device)
+        print(f"compiled vs eager prompt-step logits: {agreement}")
     print(f"{args.preset} on {device}, batch {args.batch} (context {args.context}), prompts "
           f"~{args.prompt} / mixed ~{args.mixed_prompt}, sdpa order {args.sdpa_order}, "
           f"compile prefill {args.compile_prefill}")
@@ -321,7 +353,7 @@ def main(argv=None) -> int:
                                "device": torch.cuda.get_device_name() if device.type == "cuda"
                                else "cpu", "settings": {k: v for k, v in vars(args).items()
                                                         if k != "out"},
-                               "rows": rows}, indent=1))
+                               "rows": rows, "compiled_vs_eager": agreement}, indent=1))
     tmp.replace(out)
     return 0
 
