@@ -13,3 +13,11 @@ part() {
     if declare -F "$1" >/dev/null; then export -f "$1"; set -- bash -c '"$@"' _ "$@"; fi
     timeout "$limit" "$@" 2>&1 | grep -v USDT | tee "$O/$name.log" | tail -"${TAIL:-30}"
 }
+
+train() {  # NAME PRESET OVERRIDES...: `trireme train` as shipped, 15 steps; its metrics to $O
+    local name=$1 preset=$2; shift 2
+    python -m trireme train --config "$preset" --data.mock=true --train.steps=15 \
+        --train.log_interval=3 --train.eval_interval=0 --train.sample_tokens=0 \
+        --logging.progress=false --logging.tensorboard=false --run.dir="/tmp/$name" "$@" \
+        && cp "/tmp/$name/metrics.jsonl" "$O/train-$name-metrics.jsonl"
+}

@@ -11,15 +11,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 CALL=${1:-serve}
-PARTS=${PARTS:-serve_mixed_before,serve_mixed,serve_profile,serve_autotune,kernel_splits,serve_default,serve_off,ce_tests,ce_kernels,gpt2_ce_compiled,gpt2_ce_triton,parity_gpt2-124m,parity_llama3-1b,fp8_train,bf16_train}
 . bench/gpu_part.sh
-train() {  # name, preset, overrides...: `trireme train` as shipped, 15 steps
-    local name=$1 preset=$2; shift 2
-    python -m trireme train --config "$preset" --data.mock=true --train.steps=15 \
-        --train.log_interval=3 --train.eval_interval=0 --train.sample_tokens=0 \
-        --logging.progress=false --logging.tensorboard=false --run.dir="/tmp/$name" "$@" \
-        && cp "/tmp/$name/metrics.jsonl" "$O/train-$name-metrics.jsonl"
-}
 export O
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 case $CALL in

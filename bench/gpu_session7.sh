@@ -10,13 +10,6 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 CALL=${1:-serve}
 . bench/gpu_part.sh
-train() {  # name, overrides...: `trireme train` llama3-1b as shipped, 15 steps
-    local name=$1; shift
-    python -m trireme train --config llama3-1b --data.mock=true --train.steps=15 \
-        --train.log_interval=3 --train.eval_interval=0 --train.sample_tokens=0 \
-        --logging.progress=false --logging.tensorboard=false --run.dir="/tmp/$name" "$@" \
-        && cp "/tmp/$name/metrics.jsonl" "$O/train-$name-metrics.jsonl"
-}
 export O
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 case $CALL in
@@ -33,8 +26,8 @@ serve)
     ;;
 train)
     : "${TOTAL:=330}"
-    part bf16_train 110 train llama3-1b-bf16
-    part fp8_train 110 train llama3-1b-fp8 --model.precision=fp8
+    part bf16_train 110 train llama3-1b-bf16 llama3-1b
+    part fp8_train 110 train llama3-1b-fp8 llama3-1b --model.precision=fp8
     TAIL=4 part gpt2 70 python3 bench/train_throughput.py --preset gpt2-124m --compile \
         --fused-cross-entropy --out "$O/train_throughput-gpt2-124m.json"
     ;;

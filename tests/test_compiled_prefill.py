@@ -21,7 +21,7 @@ import trireme.inference.engine as engine_module
 import trireme.models.block as block_module
 from trireme.errors import ConfigError
 from trireme.inference.cli import LoadedModel, engine_from_args
-from trireme.inference.compiled_decode import _post, _pre, compiled_layer
+from trireme.inference.compiled_decode import _post, _pre, compiled_layer, pieces
 from trireme.inference.engine import Engine, EngineSettings
 from trireme.inference.sampling import SamplingParams
 from trireme.inference.serve_cli import serve_parser
@@ -83,7 +83,7 @@ def test_compiled_prompt_and_mixed_steps_give_the_eager_logits_without_recompili
     # ...on the graphs the warm-up compiled: per kind of piece (shared by the layers) one for
     # T = 1 and one for T dynamic, nothing since
     kinds = {p for i, b in model.layers.items()
-             for p in compiled_prefill.pieces(b, engine.cache[int(i)]) if p[0] != "eager"}
+             for p in pieces(b, engine.cache[int(i)]) if p[0] != "eager"}
     assert counter.frame_count == 2 * len(kinds)
     before = counter.frame_count
     more = prompts(5, seed=9, longest=40)

@@ -99,6 +99,26 @@ def _attend(block: torch.nn.Module, name: str, kv: PagedKV, q: torch.Tensor, k: 
     return kv.attend_decode(q, k, v, getattr(block, name).decode_backend)
 
 
+def run_pieces(block: torch.nn.Module, x: torch.Tensor, rope: Any, states: dict[str, Any],
+               pre: Callable, attend: Callable, post: Callable) -> torch.Tensor:
+    """Block `block` on x [1, T, h] -> [1, T, h] cut at its mixers (`pieces`): an attention
+    sublayer as q, k, v = pre(block, name, x, rope), then y = attend(block, name, its state,
+    q, k, v) (eager), then post(block, x, y, name, plain sublayers after it); another mixer
+    eagerly. The decode forward and compiled_prefill's differ only in these three."""
+    y = None
+    for kind, name, names in pieces(block, states):
+        if kind == "attend":
+            q, k, v = pre(block, name, x, rope)
+            y = attend(block, name, states[name], q, k, v)
+        elif kind == "eager":
+            h = getattr(block, f"{name}_norm")(x)
+            x = x + getattr(block, name)(h, rope, states.get(name), 0)
+        else:
+            x = post(block, x, y, name, names)
+            y = None
+    return x
+
+
 def _limit_key() -> str:
     config = torch._dynamo.config
     return "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
@@ -114,19 +134,8 @@ def compiled_layer(backend: str = "inductor") -> Callable[..., torch.Tensor]:
     def run(block: torch.nn.Module, x: torch.Tensor, rope: Any, states: dict[str, Any],
             step: PagedStep) -> torch.Tensor:
         """Block `block` on x [1, T, h] -> [1, T, h] (module docstring)."""
-        y = None
         with torch._dynamo.config.patch(**{_limit_key(): RECOMPILE_LIMIT}):
-            for kind, name, names in pieces(block, states):
-                if kind == "attend":
-                    q, k, v = pre(block, name, x, rope)
-                    y = _attend(block, name, states[name], q, k, v)
-                elif kind == "eager":
-                    h = getattr(block, f"{name}_norm")(x)
-                    x = x + getattr(block, name)(h, rope, states.get(name), 0)
-                else:
-                    x = post(block, x, y, name, names)
-                    y = None
-        return x
+            return run_pieces(block, x, rope, states, pre, _attend, post)
 
     return run
 

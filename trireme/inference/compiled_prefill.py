@@ -47,7 +47,7 @@ from trireme.inference.compiled_decode import (
     _limit_key,
     _post,
     _pre,
-    pieces,
+    run_pieces,
     unavailable,
 )
 from trireme.inference.graphs import first_line
@@ -74,10 +74,11 @@ def _tokens_dynamic(*tensors: torch.Tensor | None, dim: int) -> None:
             torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
-def _attend(kv: PagedKV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            backend: str) -> torch.Tensor:
+def _attend(block: torch.nn.Module, name: str, kv: PagedKV, q: torch.Tensor, k: torch.Tensor,
+            v: torch.Tensor) -> torch.Tensor:
     """Eager: q [T, n_heads, d], k, v [T, n_kv, d] -> y [T, n_heads, d] (contiguous) through
     PagedKV.attend, which takes and gives [1, heads, T, d] views."""
+    backend = getattr(block, name).decode_backend
     y = kv.attend(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), backend)
     return y[0].transpose(0, 1).contiguous()  # one layout for the compiled post: no recompile
 
@@ -89,24 +90,20 @@ def compiled_prefill_layer(backend: Any = "inductor") -> Callable[..., torch.Ten
     pre = torch.compile(_prefill_pre, backend=backend, fullgraph=True)
     post = torch.compile(_prefill_post, backend=backend, fullgraph=True)
 
+    def pre_dynamic(block, name, x, rope):
+        _tokens_dynamic(x, dim=1)
+        return pre(block, name, x, rope)
+
+    def post_dynamic(block, x, y, attended, names):
+        _tokens_dynamic(x, dim=1)
+        _tokens_dynamic(y, dim=0)
+        return post(block, x, y, attended, names)
+
     def run(block: torch.nn.Module, x: torch.Tensor, rope: Any, states: dict[str, Any],
             step: PagedStep) -> torch.Tensor:
         """Block `block` on x [1, T, h] -> [1, T, h] (module docstring)."""
-        y = None
         _tokens_dynamic(*(rope if rope is not None else ()), dim=-2)  # cos, sin [1, T, d]
-        for kind, name, names in pieces(block, states):
-            _tokens_dynamic(x, dim=1)
-            if kind == "attend":
-                q, k, v = pre(block, name, x, rope)
-                y = _attend(states[name], q, k, v, getattr(block, name).decode_backend)
-                _tokens_dynamic(y, dim=0)
-            elif kind == "eager":
-                h = getattr(block, f"{name}_norm")(x)
-                x = x + getattr(block, name)(h, rope, states.get(name), 0)
-            else:
-                x = post(block, x, y, name, names)
-                y = None
-        return x
+        return run_pieces(block, x, rope, states, pre_dynamic, _attend, post_dynamic)
 
     return run
 
