@@ -1,7 +1,10 @@
 # Sourced by the one-call GPU scripts (bench/gpu_session*.sh): `part NAME SECONDS CMD...` runs CMD
 # under min(SECONDS, what is left of $TOTAL), logs to $O/NAME.log and prints its tail; a part not
 # named in $PARTS (comma-separated; unset: every part) is skipped, and so is one with under 30 s left.
+# Sourcing it also exports O and PYTHONUNBUFFERED and prints the GPU's name.
 O=${OUT:-bench/results}
+export O PYTHONUNBUFFERED=1  # the part functions (train) see $O; logs arrive as written
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader 2>/dev/null || true
 
 part() {
     local name=$1 limit=$2; shift 2

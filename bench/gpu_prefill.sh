@@ -5,11 +5,8 @@
 #   bash bench/gpu_prefill.sh serve   # serve_throughput at concurrency 16 and 64: TTFT, TPOT
 # Set PARTS (comma-separated part names) to run a subset; TOTAL bounds a call's seconds.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
 CALL=${1:-steps}
 . bench/gpu_part.sh
-export O
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 case $CALL in
 steps)
     : "${TOTAL:=560}"

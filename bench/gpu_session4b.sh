@@ -4,11 +4,9 @@
 # batches; the planner's calibration again; liger-kernel and torchao against ours. Each part has a
 # time limit and is skipped when the call's time is nearly spent; logs and JSON under $OUT.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
 TOTAL=${TOTAL:-560}
 PARTS=${PARTS:-serve_profile,train_gpt2,plan_check,serve_throughput,kernel_choices}
 . bench/gpu_part.sh
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 if [ -d .whl3 ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl3/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}

@@ -4,10 +4,8 @@
 # gpt2-124m `trireme train` against HF + compile in fresh processes (3 repeats). Each part has a
 # time limit and is skipped when the call's time is nearly spent; logs and JSON under $OUT.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
 TOTAL=${TOTAL:-500}
 . bench/gpu_part.sh
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 TAIL=45 part serve_profile 150 python bench/serve_profile.py --batches 1,64 --compile on \
     --out "$O/serve_profile-llama3-1b-compiled.json"
 TAIL=6 part fp8_delayed_out 140 python bench/train_throughput.py --preset llama3-1b --warmup 3 \

@@ -10,7 +10,6 @@
 # The cu13 runtime wheel (92 MB) is over one call's 64 MiB, so call a carries its two shared
 # libraries (xz -9e: 50 + 13.5 MB) and call b the other wheels; .whlA / .whlB are git-ignored.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
 CALL=${1:-a}
 PARTS=${PARTS:-stash,parity,profile_gpt2,gpt2_mb64,numerics,install,kernels,fa4_train,cudnn_train,serve_hf,kernel_sweep,fresh_llama}
 . bench/gpu_part.sh
@@ -33,7 +32,6 @@ train() {  # name, overrides...: `trireme train` llama3-1b as shipped, 15 steps
         --train.log_interval=3 --train.eval_interval=0 --train.sample_tokens=0 \
         --logging.progress=false --logging.tensorboard=false --run.dir="/tmp/$name" "$@"
 }
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 case $CALL in
 a)
     : "${TOTAL:=400}"

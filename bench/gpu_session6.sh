@@ -9,11 +9,8 @@
 #   bash bench/gpu_session6.sh final   # the decode step after the fused KV store and greedy kernel
 #   bash bench/gpu_session6.sh fp8     # fp8 defaults (delayed, output layer) as `trireme train` runs them
 set -uo pipefail
-export PYTHONUNBUFFERED=1
 CALL=${1:-serve}
 . bench/gpu_part.sh
-export O
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 case $CALL in
 serve)
     : "${TOTAL:=560}"

@@ -7,11 +7,8 @@
 #                                      # as the default (the fp8 output layer keeps the compiled one)
 # Set PARTS (comma-separated part names) to run a subset; TOTAL bounds a call's seconds.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
 CALL=${1:-serve}
 . bench/gpu_part.sh
-export O
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 case $CALL in
 serve)
     : "${TOTAL:=560}"
