@@ -11,10 +11,9 @@ import shutil
 
 import pytest
 import torch
-from test_serve_engine import CONFIGS, EagerGraphs, config, model_of, prompts
+from test_serve_engine import CONFIGS, EagerGraphs, config, model_of, prompts, sampled_logits
 from torch._dynamo.utils import counters
 
-import trireme.inference.engine as engine_module
 from trireme.inference.compiled_decode import compiled_layer, pieces
 from trireme.inference.engine import Engine, EngineSettings
 from trireme.inference.sampling import SamplingParams
@@ -28,22 +27,14 @@ def recorded_run(model, backend: str | None, monkeypatch, texts, params, graphs:
     """(requests, logits rows of each sampled token, in order) of an engine whose decode-only
     steps replay EagerGraphs buckets (or, without `graphs`, run as eager steps), the blocks
     compiled with `backend` unless None."""
-    rows: list[torch.Tensor] = []
-    real = engine_module.sample_rows
-
-    def recording(logits, p, generators, shared, greedy=None):
-        rows.extend(logits.clone())
-        return real(logits, p, generators, shared, greedy=greedy)
-
-    monkeypatch.setattr(engine_module, "sample_rows", recording)
-    engine = Engine(model, EngineSettings(block_size=4, max_running=4,
-                                          max_batch_tokens=max_batch_tokens))
-    if graphs:
-        engine.graphs = EagerGraphs(model, engine.cache, 4, 4)
-    if backend is not None:
-        engine.cache.compiled_layer = compiled_layer(backend)
-    requests = engine.generate(texts, params)
-    monkeypatch.setattr(engine_module, "sample_rows", real)
+    with sampled_logits(monkeypatch) as rows:
+        engine = Engine(model, EngineSettings(block_size=4, max_running=4,
+                                              max_batch_tokens=max_batch_tokens))
+        if graphs:
+            engine.graphs = EagerGraphs(model, engine.cache, 4, 4)
+        if backend is not None:
+            engine.cache.compiled_layer = compiled_layer(backend)
+        requests = engine.generate(texts, params)
     return requests, torch.stack(rows)
 
 

@@ -12,12 +12,11 @@ import shutil
 
 import pytest
 import torch
-from test_serve_engine import CONFIGS, RunningMean, config, model_of, prompts
+from test_serve_engine import CONFIGS, RunningMean, config, model_of, prompts, sampled_logits
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import trireme.inference.compiled_prefill as compiled_prefill
-import trireme.inference.engine as engine_module
 import trireme.models.block as block_module
 from trireme.errors import ConfigError
 from trireme.inference.cli import LoadedModel, engine_from_args
@@ -35,31 +34,23 @@ def recorded(model, monkeypatch, texts, params, backend=None, **settings):
     """(engine, its requests, the logits rows of every sampled token in order, the (decode
     rows, tokens) of each step that ran compiled_prefill); compile_prefill with `backend`
     unless None (then the eager engine)."""
-    rows: list[torch.Tensor] = []
-    real = engine_module.sample_rows
-
-    def recording(logits, p, generators, shared, greedy=None):
-        rows.extend(logits.clone())
-        return real(logits, p, generators, shared, greedy=greedy)
-
-    monkeypatch.setattr(engine_module, "sample_rows", recording)
     if backend is not None:
         monkeypatch.setattr(Engine, "prefill_backend", backend)
-    engine = Engine(model, EngineSettings(**{**SETTINGS, **settings},
-                                          compile_prefill=backend is not None))
-    steps = []
-    if backend is not None:
-        layer = engine.cache.compiled_prefill
+    with sampled_logits(monkeypatch) as rows:
+        engine = Engine(model, EngineSettings(**{**SETTINGS, **settings},
+                                              compile_prefill=backend is not None))
+        steps = []
+        if backend is not None:
+            layer = engine.cache.compiled_prefill
 
-        def counting(block, x, rope, states, step):
-            if block is next(iter(model.layers.values())):
-                steps.append((step.num_decode, x.shape[1]))
-            return layer(block, x, rope, states, step)
+            def counting(block, x, rope, states, step):
+                if block is next(iter(model.layers.values())):
+                    steps.append((step.num_decode, x.shape[1]))
+                return layer(block, x, rope, states, step)
 
-        engine.cache.compiled_prefill = counting
-    rows.clear()  # the warm-up's
-    requests = engine.generate(texts, params)
-    monkeypatch.setattr(engine_module, "sample_rows", real)
+            engine.cache.compiled_prefill = counting
+        rows.clear()  # the warm-up's
+        requests = engine.generate(texts, params)
     return engine, requests, torch.stack(rows), steps
 
 

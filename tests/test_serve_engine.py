@@ -2,6 +2,8 @@
 (chunked prefill and decode mixed in one ragged batch, many requests of mixed lengths), for every
 model shape; sampling settings, stop strings, cancellation and the block pool behave."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -69,6 +71,24 @@ def contiguous_logits(model: GPT, prompt: list[int], outputs: list[int]) -> torc
         rows.append(model(torch.tensor([[token]]), kv_cache=cache,
                           start_pos=len(prompt) + i)[0, -1])
     return torch.stack(rows)
+
+
+@contextlib.contextmanager
+def sampled_logits(monkeypatch):
+    """Inside: the logits rows of every token the engine samples, in order, appended to the
+    list it yields (engine.sample_rows wrapped; unwrapped again on leaving)."""
+    rows: list[torch.Tensor] = []
+    real = engine_module.sample_rows
+
+    def recording(logits, params, generators, shared, greedy=None):
+        rows.extend(logits.clone())
+        return real(logits, params, generators, shared, greedy=greedy)
+
+    monkeypatch.setattr(engine_module, "sample_rows", recording)
+    try:
+        yield rows
+    finally:
+        monkeypatch.setattr(engine_module, "sample_rows", real)
 
 
 @pytest.mark.parametrize("kind", CONFIGS)
