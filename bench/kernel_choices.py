@@ -205,6 +205,14 @@ def run_case(case: Case, args, cuda: bool) -> None:
         ref_out, ref_grads = case.ref(case.inputs())
     except Exception as e:  # the reference itself failed: no accuracy numbers
         case.results.append({"candidate": "reference", "error": f"{type(e).__name__}: {e}"[:500]})
+    each_candidate(case, args, cuda, t_section,
+                   lambda build: measure(case, build, ref_out, ref_grads, args, cuda))
+
+
+def each_candidate(case: Case, args, cuda: bool, t_section: float,
+                   measure_one: Callable[[Callable], dict]) -> None:
+    """A row of case.results per candidate: measure_one(its build)'s numbers, its error, or
+    "skipped" once the section is over --budget-s (started at t_section)."""
     for name, build in case.candidates.items():
         row: dict = {"candidate": name}
         case.results.append(row)
@@ -212,12 +220,11 @@ def run_case(case: Case, args, cuda: bool) -> None:
             row["skipped"] = f"op section over --budget-s {args.budget_s}"
             continue
         try:
-            row |= measure(case, build, ref_out, ref_grads, args, cuda)
+            row |= measure_one(build)
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {e}"[:500]
         if cuda:
             torch.cuda.empty_cache()
-    del ref_out, ref_grads
 
 
 def measure(case: Case, build: Callable, ref_out, ref_grads, args, cuda: bool) -> dict:
@@ -531,18 +538,8 @@ def run_step_case(case: Case, args, cuda: bool) -> None:
     one overwrites them), its loss and dlogits against the reference, then its median time."""
     t_section = time.perf_counter()
     (ref_loss,), (ref_grad,) = case.ref(case.inputs())
-    for name, build in case.candidates.items():
-        row: dict = {"candidate": name}
-        case.results.append(row)
-        if time.perf_counter() - t_section > args.budget_s:
-            row["skipped"] = f"op section over --budget-s {args.budget_s}"
-            continue
-        try:
-            row |= _measure_step(case, build(), ref_loss, ref_grad, args, cuda)
-        except Exception as e:
-            row["error"] = f"{type(e).__name__}: {e}"[:500]
-        if cuda:
-            torch.cuda.empty_cache()
+    each_candidate(case, args, cuda, t_section,
+                   lambda build: _measure_step(case, build(), ref_loss, ref_grad, args, cuda))
 
 
 def _measure_step(case: Case, f: Callable, ref_loss, ref_grad, args, cuda: bool) -> dict:
