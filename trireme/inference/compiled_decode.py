@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from trireme.models.paged import PagedCache, PagedKV, PagedStep
+from trireme.ops.rope import apply_rotary_heads
 
 RECOMPILE_LIMIT = 64  # graphs compiled per process: batch buckets x dtypes x models x pieces
 
@@ -49,10 +50,28 @@ Piece = tuple[str, str | None, tuple[str, ...]]  # (kind, sublayer, the plain su
 def _pre(block: torch.nn.Module, name: str, x: torch.Tensor, rope: Any
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [1, T, h] -> q [T, n_heads, d], k, v [T, n_kv, d] of attention sublayer `name`."""
+    return _project(block, name, getattr(block, f"{name}_norm")(x), rope)
+
+
+def _project(block: torch.nn.Module, name: str, h: torch.Tensor, rope: Any
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h [1, T, h] (x's input norm) -> q [T, n_heads, d], k, v [T, n_kv, d]. Without QK-norm
+    q, k, v are views of the qkv projection's row of each token, [T, (n_heads + 2 n_kv) d]:
+    q and k RoPE'd together as one [T, n_heads + n_kv, d] tensor (one kernel), v not copied
+    (unit column stride, row stride (n_heads + 2 n_kv) d: the paged kernel takes strides).
+    With QK-norm, attention.heads, then contiguous copies."""
     attention = getattr(block, name)
-    h = getattr(block, f"{name}_norm")(x)
-    q, k, v = attention.heads(attention.qkv(h), rope)  # [1, heads, T, d]
-    return tuple(t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # type: ignore[return-value]
+    qkv = attention.qkv(h)  # [1, T, (n_heads + 2 n_kv) d]
+    if attention.qk_norm:
+        q, k, v = attention.heads(qkv, rope)  # [1, heads, T, d]
+        return tuple(t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # type: ignore
+    n_heads, n_kv, d = attention.num_heads, attention.num_kv_heads, attention.head_size
+    rows = qkv[0]  # [T, (n_heads + 2 n_kv) d]
+    qk = rows[:, : (n_heads + n_kv) * d].unflatten(1, (n_heads + n_kv, d))  # [T, H + n_kv, d]
+    if rope is not None:
+        qk = apply_rotary_heads(qk, *rope)  # [T, H + n_kv, d], contiguous
+    v = rows[:, (n_heads + n_kv) * d :].unflatten(1, (n_kv, d))  # [T, n_kv, d], a view
+    return qk[:, :n_heads], qk[:, n_heads:], v
 
 
 def _post(block: torch.nn.Module, x: torch.Tensor, y: torch.Tensor | None,
@@ -65,6 +84,15 @@ def _post(block: torch.nn.Module, x: torch.Tensor, y: torch.Tensor | None,
     for name in names:
         x = x + getattr(block, name)(getattr(block, f"{name}_norm")(x))
     return x
+
+
+def _post_norm(block: torch.nn.Module, x: torch.Tensor, y: torch.Tensor | None,
+               attended: str | None, names: tuple[str, ...], norm: torch.nn.Module
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """_post's x [1, T, h] and h = norm(x), the input norm of the attention piece after it:
+    Inductor computes the last residual add and the norm in one reduction kernel."""
+    x = _post(block, x, y, attended, names)
+    return x, norm(x)
 
 
 def pieces(block: torch.nn.Module, states: dict[str, Any]) -> list[Piece]:
@@ -99,24 +127,66 @@ def _attend(block: torch.nn.Module, name: str, kv: PagedKV, q: torch.Tensor, k: 
     return kv.attend_decode(q, k, v, getattr(block, name).decode_backend)
 
 
+class Fusing(NamedTuple):
+    """The decode forward's fused norms (module docstring): project(block, name, h, rope) is
+    pre given x's input norm h, post_norm(block, x, y, attended, names, norm) is post that also
+    returns norm(x)."""
+
+    project: Callable
+    post_norm: Callable
+
+
+def first_attention_norm(block: torch.nn.Module, states: dict[str, Any]
+                         ) -> torch.nn.Module | None:
+    """The input norm of the block's first piece if that is a paged attention ("attend")."""
+    kind, name, _ = pieces(block, states)[0]
+    return getattr(block, f"{name}_norm") if kind == "attend" else None
+
+
+def _norm_after(block: torch.nn.Module, plan: list[Piece], i: int,
+                next_norm: torch.nn.Module | None) -> torch.nn.Module | None:
+    """The input norm of the attention piece right after piece i (`next_norm` after the
+    block's last piece: the next block's), or None when another kind of piece follows."""
+    if i + 1 == len(plan):
+        return next_norm
+    kind, name, _ = plan[i + 1]
+    return getattr(block, f"{name}_norm") if kind == "attend" else None
+
+
 def run_pieces(block: torch.nn.Module, x: torch.Tensor, rope: Any, states: dict[str, Any],
-               pre: Callable, attend: Callable, post: Callable) -> torch.Tensor:
+               pre: Callable, attend: Callable, post: Callable, fusing: Fusing | None = None,
+               h: torch.Tensor | None = None, next_norm: torch.nn.Module | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Block `block` on x [1, T, h] -> [1, T, h] cut at its mixers (`pieces`): an attention
     sublayer as q, k, v = pre(block, name, x, rope), then y = attend(block, name, its state,
     q, k, v) (eager), then post(block, x, y, name, plain sublayers after it); another mixer
-    eagerly. The decode forward and compiled_prefill's differ only in these three."""
+    eagerly. The decode forward and compiled_prefill's differ only in these three.
+
+    With `fusing` (the decode forward) a post right before an attention piece (in this block,
+    or the next block's first, whose input norm is `next_norm`) is fusing.post_norm, which also
+    returns that piece's input h = norm(x), and the attention piece then runs
+    fusing.project(block, name, h, rope). `h`: this block's first piece's input norm (from
+    the block before: used only if that piece is an attention). Returns (x, the next block's
+    h or None)."""
+    plan = pieces(block, states)
     y = None
-    for kind, name, names in pieces(block, states):
+    for i, (kind, name, names) in enumerate(plan):
+        carried, h = h, None  # a carried norm is only ever the very next piece's input
         if kind == "attend":
-            q, k, v = pre(block, name, x, rope)
+            q, k, v = (pre(block, name, x, rope) if carried is None
+                       else fusing.project(block, name, carried, rope))
             y = attend(block, name, states[name], q, k, v)
         elif kind == "eager":
-            h = getattr(block, f"{name}_norm")(x)
-            x = x + getattr(block, name)(h, rope, states.get(name), 0)
+            normed = getattr(block, f"{name}_norm")(x)
+            x = x + getattr(block, name)(normed, rope, states.get(name), 0)
         else:
-            x = post(block, x, y, name, names)
+            norm = _norm_after(block, plan, i, next_norm) if fusing is not None else None
+            if norm is None:
+                x = post(block, x, y, name, names)
+            else:
+                x, h = fusing.post_norm(block, x, y, name, names, norm)
             y = None
-    return x
+    return x, h
 
 
 def _limit_key() -> str:
@@ -125,17 +195,25 @@ def _limit_key() -> str:
 
 
 @functools.cache
-def compiled_layer(backend: str = "inductor") -> Callable[..., torch.Tensor]:
-    """A decode-only step's block forward with compiled `_pre` and `_post` (one pair per
-    backend per process: its compilations are shared by every engine and layer)."""
-    pre = torch.compile(_pre, backend=backend, fullgraph=True)
-    post = torch.compile(_post, backend=backend, fullgraph=True)
+def compiled_layer(backend: str = "inductor") -> Callable[..., tuple]:
+    """A decode-only step's block forward with compiled `_pre`, `_project`, `_post` and
+    `_post_norm` (one set per backend per process: its compilations are shared by every engine
+    and layer)."""
+    pre, project, post, post_norm = (torch.compile(f, backend=backend, fullgraph=True)
+                                     for f in (_pre, _project, _post, _post_norm))
+    fusing = Fusing(project, post_norm)
 
     def run(block: torch.nn.Module, x: torch.Tensor, rope: Any, states: dict[str, Any],
-            step: PagedStep) -> torch.Tensor:
-        """Block `block` on x [1, T, h] -> [1, T, h] (module docstring)."""
+            step: PagedStep, h: torch.Tensor | None = None,
+            following: tuple[torch.nn.Module, dict[str, Any]] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Block `block` on x [1, T, h] -> (x [1, T, h], the next block's input norm of it or
+        None); `h`: this block's input norm of x, handed on by the block before (PagedCache's
+        Carry); `following`: the next block and its states in this step, or None (the
+        module docstring)."""
+        next_norm = first_attention_norm(*following) if following is not None else None
         with torch._dynamo.config.patch(**{_limit_key(): RECOMPILE_LIMIT}):
-            return run_pieces(block, x, rope, states, pre, _attend, post)
+            return run_pieces(block, x, rope, states, pre, _attend, post, fusing, h, next_norm)
 
     return run
 

@@ -103,7 +103,7 @@ def compiled_prefill_layer(backend: Any = "inductor") -> Callable[..., torch.Ten
             step: PagedStep) -> torch.Tensor:
         """Block `block` on x [1, T, h] -> [1, T, h] (module docstring)."""
         _tokens_dynamic(*(rope if rope is not None else ()), dim=-2)  # cos, sin [1, T, d]
-        return run_pieces(block, x, rope, states, pre_dynamic, _attend, post_dynamic)
+        return run_pieces(block, x, rope, states, pre_dynamic, _attend, post_dynamic)[0]
 
     return run
 

@@ -151,6 +151,19 @@ class SlotState:
         self.step: PagedStep | None = None
 
 
+@dataclass
+class Carry:
+    """What one layer's compiled decode forward hands the next within a step: h, the input norm
+    of x (the layer's output) that `block`, the next layer, starts with, computed in the same
+    kernel as x's last residual add (trireme.inference.compiled_decode). Valid for that very x
+    and block only: PagedCache.forward_layer hands it on to the next call if that call's x is
+    x itself and its block is `block`, else drops it; `begin` drops it too."""
+
+    x: torch.Tensor  # [1, T, h]
+    h: torch.Tensor  # [1, T, h]: block's first norm of x
+    block: torch.nn.Module
+
+
 class PagedCache:
     """The paged decoding state of a whole model: layer i's states are `cache[i]` (sublayer name
     -> PagedKV or SlotState), made by each block's `new_cache`. `ragged`: the model takes
@@ -165,6 +178,7 @@ class PagedCache:
                  device: torch.device, dtype: torch.dtype) -> None:
         self.layout = layout
         self.layers: dict[int, dict[str, Any]] = {}
+        self.blocks: dict[int, torch.nn.Module] = {}
         for name, block in model.layers.items():
             states = block.new_cache(slots, model.cfg.seq_length, device, dtype, paged=layout)
             for sub, state in states.items():
@@ -175,16 +189,21 @@ class PagedCache:
                                       "use `trireme generate` for this model")
             self.layers[int(name)] = {sub: s if isinstance(s, PagedKV) else SlotState(s)
                                       for sub, s in states.items()}
+            self.blocks[int(name)] = block
+        order = list(self.layers)  # the model's block order (GPT's loop runs them so)
+        self.next_layer = dict(zip(order, order[1:]))  # the last layer has none
         self.step: PagedStep | None = None
-        self.compiled_layer: Callable[..., torch.Tensor] | None = None
+        self.carry: Carry | None = None  # within a decode step only (forward_layer)
+        self.compiled_layer: Callable[..., tuple] | None = None
         self.compiled_prefill: Callable[..., torch.Tensor] | None = None
 
     def states(self) -> list[PagedKV | SlotState]:
         return [s for layer in self.layers.values() for s in layer.values()]
 
     def begin(self, step: PagedStep) -> None:
-        """Point every layer's state at this step's batch."""
+        """Point every layer's state at this step's batch (and drop any carry)."""
         self.step = step
+        self.carry = None
         for state in self.states():
             state.step = step
 
@@ -192,13 +211,21 @@ class PagedCache:
                       layer: int) -> torch.Tensor:
         """Layer `layer`'s block on this step's x [1, T, h] (GPT's decoding loop calls it):
         through `compiled_layer` for a decode-only step when one is set, `compiled_prefill` for
-        a step with prompt chunks when one is set, else eagerly."""
+        a step with prompt chunks when one is set, else eagerly. A compiled decode layer gets
+        the carry the layer before left for this very x and block (else none) and the next
+        layer, and may leave one for it (Carry)."""
         step = self.step
-        if step is not None:
-            compiled = (self.compiled_layer if step.decode_only
-                        else self.compiled_prefill if step.prefills else None)
-            if compiled is not None:
-                return compiled(block, x, rope, self.layers[layer], step)
+        carry, self.carry = self.carry, None  # only ever for the very next call
+        if step is not None and step.decode_only and self.compiled_layer is not None:
+            h = carry.h if carry is not None and carry.x is x and carry.block is block else None
+            after = self.next_layer.get(layer)
+            following = None if after is None else (self.blocks[after], self.layers[after])
+            x, h = self.compiled_layer(block, x, rope, self.layers[layer], step, h, following)
+            if h is not None and following is not None:
+                self.carry = Carry(x, h, following[0])
+            return x
+        if step is not None and step.prefills and self.compiled_prefill is not None:
+            return self.compiled_prefill(block, x, rope, self.layers[layer], step)
         return block.forward(x, rope, self.layers[layer], 0)
 
     def nbytes(self) -> int:

@@ -402,9 +402,9 @@ def _launch(q, k_pool, v_pool, tables, lengths, variant: str, tile: int, splits:
     r, n_heads, d = q.shape
     n_kv = k_pool.shape[2]
     block = k_pool.shape[1]
-    q = q.contiguous()
+    q = q if q.stride(-1) == 1 else q.contiguous()  # rows and heads by their strides
     k_new, v_new, slots = new if new is not None else (k_pool, v_pool, lengths)  # (unused)
-    out = torch.empty_like(q)
+    out = q.new_empty(r, n_heads, d)  # contiguous, whatever q's strides
     groups = n_heads // n_kv
     tile = tile or max(64, block)  # several blocks per iteration: more loads in flight
     splits = splits or default_splits(q, n_kv // heads, tables.shape[1] * block, tile)

@@ -120,3 +120,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [b, 1, s, d]: shared by the heads
     xf = x.float()
     return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+
+
+def apply_rotary_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rotary for token-major x [s, heads, d] (a token's heads side by side, as a fused
+    qkv projection lays out q and k): cos/sin [s, d] (or [1, s, d]) broadcast over the heads.
+
+    The same math, in fp32, cast back to x's dtype: rope(x, p) = x cos + rotate_half(x) sin.
+    """
+    cos, sin = (t.reshape(-1, 1, t.shape[-1]) for t in (cos, sin))  # [s, 1, d]
+    xf = x.float()
+    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
