@@ -72,8 +72,9 @@ def test_inductor_compiled_decode_steps_give_the_eager_logits(monkeypatch):
     """Inductor (C++ on the CPU) compiles the blocks once for two requests decoding together
     (prefilled in one step, ending together; their contexts grow over several blocks: the
     tables' width is dynamic); each step's logits, which read the keys the compiled steps before
-    it stored, equal the eager engine's."""
-    model = model_of(config(num_layers=2))
+    it stored, equal the eager engine's. The llama shape (no QK-norm): q and k RoPE'd as one
+    tensor, the paged kernel's inputs views of the graphs' outputs."""
+    model = model_of(config(num_layers=2, qk_norm=False))
     texts = prompts(2, seed=2, longest=12)
     texts = [t + [1] * 5 for t in texts]  # at least two blocks each: the tables are 2+ wide
     params = [SamplingParams(max_tokens=7, greedy=True, ignore_eos=True)] * 2
@@ -81,7 +82,9 @@ def test_inductor_compiled_decode_steps_give_the_eager_logits(monkeypatch):
     torch._dynamo.reset()  # graphs compiled by earlier tests would not count
     counters.clear()
     compiled, got = recorded_run(model, "inductor", monkeypatch, texts, params, False, 64)
-    assert counters["stats"]["unique_graphs"] == 2  # both layers, every step: pre and post
+    # both layers, every step: layer 0's pre and post_norm (with layer 1's input norm), layer
+    # 1's project (given that norm) and post
+    assert counters["stats"]["unique_graphs"] == 4
     assert counters["stats"]["calls_captured"] > 0
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert [r.output_ids for r in compiled] == [r.output_ids for r in eager]
