@@ -5,21 +5,36 @@ RoPE's cat, residual adds, silu * up, casts) as in its GEMMs. torch.compile fuse
 block's decode forward on a decode-only step x [1, T, h] (T requests, one token each) runs as
 
     q, k, v = pre(x)                  compiled: input norm, qkv, split per head, QK-norm, RoPE
-                                      -> q [T, n_heads, d], k, v [T, n_kv, d] (contiguous)
+                                      -> q [T, n_heads, d], k, v [T, n_kv, d]
     y = paged_decode_attention(q,     eager: the paged kernel (trireme.ops.paged_attention),
           new=(k, v, slots))          which also stores k, v in the pools, in place (without
                                       the kernel: index_copy_, then the gather path)
     x = post(x, y)                    compiled: x + out(y), then each following sublayer
                                       x + mlp(norm(x)) (up to the next mixer)
 
-so no compiled graph ever takes a KV pool as an input. (A first version traced the whole block
+so no compiled graph ever takes a KV pool as an input. Two fusions save small kernels:
+
+- Without QK-norm (`_project`) q and k are RoPE'd together: the qkv output's q and k columns
+  viewed as one [T, n_heads + n_kv, d] tensor, one rotary kernel (cos, sin [T, 1, d] shared by
+  the heads: rope.apply_rotary_heads); q, k are its views, v a view of the qkv output's v
+  columns: no copies (the paged kernel takes row and head strides; stride(-1) is 1). With
+  QK-norm: attention.heads, then contiguous q, k, v (as before).
+- A post followed by an attention piece (the next block's first, as a rule) is `post_norm`: it
+  also returns h = that attention's input norm of x, which Inductor computes in the kernel of
+  the last residual add (the down-projection before it is an extern GEMM, which that add could
+  not join), and the attention piece then runs `_project(h)` instead of `pre(x)`. Within a
+  block run_pieces hands h on; across blocks PagedCache does (its Carry: only to the next
+  layer's call, only with that very x, dropped at `begin`), since GPT's loop runs the layers
+  one at a time. All of it happens inside the captured forward.
+ (A first version traced the whole block
 with the store inside; Inductor functionalized the in-place index_copy_ on the pools, graph
 inputs, into an out-of-place copy of the whole pool plus a copy back, every layer, every step:
 121 ms steps on the H200 instead of ~2 ms.) The eager pieces run inside the CUDA graph capture
 (trireme.inference.graphs) like the compiled ones, so their launches cost nothing at replay.
 
-- One compiled `pre` and one compiled `post` serve every block (they differ only in their
-  weights, which are graph inputs), so a model's 16 layers share two graphs per batch size.
+- One compiled `pre`, `_project`, `post` and `post_norm` serve every block (they differ only in
+  their weights, which are graph inputs), so a model's 16 layers share four graphs per batch
+  size (layer 0: pre, post_norm; layers 1-14: _project, post_norm; layer 15: _project, post).
 - The first batch size compiles with static shapes (the CUDA graphs capture the largest bucket
   first); the next one makes dynamo recompile with the batch dimension dynamic, which serves the
   other buckets (batch 1 gets one of its own). All this happens in the graphs' warm-up; the
