@@ -15,6 +15,7 @@ import pytest
 import torch
 from interpreted import BF16_DOT, run_in_interpreter
 from test_compiled_decode import recorded_run
+from test_compiled_prefill import recorded
 from test_paged_attention import paged_case
 from test_serve_engine import config, model_of, prompts
 
@@ -129,6 +130,19 @@ def test_compiled_decode_hands_the_next_norm_on_and_gives_the_eager_logits(
         layer = i % len(blocks)
         assert block is blocks[layer]
         assert got_h == (layer > 0) and left_h == (layer < len(blocks) - 1)
+
+
+@torch.no_grad()
+def test_compiled_prompt_steps_take_the_fused_rope_views(monkeypatch):
+    """compile_prefill's pieces share _pre: without QK-norm its strided q, k, v views go through
+    PagedKV.attend (store, causal attention over a prompt's chunks) and give the eager logits."""
+    model = model_of(config(**NO_QK_NORM))
+    texts = prompts(5, seed=5, longest=30)
+    params = [SamplingParams(max_tokens=2 + i % 3, greedy=True) for i in range(len(texts))]
+    _, eager, want, _ = recorded(model, monkeypatch, texts, params)
+    _, compiled, got, steps = recorded(model, monkeypatch, texts, params, "aot_eager")
+    assert steps and [r.output_ids for r in compiled] == [r.output_ids for r in eager]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 class FakeLayer:

@@ -98,8 +98,9 @@ class PagedKV:
 
     def attend_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       backend: str = "auto") -> torch.Tensor:
-        """A decode-only step (step.decode_only): q [T, n_heads, d], k, v [T, n_kv, d] ->
-        y [T, n_heads, d]. The paged kernel stores k, v at step.slot_ids as it attends (one
+        """A decode-only step (step.decode_only): q [T, n_heads, d], k, v [T, n_kv, d] (any
+        strides; views of the qkv output in the compiled decode step) -> y [T, n_heads, d].
+        The paged kernel stores k, v at step.slot_ids as it attends (one
         launch: trireme.ops.paged_attention's `new`); elsewhere this is `store`, then attend."""
         step = self.step
         assert step is not None, "PagedKV used outside a step (PagedCache.begin)"

@@ -348,7 +348,9 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                            heads_first: bool = False, variant: str = "",
                            heads: int = 1, prefetch: bool = False,
                            new: NewKeys | None = None) -> torch.Tensor:
-    """[r, n_heads, d]: each request's query heads over its first lengths[r] keys; with `new`
+    """[r, n_heads, d] (contiguous): each request's query heads over its first lengths[r] keys
+    (q [r, n_heads, d], k_new, v_new: any row and head strides, read in place when the column
+    stride is 1, as the compiled decode step's views of its qkv output); with `new`
     (k_new, v_new [r, n_kv, d], slots [r]) key lengths[r] - 1 is k_new[r], stored into the
     pools' row slots[r] by the kernel too (module docstring: store, then attend). `variant`
     picks the kernel ("": $TRIREME_PAGED_KERNEL's, with its settings: env_choice). `tile` (keys
