@@ -363,7 +363,7 @@ def launch_settings(args, n_kv: int) -> list[tuple[str, dict]]:
     256 rows of keys per tile: heads x tile <= 256)."""
     ints = {a: [int(v) for v in getattr(args, a).split(",")]
             for a in ("tiles", "warps", "splits", "stages", "heads_first", "heads", "prefetch")}
-    settings = [("v1", {})]
+    settings = [("default", {})]  # as shipped (or as $TRIREME_PAGED_KERNEL says)
     for variant in args.variants.split(","):
         if variant == "v1":
             extra = [{"heads_first": bool(x)} for x in ints["heads_first"]]

@@ -177,12 +177,12 @@ def run_level(model, args, prompts: list[list[int]], concurrency: int) -> dict:
     finished_at: dict[str, float] = {}
     on_output = lambda out: finished_at.__setitem__(out.request_id, time.monotonic()) if (
         out.finished) else None
-    todo, requests = list(prompts[:count]), []
+    todo, requests, steps = list(prompts[:count]), [], []
     start = time.monotonic()  # the engine stamps requests with time.monotonic too
     while todo or engine.has_work():
         while todo and len(requests) - len(finished_at) < concurrency:
             requests.append(engine.submit(todo.pop(), params, on_output))
-        engine.step()
+        steps.append(timed_step(engine))
     wall = time.monotonic() - start
     ttft = [r.first_token_at - r.arrival for r in requests]
     tpot = [(finished_at[r.request_id] - r.first_token_at) / max(len(r.output_ids) - 1, 1)
@@ -196,7 +196,30 @@ def run_level(model, args, prompts: list[list[int]], concurrency: int) -> dict:
             "prefill_compile_s": prefill_s,
             "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
             "ttft_p50_ms": 1e3 * percentile(ttft, 0.5), "ttft_p99_ms": 1e3 * percentile(ttft, 0.99),
-            "tpot_p50_ms": 1e3 * percentile(tpot, 0.5), "tpot_p99_ms": 1e3 * percentile(tpot, 0.99)}
+            "tpot_p50_ms": 1e3 * percentile(tpot, 0.5), "tpot_p99_ms": 1e3 * percentile(tpot, 0.99),
+            **step_summary(steps)}
+
+
+def timed_step(engine: Engine) -> tuple[float, int, int]:
+    """One engine step: (host ms until it returned, prompt tokens, tokens generated)."""
+    before = dict(engine.counters)
+    t = time.perf_counter()
+    engine.step()
+    ms = 1e3 * (time.perf_counter() - t)
+    return (ms, engine.counters["prompt_tokens"] - before["prompt_tokens"],
+            engine.counters["generation_tokens"] - before["generation_tokens"])
+
+
+def step_summary(steps: list[tuple[float, int, int]]) -> dict:
+    """Where a level's time went: steps with and without prompt tokens, and the slowest
+    steps (ms, prompt tokens, generated tokens): a stall (a compile, a host hiccup) shows."""
+    prompt = [s[0] for s in steps if s[1]]
+    decode = [s[0] for s in steps if not s[1]]
+    return {"steps": len(steps), "prompt_steps": len(prompt),
+            "prompt_step_ms_sum": sum(prompt), "decode_step_ms_sum": sum(decode),
+            "prompt_step_ms_p50": statistics.median(prompt) if prompt else 0.0,
+            "decode_step_ms_p50": statistics.median(decode) if decode else 0.0,
+            "slowest_steps": sorted(steps, reverse=True)[:5]}
 
 
 def free_memory() -> None:
@@ -370,6 +393,12 @@ def format_tables(levels: list[dict], bounds: list[dict]) -> str:
                     f"{r['ttft_p99_ms']:<8.1f}  {r['tpot_p50_ms']:>6.2f} / "
                     f"{r['tpot_p99_ms']:<6.2f}  {str(r.get('graphs', '')):>6}  "
                     f"{str(r.get('compiled', '')):>8}  {r.get('compiled_prefill', '')}")
+        if "slowest_steps" in r:  # trireme's levels: where the wall time went
+            rows.append(f"         {r['prompt_steps']} of {r['steps']} steps with prompt tokens: "
+                        f"{r['prompt_step_ms_sum']:.0f} ms (p50 {r['prompt_step_ms_p50']:.1f}),"
+                        f" decode-only {r['decode_step_ms_sum']:.0f} ms (p50 "
+                        f"{r['decode_step_ms_p50']:.2f}); slowest (ms, prompt, generated): "
+                        + ", ".join(f"({ms:.0f}, {p}, {g})" for ms, p, g in r["slowest_steps"]))
     rows += ["", "decode step vs bandwidth bound",
              "batch  graphs  compiled  overlap  context  step ms  bound ms  ratio  decode tok/s"]
     for b in bounds:

@@ -43,7 +43,7 @@ def test_gathered_paged_attention_equals_attention_per_request(n_heads, n_kv):
         torch.testing.assert_close(got[i], want, atol=1e-5, rtol=1e-5)
 
 
-SCRIPT = """
+SCRIPT = BF16_DOT + """
 import json, sys, torch
 sys.path.insert(0, TESTS)
 from test_paged_attention import paged_case
@@ -59,7 +59,7 @@ split = 0.0  # the context split over programs (some chunks empty), other tiles 
 for splits, tile, warps, heads_first in [(2, 0, 4, True), (4, 32, 2, False), (16, 16, 8, True)]:
     case = paged_case(8, 2, [1, 16, 17, 70, 130], block=8)
     got = paged_decode_attention(*case, splits=splits, tile=tile, num_warps=warps,
-                                 heads_first=heads_first)
+                                 heads_first=heads_first, variant="v1")
     split = max(split, (got - paged_decode_reference(*case)).abs().max().item())
 case = [t.bfloat16() if t.is_floating_point() else t for t in paged_case(4, 2, [5, 70], block=16)]
 got = paged_decode_attention(*case).float()
@@ -100,7 +100,7 @@ for n_heads, n_kv, d, block, lengths in shapes:
         got = kernels.paged_decode_attention(*case, variant=variant, **kw)
         key = f"{variant} {kw}"
         errors[key] = max(errors.get(key, 0.0), (got - want).abs().max().item())
-calls = []  # $TRIREME_PAGED_KERNEL picks v2 when no variant is passed
+calls = []  # $TRIREME_PAGED_KERNEL picks v1 (not the default) when no variant is passed
 for name in ("_paged_decode_kernel", "_paged_decode_v2_kernel"):
     jit = getattr(kernels, name)
     class Seen:
@@ -108,10 +108,10 @@ for name in ("_paged_decode_kernel", "_paged_decode_v2_kernel"):
             calls.append((name, grid))
             return jit[grid]
     setattr(kernels, name, Seen())
-os.environ["TRIREME_PAGED_KERNEL"] = "v2,heads=2,tile=16,prefetch=1"  # settings too
+os.environ["TRIREME_PAGED_KERNEL"] = "v1,tile=16,num_warps=2"  # settings too
 case = paged_case(8, 2, [5, 40], block=16, d=64)
 env = (kernels.paged_decode_attention(*case) - paged_decode_reference(*case)).abs().max().item()
-env_calls = list(calls)  # (the bf16 call below is v2 too)
+env_calls = list(calls)
 bf16 = [t.bfloat16() if t.is_floating_point() else t for t in paged_case(8, 2, [5, 70], block=16)]
 got = kernels.paged_decode_attention(*bf16, variant="v2", heads=2, tile=16).float()
 want = paged_decode_reference(*[t.float() if t.is_floating_point() else t for t in bf16])
@@ -122,12 +122,12 @@ print(json.dumps({"errors": errors, "env": env, "calls": env_calls,
 
 def test_paged_decode_kernel_variants_equal_the_gather_path():
     """v1 and v2 (kv heads per program, prefetched tiles) against the gather reference through
-    the interpreter; $TRIREME_PAGED_KERNEL=v2 selects v2."""
+    the interpreter; $TRIREME_PAGED_KERNEL=v1 selects v1 (v2 is the default)."""
     pytest.importorskip("triton")
     script = VARIANTS_SCRIPT.replace("TESTS", repr(str(Path(__file__).parent)))
     out = json.loads(run_in_interpreter(script).splitlines()[-1])
     assert len(out["errors"]) == 6 and max(out["errors"].values()) < 1e-4, out
-    assert out["calls"] == [["_paged_decode_v2_kernel", [2, 1, 1]]] and out["env"] < 1e-4, out
+    assert out["calls"] == [["_paged_decode_kernel", [2, 2, 1]]] and out["env"] < 1e-4, out
     assert out["bf16"] < 2e-2, out  # bf16 dot operands (p rounded to bf16) against fp32
 
 
@@ -136,14 +136,14 @@ def test_paged_decode_kernel_settings_are_checked():
     from trireme.errors import ConfigError
     from trireme.ops.paged_attention_triton import env_choice, paged_decode_attention
 
-    assert env_choice("") == ("v1", {}) and env_choice("v2") == ("v2", {})
+    assert env_choice("") == ("v2", {}) and env_choice("v1") == ("v1", {})
     assert env_choice("v2, heads=2,tile=32") == ("v2", {"heads": 2, "tile": 32})
     with pytest.raises(ConfigError, match="TRIREME_PAGED_KERNEL='v3': 'v3' is not.*v1, v2"):
         env_choice("v3")
     with pytest.raises(ConfigError, match="'warps=8' is not a launch setting.*num_warps"):
         env_choice("v2,warps=8")
     case = paged_case(8, 4, [3, 9], block=4)
-    for heads in (3, 8, 0):  # not a power of two, more than the kv heads, none
+    for heads in (3, 8, 16):  # not a power of two, more than the kv heads
         with pytest.raises(ConfigError, match=f"heads={heads} kv heads per program"):
             paged_decode_attention(*case, variant="v2", heads=heads)
     with pytest.raises(ConfigError, match="splits=3 must be a power of two"):
@@ -174,7 +174,8 @@ def test_kernel_configs_sweep_runs_both_variants(tmp_path):
                  r.get("prefetch")) for r in rows]
     v2 = [("v2", None, h, f) for h in (1, 2) for f in (False, True)]
     assert settings == [(b, *s) for b in (1, 4) for s in [
-        ("v1", None, None, None), ("v1", False, None, None), ("v1", True, None, None), *v2]], rows
+        ("default", None, None, None), ("v1", False, None, None), ("v1", True, None, None),
+        *v2]], rows
     assert all(r["ok"] and r["us"] > 0 for r in rows), rows
     assert [r["baseline"] for r in rows].count(True) == 2
 

@@ -23,11 +23,13 @@ of SPLITS equal chunks (whole tiles) of the request's keys and writes its unnorm
     M = max_j m_j      out = sum_j e^(m_j - M) acc_j / sum_j e^(m_j - M) l_j
 
 (an empty chunk has m = -inf, l = 0, acc = 0 and weighs nothing; chunk 0 is never empty).
-`splits` defaults to enough programs to cover the GPU's SMs once (SPLITS = 1 at batch 64 with
-8 kv heads); TILE, num_warps, num_stages and the grid's order can be set too
+`splits` defaults to enough programs for 1.5 per SM (default_splits; SPLITS = 1 at batch 64
+with 8 kv heads, 2 per program); TILE, num_warps, num_stages and the grid's order can be set too
 (bench/serve_profile.py --kernel-configs sweeps them).
-Variant v2 (opt-in, not yet measured on a GPU: TRIREME_PAGED_KERNEL=v2 or variant="v2") keeps
-the math and the partials but reads differently. Program (b, c, j) serves HEADS kv heads at once
+Variant v2, the default since the H200 sweep of session 7 (SHIPPED: 2 kv heads per program,
+TILE 64, 2 warps, 2 stages: 26.4 us per layer at batch 64 where v1 as shipped takes 33.0, and
+82.6 against 102.8 at batch 256; v1 stays: TRIREME_PAGED_KERNEL=v1), keeps v1's math and
+partials but reads differently. Program (b, c, j) serves HEADS kv heads at once
 (3-D dots [HEADS, G, D] x [HEADS, D, TILE]), so each pool row it reads is HEADS * d * 2
 contiguous bytes (HEADS = n_kv: a block's whole run) and there are HEADS times fewer programs;
 its products take the pool's dtype (bf16 on the GPU, sums in fp32; p is rounded to it for the
@@ -310,25 +312,38 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_splits(q: torch.Tensor, n_kv: int, keys_at_most: int, tile: int) -> int:
-    """Chunks per (request, kv head): enough programs to cover the SMs once, at most 16 and at
-    most one per tile of the longest possible context (the tables' width: no host sync)."""
+def default_splits(q: torch.Tensor, programs: int, keys_at_most: int, tile: int) -> int:
+    """Chunks per program of one split (`programs`: requests x kv-head groups): enough programs
+    for 1.5 per SM (SPLIT_COVER), at most 16 and at most one per tile of the longest possible
+    context (the tables' width: no host sync). On the H200 (llama3-1b, 640 keys, v2 as shipped)
+    that picks the measured best or within 2% of it at batch 1, 16, 64 and 256 (bench/RESULTS.md,
+    session 7)."""
     if not q.is_cuda:
         return 1
-    wanted = -(-_sm_count(q.device) // (q.shape[0] * n_kv))
+    wanted = -(-int(SPLIT_COVER * _sm_count(q.device)) // (q.shape[0] * programs))
     return min(triton.next_power_of_2(wanted), 16, triton.next_power_of_2(-(-keys_at_most // tile)))
 
+
+SPLIT_COVER = 1.5  # programs per SM default_splits aims at
 
 VARIANTS = ("v1", "v2")
 ENV = "TRIREME_PAGED_KERNEL"
 SETTINGS = ("tile", "splits", "num_warps", "num_stages", "heads_first", "heads", "prefetch")
 
 
+# The launch each variant ships with (the H200 sweep of session 7, bench/serve_profile.py
+# --kernel-configs: v2 at these settings read 3.1-4.1 TB/s at batch 16-256, v1 at its own
+# 2.6-3.4); 0 in a call or unset in $TRIREME_PAGED_KERNEL means these
+SHIPPED = {"v1": {"tile": 64, "num_warps": 4, "num_stages": 0, "heads": 1},
+           "v2": {"tile": 64, "num_warps": 2, "num_stages": 2, "heads": 2}}
+DEFAULT = "v2"
+
+
 @functools.lru_cache(maxsize=8)
 def env_choice(spec: str) -> tuple[str, dict[str, int]]:
-    """The kernel and launch settings $TRIREME_PAGED_KERNEL names: "" (v1 as shipped), "v2",
-    or e.g. "v2,heads=2,tile=32,num_warps=8" (any of SETTINGS)."""
-    name, *pairs = [part.strip() for part in spec.split(",")] if spec else ["v1"]
+    """The kernel and launch settings $TRIREME_PAGED_KERNEL names: "" (DEFAULT as shipped), "v1",
+    "v2", or e.g. "v2,heads=2,tile=32,num_warps=8" (any of SETTINGS)."""
+    name, *pairs = [part.strip() for part in spec.split(",")] if spec else [DEFAULT]
     if name not in VARIANTS:
         raise ConfigError(f"{ENV}={spec!r}: {name!r} is not a paged decode kernel; use one of "
                           f"{', '.join(VARIANTS)} (or leave it unset)")
@@ -344,9 +359,9 @@ def env_choice(spec: str) -> tuple[str, dict[str, int]]:
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            tables: torch.Tensor, lengths: torch.Tensor, *, tile: int = 0,
-                           splits: int = 0, num_warps: int = 4, num_stages: int = 0,
+                           splits: int = 0, num_warps: int = 0, num_stages: int = 0,
                            heads_first: bool = False, variant: str = "",
-                           heads: int = 1, prefetch: bool = False,
+                           heads: int = 0, prefetch: bool = False,
                            new: NewKeys | None = None) -> torch.Tensor:
     """[r, n_heads, d] (contiguous): each request's query heads over its first lengths[r] keys
     (q [r, n_heads, d], k_new, v_new: any row and head strides, read in place when the column
@@ -354,10 +369,11 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     (k_new, v_new [r, n_kv, d], slots [r]) key lengths[r] - 1 is k_new[r], stored into the
     pools' row slots[r] by the kernel too (module docstring: store, then attend). `variant`
     picks the kernel ("": $TRIREME_PAGED_KERNEL's, with its settings: env_choice). `tile` (keys
-    per iteration, default max(64, block)), `splits` (a power of two; default: default_splits),
-    num_warps, num_stages (0: Triton's default) tune the launch; heads_first (the grid's order:
-    a request's kv heads side by side) only v1's, `heads` (kv heads per program, a power of two
-    dividing n_kv) and `prefetch` (the next tile's loads issued early, in registers) only v2's."""
+    per iteration), `splits` (a power of two; default: default_splits), num_warps, num_stages
+    tune the launch (0: the variant's SHIPPED setting; the tile at least the block size);
+    heads_first (the grid's order: a request's kv heads side by side) only v1's, `heads` (kv
+    heads per program, a power of two dividing n_kv; 0: SHIPPED's if it divides n_kv, else 1)
+    and `prefetch` (the next tile's loads issued early, in registers) only v2's."""
     kw = dict(tile=tile, splits=splits, num_warps=num_warps, num_stages=num_stages,
               heads_first=bool(heads_first), heads=heads, prefetch=bool(prefetch))
     if not variant:
@@ -367,7 +383,13 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         raise ConfigError(f"variant={variant!r} is not a paged decode kernel; use one of "
                           f"{', '.join(VARIANTS)}")
     n_kv = k_pool.shape[2]
+    shipped = SHIPPED[variant]
+    for key in ("tile", "num_warps", "num_stages"):
+        kw[key] = kw[key] or shipped[key]
+    kw["tile"] = max(kw["tile"], k_pool.shape[1])  # whole blocks per tile
     heads = kw["heads"] if variant == "v2" else 1
+    if heads == 0:
+        heads = shipped["heads"] if n_kv % shipped["heads"] == 0 else 1
     if heads < 1 or n_kv % heads or heads & (heads - 1):
         raise ConfigError(f"heads={heads} kv heads per program must be a power of two dividing "
                           f"the {n_kv} kv heads; use 1")
@@ -408,7 +430,6 @@ def _launch(q, k_pool, v_pool, tables, lengths, variant: str, tile: int, splits:
     k_new, v_new, slots = new if new is not None else (k_pool, v_pool, lengths)  # (unused)
     out = q.new_empty(r, n_heads, d)  # contiguous, whatever q's strides
     groups = n_heads // n_kv
-    tile = tile or max(64, block)  # several blocks per iteration: more loads in flight
     splits = splits or default_splits(q, n_kv // heads, tables.shape[1] * block, tile)
     parts = [q.new_empty(0, dtype=torch.float32)] * 3  # unused with one split
     if splits > 1:
