@@ -83,8 +83,8 @@ def measure(model: GPT, batch: int, device: torch.device, dtype: torch.dtype) ->
     block = next(iter(model.layers.values()))
     x, rope, y = inputs(model, batch, device, dtype)
     norm = block.attention_norm
-    h = norm(x)
     with torch.no_grad():
+        h = norm(x)  # [1, B, h]: what post_norm hands the next layer's project
         pieces = {
             "before pre": count(before_pre, block, "attention", x, rope),
             "post": count(_post, block, x, y, "attention", ("mlp",)),
