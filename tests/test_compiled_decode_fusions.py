@@ -17,9 +17,10 @@ from interpreted import BF16_DOT, run_in_interpreter
 from test_compiled_decode import recorded_run
 from test_compiled_prefill import recorded
 from test_paged_attention import paged_case
-from test_serve_engine import config, model_of, prompts
+from test_serve_engine import RunningMean, config, model_of, prompts
 
-from trireme.inference.compiled_decode import _pre, _project, compiled_layer
+import trireme.models.block as block_module
+from trireme.inference.compiled_decode import _pre, _project, compiled_layer, first_attention_norm
 from trireme.inference.engine import Engine, EngineSettings
 from trireme.inference.sampling import SamplingParams
 from trireme.models.paged import Carry, PagedStep
@@ -143,6 +144,41 @@ def test_compiled_prompt_steps_take_the_fused_rope_views(monkeypatch):
     _, compiled, got, steps = recorded(model, monkeypatch, texts, params, "aot_eager")
     assert steps and [r.output_ids for r in compiled] == [r.output_ids for r in eager]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_a_recurrent_mixer_first_gets_no_norm_handed_on(monkeypatch):
+    """Blocks that start with a mixer with a per-request state (eager) get no norm from the
+    block before, nor does that block compute one; the attention blocks still do; the logits
+    are the eager forward's (no graphs: slot states)."""
+    monkeypatch.setitem(block_module.SUBLAYERS, "M", ("mixer", RunningMean))
+    model = model_of(config(num_layers=3, layer_pattern="M-*-M", qk_norm=False))
+    texts = prompts(4, seed=8, longest=12)
+    params = [SamplingParams(max_tokens=3, greedy=True)] * len(texts)
+    eager, want = recorded_run(model, None, monkeypatch, texts, params, graphs=False)
+    calls: list = []
+    real_init = Engine.__init__
+
+    def init_and_spy(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.cache.compiled_layer = compiled_layer("aot_eager")
+        calls.append(spy_layers(self))
+
+    monkeypatch.setattr(Engine, "__init__", init_and_spy)
+    compiled, got = recorded_run(model, None, monkeypatch, texts, params, graphs=False)
+    assert [r.output_ids for r in compiled] == [r.output_ids for r in eager]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    blocks = list(model.layers.values())
+    cache = Engine(model, EngineSettings(block_size=4, max_running=1)).cache
+    starts = [first_attention_norm(b, cache[i]) is not None for i, b in enumerate(blocks)]
+    assert starts.count(True) and starts.count(False)  # both kinds of block
+    seen = calls[0]
+    assert seen and len(seen) % len(blocks) == 0
+    for i, (block, got_h, left_h) in enumerate(seen):
+        layer = i % len(blocks)
+        assert block is blocks[layer]
+        assert got_h == (layer > 0 and starts[layer])
+        assert left_h == (layer + 1 < len(blocks) and starts[layer + 1])
 
 
 class FakeLayer:
