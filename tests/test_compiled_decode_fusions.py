@@ -19,6 +19,7 @@ from test_compiled_prefill import recorded
 from test_paged_attention import paged_case
 from test_serve_engine import RunningMean, config, model_of, prompts
 
+import trireme.inference.compiled_prefill as compiled_prefill
 import trireme.models.block as block_module
 from trireme.inference.compiled_decode import _pre, _project, compiled_layer, first_attention_norm
 from trireme.inference.engine import Engine, EngineSettings
@@ -179,6 +180,26 @@ def test_a_recurrent_mixer_first_gets_no_norm_handed_on(monkeypatch):
         assert block is blocks[layer]
         assert got_h == (layer > 0 and starts[layer])
         assert left_h == (layer + 1 < len(blocks) and starts[layer + 1])
+
+
+@pytest.mark.slow  # a cold Inductor C++ compile of dynamic-shape pieces: ~30 s on two cores
+@pytest.mark.skipif(not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "clang++")),
+                    reason="Inductor's CPU backend needs a C++ compiler")
+@torch.no_grad()
+def test_inductor_compiled_prompt_steps_take_the_fused_rope_views(monkeypatch):
+    """The same with Inductor (T dynamic): the views of a graph's output with a symbolic token
+    count reach PagedKV.attend, and the logits are the eager engine's."""
+    model = model_of(config(num_layers=2, **NO_QK_NORM))
+    texts = prompts(5, seed=2, longest=30)
+    params = [SamplingParams(max_tokens=4, greedy=True, ignore_eos=True)] * len(texts)
+    _, eager, want, _ = recorded(model, monkeypatch, texts, params, max_batch_tokens=40)
+    torch._dynamo.reset()
+    compiled_prefill.compiled_prefill_layer.cache_clear()
+    _, compiled, got, steps = recorded(model, monkeypatch, texts, params, "inductor",
+                                       max_batch_tokens=40)
+    assert len({t for _, t in steps}) >= 3
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert [r.output_ids for r in compiled] == [r.output_ids for r in eager]
 
 
 class FakeLayer:
