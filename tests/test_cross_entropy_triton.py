@@ -163,8 +163,9 @@ def test_chunked_loss_through_the_kernel_in_interpreter():
 
 # compiled for an H100 / H200 (sm_90) without a GPU: the GPU lowering accepts the kernel (the
 # interpreter is laxer about types), rounds fp32 -> bf16 to nearest even (what BF16_ROUND makes
-# the interpreter do) and keeps the tile in registers (no stack or local memory: no
-# spills)
+# the interpreter do), fp32 -> e5m2 the same way with saturation (cvt.rn.satfinite: what
+# E5M2_ROUND makes the interpreter do) and keeps the tile in registers (no stack or local
+# memory: no spills)
 SM90_SCRIPT = textwrap.dedent("""
     import os, subprocess, triton
     from triton.backends.compiler import GPUTarget
@@ -172,36 +173,44 @@ SM90_SCRIPT = textwrap.dedent("""
     from trireme.ops.cross_entropy_triton import BLOCK, NUM_WARPS, _cross_entropy_kernel
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    for dtype in ("bf16", "fp32"):
-        signature = {"logits_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "labels_ptr": "*i64",
-                     "weight_ptr": "*fp32", "loss_ptr": "*fp32", "logits_stride": "i32",
-                     "out_stride": "i32", "n_cols": "i32", "vocab_size": "i32",
-                     "BLOCK": "constexpr", "EVICT_1": "constexpr", "EVICT_2": "constexpr"}
+    # (logits, gradient out, FP8_MAX): the bf16 and fp32 heads, and the fp8 head's e5m2 output
+    for dtype, out, fp8_max in (("bf16", "bf16", 0.0), ("fp32", "fp32", 0.0),
+                                ("bf16", "fp8e5", 57344.0)):
+        signature = {"logits_ptr": f"*{dtype}", "out_ptr": f"*{out}", "labels_ptr": "*i64",
+                     "weight_ptr": "*fp32", "loss_ptr": "*fp32", "scale_ptr": "*fp32",
+                     "logits_stride": "i32", "out_stride": "i32", "n_cols": "i32",
+                     "vocab_size": "i32", "BLOCK": "constexpr", "EVICT_1": "constexpr",
+                     "EVICT_2": "constexpr", "FP8_MAX": "constexpr"}
         # what Triton's launcher assumes for gpt2's [c, 50304] logits: 16-byte aligned
         # pointers, strides and column count multiples of 16 (the vocabulary 50257 is not)
         aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(signature)
                    if n.endswith(("_ptr", "_stride")) or n == "n_cols"}
         source = ASTSource(fn=_cross_entropy_kernel, signature=signature, attrs=aligned,
                            constexprs={"BLOCK": BLOCK, "EVICT_1": "evict_last",
-                                       "EVICT_2": "evict_first"})
+                                       "EVICT_2": "evict_first", "FP8_MAX": fp8_max})
         kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                 options={"num_warps": NUM_WARPS})
         ptx = kernel.asm["ptx"]
-        assert ("cvt.rn.bf16" in ptx) == (dtype == "bf16"), dtype
+        assert ("cvt.rn.bf16" in ptx) == (out == "bf16"), out
+        # two values a conversion, 16 a thread a tile: round to nearest even, saturated
+        assert ptx.count("cvt.rn.satfinite.e5m2x2.f32") == (8 if out == "fp8e5" else 0), out
         assert "ex2.approx" in ptx
         assert "evict_last" in ptx and "evict_first" in ptx  # the L2 hints
         # the logits move as 16-byte vectors in both passes (a load masked by the odd vocabulary
-        # would be 16 scalar ones a thread): the only narrow load is the target logit's
+        # would be 16 scalar ones a thread): the only narrow loads are the target logit's, the
+        # label's, the weight's (and the scale's)
         loads = [line for line in ptx.splitlines() if "ld.global" in line]
         stores = [line for line in ptx.splitlines() if "st.global" in line]
         assert sum(".v4." in line for line in loads) >= 4, loads
-        assert sum(".v4." in line for line in stores) >= 2, stores
-        assert sum(".v4." not in line for line in loads) <= 3, loads  # label, weight, target
+        # the gradient's 16 values a thread a tile: 16-byte stores (one for e5m2)
+        wide = {"bf16": 2, "fp32": 4, "fp8e5": 1}[out]
+        assert sum(".v4." in line for line in stores) >= wide, stores
+        assert sum(".v4." not in line for line in loads) <= 3 + (fp8_max > 0), loads
         with open("k.cubin", "wb") as f:
             f.write(kernel.asm["cubin"])
         usage = subprocess.run([tool, "--dump-resource-usage", "k.cubin"], capture_output=True,
                                text=True, check=True).stdout
-        print(dtype, usage.split("REG")[1].split("CONSTANT")[0].strip())
+        print(dtype, out, usage.split("REG")[1].split("CONSTANT")[0].strip())
         assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage  # no spills
     print("ok")
 """)
