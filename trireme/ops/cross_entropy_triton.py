@@ -89,12 +89,12 @@ def _gradient(z, c, lse, label, w, vocab_size):
 
 
 @triton.jit
-def _store_gradient(dz_row, c, g, n_cols, scale_ptr, FP8_MAX: tl.constexpr):
+def _store_gradient(dz_row, c, g, n_cols, scale, FP8_MAX: tl.constexpr):
     """Write the fp32 gradient g at columns c in the output's dtype: rounded to it (to nearest
-    even) or, with FP8_MAX > 0, as q(g) = fp8(clamp(g * s, -FP8_MAX, FP8_MAX)) with the scale s
-    loaded from scale_ptr (a NaN stays NaN, as in torch's clamp)."""
+    even) or, with FP8_MAX > 0, as q(g) = fp8(clamp(g * scale, -FP8_MAX, FP8_MAX)) (a NaN stays
+    NaN, as in torch's clamp)."""
     if FP8_MAX > 0:
-        g = tl.clamp(g * tl.load(scale_ptr), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        g = tl.clamp(g * scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     # Triton's float downcasts round to nearest even by default (sm_90, fp32 -> e5m2: one
     # cvt.rn.satfinite instruction per two values)
     tl.store(dz_row + c, g.to(dz_row.dtype.element_ty), mask=c < n_cols)
@@ -118,11 +118,14 @@ def _cross_entropy_kernel(
     target = tl.load(z_row + tl.maximum(label, 0)).to(tl.float32)
     target = tl.where(label < vocab_size, target, neg_inf)  # a padded label: as the reference
     tl.store(loss_ptr + row, tl.where(w == 0.0, 0.0, w * (lse - target)))
+    scale = 1.0
+    if FP8_MAX > 0:  # the e5m2 output's scale, a device scalar
+        scale = tl.load(scale_ptr)
     for start in range(0, n_cols, BLOCK):  # pass 2: every column, padding written as 0
         c = start + cols
         z = _load(z_row, c, n_cols, vocab_size, EVICT_2)
         g = _gradient(z, c, lse, label, w, vocab_size)
-        _store_gradient(dz_row, c, g, n_cols, scale_ptr, FP8_MAX)
+        _store_gradient(dz_row, c, g, n_cols, scale, FP8_MAX)
 
 
 def loss_and_grad(

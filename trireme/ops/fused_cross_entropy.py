@@ -260,7 +260,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def forward(
         ctx, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, token_w: torch.Tensor,
         norm: torch.Tensor, vocab_size: int, chunk_size: int, compile: bool, fp8: str,
-        step: Callable, fp8_step: Callable,
+        step: Callable, fp8_step: Callable | None,
     ) -> torch.Tensor:
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.weight_dtype = weight.dtype
