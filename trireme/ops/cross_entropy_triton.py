@@ -34,9 +34,10 @@ pass 2 writes, into a new [c, V] float8_e5m2 tensor (1 byte an element; not in p
 
 i.e. trireme.ops.fp8's `quantize(dz, E5M2, s)` of the fp32 dz, as `_loss_and_grad_e5m2` (the
 compiled reference) writes it; on sm_90 Triton's default downcast is one cvt.rn.satfinite per
-two values, round to nearest even as torch's .to(torch.float8_e5m2). (Triton's CPU interpreter
-rounds fp32 -> e5m2 wrongly, 7917.2 -> 4096 for one: the tests make it round as torch does,
-tests/interpreted.py E5M2_ROUND.)
+two values, round to nearest even as torch's .to(torch.float8_e5m2) (Triton 3.6 and 3.9 both:
+the tests' sm_90 compile check). Triton's CPU interpreter (3.6 and 3.9) rounds fp32 -> e5m2
+wrongly, 7917.2 -> 4096 for one: the tests make it round as torch does (tests/interpreted.py
+E5M2_ROUND).
 """
 
 from __future__ import annotations
