@@ -78,10 +78,11 @@ _interp.InterpreterBuilder.cast_impl = _cast_impl
 
 
 
-# Prepend to a script whose kernels cast fp32 to float8_e5m2: Triton's interpreter (3.6, 3.9) drops
-# carry of a rounded-up mantissa into the exponent (7917.2 -> 4096, not 8192) and truncates
-# subnormals (about 8% of random values come out wrong); the GPU (sm_90: cvt.rn.satfinite) rounds
-# to the nearest even, as torch's .to(torch.float8_e5m2) does, which this makes the interpreter do.
+# Prepend to a script whose kernels cast fp32 to float8_e5m2: Triton's interpreter (3.6, 3.9)
+# drops the carry of a rounded-up mantissa into the exponent (7917.2 -> 4096, not 8192) and
+# truncates subnormals (about 8% of random values come out wrong); the GPU (sm_90:
+# cvt.rn.satfinite) rounds to the nearest even, as torch's .to(torch.float8_e5m2) does, which this
+# makes the interpreter do.
 E5M2_ROUND = """
 import numpy as _np
 import torch as _torch
