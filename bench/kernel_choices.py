@@ -46,8 +46,9 @@ seq 4096, micro batch 8, bf16):
                its softmax part compiled (ours_fp8) or the Triton kernel's e5m2 output
                (ours_fp8_triton); ours_bf16_triton, the bf16 head, for comparison
     ce_step_fp8  the fp8 head's chunk step alone, logits [4096, 128256] -> (loss, q5(dlogits)):
-               eager `_loss_and_grad_e5m2`, compiled, the Triton kernel with out_scale; GB/s
-               of one read + a 1-byte write, e5m2_differ: codes that differ from eager's
+               eager `_loss_and_grad_e5m2`, compiled, the Triton kernel with out_scale (also
+               without its L2 hints and at other tiles); GB/s of one read + a 1-byte write,
+               e5m2_differ: codes that differ from eager's
     fp8        x [32768, K] @ W [N, K]^T for (K, N) in (2048, 3072) (2048, 2048) (2048, 16384)
                (8192, 2048): bf16 nn.Linear, ours Float8Linear, torchao tensorwise, rowwise; all
                compiled, as in a compiled block
@@ -585,14 +586,18 @@ def ce_step_fp8_case(s: Sizes, dev: str, dt: torch.dtype, on_gpu: bool) -> Case:
     def step(f):
         return lambda: lambda z: f(z, labels, weight, scale)
 
-    def triton_step():
-        from trireme.ops.cross_entropy_triton import loss_and_grad
-        return lambda z: loss_and_grad(z, labels, weight, out_scale=scale)
+    def triton_step(**kw):
+        def build():
+            from trireme.ops.cross_entropy_triton import loss_and_grad
+            return lambda z: loss_and_grad(z, labels, weight, out_scale=scale, **kw)
+        return build
 
     cands = {"eager": step(_loss_and_grad_e5m2)}
     if on_gpu:
         cands |= {"compiled": lambda: step(_compiled_loss_and_grad_e5m2())(),
-                  "triton": triton_step}
+                  "triton": triton_step(), "triton_no_l2_hints": triton_step(l2_hints=False)}
+        for block, warps in ((2048, 8), (8192, 8), (8192, 16)):  # other tiles (1-byte writes)
+            cands[f"triton_b{block}_w{warps}"] = triton_step(block=block, num_warps=warps)
     nbytes = c * vocab * (torch.finfo(dt).bits // 8 + 1)
     return Case("ce_step_fp8", inputs, cands, ref, bytes=nbytes, run=run_step_case)
 
