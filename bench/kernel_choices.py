@@ -42,6 +42,13 @@ seq 4096, micro batch 8, bf16):
                its L2 hints, at other tiles (triton_b<columns>_w<warps>); GB/s of one read +
                one write
     ce_step_gpt2  the same at [4096, 50304], columns from 50257 on padding
+    fp8_loss   the loss section's llama3-1b head with the fp8 output layer (trireme.ops.fp8_head):
+               its softmax part compiled (ours_fp8) or the Triton kernel's e5m2 output
+               (ours_fp8_triton); ours_bf16_triton, the bf16 head, for comparison
+    ce_step_fp8  the fp8 head's chunk step alone, logits [4096, 128256] -> (loss, q5(dlogits)):
+               eager `_loss_and_grad_e5m2`, compiled, the Triton kernel with out_scale (also
+               without its L2 hints and at other tiles); GB/s of one read + a 1-byte write,
+               e5m2_differ: codes that differ from eager's
     fp8        x [32768, K] @ W [N, K]^T for (K, N) in (2048, 3072) (2048, 2048) (2048, 16384)
                (8192, 2048): bf16 nn.Linear, ours Float8Linear, torchao tensorwise, rowwise; all
                compiled, as in a compiled block
@@ -77,10 +84,12 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trireme.ops.attention import attention  # noqa: E402
-from trireme.ops.fp8 import Float8Linear  # noqa: E402
+from trireme.ops.fp8 import E5M2, Float8Linear, scale_from_amax  # noqa: E402
 from trireme.ops.fused_cross_entropy import (  # noqa: E402
     _compiled_loss_and_grad,
+    _compiled_loss_and_grad_e5m2,
     _loss_and_grad,
+    _loss_and_grad_e5m2,
     fused_linear_cross_entropy,
 )
 from trireme.ops.liger import (  # noqa: E402
@@ -484,6 +493,27 @@ def _loss_case(op: str, m: int, h: int, vocab: int, rows: int, dev: str, dt: tor
     return Case(op, inputs, cands, ref, flops=6 * m * h * rows)
 
 
+def fp8_loss_case(s: Sizes, dev: str, dt: torch.dtype, on_gpu: bool, chunk: int = 4096) -> Case:
+    """The llama3-1b output layer + loss with the fp8 output layer (model.fp8_layers "output":
+    trireme.ops.fp8_head), its softmax part compiled or the Triton kernel's e5m2 output; the
+    bf16 Triton path for comparison. On the CPU (smoke): the fp8 matmuls emulated."""
+    case = _loss_case("fp8_loss", s.tokens, s.hidden, s.vocab, s.vocab, dev, dt, on_gpu, chunk)
+    m, vocab, chunk = s.tokens, s.vocab, min(chunk, s.tokens)
+    # the labels of _loss_case's reference (the same generator seed)
+    labels = torch.randint(0, vocab, (m,), generator=torch.Generator().manual_seed(2)).to(dev)
+
+    def ours(kernel, fp8):
+        return lambda: lambda x, w: fused_linear_cross_entropy(
+            x, w, labels, vocab_size=vocab, chunk_size=chunk, compile=on_gpu, fp8=fp8,
+            softmax_kernel=kernel)
+
+    case.candidates = {"ours_fp8": ours("compiled", "on" if on_gpu else "emulate")}
+    if on_gpu:
+        case.candidates |= {"ours_fp8_triton": ours("triton", "on"),
+                            "ours_bf16_triton": ours("triton", "off")}
+    return case
+
+
 # ---------------------------------------------------------------------------------- ce_step
 
 def ce_step_case(s: Sizes, dev: str, dt: torch.dtype, on_gpu: bool) -> Case:
@@ -533,6 +563,45 @@ def _ce_step_case(op: str, c: int, vocab: int, cols: int, dev: str, dt: torch.dt
     return Case(op, inputs, cands, ref, bytes=nbytes, run=run_step_case)
 
 
+def ce_step_fp8_case(s: Sizes, dev: str, dt: torch.dtype, on_gpu: bool) -> Case:
+    """The fp8 output layer's chunk step (trireme.ops.fused_cross_entropy `fp8_chunk_step`):
+    logits [c, vocab] -> (summed loss, q5(dlogits) in e5m2 with the a-priori scale): the eager
+    `_loss_and_grad_e5m2` (the reference), compiled (model.fused_cross_entropy_kernel
+    "compiled"), the Triton kernel's e5m2 output ("triton"). max|grad| is in e5m2 units (the
+    gradient times the scale); e5m2_differ counts the elements whose code differs from the
+    reference's. The rate: one read of the logits and one write of 1 byte an element."""
+    c, vocab = s.step_rows, s.vocab
+    labels = torch.randint(0, vocab, (c,), generator=torch.Generator().manual_seed(2)).to(dev)
+    weight = torch.ones(c, device=dev)
+    scale = scale_from_amax(weight.abs().max(), E5M2)  # as trireme.ops.fp8_head sets it
+
+    def inputs():
+        g = torch.Generator(device=dev).manual_seed(0)
+        return [torch.randn(c, vocab, generator=g, device=dev, dtype=dt) * 4]
+
+    def ref(xs):
+        loss, q = _loss_and_grad_e5m2(xs[0], labels, weight, scale)
+        return [loss], [q]
+
+    def step(f):
+        return lambda: lambda z: f(z, labels, weight, scale)
+
+    def triton_step(**kw):
+        def build():
+            from trireme.ops.cross_entropy_triton import loss_and_grad
+            return lambda z: loss_and_grad(z, labels, weight, out_scale=scale, **kw)
+        return build
+
+    cands = {"eager": step(_loss_and_grad_e5m2)}
+    if on_gpu:
+        cands |= {"compiled": lambda: step(_compiled_loss_and_grad_e5m2())(),
+                  "triton": triton_step(), "triton_no_l2_hints": triton_step(l2_hints=False)}
+        for block, warps in ((2048, 8), (8192, 8), (8192, 16)):  # other tiles (1-byte writes)
+            cands[f"triton_b{block}_w{warps}"] = triton_step(block=block, num_warps=warps)
+    nbytes = c * vocab * (torch.finfo(dt).bits // 8 + 1)
+    return Case("ce_step_fp8", inputs, cands, ref, bytes=nbytes, run=run_step_case)
+
+
 def run_step_case(case: Case, args, cuda: bool) -> None:
     """run_case for a section without autograd: each candidate on fresh logits (the in-place
     one overwrites them), its loss and dlogits against the reference, then its median time."""
@@ -547,6 +616,8 @@ def _measure_step(case: Case, f: Callable, ref_loss, ref_grad, args, cuda: bool)
     loss, dlogits = f(z)
     row = {"max_abs_out": [max_diff(loss, ref_loss, None)],
            "max_abs_grad": [max_diff(dlogits, ref_grad, None)]}
+    if dlogits.dtype == E5M2:  # the fp8 head's gradient: how many codes differ
+        row["e5m2_differ"] = int((dlogits.view(torch.uint8) != ref_grad.view(torch.uint8)).sum())
     del loss, dlogits
     ms = median_ms(lambda: f(z), args.warmup, args.repeats, cuda)
     return row | {"ms": round(ms, 4), "gbps": float(f"{case.bytes / ms / 1e6:.4g}")}
@@ -611,7 +682,7 @@ def _set_weight(mod: nn.Module, w: torch.Tensor) -> None:
 # ---------------------------------------------------------------------------------- main
 
 OPS = ("attention", "rmsnorm", "swiglu", "swiglu_h", "rope", "loss", "fp8", "loss_gpt2",
-       "ce_step", "ce_step_gpt2")
+       "ce_step", "ce_step_gpt2", "fp8_loss", "ce_step_fp8")
 
 
 def versions() -> dict[str, str]:
@@ -634,7 +705,8 @@ def build_cases(s: Sizes, dev: str, dt: torch.dtype, on_gpu: bool, ops: set[str]
     makers = {"attention": attention_case, "rmsnorm": rmsnorm_case, "swiglu": swiglu_case,
               "swiglu_h": swiglu_h_case, "rope": rope_case, "loss": loss_case,
               "loss_gpt2": loss_gpt2_case, "ce_step": ce_step_case,
-              "ce_step_gpt2": ce_step_gpt2_case}
+              "ce_step_gpt2": ce_step_gpt2_case, "fp8_loss": fp8_loss_case,
+              "ce_step_fp8": ce_step_fp8_case}
     cases = [mk(s, dev, dt, on_gpu) for name, mk in makers.items() if name in ops]
     if "fp8" in ops:
         cases += fp8_cases(s, dev, dt, on_gpu)

@@ -22,7 +22,7 @@ def test_kernel_choices_smoke(tmp_path):
     assert data["versions"]["torch"] == __import__("torch").__version__
     ops = data["ops"]
     assert {"attention", "rmsnorm", "swiglu", "swiglu_h", "rope", "loss", "loss_gpt2", "ce_step",
-            "ce_step_gpt2"} <= set(ops)
+            "ce_step_gpt2", "fp8_loss", "ce_step_fp8"} <= set(ops)
     assert any(op.startswith("fp8_linear_") for op in ops)
     for op, rows in ops.items():
         assert rows, op

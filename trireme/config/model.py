@@ -196,7 +196,8 @@ class ModelConfig:
         "and one gradient pass, the gradient written over the logits; where Triton does not "
         "import: compiled, with a warning); compiled: torch ops through torch.compile (eager "
         "with compile = false), the reference. The fp8 output layer (fp8_layers \"output\") "
-        "always takes compiled."
+        "takes the same choice, its gradient written in e5m2 (by the Triton kernel into a new "
+        "tensor, not in place)."
     )
     moe_num_experts: int = doc(8, "MoE (E in layer_pattern): routed experts per MoE sublayer.")
     moe_top_k: int = doc(2, "MoE: experts each token is sent to.")

@@ -10,10 +10,14 @@ once per micro batch, not once per chunk). Per chunk of c tokens (q: quantized, 
     dx_c    = (q5(g) q(W)) / (s_g s_W)                     [c, h]
     dW     += (q5(g)^T q(x_c)) / (s_g s_x)                 [vocab, h]  summed in fp32
 
-The gradient of the logits needs no amax pass: |softmax - onehot| <= 1, so |g| <= max(w) (the
-token weights, 0/1 or the loss mask), and s_g = e5m2_max / max |w| is known before g exists; the
-cast is then part of the (compiled) softmax kernel. The true amax of a chunk is close to that
-bound (1 - p of a badly predicted target), and e5m2 reaches 2^-16 of e5m2_max below it, so the
+The gradient of the logits needs no amax pass: |softmax - onehot| <= 1, so |g| <= max(w) (the token
+weights, 0/1 or the loss mask), and s_g = e5m2_max / max |w| is known before g exists; the cast is
+then part of the softmax kernel, which writes q5(g) (1 byte an element) and never g:
+trireme.ops.cross_entropy_triton's kernel with an e5m2 output (model.fused_cross_entropy_kernel
+"triton", on CUDA) or the compiled torch version (`_loss_and_grad_e5m2` in
+trireme.ops.fused_cross_entropy, the reference; both round to nearest even; eagerly, without
+compile, g is rounded to the input dtype first, then cast). The true amax of a chunk is close to
+that bound (1 - p of a badly predicted target), and e5m2 reaches 2^-16 of e5m2_max below it, so the
 probabilities that are lost (flushed to zero) are those under about 3e-10 of the bound.
 
 The loss itself (logsumexp and the target logit) is fp32 on the bf16 logits, as in the bf16 head.
@@ -80,11 +84,6 @@ class Float8Head:
         """[c, vocab] in the input dtype: x_c @ W^T from the fp8 copies."""
         return scaled_matmul(self.x_q[start:end], self.x_scale, self.w_q.t(), self.w_scale,
                              self.dtype, self.emulate, fast_accum=True)
-
-    def quantize_grad(self, dlogits: torch.Tensor) -> torch.Tensor:
-        """q5(dlogits) [c, vocab] with the a-priori scale (used when the softmax is not compiled
-        with the cast)."""
-        return quantize(dlogits, E5M2, self.g_scale)[0]
 
     def grad_x(self, g_q: torch.Tensor, out: torch.Tensor) -> None:
         """out [c, h] = dlogits @ W, from q5(dlogits) [c, vocab]."""

@@ -40,12 +40,14 @@ bf16 logits and writes the bf16 gradient, with no fp32 [c, vocab] temporaries.
 the logits and one write, the gradient written over the logits in place: no second [c, vocab]
 tensor) or "compiled" (the reference: the torch ops above, through torch.compile when
 `compile`, else eagerly). Off CUDA, or without Triton (one warning), "triton" runs the
-"compiled" path; so does the fp8 output layer, whose e5m2 gradient only the compiled kernel
-writes.
+"compiled" path.
 
 `fp8` ("on" / "emulate", model.fp8_layers "output"): the three matmuls run in fp8 instead, from
 copies of x and W cast once per micro batch, and the softmax kernel writes the logits' gradient
-in e5m2 (trireme.ops.fp8_head has the math and the scales).
+in e5m2 (trireme.ops.fp8_head has the math and the scales): `fp8_chunk_step` picks it as
+`chunk_step` does, the Triton kernel with its e5m2 output (a new [c, vocab] tensor: not in place)
+or `_loss_and_grad_e5m2` compiled (the reference; eagerly, `compile` off: `_loss_and_grad`, then
+the cast).
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ from trireme.errors import TriremeError
 from trireme.ops.fp8 import E5M2, quantize
 from trireme.ops.fp8_head import Float8Head
 
-__all__ = ["SOFTMAX_KERNELS", "chunk_step", "fused_linear_cross_entropy", "token_weights"]
+__all__ = ["SOFTMAX_KERNELS", "chunk_step", "fp8_chunk_step", "fused_linear_cross_entropy",
+           "token_weights"]
 
 
 def token_weights(
@@ -143,16 +146,34 @@ def _compiled_loss_and_grad_e5m2() -> Callable:
 
 
 @functools.cache
-def _triton_loss_and_grad() -> Callable | None:
-    """trireme.ops.cross_entropy_triton's launcher (writing in place), or None (with a warning)
-    without Triton."""
+def _triton_launcher() -> Callable | None:
+    """trireme.ops.cross_entropy_triton's launcher, or None (with a warning) without Triton."""
     try:
         from trireme.ops.cross_entropy_triton import loss_and_grad
     except Exception as e:  # missing, or installed but broken
         warnings.warn(f"Triton is unavailable ({e}); the fused cross-entropy's softmax runs "
                       "through torch", stacklevel=2)
         return None
-    return functools.partial(loss_and_grad, in_place=True)
+    return loss_and_grad
+
+
+def _triton_loss_and_grad() -> Callable | None:
+    """The Triton kernel writing the gradient over the logits (`_loss_and_grad`'s contract), or
+    None without Triton."""
+    launch = _triton_launcher()
+    return None if launch is None else functools.partial(launch, in_place=True)
+
+
+def _triton_loss_and_grad_e5m2() -> Callable | None:
+    """The Triton kernel writing q5(dlogits) into a new e5m2 tensor (`_loss_and_grad_e5m2`'s
+    contract), or None without Triton."""
+    launch = _triton_launcher()
+    if launch is None:
+        return None
+
+    def step(logits, labels, weight, g_scale):
+        return launch(logits, labels, weight, out_scale=g_scale)
+    return step
 
 
 SOFTMAX_KERNELS = ("compiled", "triton")
@@ -164,18 +185,43 @@ def _triton_runs_on(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def _check_softmax_kernel(softmax_kernel: str) -> None:
+    if softmax_kernel not in SOFTMAX_KERNELS:
+        raise TriremeError(f"softmax_kernel = {softmax_kernel!r} is not one of "
+                           f"{', '.join(SOFTMAX_KERNELS)}")
+
+
 def chunk_step(softmax_kernel: str, compile: bool, device: torch.device) -> Callable:
     """The per-chunk (loss, dlogits) function: the Triton kernel for "triton" on CUDA (where it
     imports), else `_loss_and_grad_pointwise` through torch.compile (`compile`) or the eager
     `_loss_and_grad`."""
-    if softmax_kernel not in SOFTMAX_KERNELS:
-        raise TriremeError(f"softmax_kernel = {softmax_kernel!r} is not one of "
-                           f"{', '.join(SOFTMAX_KERNELS)}")
+    _check_softmax_kernel(softmax_kernel)
     if softmax_kernel == "triton" and _triton_runs_on(device):
         launch = _triton_loss_and_grad()
         if launch is not None:
             return launch
     return _compiled_loss_and_grad() if compile else _loss_and_grad
+
+
+def _loss_and_grad_then_e5m2(
+    logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, g_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eagerly: `_loss_and_grad` (dlogits rounded to the logits' dtype), then q5 of that."""
+    loss, dlogits = _loss_and_grad(logits, labels, weight)
+    return loss, quantize(dlogits, E5M2, g_scale)[0]
+
+
+def fp8_chunk_step(softmax_kernel: str, compile: bool, device: torch.device) -> Callable:
+    """The fp8 output layer's per-chunk (loss, q5(dlogits)) function f(logits, labels, weight,
+    g_scale), chosen as `chunk_step` chooses: the Triton kernel with an e5m2 output for
+    "triton" on CUDA (where it imports), else `_loss_and_grad_e5m2` through torch.compile
+    (`compile`; the reference), else `_loss_and_grad_then_e5m2`."""
+    _check_softmax_kernel(softmax_kernel)
+    if softmax_kernel == "triton" and _triton_runs_on(device):
+        launch = _triton_loss_and_grad_e5m2()
+        if launch is not None:
+            return launch
+    return _compiled_loss_and_grad_e5m2() if compile else _loss_and_grad_then_e5m2
 
 
 @functools.cache
@@ -201,14 +247,12 @@ def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.add_(a @ b)
 
 
-def _fp8_chunk(head: Float8Head, compile: bool, start: int, end: int, labels: torch.Tensor,
-               token_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk through the fp8 head: (its summed loss, q5(dlogits) [c, vocab])."""
+def _fp8_chunk(head: Float8Head, fp8_step: Callable, start: int, end: int,
+               labels: torch.Tensor, token_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk through the fp8 head: (its summed loss, q5(dlogits) [c, vocab]), from
+    `fp8_chunk_step`'s function."""
     logits = head.logits(start, end)  # [c, vocab] in the input dtype
-    if compile:
-        return _compiled_loss_and_grad_e5m2()(logits, labels, token_w, head.g_scale)
-    chunk_loss, dlogits = _loss_and_grad(logits, labels, token_w)
-    return chunk_loss, head.quantize_grad(dlogits)
+    return fp8_step(logits, labels, token_w, head.g_scale)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -216,7 +260,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def forward(
         ctx, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, token_w: torch.Tensor,
         norm: torch.Tensor, vocab_size: int, chunk_size: int, compile: bool, fp8: str,
-        step: Callable,
+        step: Callable, fp8_step: Callable | None,
     ) -> torch.Tensor:
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.weight_dtype = weight.dtype
@@ -235,7 +279,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             x_c = x[start : start + chunk_size]  # [c, h]
             end = start + x_c.shape[0]
             if head is not None and head.takes(end - start):
-                chunk_loss, g_q = _fp8_chunk(head, compile, start, end, labels[start:end],
+                chunk_loss, g_q = _fp8_chunk(head, fp8_step, start, end, labels[start:end],
                                              token_w[start:end])
                 loss += chunk_loss
                 if need_x:
@@ -265,7 +309,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_x = (grad_x.float() * scale).to(grad_x.dtype)
         if grad_w is not None:
             grad_w = grad_w.mul_(scale).to(ctx.weight_dtype)
-        return grad_x, grad_w, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(
@@ -301,11 +345,12 @@ def fused_linear_cross_entropy(
     if labels.shape[0] != x.shape[0]:
         raise TriremeError(f"{labels.shape[0]} labels for {x.shape[0]} tokens")
     step = chunk_step(softmax_kernel, compile, x.device)
+    fp8_step = fp8_chunk_step(softmax_kernel, compile, x.device) if fp8 != "off" else None
     token_w, norm = token_weights(labels, loss_mask)
     if not torch.is_grad_enabled():  # evaluation: the loss alone, no gradient work
         return _loss_only(x, weight, labels, token_w, chunk_size, vocab_size) * norm
     return _FusedLinearCrossEntropy.apply(
-        x, weight, labels, token_w, norm, vocab_size, chunk_size, compile, fp8, step
+        x, weight, labels, token_w, norm, vocab_size, chunk_size, compile, fp8, step, fp8_step
     )
 
 
