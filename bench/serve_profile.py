@@ -67,7 +67,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from serve_throughput import DTYPES, SMOKE, build, free_memory, start_decoding  # noqa: E402, F401
+from serve_throughput import (  # noqa: E402, F401
+    DTYPES,
+    SMOKE,
+    build,
+    free_memory,
+    start_decoding,
+    weights_read_per_step,
+)
 
 from trireme.config import load_config  # noqa: E402
 from trireme.inference.engine import Engine, EngineSettings  # noqa: E402
@@ -240,7 +247,7 @@ def kernel_table(engine: Engine, device: torch.device, top: int) -> dict:
 
 
 def bound_ms(model, engine: Engine, batch: int, context: int, bandwidth: float) -> float:
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = weights_read_per_step(model)  # not the untied input embedding table
     kv = engine.cache.nbytes() / (engine.allocator.num_blocks * engine.settings.block_size)
     return 1e3 * (weights + batch * context * kv) / bandwidth
 

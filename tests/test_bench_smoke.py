@@ -203,3 +203,24 @@ def test_serve_mixed_cpu_smoke(tmp_path):
             "sdpa_cudnn_new", "sdpa_varying_same"} <= set(rows)
     assert rows["prefill_same"]["tokens"] == 40 and rows["mixed_new"]["tokens"] > 4
     assert all(r["wall_ms"] > 0 and r["kernels"] > 0 for r in rows.values())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_decode_bound_counts_the_weights_a_step_reads(tied, monkeypatch):
+    """The decode bound's weights leave out an untied input embedding table (a step gathers
+    one row per request) and keep a tied one (read whole as the output layer)."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from serve_throughput import weights_read_per_step
+
+    from trireme.config import load_config
+    from trireme.models.gpt import GPT
+
+    cfg = load_config("tiny", ["model.vocab_size=64", f"model.tie_embeddings={str(tied).lower()}"])
+    model = GPT(cfg.model, seed=0)
+    every = sum(p.numel() * p.element_size() for p in model.parameters())
+    table = model.embedding.weight
+    positions = getattr(model, "position_embedding", None)
+    skipped = (0 if tied else table.numel() * table.element_size()) + (
+        positions.weight.numel() * positions.weight.element_size() if positions is not None else 0)
+    assert weights_read_per_step(model) == every - skipped
+    assert (model.output_weight() is table) == tied

@@ -343,6 +343,7 @@ class GPT(nn.Module):
                 x, self.output_weight(), labels, loss_mask, vocab_size=self.cfg.vocab_size,
                 chunk_size=self.cfg.loss_chunk_size, compile=self.cfg.compile and x.is_cuda,
                 fp8=self._fp8_output(), softmax_kernel=self.cfg.fused_cross_entropy_kernel,
+                fp8_softmax_kernel=self.cfg.fp8_cross_entropy_kernel,
             )
         logits = F.linear(x, self.output_weight())  # [b, s, padded_vocab]: a padded-size matmul
         logits = logits[..., : self.cfg.vocab_size]  # [b, s, vocab]: the padding never leaves

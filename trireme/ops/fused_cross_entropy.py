@@ -45,9 +45,10 @@ tensor) or "compiled" (the reference: the torch ops above, through torch.compile
 `fp8` ("on" / "emulate", model.fp8_layers "output"): the three matmuls run in fp8 instead, from
 copies of x and W cast once per micro batch, and the softmax kernel writes the logits' gradient
 in e5m2 (trireme.ops.fp8_head has the math and the scales): `fp8_chunk_step` picks it as
-`chunk_step` does, the Triton kernel with its e5m2 output (a new [c, vocab] tensor: not in place)
-or `_loss_and_grad_e5m2` compiled (the reference; eagerly, `compile` off: `_loss_and_grad`, then
-the cast).
+`chunk_step` does, from its own choice (`fp8_softmax_kernel`, model.fp8_cross_entropy_kernel:
+compiled by default), the Triton kernel with its e5m2 output (a new [c, vocab] tensor: not in
+place) or `_loss_and_grad_e5m2` compiled (the reference; eagerly, `compile` off:
+`_loss_and_grad`, then the cast).
 """
 
 from __future__ import annotations
@@ -323,6 +324,7 @@ def fused_linear_cross_entropy(
     compile: bool = False,
     fp8: str = "off",
     softmax_kernel: str = "compiled",
+    fp8_softmax_kernel: str | None = None,
 ) -> torch.Tensor:
     """The mean cross-entropy (fp32 scalar) of logits = x @ weight[:vocab_size]^T, computed
     `chunk_size` tokens at a time; equal to `cross_entropy(F.linear(x, weight)[..., :vocab_size],
@@ -332,7 +334,9 @@ def fused_linear_cross_entropy(
     loss_mask [...] (0/1 or weights). `compile` runs the per-chunk softmax through torch.compile.
     `fp8`: "off"; "on": the three matmuls in fp8 (trireme.ops.fp8_head, torch._scaled_mm);
     "emulate": the same through the fp32 emulation (any device). Evaluation stays bf16.
-    `softmax_kernel`: "compiled" or "triton" (the module docstring; `chunk_step`).
+    `softmax_kernel`: "compiled" or "triton" (the module docstring; `chunk_step`);
+    `fp8_softmax_kernel` the same for the fp8 output layer's chunks (`fp8_chunk_step`; None:
+    softmax_kernel's).
     """
     if chunk_size < 1:
         raise TriremeError(f"chunk_size = {chunk_size} must be at least 1")
@@ -345,7 +349,8 @@ def fused_linear_cross_entropy(
     if labels.shape[0] != x.shape[0]:
         raise TriremeError(f"{labels.shape[0]} labels for {x.shape[0]} tokens")
     step = chunk_step(softmax_kernel, compile, x.device)
-    fp8_step = fp8_chunk_step(softmax_kernel, compile, x.device) if fp8 != "off" else None
+    fp8_kernel = softmax_kernel if fp8_softmax_kernel is None else fp8_softmax_kernel
+    fp8_step = fp8_chunk_step(fp8_kernel, compile, x.device) if fp8 != "off" else None
     token_w, norm = token_weights(labels, loss_mask)
     if not torch.is_grad_enabled():  # evaluation: the loss alone, no gradient work
         return _loss_only(x, weight, labels, token_w, chunk_size, vocab_size) * norm
