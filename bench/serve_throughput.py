@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import math
 import os
@@ -182,12 +183,15 @@ def run_level(model, args, prompts: list[list[int]], concurrency: int) -> dict:
     on_output = lambda out: finished_at.__setitem__(out.request_id, time.monotonic()) if (
         out.finished) else None
     todo, requests, steps = list(prompts[:count]), [], []
+    pauses = GcPauses()
+    gc.callbacks.append(pauses)
     start = time.monotonic()  # the engine stamps requests with time.monotonic too
     while todo or engine.has_work():
         while todo and len(requests) - len(finished_at) < concurrency:
             requests.append(engine.submit(todo.pop(), params, on_output))
         steps.append(timed_step(engine))
     wall = time.monotonic() - start
+    gc.callbacks.remove(pauses)
     ttft = [r.first_token_at - r.arrival for r in requests]
     tpot = [(finished_at[r.request_id] - r.first_token_at) / max(len(r.output_ids) - 1, 1)
             for r in requests]
@@ -201,7 +205,23 @@ def run_level(model, args, prompts: list[list[int]], concurrency: int) -> dict:
             "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
             "ttft_p50_ms": 1e3 * percentile(ttft, 0.5), "ttft_p99_ms": 1e3 * percentile(ttft, 0.99),
             "tpot_p50_ms": 1e3 * percentile(tpot, 0.5), "tpot_p99_ms": 1e3 * percentile(tpot, 0.99),
-            **step_summary(steps)}
+            **step_summary(steps), "gc_pauses_ms": pauses.long}
+
+
+class GcPauses:
+    """A gc.callbacks hook: the durations (ms) of Python's cycle collections that took more
+    than 5 ms (a full collection walks every live object: the engine freezes its startup
+    objects on CUDA so that these stay short)."""
+
+    def __init__(self) -> None:
+        self.began = 0.0
+        self.long: list[float] = []
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.began = time.perf_counter()
+        elif (ms := 1e3 * (time.perf_counter() - self.began)) > 5:
+            self.long.append(round(ms, 1))
 
 
 def timed_step(engine: Engine) -> tuple[float, int, int]:
@@ -414,7 +434,8 @@ def format_tables(levels: list[dict], bounds: list[dict]) -> str:
                         f"{r['prompt_step_ms_sum']:.0f} ms (p50 {r['prompt_step_ms_p50']:.1f}),"
                         f" decode-only {r['decode_step_ms_sum']:.0f} ms (p50 "
                         f"{r['decode_step_ms_p50']:.2f}); slowest (ms, prompt, generated): "
-                        + ", ".join(f"({ms:.0f}, {p}, {g})" for ms, p, g in r["slowest_steps"]))
+                        + ", ".join(f"({ms:.0f}, {p}, {g})" for ms, p, g in r["slowest_steps"])
+                        + f"; gc pauses > 5 ms: {r.get('gc_pauses_ms', [])}")
     rows += ["", "decode step vs bandwidth bound",
              "batch  graphs  compiled  overlap  context  step ms  bound ms  ratio  decode tok/s"]
     for b in bounds:

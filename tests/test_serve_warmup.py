@@ -91,3 +91,16 @@ def test_the_engine_warms_both_kernels_on_a_gpu(monkeypatch):
     (k_pool, v_pool, heads), kw = calls["paged"]
     assert heads == cfg.num_attention_heads and kw == {"width": 1, "store": True}
     assert k_pool is engine.cache.states()[0].k_pool
+
+
+def test_the_engine_freezes_its_startup_objects_on_a_gpu_only(monkeypatch):
+    """After building its graphs a CUDA engine collects once and freezes what is alive (no
+    full cycle collection walks them mid-serving); on the CPU it leaves the collector alone."""
+    calls = []
+    monkeypatch.setattr(engine_module.gc, "collect", lambda *a: calls.append("collect"))
+    monkeypatch.setattr(engine_module.gc, "freeze", lambda: calls.append("freeze"))
+    engine = Engine(model_of(config()), EngineSettings(block_size=4, max_running=2))
+    assert calls == []
+    engine.device = torch.device("cuda")
+    engine.freeze_startup_objects()
+    assert calls == ["collect", "freeze"]
