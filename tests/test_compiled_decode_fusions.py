@@ -102,6 +102,22 @@ def spy_layers(engine):
     return calls
 
 
+def spied_compiled_run(model, monkeypatch, texts, params, **kwargs):
+    """recorded_run with every engine's decode steps through compiled_layer("aot_eager") and
+    its layers spied on (spy_layers): (requests, logits, one spy record per engine)."""
+    calls: list = []
+    real_init = Engine.__init__
+
+    def init_and_spy(self, *args, **kw):
+        real_init(self, *args, **kw)
+        self.cache.compiled_layer = compiled_layer("aot_eager")
+        calls.append(spy_layers(self))
+
+    monkeypatch.setattr(Engine, "__init__", init_and_spy)
+    compiled, got = recorded_run(model, None, monkeypatch, texts, params, **kwargs)
+    return compiled, got, calls
+
+
 @pytest.mark.parametrize("overrides", [NO_QK_NORM, dict(num_layers=3)])
 @torch.no_grad()
 def test_compiled_decode_hands_the_next_norm_on_and_gives_the_eager_logits(
@@ -113,16 +129,7 @@ def test_compiled_decode_hands_the_next_norm_on_and_gives_the_eager_logits(
     texts = prompts(5, seed=4, longest=14)
     params = [SamplingParams(max_tokens=2 + i % 3, greedy=True) for i in range(len(texts))]
     eager, want = recorded_run(model, None, monkeypatch, texts, params)
-    calls: list = []
-    real_init = Engine.__init__
-
-    def init_and_spy(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        self.cache.compiled_layer = compiled_layer("aot_eager")
-        calls.append(spy_layers(self))
-
-    monkeypatch.setattr(Engine, "__init__", init_and_spy)
-    compiled, got = recorded_run(model, None, monkeypatch, texts, params)
+    compiled, got, calls = spied_compiled_run(model, monkeypatch, texts, params)
     assert [r.output_ids for r in compiled] == [r.output_ids for r in eager]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     blocks = list(model.layers.values())
@@ -157,16 +164,7 @@ def test_a_recurrent_mixer_first_gets_no_norm_handed_on(monkeypatch):
     texts = prompts(4, seed=8, longest=12)
     params = [SamplingParams(max_tokens=3, greedy=True)] * len(texts)
     eager, want = recorded_run(model, None, monkeypatch, texts, params, graphs=False)
-    calls: list = []
-    real_init = Engine.__init__
-
-    def init_and_spy(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        self.cache.compiled_layer = compiled_layer("aot_eager")
-        calls.append(spy_layers(self))
-
-    monkeypatch.setattr(Engine, "__init__", init_and_spy)
-    compiled, got = recorded_run(model, None, monkeypatch, texts, params, graphs=False)
+    compiled, got, calls = spied_compiled_run(model, monkeypatch, texts, params, graphs=False)
     assert [r.output_ids for r in compiled] == [r.output_ids for r in eager]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     blocks = list(model.layers.values())
