@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Session 8's GPU calls (each < 10 min; logs and JSON under $OUT):
+#   bash bench/gpu_session8.sh sweep   # the split-K decode GEMM sweep; serving as of now (gc freeze)
+#   bash bench/gpu_session8.sh gemm    # decode step / serving with --decode-gemm triton vs cublas
+# Set PARTS (comma-separated part names) to run a subset; TOTAL bounds a call's seconds.
+set -uo pipefail
+CALL=${1:-sweep}
+. bench/gpu_part.sh
+: "${TOTAL:=560}"
+SERVE="bench/serve_throughput.py --graphs on --concurrency 16,64,256"
+case $CALL in
+sweep)
+    TAIL=40 part skinny 280 python bench/skinny_gemm.py --out "$O/skinny_gemm.json"
+    TAIL=40 part serve 200 python $SERVE --bound-batches 64 \
+        --out "$O/serve_throughput-llama3-1b.json"
+    ;;
+gemm)
+    TAIL=30 part profile_cublas 120 python bench/serve_profile.py --batches 64 \
+        --decode-gemm cublas --out "$O/serve_profile-cublas.json"
+    TAIL=30 part profile_triton 120 python bench/serve_profile.py --batches 64 \
+        --decode-gemm triton --out "$O/serve_profile-triton.json"
+    TAIL=30 part serve_triton 200 python $SERVE --bound-batches 1,16,64,256 \
+        --decode-gemm triton --out "$O/serve_throughput-llama3-1b-triton.json"
+    ;;
+*)
+    echo "usage: bash bench/gpu_session8.sh sweep|gemm" >&2
+    exit 2
+    ;;
+esac
+echo "== done at $SECONDS s"

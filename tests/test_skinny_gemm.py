@@ -1,0 +1,113 @@
+"""The split-K linear kernel for few rows (trireme.ops.skinny_gemm_triton) against its torch
+reference and F.linear, through Triton's CPU interpreter; the dispatcher's plan; the custom op
+under torch.compile; and the module swap the serving engine makes."""
+
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from interpreted import BF16_DOT, run_in_interpreter
+from torch import nn
+
+from trireme.ops.skinny_gemm import (
+    MAX_WEIGHT,
+    SkinnyLinear,
+    default_splits,
+    plan,
+    skinny_linear,
+    skinny_mm_reference,
+    usable,
+    use_skinny_linears,
+)
+
+KERNEL_SCRIPT = textwrap.dedent("""
+    import torch
+    import torch.nn.functional as F
+    from trireme.ops.skinny_gemm_triton import skinny_mm
+    from trireme.ops.skinny_gemm import skinny_mm_reference
+
+    torch.manual_seed(0)
+    checked = 0
+    # (M, N, K, splits, block_n, block_k, block_m): ragged row tiles, one and several splits
+    for m, n, k, splits, bn, bk, bm in [(1, 32, 64, 1, 16, 32, 16), (5, 64, 128, 2, 32, 32, 16),
+                                        (19, 32, 256, 4, 16, 32, 16), (40, 48, 96, 3, 16, 16, 32)]:
+        for swap in (False, True):
+            for dtype in (torch.float32, torch.bfloat16):
+                wide = torch.randn(m, k + 8).to(dtype)
+                x = wide[:, 4 : 4 + k]  # rows at a stride of their own
+                w = (torch.randn(n, k) * 0.1).to(dtype)
+                got = skinny_mm(x, w, splits, bn, bk, bm, swap, num_warps=4, num_stages=2)
+                want = skinny_mm_reference(x, w, splits)
+                assert got.shape == (splits, m, n) and got.dtype == want.dtype, (got.shape, m)
+                tol = 1e-4 if got.dtype == torch.float32 else 1e-2
+                assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol), (
+                    m, n, k, splits, swap, dtype, (got.float() - want.float()).abs().max())
+                y = got.sum(0)
+                exact = F.linear(x.double(), w.double())
+                assert (y.double() - exact).abs().max() < 5e-2, (m, splits)
+                checked += 1
+    print(checked)
+""")
+
+
+def test_kernel_matches_the_reference_in_interpreter():
+    pytest.importorskip("triton", reason="the kernel needs Triton")
+    assert run_in_interpreter(BF16_DOT + KERNEL_SCRIPT) == "16"
+
+
+def test_reference_sums_equal_linear():
+    torch.manual_seed(0)
+    x, w = torch.randn(7, 64, dtype=torch.float64), torch.randn(24, 64, dtype=torch.float64)
+    for splits in (1, 2, 4):
+        part = skinny_mm_reference(x.float(), w.float(), splits)
+        assert part.shape == (splits, 7, 24)
+        torch.testing.assert_close(part.sum(0).double(), x @ w.t(), rtol=1e-5, atol=1e-5)
+    assert skinny_mm_reference(x.bfloat16(), w.bfloat16(), 1).dtype == torch.bfloat16
+
+
+def test_plan_splits_and_limits():
+    assert default_splits(2048, 2048) == 8  # 32 column tiles x 8 = 256 programs
+    assert default_splits(16384, 2048) == 1  # 256 column tiles already
+    assert default_splits(64, 256) == 2  # at most as many splits as K has 128-wide tiles
+    assert plan(2048, 8192) is not None
+    assert plan(2050, 2048) is None  # N does not tile
+    assert plan(128256, 2048) is None and 128256 * 2048 > MAX_WEIGHT  # the output layer
+    x = torch.randn(4, 2048)
+    assert usable(x, torch.randn(2048, 2048)) is None  # CPU and fp32: F.linear
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_equals_linear(bias):
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, 256)
+    w, b = torch.randn(64, 256) * 0.05, torch.randn(64)
+    want = F.linear(x, w, b if bias else None)
+    got = skinny_linear(x, w, b if bias else None, splits=4)  # the op's reference here
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert skinny_linear(x, w).shape == want.shape  # not usable on the CPU: F.linear
+
+
+def test_custom_op_traces_under_compile():
+    torch.manual_seed(2)
+    x, w = torch.randn(5, 128), torch.randn(96, 128)
+    compiled = torch.compile(lambda a, b: skinny_linear(a, b, splits=2) * 2, backend="aot_eager",
+                             fullgraph=True, dynamic=True)
+    torch.testing.assert_close(compiled(x, w), F.linear(x, w) * 2, rtol=1e-5, atol=1e-5)
+    x9 = torch.randn(9, 128)  # another row count: the same graph (no shape in the op's args)
+    torch.testing.assert_close(compiled(x9, w), F.linear(x9, w) * 2, rtol=1e-5, atol=1e-5)
+
+
+def test_use_skinny_linears_keeps_parameters_and_outputs():
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Sequential(nn.Linear(32, 8, bias=False)))
+    params = dict(model.named_parameters())
+    keys = list(model.state_dict())
+    x = torch.randn(4, 16)
+    want = model(x)
+    assert use_skinny_linears(model) == 2
+    assert isinstance(model[0], SkinnyLinear) and isinstance(model[2][0], SkinnyLinear)
+    assert list(model.state_dict()) == keys
+    assert all(p is params[name] for name, p in model.named_parameters())
+    torch.testing.assert_close(model(x), want)
+    assert use_skinny_linears(model) == 0  # already swapped

@@ -1,0 +1,167 @@
+"""Linear layers for few rows (a decode step's batch): y = x W^T split over K, on CUDA one Triton
+kernel (trireme.ops.skinny_gemm_triton), elsewhere and as the reference the same sums in torch.
+
+    part[s] = x[:, chunk s] W[:, chunk s]^T     fp32, s = 0 .. splits - 1 (equal chunks of K)
+    y       = sum_s part[s]                      in that order, rounded once to x's dtype
+
+`skinny_linear(x, weight, bias)` takes this path when x has at most MAX_ROWS rows, is on CUDA in
+bf16 / fp16 and the shape has a plan (`plan`: N a multiple of the tile, K of splits x tile, the
+weight at most MAX_WEIGHT elements); otherwise it is F.linear. `SkinnyLinear` is an nn.Linear
+whose forward is skinny_linear, and `use_skinny_linears(model)` swaps a model's plain
+nn.Linear layers for it (same parameters: state dicts and checkpoints do not change): the
+serving engine does so with EngineSettings.decode_gemm = "triton".
+
+The split count is a function of (N, K) only, so a compiled graph traced at one batch size
+serves every batch size (the op's output shape [splits, M, N] does not depend on M); the tile
+shape (rows per program, kernel variant) is picked at launch from the rows present. The plans
+come from the H200 sweep in bench/skinny_gemm.py (bench/RESULTS.md, session 8).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MAX_ROWS = 256  # more rows: cuBLAS (the product is no longer bound by reading W alone)
+MAX_WEIGHT = 64 << 20  # elements; the output layer (128256 x 2048) already runs at ~4 TB/s
+TARGET_PROGRAMS = 256  # programs the split aims at: about two per SM of an H100 / H200 (132)
+
+
+@dataclass(frozen=True)
+class Tile:
+    """How one launch tiles the product (trireme.ops.skinny_gemm_triton.skinny_mm)."""
+
+    block_n: int = 64
+    block_k: int = 128
+    swap: bool = False
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+# (N, K) -> splits, from the H200 sweep (bench/skinny_gemm.py); other shapes: default_splits
+SPLITS: dict[tuple[int, int], int] = {}
+# (N, K, splits) -> Tile for rows <= 16, <= 64, <= MAX_ROWS; other shapes: Tile()
+TILES: dict[tuple[int, int, int], tuple[Tile, Tile, Tile]] = {}
+
+
+def default_splits(n: int, k: int, tile: Tile = Tile()) -> int:
+    """The fewest splits (a power of two) that give TARGET_PROGRAMS programs, at most as many
+    as K has tiles."""
+    splits, tiles_n, tiles_k = 1, max(n // tile.block_n, 1), max(k // tile.block_k, 1)
+    while tiles_n * splits < TARGET_PROGRAMS and splits * 2 <= tiles_k:
+        splits *= 2
+    return splits
+
+
+def plan(n: int, k: int) -> int | None:
+    """Splits for a weight [n, k], or None when the shape does not tile (or is too large to
+    gain: MAX_WEIGHT)."""
+    if n * k > MAX_WEIGHT:
+        return None
+    splits = SPLITS.get((n, k)) or default_splits(n, k)
+    tiles = TILES.get((n, k, splits), (Tile(),) * 3)
+    if any(n % t.block_n or k % (splits * t.block_k) for t in tiles):
+        return None
+    return splits
+
+
+def tile_for(rows: int, n: int, k: int, splits: int) -> tuple[Tile, int]:
+    """(tile, rows per program) for a launch with `rows` rows."""
+    small, mid, large = TILES.get((n, k, splits), (Tile(),) * 3)
+    if rows <= 16:
+        return small, 16
+    return (mid, 64) if rows <= 64 else (large, 64)
+
+
+def skinny_mm_reference(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    """The module docstring's part [splits, M, N] fp32 (or y [1, M, N] in x's dtype at splits
+    == 1) by torch matmuls in fp32."""
+    chunks = zip(x.float().chunk(splits, dim=1), weight.float().chunk(splits, dim=1))
+    part = torch.stack([a @ b.t() for a, b in chunks])  # [splits, M, N]
+    return part if splits > 1 else part.to(x.dtype)
+
+
+@torch.library.custom_op("trireme::skinny_mm", mutates_args=(),
+                         schema="(Tensor x, Tensor weight, int splits) -> Tensor")
+def skinny_mm(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    """part [splits, M, N] (module docstring) for x [M, K], weight [N, K]: the Triton kernel on
+    CUDA (this is the implementation for the other devices: the reference)."""
+    return skinny_mm_reference(x, weight, splits)
+
+
+@skinny_mm.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    dtype = torch.float32 if splits > 1 else x.dtype
+    return x.new_empty(splits, x.shape[0], weight.shape[0], dtype=dtype)
+
+
+@functools.cache
+def _launcher():
+    """trireme.ops.skinny_gemm_triton.skinny_mm, or None (with a warning) without Triton."""
+    try:
+        from trireme.ops.skinny_gemm_triton import skinny_mm as launch
+    except Exception as e:  # missing, or installed but broken
+        warnings.warn(f"Triton is unavailable ({e}); the skinny linear layers run as torch "
+                      "matmuls", stacklevel=2)
+        return None
+    return launch
+
+
+@skinny_mm.register_kernel("cuda")
+def _(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    launch = _launcher()
+    if launch is None:
+        return skinny_mm_reference(x, weight, splits)
+    tile, block_m = tile_for(x.shape[0], weight.shape[0], weight.shape[1], splits)
+    return launch(x, weight, splits, tile.block_n, tile.block_k, block_m, tile.swap,
+                  tile.num_warps, tile.num_stages)
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> int | None:
+    """Splits when skinny_linear takes the kernel for x [..., K] and weight [N, K], else None."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and weight.is_contiguous() and 0 < rows <= MAX_ROWS):
+        return None
+    return plan(*weight.shape)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  splits: int | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [..., K]; through `trireme::skinny_mm` when `usable`
+    (or always, with `splits` given: tests run it on the CPU)."""
+    splits = splits or usable(x, weight)
+    if splits is None:
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    part = skinny_mm(rows, weight, splits)  # [splits, M, N]
+    y = (part[0] if splits == 1 else part.sum(0).to(x.dtype)).view(*x.shape[:-1], -1)
+    return y if bias is None else y + bias
+
+
+class SkinnyLinear(nn.Linear):
+    """nn.Linear whose forward is skinny_linear (module docstring)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return skinny_linear(x, self.weight, self.bias)
+
+
+def use_skinny_linears(model: nn.Module) -> int:
+    """Turn every plain nn.Linear of `model` into a SkinnyLinear with the same parameters, in
+    place; the number turned."""
+    turned = 0
+    for module in model.modules():
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear:
+                swapped = SkinnyLinear.__new__(SkinnyLinear)
+                swapped.__dict__.update(child.__dict__)  # the same parameters and hooks
+                setattr(module, name, swapped)
+                turned += 1
+    return turned

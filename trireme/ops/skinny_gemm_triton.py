@@ -1,0 +1,84 @@
+"""y = x W^T for few rows as one Triton kernel, split over K (imported only where it runs: it
+needs Triton). trireme.ops.skinny_gemm has the dispatcher, the plan and the reference.
+
+x [M, K] (unit column stride, rows at any stride), W [N, K] contiguous, M small (a decode step's
+batch). Such a product reads W once and is bound by that read; cuBLAS runs the decode step's
+smaller ones (2048 x 2048, 3072 x 2048, 2048 x 8192) at 1.3-2.5 TB/s on the H200, where the
+larger ones reach 4 (bench/gemm_layouts.py): too few programs read too few bytes at a time.
+Here program (n, s, m) takes rows n * BLOCK_N .. + BLOCK_N of W and the s-th of SPLITS equal
+chunks of K (k_chunk columns, whole BLOCK_K tiles), multiplies them by rows m * BLOCK_M .. of x
+and writes its partial sum, fp32 (bf16 / fp16 operands, fp32 accumulation in the tensor cores),
+
+    part[s, m, n] = sum over k in chunk s of x[m, k] W[n, k]
+
+and y = sum_s part[s] is summed by the caller in a fixed order (deterministic, no atomics; in a
+compiled decode step Inductor fuses that sum into the next kernel). With SPLITS = 1 the program
+writes y itself, in the output dtype. SWAP computes the transposed tile, acc[n, m] = W x^T
+(W's rows fill the tensor core's larger M side: for M of 1-16 the x tile is mostly padding
+either way, and which is faster is the sweep's to say: bench/skinny_gemm.py). Rows of x past M
+are masked (read as 0, not written).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["m_rows"])
+def _skinny_kernel(x_ptr, w_ptr, out_ptr, m_rows, n_cols, k_chunk, x_row_stride,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SWAP: tl.constexpr, K: tl.constexpr):
+    """out[s, m, n] (module docstring) for this program's BLOCK_M x BLOCK_N tile and chunk s."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = split * k_chunk + tl.arange(0, BLOCK_K)
+    x_at = x_ptr + rows[:, None].to(tl.int64) * x_row_stride + ks[None, :]  # [BM, BK]
+    w_at = w_ptr + cols[:, None].to(tl.int64) * K + ks[None, :]  # [BN, BK]
+    live = rows[:, None] < m_rows
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for _ in range(0, k_chunk, BLOCK_K):
+        x = tl.load(x_at, mask=live, other=0.0)
+        w = tl.load(w_at)
+        if SWAP:
+            acc = tl.dot(w, tl.trans(x), acc)  # [BN, BM]
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)  # [BM, BN]
+        x_at += BLOCK_K
+        w_at += BLOCK_K
+    if SWAP:
+        acc = tl.trans(acc)
+    plane = split.to(tl.int64) * m_rows * n_cols
+    out_at = out_ptr + plane + rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+    tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=live)
+
+
+def skinny_mm(x: torch.Tensor, weight: torch.Tensor, splits: int, block_n: int, block_k: int,
+              block_m: int = 16, swap: bool = False, num_warps: int = 4,
+              num_stages: int = 4) -> torch.Tensor:
+    """part [splits, M, N] fp32 (splits > 1) or y [1, M, N] in x's dtype (splits == 1) for
+    x [M, K], weight [N, K] (module docstring). The caller checks the shapes divide:
+    N % block_n == 0 and K % (splits * block_k) == 0."""
+    m_rows, k = x.shape
+    n_cols = weight.shape[0]
+    dtype = torch.float32 if splits > 1 else x.dtype
+    out = torch.empty(splits, m_rows, n_cols, dtype=dtype, device=x.device)
+    if m_rows == 0:
+        return out
+    grid = (n_cols // block_n, splits, triton.cdiv(m_rows, block_m))
+    # Triton launches on the current device (the interpreter: the CPU)
+    where = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+    with where:
+        _skinny_kernel[grid](x, weight, out, m_rows, n_cols, k // splits, x.stride(0),
+                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap, K=k,
+                             num_warps=num_warps, num_stages=num_stages)
+    return out
