@@ -115,6 +115,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-store", choices=["fused", "separate"], default="fused",
                    help="decode steps' keys stored by the paged kernel, or index_copy_ first")
+    p.add_argument("--decode-gemm", choices=["cublas", "triton"], default="cublas",
+                   help="EngineSettings.decode_gemm (trireme.ops.skinny_gemm)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -141,13 +143,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def filled_engine(model, cfg, batch: int, context: int, graphs: bool, compile: bool | None
-                  ) -> tuple[Engine, float]:
+def filled_engine(model, cfg, batch: int, context: int, graphs: bool, compile: bool | None,
+                  decode_gemm: str = "cublas") -> tuple[Engine, float]:
     """An engine with `batch` requests past their prompts; the seconds building it took
     (compile: EngineSettings.compile_decode, None for auto)."""
     settings = EngineSettings(max_running=batch, max_batch_tokens=max(2048, batch),
                               max_queue=10**6, cuda_graphs=graphs, overlap=False,
-                              compile_decode=compile)
+                              compile_decode=compile, decode_gemm=decode_gemm)
     t = time.perf_counter()
     engine = Engine(model, settings)
     setup = time.perf_counter() - t
@@ -256,7 +258,8 @@ def profile_batch(model, cfg, args, batch: int, device: torch.device) -> dict:
     print(f"batch {batch}: building the engine (graphs {args.graphs}, compile {args.compile})",
           flush=True)
     engine, setup = filled_engine(model, cfg, batch, args.context, args.graphs == "on",
-                                  {"auto": None, "on": True, "off": False}[args.compile])
+                                  {"auto": None, "on": True, "off": False}[args.compile],
+                                  args.decode_gemm)
     graphs = engine.graphs is not None and not engine.graphs.broken
     compiled = graphs and engine.graphs.compiled
     agree = agreement(engine)

@@ -108,6 +108,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile-prefill", choices=["on", "off"], default="off",
                    help="EngineSettings.compile_prefill: a torch.compile'd forward for the "
                    "steps with prompt chunks")
+    p.add_argument("--decode-gemm", choices=["cublas", "triton"], default="cublas",
+                   help="EngineSettings.decode_gemm: the linear layers of steps of at most 64 "
+                   "rows through cuBLAS or the split-K Triton kernel (trireme.ops.skinny_gemm)")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU")
     p.add_argument("--out", default=None)
     p.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
@@ -159,7 +162,8 @@ def engine_for(model, args, max_running: int, graphs: bool, compile: str | None 
                               cuda_graphs=graphs,
                               compile_decode=AUTO_ON_OFF[compile] if graphs else False,
                               overlap=AUTO_ON_OFF[args.overlap],
-                              compile_prefill=args.compile_prefill == "on")
+                              compile_prefill=args.compile_prefill == "on",
+                              decode_gemm=args.decode_gemm)
     return Engine(model, settings)
 
 
@@ -183,7 +187,7 @@ def run_level(model, args, prompts: list[list[int]], concurrency: int) -> dict:
     on_output = lambda out: finished_at.__setitem__(out.request_id, time.monotonic()) if (
         out.finished) else None
     todo, requests, steps = list(prompts[:count]), [], []
-    pauses = GcPauses()
+    pauses, late = GcPauses(), LateCompiles()
     gc.callbacks.append(pauses)
     start = time.monotonic()  # the engine stamps requests with time.monotonic too
     while todo or engine.has_work():
@@ -205,7 +209,26 @@ def run_level(model, args, prompts: list[list[int]], concurrency: int) -> dict:
             "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
             "ttft_p50_ms": 1e3 * percentile(ttft, 0.5), "ttft_p99_ms": 1e3 * percentile(ttft, 0.99),
             "tpot_p50_ms": 1e3 * percentile(tpot, 0.5), "tpot_p99_ms": 1e3 * percentile(tpot, 0.99),
-            **step_summary(steps), "gc_pauses_ms": pauses.long}
+            **step_summary(steps), "gc_pauses_ms": pauses.long, "late_compiles": late.since()}
+
+
+class LateCompiles:
+    """What was compiled while serving (each compile stalls the engine): Triton kernels whose
+    cache entries appeared since construction (their names) and graphs torch.compile made."""
+
+    def __init__(self) -> None:
+        self.began = time.time()
+        self.graphs = self.dynamo_graphs()
+        self.root = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+
+    @staticmethod
+    def dynamo_graphs() -> int:
+        return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+    def since(self) -> dict:
+        kernels = sorted({p.stem for p in self.root.glob("*/*.json")
+                          if p.stat().st_mtime >= self.began and not p.stem.startswith("__")})
+        return {"triton_kernels": kernels, "dynamo_graphs": self.dynamo_graphs() - self.graphs}
 
 
 class GcPauses:
@@ -435,6 +458,7 @@ def format_tables(levels: list[dict], bounds: list[dict]) -> str:
                         f" decode-only {r['decode_step_ms_sum']:.0f} ms (p50 "
                         f"{r['decode_step_ms_p50']:.2f}); slowest (ms, prompt, generated): "
                         + ", ".join(f"({ms:.0f}, {p}, {g})" for ms, p, g in r["slowest_steps"])
+                        + f"; compiled while serving: {r['late_compiles']}"
                         + f"; gc pauses > 5 ms: {r.get('gc_pauses_ms', [])}")
     rows += ["", "decode step vs bandwidth bound",
              "batch  graphs  compiled  overlap  context  step ms  bound ms  ratio  decode tok/s"]

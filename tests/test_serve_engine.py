@@ -9,6 +9,7 @@ import torch
 
 import trireme.inference.engine as engine_module
 import trireme.models.block as block_module
+import trireme.ops.skinny_gemm as skinny
 from trireme.config import ModelConfig
 from trireme.data.tokenizer import load_tokenizer, train_bpe
 from trireme.errors import ConfigError
@@ -340,3 +341,23 @@ def test_text_stream_of_a_byte_level_bpe_joins_to_the_decoded_text(tmp_path):
     cases += [torch.randint(1, tok.vocab_size, (30,), generator=gen).tolist() for _ in range(50)]
     for ids in cases:
         assert "".join(streamed(TextStream(tok), ids)) == tok.decode(ids)
+
+
+def test_decode_gemm_triton_swaps_the_linears_and_keeps_the_tokens(monkeypatch):
+    model = model_of(CONFIGS["llama-gqa-untied"])
+    texts = prompts(6, seed=4)
+    params = [SamplingParams(max_tokens=5, greedy=True) for _ in texts]
+    settings = dict(block_size=4, max_running=3, max_batch_tokens=16)
+    want = [r.output_ids for r in Engine(model, EngineSettings(**settings)).generate(texts,
+                                                                                    params)]
+    # on the CPU the layers would take F.linear: take the op (its reference here) where it tiles
+    taken = []
+    monkeypatch.setattr(skinny, "usable", lambda x, w: taken.append(1) or 2)
+    engine = Engine(model, EngineSettings(**settings, decode_gemm="triton"))
+    assert isinstance(model.layers["0"].mlp.fc2, skinny.SkinnyLinear)
+    got = [r.output_ids for r in engine.generate(texts, params)]
+    assert taken and got == want
+    Engine(model, EngineSettings(**settings))  # cublas: the plain layers again
+    assert type(model.layers["0"].mlp.fc2) is torch.nn.Linear
+    with pytest.raises(ConfigError, match="decode_gemm"):
+        EngineSettings(decode_gemm="cutlass").check()

@@ -70,9 +70,11 @@ def test_plan_splits_and_limits():
     assert default_splits(2048, 2048) == 8  # 32 column tiles x 8 = 256 programs
     assert default_splits(16384, 2048) == 1  # 256 column tiles already
     assert default_splits(64, 256) == 2  # at most as many splits as K has 128-wide tiles
-    assert plan(2048, 8192) is not None
-    assert plan(2050, 2048) is None  # N does not tile
-    assert plan(128256, 2048) is None and 128256 * 2048 > MAX_WEIGHT  # the output layer
+    assert plan(2048, 8192) == 4  # llama3-1b's down projection, measured
+    assert plan(2048, 2048) is None  # not deep: cuBLAS is as fast
+    assert plan(1024, 4096) == default_splits(1024, 4096) == 16  # deep, not measured
+    assert plan(1030, 8192) is None  # N does not tile
+    assert 128256 * 2048 > MAX_WEIGHT and plan(128256, 2048) is None  # the output layer
     x = torch.randn(4, 2048)
     assert usable(x, torch.randn(2048, 2048)) is None  # CPU and fp32: F.linear
 
@@ -111,3 +113,6 @@ def test_use_skinny_linears_keeps_parameters_and_outputs():
     assert all(p is params[name] for name, p in model.named_parameters())
     torch.testing.assert_close(model(x), want)
     assert use_skinny_linears(model) == 0  # already swapped
+    assert use_skinny_linears(model, on=False) == 2
+    assert type(model[0]) is nn.Linear and type(model[2][0]) is nn.Linear
+    assert all(p is params[name] for name, p in model.named_parameters())

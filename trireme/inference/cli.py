@@ -16,7 +16,7 @@ from trireme.data.images import load_image, pixels
 from trireme.data.multimodal import image_prompt_ids, image_token_id
 from trireme.data.tokenizer import Tokenizer, load_tokenizer
 from trireme.errors import CheckpointError, ConfigError
-from trireme.inference.engine import Engine, EngineSettings
+from trireme.inference.engine import DECODE_GEMMS, Engine, EngineSettings
 from trireme.inference.generate import first_non_finite, generate, printable_ids
 from trireme.models.gpt import GPT
 from trireme.models.vision import num_image_tokens
@@ -131,6 +131,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="run the steps with prompt chunks through a torch.compile'd "
                        "forward, compiled at startup (default off until measured; if compiling "
                        "fails, an error; docs/serving.md)")
+    group.add_argument("--decode-gemm", choices=list(DECODE_GEMMS), default="cublas",
+                       help="the linear layers of steps with at most 64 rows: cublas (F.linear) "
+                       "or triton (a split-K kernel where it is measured faster: llama3-1b's "
+                       "down projection; docs/serving.md)")
 
 
 def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> Engine:
@@ -140,6 +144,6 @@ def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> Engine:
         max_queue=args.max_queue, seed=args.seed if args.seed is not None else 0,
         cuda_graphs=AUTO_ON_OFF[args.cuda_graphs],
         compile_decode=AUTO_ON_OFF[args.compile_decode],
-        compile_prefill=args.compile_prefill == "on",
+        compile_prefill=args.compile_prefill == "on", decode_gemm=args.decode_gemm,
         overlap=AUTO_ON_OFF[args.overlap])
     return Engine(loaded.model, settings, tokenizer=loaded.tokenizer)

@@ -48,6 +48,7 @@ from trireme.models.paged import PagedCache, PagedKV, PagedLayout
 from trireme.models.vision import ImageRows, num_image_tokens
 from trireme.ops import argmax, paged_attention
 from trireme.ops.argmax import greedy_and_finite
+from trireme.ops.skinny_gemm import use_skinny_linears
 
 
 class RequestError(TriremeError):
@@ -56,6 +57,8 @@ class RequestError(TriremeError):
 
 class QueueFull(TriremeError):
     """The waiting queue is full (an HTTP 429)."""
+
+DECODE_GEMMS = ("cublas", "triton")  # EngineSettings.decode_gemm
 
 
 @dataclass
@@ -73,7 +76,11 @@ class EngineSettings:
     forward with a warning if compiling fails; True: that failure raises; True with cuda_graphs
     False is an error); compile_prefill: run the steps with prompt chunks through a
     torch.compile'd forward, T dynamic (trireme.inference.compiled_prefill; compiled at engine
-    start; off by default until measured; if compiling fails, a ConfigError)."""
+    start; off by default until measured; if compiling fails, a ConfigError); decode_gemm:
+    "triton" runs the linear layers of steps with at most 64 rows through the split-K kernel
+    where it has a plan (trireme.ops.skinny_gemm: llama3-1b's down projection), "cublas"
+    (the default) through F.linear; the model's nn.Linear layers are swapped in place either
+    way (same parameters)."""
 
     block_size: int = 16
     num_blocks: int = 0
@@ -86,11 +93,15 @@ class EngineSettings:
     overlap: bool | None = None
     compile_decode: bool | None = None
     compile_prefill: bool = False
+    decode_gemm: str = "cublas"
 
     def check(self) -> None:
         for name in ("block_size", "max_running", "max_batch_tokens", "max_queue"):
             if getattr(self, name) < 1:
                 raise TriremeError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.decode_gemm not in DECODE_GEMMS:
+            raise ConfigError(f"decode_gemm must be one of {', '.join(DECODE_GEMMS)}, got "
+                              f"{self.decode_gemm!r}")
         if self.num_blocks < 0 or self.max_memory_gib < 0:
             raise TriremeError("num_blocks and max_memory_gib must not be negative")
         if self.compile_decode and self.cuda_graphs is False:
@@ -145,6 +156,7 @@ class Engine:
         self.settings = settings = settings or EngineSettings()
         settings.check()
         self.model = model.eval()
+        use_skinny_linears(model, on=settings.decode_gemm == "triton")
         self.cfg = model.cfg
         weight = model.embedding.weight
         self.device, self.dtype = weight.device, weight.dtype

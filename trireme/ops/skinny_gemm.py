@@ -5,11 +5,12 @@ kernel (trireme.ops.skinny_gemm_triton), elsewhere and as the reference the same
     y       = sum_s part[s]                      in that order, rounded once to x's dtype
 
 `skinny_linear(x, weight, bias)` takes this path when x has at most MAX_ROWS rows, is on CUDA in
-bf16 / fp16 and the shape has a plan (`plan`: N a multiple of the tile, K of splits x tile, the
-weight at most MAX_WEIGHT elements); otherwise it is F.linear. `SkinnyLinear` is an nn.Linear
+bf16 / fp16 and the shape has a plan (`plan`: a measured shape, or K at least DEEP x N; N a
+multiple of the tile, K of splits x tile, the weight at most MAX_WEIGHT elements); otherwise it
+is F.linear. `SkinnyLinear` is an nn.Linear
 whose forward is skinny_linear, and `use_skinny_linears(model)` swaps a model's plain
-nn.Linear layers for it (same parameters: state dicts and checkpoints do not change): the
-serving engine does so with EngineSettings.decode_gemm = "triton".
+nn.Linear layers for it (same parameters: state dicts and checkpoints do not change), or back:
+the serving engine does one or the other by EngineSettings.decode_gemm ("triton" / "cublas").
 
 The split count is a function of (N, K) only, so a compiled graph traced at one batch size
 serves every batch size (the op's output shape [splits, M, N] does not depend on M); the tile
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MAX_ROWS = 256  # more rows: cuBLAS (the product is no longer bound by reading W alone)
+MAX_ROWS = 64  # more rows: cuBLAS (the H200 sweep: the kernel loses at 256)
 MAX_WEIGHT = 64 << 20  # elements; the output layer (128256 x 2048) already runs at ~4 TB/s
 TARGET_PROGRAMS = 256  # programs the split aims at: about two per SM of an H100 / H200 (132)
 
@@ -43,10 +44,15 @@ class Tile:
     num_stages: int = 4
 
 
-# (N, K) -> splits, from the H200 sweep (bench/skinny_gemm.py); other shapes: default_splits
-SPLITS: dict[tuple[int, int], int] = {}
-# (N, K, splits) -> Tile for rows <= 16, <= 64, <= MAX_ROWS; other shapes: Tile()
-TILES: dict[tuple[int, int, int], tuple[Tile, Tile, Tile]] = {}
+# (N, K) -> splits, from the H200 sweep (bench/skinny_gemm.py, session 8): cuBLAS runs
+# llama3-1b's qkv, out and gate_up as fast at 1-64 rows (each ~6 us or at ~3.5 TB/s), but its
+# down projection (K = 4 N) at 13-13.6 us, where 4 splits take 9.8-11.3 us before their sum;
+# other shapes with K >= DEEP * N: default_splits, others: cuBLAS
+SPLITS: dict[tuple[int, int], int] = {(2048, 8192): 4}
+DEEP = 4
+# (N, K, splits) -> Tile for rows <= 16 and <= MAX_ROWS; other shapes: Tile()
+TILES: dict[tuple[int, int, int], tuple[Tile, Tile]] = {
+    (2048, 8192, 4): (Tile(64, 128, True, 4, 5), Tile(64, 128, False, 4, 5))}
 
 
 def default_splits(n: int, k: int, tile: Tile = Tile()) -> int:
@@ -61,10 +67,10 @@ def default_splits(n: int, k: int, tile: Tile = Tile()) -> int:
 def plan(n: int, k: int) -> int | None:
     """Splits for a weight [n, k], or None when the shape does not tile (or is too large to
     gain: MAX_WEIGHT)."""
-    if n * k > MAX_WEIGHT:
+    if n * k > MAX_WEIGHT or ((n, k) not in SPLITS and k < DEEP * n):
         return None
     splits = SPLITS.get((n, k)) or default_splits(n, k)
-    tiles = TILES.get((n, k, splits), (Tile(),) * 3)
+    tiles = TILES.get((n, k, splits), (Tile(),) * 2)
     if any(n % t.block_n or k % (splits * t.block_k) for t in tiles):
         return None
     return splits
@@ -72,10 +78,8 @@ def plan(n: int, k: int) -> int | None:
 
 def tile_for(rows: int, n: int, k: int, splits: int) -> tuple[Tile, int]:
     """(tile, rows per program) for a launch with `rows` rows."""
-    small, mid, large = TILES.get((n, k, splits), (Tile(),) * 3)
-    if rows <= 16:
-        return small, 16
-    return (mid, 64) if rows <= 64 else (large, 64)
+    small, large = TILES.get((n, k, splits), (Tile(),) * 2)
+    return (small, 16) if rows <= 16 else (large, 64)
 
 
 def skinny_mm_reference(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
@@ -142,7 +146,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     part = skinny_mm(rows, weight, splits)  # [splits, M, N]
-    y = (part[0] if splits == 1 else part.sum(0).to(x.dtype)).view(*x.shape[:-1], -1)
+    y = part[0]
+    for s in range(1, splits):  # additions, not a sum(0) reduction: Inductor fuses them into
+        y = y + part[s]  # the next kernel (the residual add and norm)
+    y = (y if splits == 1 else y.to(x.dtype)).view(*x.shape[:-1], -1)
     return y if bias is None else y + bias
 
 
@@ -153,14 +160,15 @@ class SkinnyLinear(nn.Linear):
         return skinny_linear(x, self.weight, self.bias)
 
 
-def use_skinny_linears(model: nn.Module) -> int:
-    """Turn every plain nn.Linear of `model` into a SkinnyLinear with the same parameters, in
-    place; the number turned."""
+def use_skinny_linears(model: nn.Module, on: bool = True) -> int:
+    """Turn every plain nn.Linear of `model` into a SkinnyLinear with the same parameters (or,
+    with `on` False, every SkinnyLinear back into an nn.Linear), in place; the number turned."""
+    before, after = (nn.Linear, SkinnyLinear) if on else (SkinnyLinear, nn.Linear)
     turned = 0
     for module in model.modules():
         for name, child in list(module.named_children()):
-            if type(child) is nn.Linear:
-                swapped = SkinnyLinear.__new__(SkinnyLinear)
+            if type(child) is before:
+                swapped = after.__new__(after)
                 swapped.__dict__.update(child.__dict__)  # the same parameters and hooks
                 setattr(module, name, swapped)
                 turned += 1
