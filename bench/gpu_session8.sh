@@ -2,6 +2,7 @@
 # Session 8's GPU calls (each < 10 min; logs and JSON under $OUT):
 #   bash bench/gpu_session8.sh sweep   # the split-K decode GEMM sweep; serving as of now (gc freeze)
 #   bash bench/gpu_session8.sh gemm    # decode step / serving with --decode-gemm triton vs cublas
+#   bash bench/gpu_session8.sh ab      # serving A/B in fresh processes, 3 repeats each
 # Set PARTS (comma-separated part names) to run a subset; TOTAL bounds a call's seconds.
 set -uo pipefail
 CALL=${1:-sweep}
@@ -22,8 +23,17 @@ gemm)
     TAIL=30 part serve_triton 200 python $SERVE --bound-batches 1,16,64,256 \
         --decode-gemm triton --out "$O/serve_throughput-llama3-1b-triton.json"
     ;;
+ab)  # serving in fresh processes, 3 repeats of cuBLAS then Triton; one cuBLAS with PYTHONPATH
+    AB="bench/serve_throughput.py --graphs on --concurrency 1,16,64,256 --bound-batches 64"
+    for i in 1 2 3; do
+        TAIL=12 part ab_cublas_$i 80 env -u PYTHONPATH python $AB --out "$O/ab-cublas-$i.json"
+        TAIL=12 part ab_triton_$i 80 env -u PYTHONPATH python $AB --decode-gemm triton \
+            --out "$O/ab-triton-$i.json"
+    done
+    TAIL=12 part ab_cublas_path 80 env PYTHONPATH="$PWD" python $AB --out "$O/ab-cublas-path.json"
+    ;;
 *)
-    echo "usage: bash bench/gpu_session8.sh sweep|gemm" >&2
+    echo "usage: bash bench/gpu_session8.sh sweep|gemm|ab" >&2
     exit 2
     ;;
 esac
