@@ -24,13 +24,16 @@ gemm)
         --decode-gemm triton --out "$O/serve_throughput-llama3-1b-triton.json"
     ;;
 ab)  # serving in fresh processes, 3 repeats of cuBLAS then Triton; one cuBLAS with PYTHONPATH
+    # (a call brings back 8 files: the 7 logs, and the JSON files as one tar)
     AB="bench/serve_throughput.py --graphs on --concurrency 1,16,64,256 --bound-batches 64"
+    J=/tmp/ab && mkdir -p $J
     for i in 1 2 3; do
-        TAIL=12 part ab_cublas_$i 80 env -u PYTHONPATH python $AB --out "$O/ab-cublas-$i.json"
+        TAIL=12 part ab_cublas_$i 80 env -u PYTHONPATH python $AB --out "$J/ab-cublas-$i.json"
         TAIL=12 part ab_triton_$i 80 env -u PYTHONPATH python $AB --decode-gemm triton \
-            --out "$O/ab-triton-$i.json"
+            --out "$J/ab-triton-$i.json"
     done
-    TAIL=12 part ab_cublas_path 80 env PYTHONPATH="$PWD" python $AB --out "$O/ab-cublas-path.json"
+    TAIL=12 part ab_cublas_path 80 env PYTHONPATH="$PWD" python $AB --out "$J/ab-cublas-path.json"
+    tar -czf "$O/ab-json.tar.gz" -C $J .
     ;;
 *)
     echo "usage: bash bench/gpu_session8.sh sweep|gemm|ab" >&2
