@@ -162,6 +162,8 @@ def test_step_inputs_from_slot_tables_equal_the_block_lists():
             assert batch.ids[row] == r.output_ids[-1]
         assert step.decode_tables.shape[1] == max(
             [(r.num_cached // bs) + 1 for r in plan.decodes], default=0)
+        for t in (batch.ids, batch.positions, step.slot_ids, step.decode_lengths):
+            assert t.data_ptr() % 16 == 0  # one compiled kernel whatever the lengths (aligned)
         for (first, count, table, start), (r, n) in zip(step.prefills, plan.prefills):
             assert count == n and start == r.num_cached
             assert table.tolist() == r.blocks[: -(-(start + count) // bs)]

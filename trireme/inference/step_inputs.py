@@ -64,6 +64,17 @@ class SlotTables:
         host = torch.tensor(values, dtype=torch.long, pin_memory=True)
         return host.to(self.device, non_blocking=True)
 
+    def aligned(self, parts: list[list[int]]) -> list[torch.Tensor]:
+        """The lists as int64 device tensors, views of one tensor sent at once, each starting
+        at a multiple of 16 bytes (odd lists padded by an element): Triton specializes a kernel
+        on whether its pointer arguments are 16-byte aligned, so a step whose lengths happened
+        to start at an odd element met a second compile of the paged kernel, a ~1 s stall in
+        the middle of serving (bench/serve_throughput.py's "compiled while serving")."""
+        padded = [p + [0] * (len(p) % 2) for p in parts]
+        flat = self.to_device([v for p in padded for v in p])
+        pieces = flat.split([len(p) for p in padded])
+        return [t[: len(p)] for t, p in zip(pieces, parts)]
+
     def build(self, plan: StepPlan, decode_ids: torch.Tensor | None = None) -> StepBatch:
         """The inputs of `plan`; `decode_ids` [n_dec] (device): the decode rows' token ids when
         they are already on the device (then the plan has no prompt chunks)."""
@@ -95,8 +106,7 @@ class SlotTables:
                 outputs.append(first + count - 1)
                 sampled.append(request)
         parts = [ids, positions, kv_rows, outputs, slots, lengths]
-        flat = self.to_device(ids + positions + kv_rows + outputs + slots + lengths)
-        ids_t, pos_t, kv_t, out_t, slots_t, lengths_t = flat.split([len(p) for p in parts])
+        ids_t, pos_t, kv_t, out_t, slots_t, lengths_t = self.aligned(parts)
         if decode_ids is not None:
             ids_t = decode_ids
         if not plan.prefills:
