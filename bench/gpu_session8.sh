@@ -3,6 +3,7 @@
 #   bash bench/gpu_session8.sh sweep   # the split-K decode GEMM sweep; serving as of now (gc freeze)
 #   bash bench/gpu_session8.sh gemm    # decode step / serving with --decode-gemm triton vs cublas
 #   bash bench/gpu_session8.sh ab      # serving A/B in fresh processes, 3 repeats each
+#   bash bench/gpu_session8.sh verify  # after the alignment fix: fresh machine, default vs cuBLAS vs compile_prefill
 # Set PARTS (comma-separated part names) to run a subset; TOTAL bounds a call's seconds.
 set -uo pipefail
 CALL=${1:-sweep}
@@ -35,8 +36,19 @@ ab)  # serving in fresh processes, 3 repeats of cuBLAS then Triton; one cuBLAS w
     TAIL=12 part ab_cublas_path 80 env PYTHONPATH="$PWD" python $AB --out "$J/ab-cublas-path.json"
     tar -czf "$O/ab-json.tar.gz" -C $J .
     ;;
+verify)  # a fresh machine: no compile while serving now? then cuBLAS, compile_prefill, repeats
+    AB="bench/serve_throughput.py --graphs on --concurrency 1,16,64,256 --bound-batches 64"
+    J=/tmp/ab && mkdir -p $J
+    TAIL=12 part v_triton_1 80 python $AB --out "$J/v-triton-1.json"
+    TAIL=12 part v_cublas_1 80 python $AB --decode-gemm cublas --out "$J/v-cublas-1.json"
+    TAIL=12 part v_prefill_1 150 python $AB --compile-prefill on --out "$J/v-prefill-1.json"
+    TAIL=12 part v_triton_2 80 python $AB --out "$J/v-triton-2.json"
+    TAIL=12 part v_prefill_2 150 python $AB --compile-prefill on --out "$J/v-prefill-2.json"
+    TAIL=12 part v_triton_3 80 python $AB --out "$J/v-triton-3.json"
+    tar -czf "$O/verify-json.tar.gz" -C $J .
+    ;;
 *)
-    echo "usage: bash bench/gpu_session8.sh sweep|gemm|ab" >&2
+    echo "usage: bash bench/gpu_session8.sh sweep|gemm|ab|verify" >&2
     exit 2
     ;;
 esac

@@ -115,7 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-store", choices=["fused", "separate"], default="fused",
                    help="decode steps' keys stored by the paged kernel, or index_copy_ first")
-    p.add_argument("--decode-gemm", choices=["cublas", "triton"], default="cublas",
+    p.add_argument("--decode-gemm", choices=["cublas", "triton"], default="triton",
                    help="EngineSettings.decode_gemm (trireme.ops.skinny_gemm)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None)
@@ -144,7 +144,7 @@ def sync(device: torch.device) -> None:
 
 
 def filled_engine(model, cfg, batch: int, context: int, graphs: bool, compile: bool | None,
-                  decode_gemm: str = "cublas") -> tuple[Engine, float]:
+                  decode_gemm: str = "triton") -> tuple[Engine, float]:
     """An engine with `batch` requests past their prompts; the seconds building it took
     (compile: EngineSettings.compile_decode, None for auto)."""
     settings = EngineSettings(max_running=batch, max_batch_tokens=max(2048, batch),

@@ -108,7 +108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile-prefill", choices=["on", "off"], default="off",
                    help="EngineSettings.compile_prefill: a torch.compile'd forward for the "
                    "steps with prompt chunks")
-    p.add_argument("--decode-gemm", choices=["cublas", "triton"], default="cublas",
+    p.add_argument("--decode-gemm", choices=["cublas", "triton"], default="triton",
                    help="EngineSettings.decode_gemm: the linear layers of steps of at most 64 "
                    "rows through cuBLAS or the split-K Triton kernel (trireme.ops.skinny_gemm)")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU")

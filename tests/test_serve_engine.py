@@ -348,16 +348,16 @@ def test_decode_gemm_triton_swaps_the_linears_and_keeps_the_tokens(monkeypatch):
     texts = prompts(6, seed=4)
     params = [SamplingParams(max_tokens=5, greedy=True) for _ in texts]
     settings = dict(block_size=4, max_running=3, max_batch_tokens=16)
-    want = [r.output_ids for r in Engine(model, EngineSettings(**settings)).generate(texts,
-                                                                                    params)]
+    plain = Engine(model, EngineSettings(**settings, decode_gemm="cublas"))
+    want = [r.output_ids for r in plain.generate(texts, params)]
     # on the CPU the layers would take F.linear: take the op (its reference here) where it tiles
     taken = []
     monkeypatch.setattr(skinny, "usable", lambda x, w: taken.append(1) or 2)
-    engine = Engine(model, EngineSettings(**settings, decode_gemm="triton"))
+    engine = Engine(model, EngineSettings(**settings))  # decode_gemm "triton", the default
     assert isinstance(model.layers["0"].mlp.fc2, skinny.SkinnyLinear)
     got = [r.output_ids for r in engine.generate(texts, params)]
     assert taken and got == want
-    Engine(model, EngineSettings(**settings))  # cublas: the plain layers again
+    Engine(model, EngineSettings(**settings, decode_gemm="cublas"))  # the plain layers again
     assert type(model.layers["0"].mlp.fc2) is torch.nn.Linear
     with pytest.raises(ConfigError, match="decode_gemm"):
         EngineSettings(decode_gemm="cutlass").check()

@@ -131,10 +131,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="run the steps with prompt chunks through a torch.compile'd "
                        "forward, compiled at startup (default off until measured; if compiling "
                        "fails, an error; docs/serving.md)")
-    group.add_argument("--decode-gemm", choices=list(DECODE_GEMMS), default="cublas",
-                       help="the linear layers of steps with at most 64 rows: cublas (F.linear) "
-                       "or triton (a split-K kernel where it is measured faster: llama3-1b's "
-                       "down projection; docs/serving.md)")
+    group.add_argument("--decode-gemm", choices=list(DECODE_GEMMS), default="triton",
+                       help="the linear layers of steps with at most 64 rows: triton (default: "
+                       "a split-K kernel where it is measured faster, llama3-1b's down "
+                       "projection, F.linear elsewhere) or cublas (F.linear always; "
+                       "docs/serving.md)")
 
 
 def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> Engine:

@@ -78,9 +78,10 @@ class EngineSettings:
     torch.compile'd forward, T dynamic (trireme.inference.compiled_prefill; compiled at engine
     start; off by default until measured; if compiling fails, a ConfigError); decode_gemm:
     "triton" runs the linear layers of steps with at most 64 rows through the split-K kernel
-    where it has a plan (trireme.ops.skinny_gemm: llama3-1b's down projection), "cublas"
-    (the default) through F.linear; the model's nn.Linear layers are swapped in place either
-    way (same parameters)."""
+    where it has a plan (trireme.ops.skinny_gemm: llama3-1b's down projection; the default:
+    1.53 ms decode steps at batch 64 on the H200 against 1.58 with cuBLAS), "cublas" through
+    F.linear always; on the CPU or without Triton both are F.linear. The model's nn.Linear
+    layers are swapped in place either way (same parameters)."""
 
     block_size: int = 16
     num_blocks: int = 0
@@ -93,7 +94,7 @@ class EngineSettings:
     overlap: bool | None = None
     compile_decode: bool | None = None
     compile_prefill: bool = False
-    decode_gemm: str = "cublas"
+    decode_gemm: str = "triton"
 
     def check(self) -> None:
         for name in ("block_size", "max_running", "max_batch_tokens", "max_queue"):

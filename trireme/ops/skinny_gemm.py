@@ -110,8 +110,8 @@ def _launcher():
     try:
         from trireme.ops.skinny_gemm_triton import skinny_mm as launch
     except Exception as e:  # missing, or installed but broken
-        warnings.warn(f"Triton is unavailable ({e}); the skinny linear layers run as torch "
-                      "matmuls", stacklevel=2)
+        warnings.warn(f"Triton is unavailable ({e}); the decode steps' linear layers run "
+                      "through F.linear", stacklevel=2)
         return None
     return launch
 
@@ -127,12 +127,13 @@ def _(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> int | None:
-    """Splits when skinny_linear takes the kernel for x [..., K] and weight [N, K], else None."""
+    """Splits when skinny_linear takes the kernel for x [..., K] and weight [N, K], else None
+    (also without Triton: then F.linear, not the fp32 reference)."""
     rows = x.numel() // max(x.shape[-1], 1)
     if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and weight.is_contiguous() and 0 < rows <= MAX_ROWS):
         return None
-    return plan(*weight.shape)
+    return plan(*weight.shape) if _launcher() is not None else None
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
