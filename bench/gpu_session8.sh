@@ -3,6 +3,7 @@
 #   bash bench/gpu_session8.sh sweep   # the split-K decode GEMM sweep; serving as of now (gc freeze)
 #   bash bench/gpu_session8.sh gemm    # decode step / serving with --decode-gemm triton vs cublas
 #   bash bench/gpu_session8.sh ab      # serving A/B in fresh processes, 3 repeats each
+#   bash bench/gpu_session8.sh parity  # fp8 loss (compiled and Triton loss kernels) against bf16, 300 steps
 #   bash bench/gpu_session8.sh verify  # after the alignment fix: fresh machine, default vs cuBLAS vs compile_prefill
 # Set PARTS (comma-separated part names) to run a subset; TOTAL bounds a call's seconds.
 set -uo pipefail
@@ -47,8 +48,18 @@ verify)  # a fresh machine: no compile while serving now? then cuBLAS, compile_p
     TAIL=12 part v_triton_3 80 python $AB --out "$J/v-triton-3.json"
     tar -czf "$O/verify-json.tar.gz" -C $J .
     ;;
+parity)  # issue 19's fp8 criterion: 300 steps of real text, fp8 (both loss kernels) against bf16
+    CE=model.fused_cross_entropy_kernel
+    TAIL=14 part parity_fp8_bf16 440 python bench/loss_parity.py --preset llama3-1b --steps 300 \
+        --override model.seq_length=1024 train.global_batch_size=16 model.compile=true \
+        model.fused_cross_entropy=true \
+        --variant bf16:model.precision=bf16 \
+        --variant fp8-compiled:model.precision=fp8,$CE=compiled \
+        --variant fp8-triton:model.precision=fp8,$CE=triton \
+        --out "$O/loss_parity-llama3-1b-fp8-vs-bf16.json"
+    ;;
 *)
-    echo "usage: bash bench/gpu_session8.sh sweep|gemm|ab|verify" >&2
+    echo "usage: bash bench/gpu_session8.sh sweep|gemm|ab|verify|parity" >&2
     exit 2
     ;;
 esac
