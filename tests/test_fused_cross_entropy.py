@@ -192,10 +192,10 @@ def test_second_backward_is_refused():
         loss.backward()
 
 
-@pytest.mark.parametrize("fp8_kernel", [None, "triton"])
+@pytest.mark.parametrize("fp8_kernel", [None, "compiled"])
 def test_model_hands_the_fp8_kernel_choice_to_the_loss(fp8_kernel, monkeypatch):
     """The fp8 output layer's softmax kernel is its own setting (model.fp8_cross_entropy_kernel,
-    compiled by default), not fused_cross_entropy_kernel's."""
+    triton by default), not fused_cross_entropy_kernel's."""
     import trireme.models.gpt as gpt
 
     seen = {}
@@ -205,11 +205,11 @@ def test_model_hands_the_fp8_kernel_choice_to_the_loss(fp8_kernel, monkeypatch):
         return fused_linear_cross_entropy(*args, **kwargs)
 
     monkeypatch.setattr(gpt, "fused_linear_cross_entropy", spy)
-    overrides = {"fused_cross_entropy": "true", "fused_cross_entropy_kernel": "triton"}
+    overrides = {"fused_cross_entropy": "true", "fused_cross_entropy_kernel": "compiled"}
     if fp8_kernel is not None:
         overrides["fp8_cross_entropy_kernel"] = fp8_kernel
     model = GPT(model_config(**overrides), seed=5)
     ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(3))
     model(ids[:, :-1], ids[:, 1:]).backward()
-    assert seen["softmax_kernel"] == "triton"
-    assert seen["fp8_softmax_kernel"] == (fp8_kernel or "compiled")
+    assert seen["softmax_kernel"] == "compiled"
+    assert seen["fp8_softmax_kernel"] == (fp8_kernel or "triton")

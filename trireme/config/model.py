@@ -199,12 +199,12 @@ class ModelConfig:
         "has its own switch: fp8_cross_entropy_kernel."
     )
     fp8_cross_entropy_kernel: Literal["compiled", "triton"] = doc(
-        "compiled", "fused_cross_entropy with the fp8 output layer (fp8_layers \"output\"): "
+        "triton", "fused_cross_entropy with the fp8 output layer (fp8_layers \"output\"): "
         "the kernel of each chunk's softmax, loss and logits' gradient, written in e5m2. "
         "triton: the Triton kernel's e5m2 variant (into a new tensor; 0.7% more tokens/s on "
-        "llama3-1b on the H200); compiled: torch ops through torch.compile, the reference. "
-        "compiled by default until triton passes a 300-step loss parity run (session 7: last-10 "
-        "mean +1.5% against compiled, no neutral pair measured; bench/RESULTS.md)."
+        "llama3-1b on the H200; where Triton does not import: compiled); compiled: torch ops "
+        "through torch.compile, the reference. 300 steps of llama3-1b against bf16 (session "
+        "8): triton -0.78%, compiled +2.97% (last-10 mean; bench/RESULTS.md)."
     )
     moe_num_experts: int = doc(8, "MoE (E in layer_pattern): routed experts per MoE sublayer.")
     moe_top_k: int = doc(2, "MoE: experts each token is sent to.")

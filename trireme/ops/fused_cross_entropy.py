@@ -46,7 +46,7 @@ tensor) or "compiled" (the reference: the torch ops above, through torch.compile
 copies of x and W cast once per micro batch, and the softmax kernel writes the logits' gradient
 in e5m2 (trireme.ops.fp8_head has the math and the scales): `fp8_chunk_step` picks it as
 `chunk_step` does, from its own choice (`fp8_softmax_kernel`, model.fp8_cross_entropy_kernel:
-compiled by default), the Triton kernel with its e5m2 output (a new [c, vocab] tensor: not in
+triton by default), the Triton kernel with its e5m2 output (a new [c, vocab] tensor: not in
 place) or `_loss_and_grad_e5m2` compiled (the reference; eagerly, `compile` off:
 `_loss_and_grad`, then the cast).
 """
