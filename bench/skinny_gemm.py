@@ -7,6 +7,7 @@ without. Prints the best tiling per (GEMM, M) and the plan skinny_linear takes n
 (`best` has what trireme.ops.skinny_gemm's SPLITS / TILES tables are filled from).
 
     python bench/skinny_gemm.py --out bench/results/skinny_gemm.json
+    python bench/skinny_gemm.py --gemms down --glu   # the fused gate_up + SwiGLU kernel too
 """
 
 from __future__ import annotations
@@ -92,11 +93,39 @@ def sweep_one(name, n, k, m, weights, quick) -> dict:
             "plan_us": plan_us, "tried": tried}
 
 
+def glu_one(n, k, m, weights, quick) -> dict:
+    """SwiGLU's first layer [W_gate; W_up] (n = 2F rows): cuBLAS + the activation compiled
+    (what the compiled decode step runs) against the fused GLU kernel's tilings."""
+    dev, dt = weights[0].device, weights[0].dtype
+    x = torch.randn(m, k, device=dev, dtype=dt)
+    act = torch.compile(lambda h: F.silu(h[:, : n // 2]) * h[:, n // 2 :])
+    want = act(F.linear(x, weights[0])).float()
+    plain = timed_us(lambda a, w: act(F.linear(a, w)), weights, x)
+    bm, tried = 16 if m <= 16 else 64, []
+    for splits, bn, bk, swap, stages in candidates(k, quick):
+        if splits != 1:  # one split: the activation needs the whole sums
+            continue
+        fn = lambda a, w, bn=bn, bk=bk, swap=swap, stages=stages: skinny_mm(  # noqa: E731
+            a, w, 1, bn, bk, bm, swap, 4, stages, glu=True)
+        try:
+            err = (fn(x, weights[0])[0].float() - want).abs().max().item()
+        except Exception as e:  # a tiling Triton cannot compile
+            print(f"  glu M={m} {(bn, bk, bm, swap, stages)}: {type(e).__name__}")
+            continue
+        tried.append({"block_n": bn, "block_k": bk, "block_m": bm, "swap": swap,
+                      "num_stages": stages, "us": timed_us(fn, weights, x), "max_diff": err})
+    return {"gemm": "gate_up+swiglu", "m": m, "n": n, "k": k, "cublas_us": plain,
+            "best": min(tried, key=lambda r: r["us"]), "tried": tried}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="1,16,64,256")
     p.add_argument("--gemms", default=",".join(SHAPES))
     p.add_argument("--quick", action="store_true", help="one pipeline depth (4), not 3 and 5")
+    p.add_argument("--glu", action="store_true",
+                   help="also gate_up + SwiGLU: cuBLAS and the compiled activation against "
+                   "the fused kernel (trireme.ops.skinny_gemm's GLU_TILES)")
     p.add_argument("--out", default="bench/results/skinny_gemm.json")
     args = p.parse_args(argv)
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -118,6 +147,16 @@ def main(argv=None) -> int:
                   f"  {n * k * 2 / b['us'] / 1e6:4.2f}  {r['cublas_us'] / b['us']:8.2f}  "
                   f"{str(tiling):>44}  {plan:>7}  {b['max_diff']:.1e}", flush=True)
         del weights
+    if args.glu:
+        n, k = SHAPES["gate_up"]
+        weights = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(5)]
+        for m in (int(b) for b in args.batches.split(",") if int(b) <= 64):
+            r = glu_one(n, k, m, weights, args.quick)
+            rows.append(r)
+            b = r["best"]
+            tiling = (b["block_n"], b["block_k"], b["block_m"], b["swap"], b["num_stages"])
+            print(f"gate_up+swiglu M={m}: cuBLAS + activation {r['cublas_us']:.2f} us, fused "
+                  f"{b['us']:.2f} us with {tiling}, max diff {b['max_diff']:.1e}", flush=True)
     print(f"sweep took {time.time() - t0:.0f} s")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(),

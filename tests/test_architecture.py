@@ -37,7 +37,7 @@ OPTIONAL = ("torchao", "triton", "torch.utils.tensorboard", "tensorboard", "tikt
             "uvicorn", "fastapi", "jinja2", "trireme.inference.server", "mamba_ssm",
             "causal_conv1d", "trireme.ops.ssd_triton", "PIL", "flash_attn",
             "liger_kernel", "trireme.ops.cross_entropy_triton",
-            "trireme.ops.argmax_triton")
+            "trireme.ops.argmax_triton", "trireme.ops.skinny_gemm_triton")
 
 
 def module_files() -> dict[str, Path]:

@@ -1,6 +1,6 @@
 """The split-K linear kernel for few rows (trireme.ops.skinny_gemm_triton) against its torch
 reference and F.linear, through Triton's CPU interpreter; the dispatcher's plan; the custom op
-under torch.compile; and the module swap the serving engine makes."""
+under torch.compile; the fused SwiGLU variant; and the module swap the serving engine makes."""
 
 import textwrap
 
@@ -10,22 +10,29 @@ import torch.nn.functional as F
 from interpreted import BF16_DOT, run_in_interpreter
 from torch import nn
 
+import trireme.ops.skinny_gemm as skinny
+from trireme.config import ModelConfig
+from trireme.models.mlp import MLP
 from trireme.ops.skinny_gemm import (
     MAX_WEIGHT,
     SkinnyLinear,
     default_splits,
+    glu_usable,
     plan,
     skinny_linear,
     skinny_mm_reference,
+    skinny_swiglu_linear,
+    skinny_swiglu_reference,
     usable,
     use_skinny_linears,
 )
+from trireme.parallel.context import ParallelContext
 
 KERNEL_SCRIPT = textwrap.dedent("""
     import torch
     import torch.nn.functional as F
     from trireme.ops.skinny_gemm_triton import skinny_mm
-    from trireme.ops.skinny_gemm import skinny_mm_reference
+    from trireme.ops.skinny_gemm import skinny_mm_reference, skinny_swiglu_reference
 
     torch.manual_seed(0)
     checked = 0
@@ -47,13 +54,24 @@ KERNEL_SCRIPT = textwrap.dedent("""
                 exact = F.linear(x.double(), w.double())
                 assert (y.double() - exact).abs().max() < 5e-2, (m, splits)
                 checked += 1
+    # GLU: silu(x W_gate^T) * (x W_up^T) from one kernel, against the fp32 reference
+    for m, f, k, bn, bk, bm in [(3, 32, 64, 16, 32, 16), (21, 48, 96, 16, 32, 32)]:
+        for swap in (False, True):
+            x = torch.randn(m, k).to(torch.bfloat16)
+            w = (torch.randn(2 * f, k) * 0.2).to(torch.bfloat16)
+            got = skinny_mm(x, w, 1, bn, bk, bm, swap, num_warps=4, num_stages=2, glu=True)
+            want = skinny_swiglu_reference(x, w)
+            assert got.shape == (1, m, f) and got.dtype == torch.bfloat16, got.shape
+            assert torch.allclose(got[0].float(), want.float(), rtol=1e-2, atol=1e-2), (
+                m, f, swap, (got[0].float() - want.float()).abs().max())
+            checked += 1
     print(checked)
 """)
 
 
 def test_kernel_matches_the_reference_in_interpreter():
     pytest.importorskip("triton", reason="the kernel needs Triton")
-    assert run_in_interpreter(BF16_DOT + KERNEL_SCRIPT) == "16"
+    assert run_in_interpreter(BF16_DOT + KERNEL_SCRIPT) == "20"
 
 
 def test_reference_sums_equal_linear():
@@ -116,3 +134,35 @@ def test_use_skinny_linears_keeps_parameters_and_outputs():
     assert use_skinny_linears(model, on=False) == 2
     assert type(model[0]) is nn.Linear and type(model[2][0]) is nn.Linear
     assert all(p is params[name] for name, p in model.named_parameters())
+
+
+def test_swiglu_reference_and_the_fused_op_equal_linear_then_silu():
+    torch.manual_seed(4)
+    x, w = torch.randn(2, 5, 64), torch.randn(96, 64) * 0.1
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    torch.testing.assert_close(skinny_swiglu_reference(x.reshape(-1, 64), w).view(2, 5, 48), want,
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(skinny_swiglu_linear(x, w, fused=True), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(skinny_swiglu_linear(x, w), want)  # not usable here: unfused
+    assert not glu_usable(x, w)
+    compiled = torch.compile(lambda a, b: skinny_swiglu_linear(a, b, fused=True), fullgraph=True,
+                             backend="aot_eager", dynamic=True)
+    torch.testing.assert_close(compiled(x, w), want, rtol=1e-5, atol=1e-5)
+
+
+def test_mlp_takes_the_fused_swiglu_when_its_layers_are_swapped(monkeypatch):
+    cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48,
+                      vocab_size=64, seq_length=16, activation="swiglu")
+    mlp = MLP(cfg, ParallelContext()).eval()
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(1, 3, 32)
+    with torch.no_grad():
+        want = mlp(x)
+        assert use_skinny_linears(mlp) == 2
+        calls = []
+        monkeypatch.setattr(skinny, "glu_usable", lambda a, b: calls.append(b.shape) or True)
+        got = mlp(x)
+    assert calls == [(96, 32)]  # fc1 [gate; up] through the fused op (its reference here)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -16,6 +16,7 @@ from trireme.config import ModelConfig
 from trireme.models.init import InitRule
 from trireme.ops.liger import liger_swiglu, require_liger
 from trireme.ops.recompute import recompute
+from trireme.ops.skinny_gemm import SkinnyLinear
 from trireme.ops.swiglu import fused_swiglu, swiglu
 from trireme.parallel.context import ParallelContext
 from trireme.parallel.random import dropout
@@ -60,6 +61,8 @@ class MLP(nn.Module):
         return None  # nothing carries over between positions
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu and isinstance(self.fc1, SkinnyLinear):  # the serving engine's layers
+            return self.resid_dropout(self.fc2(self.fc1.swiglu(x)))
         h = self.fc1(x)  # [b, s, 2 * ffn] (SwiGLU) or [b, s, ffn]
         if self.recompute_activation and torch.is_grad_enabled():
             h = recompute(self.activation, h)

@@ -12,6 +12,10 @@ whose forward is skinny_linear, and `use_skinny_linears(model)` swaps a model's 
 nn.Linear layers for it (same parameters: state dicts and checkpoints do not change), or back:
 the serving engine does one or the other by EngineSettings.decode_gemm ("triton" / "cublas").
 
+`SkinnyLinear.swiglu(x)` is SwiGLU's first layer and activation as one kernel (GLU_TILES: the
+shapes measured to gain; else F.linear, then silu(gate) * up), which the MLP calls when its fc1
+is a SkinnyLinear. The kernels have no backward: they run only outside autograd.
+
 The split count is a function of (N, K) only, so a compiled graph traced at one batch size
 serves every batch size (the op's output shape [splits, M, N] does not depend on M); the tile
 shape (rows per program, kernel variant) is picked at launch from the rows present. The plans
@@ -53,6 +57,13 @@ DEEP = 4
 # (N, K, splits) -> Tile for rows <= 16 and <= MAX_ROWS; other shapes: Tile()
 TILES: dict[tuple[int, int, int], tuple[Tile, Tile]] = {
     (2048, 8192, 4): (Tile(64, 128, True, 4, 5), Tile(64, 128, False, 4, 5))}
+
+
+# SwiGLU's first layer [W_gate; W_up] (2F, K) -> the tile of its fused kernel (GLU: one split,
+# silu(gate) * up written, trireme.ops.skinny_gemm_triton) for rows <= 16 and <= MAX_ROWS;
+# a shape not here runs F.linear, then the activation. Empty until the H200 sweep
+# (bench/skinny_gemm.py --glu) says the fused kernel beats cuBLAS + the activation's kernel.
+GLU_TILES: dict[tuple[int, int], tuple[Tile, Tile]] = {}
 
 
 def default_splits(n: int, k: int, tile: Tile = Tile()) -> int:
@@ -98,6 +109,13 @@ def skinny_mm(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tenso
     return skinny_mm_reference(x, weight, splits)
 
 
+def skinny_swiglu_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(x W_gate^T) * (x W_up^T) [M, F] for weight [W_gate; W_up] [2F, K], in fp32,
+    rounded once to x's dtype (the fused kernel's math)."""
+    gate, up = (x.float() @ weight.float().t()).chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)
+
+
 @skinny_mm.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
     dtype = torch.float32 if splits > 1 else x.dtype
@@ -126,14 +144,52 @@ def _(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
                   tile.num_warps, tile.num_stages)
 
 
+@torch.library.custom_op("trireme::skinny_swiglu", mutates_args=(),
+                         schema="(Tensor x, Tensor weight) -> Tensor")
+def skinny_swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up [M, F] for x [M, K], weight [W_gate; W_up] [2F, K]: the fused Triton
+    kernel on CUDA (this is the implementation for the other devices: the reference)."""
+    return skinny_swiglu_reference(x, weight)
+
+
+@skinny_swiglu.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0] // 2)
+
+
+@skinny_swiglu.register_kernel("cuda")
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    launch = _launcher()
+    tiles = GLU_TILES.get(tuple(weight.shape))
+    if launch is None or tiles is None:
+        return skinny_swiglu_reference(x, weight)
+    tile, block_m = (tiles[0], 16) if x.shape[0] <= 16 else (tiles[1], 64)
+    return launch(x, weight, 1, tile.block_n, tile.block_k, block_m, tile.swap, tile.num_warps,
+                  tile.num_stages, glu=True)[0]
+
+
+def _small_inference_input(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """x [..., K] is a CUDA bf16 / fp16 input of at most MAX_ROWS rows outside autograd (the
+    kernels have no backward) against a contiguous weight of its dtype, and Triton runs."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and weight.is_contiguous() and 0 < rows <= MAX_ROWS and not torch.is_grad_enabled()
+            and _launcher() is not None)
+
+
 def usable(x: torch.Tensor, weight: torch.Tensor) -> int | None:
     """Splits when skinny_linear takes the kernel for x [..., K] and weight [N, K], else None
     (also without Triton: then F.linear, not the fp32 reference)."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and weight.is_contiguous() and 0 < rows <= MAX_ROWS):
-        return None
-    return plan(*weight.shape) if _launcher() is not None else None
+    return plan(*weight.shape) if _small_inference_input(x, weight) else None
+
+
+def glu_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether skinny_swiglu_linear takes the fused kernel (a GLU_TILES shape that tiles)."""
+    tiles = GLU_TILES.get(tuple(weight.shape))
+    if tiles is None or not _small_inference_input(x, weight):
+        return False
+    half, k = weight.shape[0] // 2, weight.shape[1]
+    return not any(half % t.block_n or k % t.block_k for t in tiles)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -154,11 +210,28 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y if bias is None else y + bias
 
 
+def skinny_swiglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                         fused: bool | None = None) -> torch.Tensor:
+    """silu(gate) * up of h = F.linear(x, weight, bias) = [gate; up], x [..., K] -> [..., F]:
+    one `trireme::skinny_swiglu` when `glu_usable` (`fused` True: always, e.g. the reference on
+    the CPU in tests; no bias), else F.linear and the activation."""
+    if fused if fused is not None else (bias is None and glu_usable(x, weight)):
+        rows = x.reshape(-1, x.shape[-1])
+        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        return skinny_swiglu(rows, weight).view(*x.shape[:-1], -1)
+    gate, up = F.linear(x, weight, bias).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class SkinnyLinear(nn.Linear):
-    """nn.Linear whose forward is skinny_linear (module docstring)."""
+    """nn.Linear whose forward is skinny_linear (module docstring); `swiglu(x)` is SwiGLU's
+    activation of its output, fused into the kernel where it has a plan."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return skinny_linear(x, self.weight, self.bias)
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        return skinny_swiglu_linear(x, self.weight, self.bias)
 
 
 def use_skinny_linears(model: nn.Module, on: bool = True) -> int:

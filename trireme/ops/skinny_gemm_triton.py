@@ -16,7 +16,9 @@ compiled decode step Inductor fuses that sum into the next kernel). With SPLITS 
 writes y itself, in the output dtype. SWAP computes the transposed tile, acc[n, m] = W x^T
 (W's rows fill the tensor core's larger M side: for M of 1-16 the x tile is mostly padding
 either way, and which is faster is the sweep's to say: bench/skinny_gemm.py). Rows of x past M
-are masked (read as 0, not written).
+are masked (read as 0, not written). GLU (SwiGLU's first layer, one split) multiplies x by the
+gate rows W[n] and the up rows W[N/2 + n] of its tile in two accumulators and writes
+silu(gate) * up, rounded once: the [M, N] product and the activation's kernel are never made.
 """
 
 from __future__ import annotations
@@ -28,11 +30,20 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _tile_dot(x, w, acc, SWAP: tl.constexpr):
+    """acc + x w^T for x [BM, BK], w [BN, BK]: acc [BM, BN], or [BN, BM] transposed (SWAP)."""
+    if SWAP:
+        return tl.dot(w, tl.trans(x), acc)
+    return tl.dot(x, tl.trans(w), acc)
+
+
 @triton.jit(do_not_specialize=["m_rows"])
 def _skinny_kernel(x_ptr, w_ptr, out_ptr, m_rows, n_cols, k_chunk, x_row_stride,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SWAP: tl.constexpr, K: tl.constexpr):
-    """out[s, m, n] (module docstring) for this program's BLOCK_M x BLOCK_N tile and chunk s."""
+                   SWAP: tl.constexpr, K: tl.constexpr, GLU: tl.constexpr):
+    """out[s, m, n] (module docstring) for this program's BLOCK_M x BLOCK_N tile and chunk s;
+    with GLU (one chunk) silu(x W_gate^T) * (x W_up^T), W_up's rows n_cols below W_gate's."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -46,15 +57,17 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, m_rows, n_cols, k_chunk, x_row_stride,
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up = acc  # GLU's second accumulator (unused otherwise)
+    up_rows = n_cols.to(tl.int64) * K  # W_up's offset from W_gate's
     for _ in range(0, k_chunk, BLOCK_K):
         x = tl.load(x_at, mask=live, other=0.0)
-        w = tl.load(w_at)
-        if SWAP:
-            acc = tl.dot(w, tl.trans(x), acc)  # [BN, BM]
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)  # [BM, BN]
+        acc = _tile_dot(x, tl.load(w_at), acc, SWAP)
+        if GLU:
+            up = _tile_dot(x, tl.load(w_at + up_rows), up, SWAP)
         x_at += BLOCK_K
         w_at += BLOCK_K
+    if GLU:
+        acc = acc * tl.sigmoid(acc) * up  # silu(gate) * up, in fp32
     if SWAP:
         acc = tl.trans(acc)
     plane = split.to(tl.int64) * m_rows * n_cols
@@ -64,12 +77,13 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, m_rows, n_cols, k_chunk, x_row_stride,
 
 def skinny_mm(x: torch.Tensor, weight: torch.Tensor, splits: int, block_n: int, block_k: int,
               block_m: int = 16, swap: bool = False, num_warps: int = 4,
-              num_stages: int = 4) -> torch.Tensor:
+              num_stages: int = 4, glu: bool = False) -> torch.Tensor:
     """part [splits, M, N] fp32 (splits > 1) or y [1, M, N] in x's dtype (splits == 1) for
-    x [M, K], weight [N, K] (module docstring). The caller checks the shapes divide:
-    N % block_n == 0 and K % (splits * block_k) == 0."""
+    x [M, K], weight [N, K] (module docstring); with `glu` (splits 1) y [1, M, N / 2] =
+    silu(x W_gate^T) * (x W_up^T) for weight = [W_gate; W_up], rounded once. The caller checks
+    the shapes divide: N (N / 2 with glu) % block_n == 0 and K % (splits * block_k) == 0."""
     m_rows, k = x.shape
-    n_cols = weight.shape[0]
+    n_cols = weight.shape[0] // 2 if glu else weight.shape[0]
     dtype = torch.float32 if splits > 1 else x.dtype
     out = torch.empty(splits, m_rows, n_cols, dtype=dtype, device=x.device)
     if m_rows == 0:
@@ -80,5 +94,5 @@ def skinny_mm(x: torch.Tensor, weight: torch.Tensor, splits: int, block_n: int, 
     with where:
         _skinny_kernel[grid](x, weight, out, m_rows, n_cols, k // splits, x.stride(0),
                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap, K=k,
-                             num_warps=num_warps, num_stages=num_stages)
+                             GLU=glu, num_warps=num_warps, num_stages=num_stages)
     return out
