@@ -18,6 +18,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import trireme.inference.compiled_prefill as compiled_prefill
 import trireme.models.block as block_module
+import trireme.ops.skinny_gemm as skinny
 from trireme.errors import ConfigError
 from trireme.inference.cli import LoadedModel, engine_from_args
 from trireme.inference.compiled_decode import _post, _pre, compiled_layer, pieces
@@ -114,6 +115,33 @@ def test_compile_prefill_with_the_compiled_decode_forward(monkeypatch):
         r.output_ids for r in eager]
     assert _debug_get_cache_entry_list(_pre.__code__)  # the decode steps'
     assert _debug_get_cache_entry_list(compiled_prefill._prefill_pre.__code__)
+
+
+@torch.no_grad()
+def test_split_k_layers_compile_nothing_after_the_warm_up(monkeypatch):
+    """With the split-K linear layers (decode_gemm "triton": a guard on rows <= MAX_ROWS), the
+    warm-up also compiles the short prompts' graph: steps of any length compile nothing later.
+    Here the kernel path is forced on the CPU (its torch reference), MAX_ROWS made 8."""
+    model = model_of(config())
+    monkeypatch.setattr(skinny, "unavailable", lambda device: None)
+    monkeypatch.setattr(skinny, "MAX_ROWS", 8)
+    monkeypatch.setattr(compiled_prefill, "MAX_ROWS", 8)
+    monkeypatch.setattr(skinny, "_small_inference_input",
+                        lambda x, w: 0 < x.numel() // x.shape[-1] <= skinny.MAX_ROWS)
+    monkeypatch.setattr(skinny, "plan", lambda n, k: 2)  # every layer (64-wide K tiles)
+    texts = prompts(7, seed=1, longest=30)
+    params = [SamplingParams(max_tokens=3 + i % 4, greedy=True) for i in range(len(texts))]
+    want = [r.output_ids for r in Engine(model, EngineSettings(**SETTINGS)).generate(texts,
+                                                                                    params)]
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled_prefill.compiled_prefill_layer.cache_clear()
+    monkeypatch.setattr(Engine, "prefill_backend", counter)
+    engine = Engine(model, EngineSettings(**SETTINGS, compile_prefill=True))
+    assert isinstance(model.layers["0"].mlp.fc2, skinny.SkinnyLinear)
+    before = counter.frame_count
+    got = [r.output_ids for r in engine.generate(texts, params)]
+    assert got == want and counter.frame_count == before  # lengths 1-16, none compiled
 
 
 def test_a_failed_compile_or_no_torch_compile_is_an_error(monkeypatch):

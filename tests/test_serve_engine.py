@@ -350,8 +350,11 @@ def test_decode_gemm_triton_swaps_the_linears_and_keeps_the_tokens(monkeypatch):
     settings = dict(block_size=4, max_running=3, max_batch_tokens=16)
     plain = Engine(model, EngineSettings(**settings, decode_gemm="cublas"))
     want = [r.output_ids for r in plain.generate(texts, params)]
-    # on the CPU the layers would take F.linear: take the op (its reference here) where it tiles
+    # on the CPU the engine keeps the plain layers and they would take F.linear: swap them, and
+    # take the op (its reference here) in every one
+    assert skinny.unavailable(torch.device("cpu")) == "not a CUDA device"
     taken = []
+    monkeypatch.setattr(skinny, "unavailable", lambda device: None)
     monkeypatch.setattr(skinny, "usable", lambda x, w: taken.append(1) or 2)
     engine = Engine(model, EngineSettings(**settings))  # decode_gemm "triton", the default
     assert isinstance(model.layers["0"].mlp.fc2, skinny.SkinnyLinear)

@@ -125,8 +125,10 @@ def test_use_skinny_linears_keeps_parameters_and_outputs():
     keys = list(model.state_dict())
     x = torch.randn(4, 16)
     want = model(x)
+    first = model[0]
     assert use_skinny_linears(model) == 2
     assert isinstance(model[0], SkinnyLinear) and isinstance(model[2][0], SkinnyLinear)
+    assert model[0] is first  # the same module object, its class changed
     assert list(model.state_dict()) == keys
     assert all(p is params[name] for name, p in model.named_parameters())
     torch.testing.assert_close(model(x), want)
@@ -166,3 +168,24 @@ def test_mlp_takes_the_fused_swiglu_when_its_layers_are_swapped(monkeypatch):
         got = mlp(x)
     assert calls == [(96, 32)]  # fc1 [gate; up] through the fused op (its reference here)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    mlp(x)  # with autograd on: the plain path (the kernels have no backward)
+    assert calls == [(96, 32)]
+
+
+def test_the_row_guard_splits_dynamic_graphs_at_max_rows(monkeypatch):
+    """Under torch.compile with the rows dynamic, the kernel path guards on rows <= MAX_ROWS:
+    one graph above, one at or below (why compiled_prefill warms up a short prompt too)."""
+    monkeypatch.setattr(skinny, "_small_inference_input",
+                        lambda x, w: 0 < x.numel() // x.shape[-1] <= skinny.MAX_ROWS)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda a, b: skinny_linear(a, b), backend=counter, dynamic=True)
+    w = torch.randn(256, 1024) * 0.05  # deep (K = 4 N): a plan
+    with torch.no_grad():
+        for rows in (300, 150, 10, 40, 64, 65, 1000):
+            x = torch.randn(rows, 1024)
+            torch.testing.assert_close(compiled(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4)
+    assert counter.frame_count == 2
+
+
+def test_unavailable_off_cuda():
+    assert skinny.unavailable(torch.device("cpu")) == "not a CUDA device"

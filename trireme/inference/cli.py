@@ -134,8 +134,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--decode-gemm", choices=list(DECODE_GEMMS), default="triton",
                        help="the linear layers of steps with at most 64 rows: triton (default: "
                        "a split-K kernel where it is measured faster, llama3-1b's down "
-                       "projection, F.linear elsewhere) or cublas (F.linear always; "
-                       "docs/serving.md)")
+                       "projection, on sm_90 GPUs; F.linear elsewhere) or cublas (F.linear "
+                       "always; docs/serving.md)")
 
 
 def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> Engine:

@@ -52,6 +52,7 @@ from trireme.inference.compiled_decode import (
 )
 from trireme.inference.graphs import first_line
 from trireme.models.paged import PagedCache, PagedKV, PagedStep
+from trireme.ops.skinny_gemm import MAX_ROWS
 
 
 def _prefill_pre(block: torch.nn.Module, name: str, x: torch.Tensor, rope: Any
@@ -128,13 +129,17 @@ def _warm_step(model: torch.nn.Module, cache: PagedCache, decodes: int, prompt: 
 
 def warm_up(model: torch.nn.Module, cache: PagedCache, max_tokens: int) -> None:
     """Compile the prefill pieces now: a one-token prompt (its static graph), a prompt of
-    up to `max_tokens` tokens (the dynamic one), and a mixed step of another length."""
+    up to `max_tokens` tokens (the dynamic one), a mixed step of another length, and a prompt
+    of at most MAX_ROWS tokens: the split-K linear layers (SkinnyLinear) guard on a step's
+    rows being at most that, so a step of 2-MAX_ROWS tokens has a dynamic graph of its own."""
     longest = max(min(max_tokens, model.cfg.seq_length), 1)
     with torch._dynamo.config.patch(**{_limit_key(): RECOMPILE_LIMIT}):
         _warm_step(model, cache, 0, 1)
         if longest >= 2:
             _warm_step(model, cache, 0, longest)
             _warm_step(model, cache, 1, max(longest // 2, 1))
+        if longest >= 3:
+            _warm_step(model, cache, 0, min(longest - 1, MAX_ROWS // 2))
 
 
 def compile_prefill(model: torch.nn.Module, cache: PagedCache, max_tokens: int,

@@ -46,7 +46,7 @@ from trireme.inference.text import TextStream
 from trireme.models.gpt import GPT
 from trireme.models.paged import PagedCache, PagedKV, PagedLayout
 from trireme.models.vision import ImageRows, num_image_tokens
-from trireme.ops import argmax, paged_attention
+from trireme.ops import argmax, paged_attention, skinny_gemm
 from trireme.ops.argmax import greedy_and_finite
 from trireme.ops.skinny_gemm import use_skinny_linears
 
@@ -80,8 +80,9 @@ class EngineSettings:
     "triton" runs the linear layers of steps with at most 64 rows through the split-K kernel
     where it has a plan (trireme.ops.skinny_gemm: llama3-1b's down projection; the default:
     1.53 ms decode steps at batch 64 on the H200 against 1.58 with cuBLAS), "cublas" through
-    F.linear always; on the CPU or without Triton both are F.linear. The model's nn.Linear
-    layers are swapped in place either way (same parameters)."""
+    F.linear always; off sm_90 GPUs, on the CPU or without Triton both are F.linear. The
+    model's nn.Linear layers become SkinnyLinears (or back) in place, and stay so after the
+    engine (they take the kernels only outside autograd)."""
 
     block_size: int = 16
     num_blocks: int = 0
@@ -157,10 +158,12 @@ class Engine:
         self.settings = settings = settings or EngineSettings()
         settings.check()
         self.model = model.eval()
-        use_skinny_linears(model, on=settings.decode_gemm == "triton")
         self.cfg = model.cfg
         weight = model.embedding.weight
         self.device, self.dtype = weight.device, weight.dtype
+        # the split-K kernel where it runs (else, and with "cublas", the plain layers again)
+        use_skinny_linears(model, on=settings.decode_gemm == "triton"
+                           and skinny_gemm.unavailable(self.device) is None)
         self.tokenizer = tokenizer
         self.eos_id = eos_id if eos_id is not None else (tokenizer.eod if tokenizer else None)
         probe = PagedCache(model, PagedLayout(1, settings.block_size), 1, torch.device("meta"),
@@ -224,8 +227,9 @@ class Engine:
 
     def warm_kernels(self) -> None:
         """Compile now (CUDA only) the Triton kernels the steps outside the CUDA graphs launch:
-        the greedy / finite kernel for the model's logits and the paged decode kernel at every
-        split count (with its fused store too when no graphs replay the decode-only steps).
+        the greedy / finite kernel for the model's logits, the split-K linear's tiles and the
+        paged decode kernel at every split count (with its fused store too when no graphs
+        replay the decode-only steps).
         A step that met one uncompiled stalled the engine for ~0.5-1 s, and on a fresh machine
         (an empty Triton cache) the first minutes of serving met several; it costs a few
         seconds at startup instead (cached on disk by Triton after the first time)."""
@@ -233,6 +237,7 @@ class Engine:
             return
         argmax.warm_up(self.cfg.vocab_size, self.model.padded_vocab_size, self.dtype,
                        self.device)
+        skinny_gemm.warm_up(self.model)  # the split-K kernel's tiles (decode_gemm "triton")
         kv = next((s for s in self.cache.states() if isinstance(s, PagedKV)), None)
         if kv is not None:
             paged_attention.warm_up(kv.k_pool, kv.v_pool, self.cfg.num_attention_heads,

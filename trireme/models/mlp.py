@@ -61,8 +61,8 @@ class MLP(nn.Module):
         return None  # nothing carries over between positions
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.swiglu and isinstance(self.fc1, SkinnyLinear):  # the serving engine's layers
-            return self.resid_dropout(self.fc2(self.fc1.swiglu(x)))
+        if self.swiglu and isinstance(self.fc1, SkinnyLinear) and not torch.is_grad_enabled():
+            return self.resid_dropout(self.fc2(self.fc1.swiglu(x)))  # the serving engine's
         h = self.fc1(x)  # [b, s, 2 * ffn] (SwiGLU) or [b, s, ffn]
         if self.recompute_activation and torch.is_grad_enabled():
             h = recompute(self.activation, h)

@@ -9,8 +9,9 @@ bf16 / fp16 and the shape has a plan (`plan`: a measured shape, or K at least DE
 multiple of the tile, K of splits x tile, the weight at most MAX_WEIGHT elements); otherwise it
 is F.linear. `SkinnyLinear` is an nn.Linear
 whose forward is skinny_linear, and `use_skinny_linears(model)` swaps a model's plain
-nn.Linear layers for it (same parameters: state dicts and checkpoints do not change), or back:
-the serving engine does one or the other by EngineSettings.decode_gemm ("triton" / "cublas").
+nn.Linear layers for it (the same module objects: state dicts and checkpoints do not change),
+or back: the serving engine does one or the other by EngineSettings.decode_gemm ("triton" /
+"cublas") and `unavailable` (the kernels' plans are for sm_90).
 
 `SkinnyLinear.swiglu(x)` is SwiGLU's first layer and activation as one kernel (GLU_TILES: the
 shapes measured to gain; else F.linear, then silu(gate) * up), which the MLP calls when its fc1
@@ -34,6 +35,7 @@ from torch import nn
 
 MAX_ROWS = 64  # more rows: cuBLAS (the H200 sweep: the kernel loses at 256)
 MAX_WEIGHT = 64 << 20  # elements; the output layer (128256 x 2048) already runs at ~4 TB/s
+MIN_CAPABILITY = (9, 0)  # the plans' tiles: sm_90's shared memory (H100 / H200)
 TARGET_PROGRAMS = 256  # programs the split aims at: about two per SM of an H100 / H200 (132)
 
 
@@ -168,18 +170,29 @@ def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
                   tile.num_stages, glu=True)[0]
 
 
+def unavailable(device: torch.device) -> str | None:
+    """Why the kernels cannot run on `device`, or None: they need CUDA, a GPU of the
+    architecture their plans were measured on (sm_90: the H100 / H200; their tiles need more
+    shared memory than sm_80-89 parts have) and Triton."""
+    if device.type != "cuda":
+        return "not a CUDA device"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < MIN_CAPABILITY:
+        return f"its tiles are for sm_90 (H100 / H200), this GPU is sm_{major}{minor}"
+    return None if _launcher() is not None else "Triton does not import"
+
+
 def _small_inference_input(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """x [..., K] is a CUDA bf16 / fp16 input of at most MAX_ROWS rows outside autograd (the
-    kernels have no backward) against a contiguous weight of its dtype, and Triton runs."""
+    kernels have no backward) against a contiguous weight of its dtype. (Whether the kernels
+    run on this GPU at all is `unavailable`'s, asked once by whoever swaps the layers.)"""
     rows = x.numel() // max(x.shape[-1], 1)
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and weight.is_contiguous() and 0 < rows <= MAX_ROWS and not torch.is_grad_enabled()
-            and _launcher() is not None)
+            and weight.is_contiguous() and 0 < rows <= MAX_ROWS and not torch.is_grad_enabled())
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> int | None:
-    """Splits when skinny_linear takes the kernel for x [..., K] and weight [N, K], else None
-    (also without Triton: then F.linear, not the fp32 reference)."""
+    """Splits when skinny_linear takes the kernel for x [..., K] and weight [N, K], else None."""
     return plan(*weight.shape) if _small_inference_input(x, weight) else None
 
 
@@ -206,8 +219,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = part[0]
     for s in range(1, splits):  # additions, not a sum(0) reduction: Inductor fuses them into
         y = y + part[s]  # the next kernel (the residual add and norm)
-    y = (y if splits == 1 else y.to(x.dtype)).view(*x.shape[:-1], -1)
-    return y if bias is None else y + bias
+    if splits > 1:  # fp32 sums: the bias too, then one rounding
+        y = (y if bias is None else y + bias.float()).to(x.dtype)
+    elif bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], -1)
 
 
 def skinny_swiglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -235,15 +251,30 @@ class SkinnyLinear(nn.Linear):
 
 
 def use_skinny_linears(model: nn.Module, on: bool = True) -> int:
-    """Turn every plain nn.Linear of `model` into a SkinnyLinear with the same parameters (or,
-    with `on` False, every SkinnyLinear back into an nn.Linear), in place; the number turned."""
+    """Turn every plain nn.Linear of `model` into a SkinnyLinear (or, with `on` False, every
+    SkinnyLinear back into an nn.Linear), in place: the same module objects, their class
+    changed; the number turned."""
     before, after = (nn.Linear, SkinnyLinear) if on else (SkinnyLinear, nn.Linear)
     turned = 0
     for module in model.modules():
-        for name, child in list(module.named_children()):
-            if type(child) is before:
-                swapped = after.__new__(after)
-                swapped.__dict__.update(child.__dict__)  # the same parameters and hooks
-                setattr(module, name, swapped)
-                turned += 1
+        # exactly the class (no subclass, parametrized or FSDP-wrapped layer) and not compiled
+        # on its own (module.compile() keeps the old forward's graph)
+        if type(module) is before and getattr(module, "_compiled_call_impl", None) is None:
+            module.__class__ = after  # the same object: parameters, hooks, references
+            turned += 1
     return turned
+
+
+@torch.no_grad()
+def warm_up(model: nn.Module) -> None:
+    """Compile now the kernels the SkinnyLinears of `model` (swapped in, on a GPU where they
+    run) launch: every planned shape at both tiles (rows <= 16 and more). A step meeting an
+    uncompiled one would stall ~0.5-1 s in the middle of serving."""
+    for module in model.modules():
+        if isinstance(module, SkinnyLinear):
+            w = module.weight
+            for rows in (1, MAX_ROWS):
+                x = w.new_zeros(rows, w.shape[1])
+                skinny_linear(x, w)
+                if GLU_TILES.get(tuple(w.shape)) is not None:
+                    skinny_swiglu_linear(x, w)

@@ -84,6 +84,11 @@ def skinny_mm(x: torch.Tensor, weight: torch.Tensor, splits: int, block_n: int, 
     the shapes divide: N (N / 2 with glu) % block_n == 0 and K % (splits * block_k) == 0."""
     m_rows, k = x.shape
     n_cols = weight.shape[0] // 2 if glu else weight.shape[0]
+    if (n_cols % block_n or k % (splits * block_k) or weight.shape[1] != k or x.stride(1) != 1
+            or not weight.is_contiguous() or (glu and splits != 1)):
+        raise ValueError(f"skinny_mm: x {tuple(x.shape)} (strides {x.stride()}) and weight "
+                         f"{tuple(weight.shape)} do not tile as {splits} splits of "
+                         f"{block_n} x {block_k}{' (glu: 1 split)' if glu else ''}")
     dtype = torch.float32 if splits > 1 else x.dtype
     out = torch.empty(splits, m_rows, n_cols, dtype=dtype, device=x.device)
     if m_rows == 0:
