@@ -70,10 +70,15 @@ def main(argv=None) -> int:
             print(f"{name:>8} {m:>4}  {a:9.2f}  {b:13.2f}  {gb / a / 1e6:11.2f}  "
                   f"{gb / b / 1e6:15.2f}  {diff.item():.2e}", flush=True)
         del weights
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                          "torch": torch.__version__, "rows": rows}, indent=1))
+    write_rows(args.out, rows)
     return 0
+
+
+def write_rows(out: str, rows: list[dict]) -> None:
+    """The JSON of a GEMM benchmark: the GPU, torch's version, the rows."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                     "torch": torch.__version__, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -14,37 +14,19 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from gemm_layouts import timed_us, write_rows  # bench/, the script's folder
 
 from trireme.ops.skinny_gemm import skinny_linear, tile_for, usable
 from trireme.ops.skinny_gemm_triton import skinny_mm
 
 # llama3-1b: qkv, out, gate_up, down (N, K)
+REPS = 32  # launches in each timed CUDA graph
 SHAPES = {"qkv": (3072, 2048), "out": (2048, 2048), "gate_up": (16384, 2048),
           "down": (2048, 8192)}
-
-
-def timed_us(fn, weights, x, reps: int = 32) -> float:
-    for w in weights[:2]:
-        fn(x, w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fn(x, weights[i % len(weights)])
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return 1e3 * start.elapsed_time(end) / (5 * reps)
 
 
 def candidates(k: int, quick: bool):
@@ -67,7 +49,7 @@ def sweep_one(name, n, k, m, weights, quick) -> dict:
     dev, dt = weights[0].device, weights[0].dtype
     x = torch.randn(m, k, device=dev, dtype=dt)
     want = F.linear(x, weights[0]).float()
-    cublas = timed_us(lambda a, w: F.linear(a, w), weights, x)
+    cublas = timed_us(lambda a, w: F.linear(a, w), weights, x, REPS)
     bm = 16 if m <= 16 else 64
     tried = []
     for splits, bn, bk, swap, stages in candidates(k, quick):
@@ -79,15 +61,15 @@ def sweep_one(name, n, k, m, weights, quick) -> dict:
                   f"{str(e)[:120]}")
             continue
         err = (got.float() - want).abs().max().item()
-        total = timed_us(fn, weights, x)
+        total = timed_us(fn, weights, x, REPS)
         alone = total if splits == 1 else timed_us(
-            kernel_fn(splits, bn, bk, bm, swap, stages, False), weights, x)
+            kernel_fn(splits, bn, bk, bm, swap, stages, False), weights, x, REPS)
         tried.append({"splits": splits, "block_n": bn, "block_k": bk, "block_m": bm,
                       "swap": swap, "num_stages": stages, "us": total, "kernel_us": alone,
                       "max_diff": err})
     best = min(tried, key=lambda r: r["us"])
     now = usable(x, weights[0])
-    plan_us = timed_us(lambda a, w: skinny_linear(a, w), weights, x) if now else None
+    plan_us = timed_us(lambda a, w: skinny_linear(a, w), weights, x, REPS) if now else None
     return {"gemm": name, "m": m, "n": n, "k": k, "cublas_us": cublas, "best": best,
             "plan_splits": now, "plan_tile": str(tile_for(m, n, k, now)[0]) if now else None,
             "plan_us": plan_us, "tried": tried}
@@ -100,7 +82,7 @@ def glu_one(n, k, m, weights, quick) -> dict:
     x = torch.randn(m, k, device=dev, dtype=dt)
     act = torch.compile(lambda h: F.silu(h[:, : n // 2]) * h[:, n // 2 :])
     want = act(F.linear(x, weights[0])).float()
-    plain = timed_us(lambda a, w: act(F.linear(a, w)), weights, x)
+    plain = timed_us(lambda a, w: act(F.linear(a, w)), weights, x, REPS)
     bm, tried = 16 if m <= 16 else 64, []
     for splits, bn, bk, swap, stages in candidates(k, quick):
         if splits != 1:  # one split: the activation needs the whole sums
@@ -113,7 +95,7 @@ def glu_one(n, k, m, weights, quick) -> dict:
             print(f"  glu M={m} {(bn, bk, bm, swap, stages)}: {type(e).__name__}")
             continue
         tried.append({"block_n": bn, "block_k": bk, "block_m": bm, "swap": swap,
-                      "num_stages": stages, "us": timed_us(fn, weights, x), "max_diff": err})
+                      "num_stages": stages, "us": timed_us(fn, weights, x, REPS), "max_diff": err})
     return {"gemm": "gate_up+swiglu", "m": m, "n": n, "k": k, "cublas_us": plain,
             "best": min(tried, key=lambda r: r["us"]), "tried": tried}
 
@@ -158,9 +140,7 @@ def main(argv=None) -> int:
             print(f"gate_up+swiglu M={m}: cuBLAS + activation {r['cublas_us']:.2f} us, fused "
                   f"{b['us']:.2f} us with {tiling}, max diff {b['max_diff']:.1e}", flush=True)
     print(f"sweep took {time.time() - t0:.0f} s")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                          "torch": torch.__version__, "rows": rows}, indent=1))
+    write_rows(args.out, rows)
     return 0
 
 
