@@ -201,6 +201,9 @@ def test_dropout_only_in_training():
     model.eval()
     torch.testing.assert_close(model(inputs), model(inputs))
     torch.testing.assert_close(model(inputs), reference.eval()(inputs))
+    # p = 0: no dropout modules at all (identities), p > 0: every residual branch has one
+    assert not any(isinstance(m, torch.nn.Dropout) for m in reference.modules())
+    assert sum(isinstance(m, torch.nn.Dropout) for m in model.modules()) >= 2 * len(model.layers)
 
 
 def test_learned_positions_reject_long_inputs():
