@@ -7,11 +7,11 @@ kernel (trireme.ops.skinny_gemm_triton), elsewhere and as the reference the same
 `skinny_linear(x, weight, bias)` takes this path when x has at most MAX_ROWS rows, is on CUDA in
 bf16 / fp16 and the shape has a plan (`plan`: a measured shape, or K at least DEEP x N; N a
 multiple of the tile, K of splits x tile, the weight at most MAX_WEIGHT elements); otherwise it
-is F.linear. `SkinnyLinear` is an nn.Linear
-whose forward is skinny_linear, and `use_skinny_linears(model)` swaps a model's plain
-nn.Linear layers for it (the same module objects: state dicts and checkpoints do not change),
-or back: the serving engine does one or the other by EngineSettings.decode_gemm ("triton" /
-"cublas") and `unavailable` (the kernels' plans are for sm_90).
+is F.linear. `SkinnyLinear` is an nn.Linear whose forward is skinny_linear, and
+`use_skinny_linears(model)` turns a model's plain nn.Linear layers into it (the same module
+objects: state dicts and checkpoints do not change), or back: the serving engine does one or
+the other by EngineSettings.decode_gemm ("triton" / "cublas") and `unavailable` (the
+kernels' plans are for sm_90).
 
 `SkinnyLinear.swiglu(x)` is SwiGLU's first layer and activation as one kernel (GLU_TILES: the
 shapes measured to gain; else F.linear, then silu(gate) * up), which the MLP calls when its fc1
