@@ -58,6 +58,7 @@ class RequestError(TriremeError):
 class QueueFull(TriremeError):
     """The waiting queue is full (an HTTP 429)."""
 
+
 DECODE_GEMMS = ("cublas", "triton")  # EngineSettings.decode_gemm
 
 
