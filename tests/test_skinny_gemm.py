@@ -111,11 +111,13 @@ def test_skinny_linear_equals_linear(bias):
 def test_custom_op_traces_under_compile():
     torch.manual_seed(2)
     x, w = torch.randn(5, 128), torch.randn(96, 128)
-    compiled = torch.compile(lambda a, b: skinny_linear(a, b, splits=2) * 2, backend="aot_eager",
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda a, b: skinny_linear(a, b, splits=2) * 2, backend=counter,
                              fullgraph=True, dynamic=True)
     torch.testing.assert_close(compiled(x, w), F.linear(x, w) * 2, rtol=1e-5, atol=1e-5)
     x9 = torch.randn(9, 128)  # another row count: the same graph (no shape in the op's args)
     torch.testing.assert_close(compiled(x9, w), F.linear(x9, w) * 2, rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == 1
 
 
 def test_use_skinny_linears_keeps_parameters_and_outputs():

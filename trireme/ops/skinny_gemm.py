@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trireme.ops.swiglu import swiglu
+
 MAX_ROWS = 64  # more rows: cuBLAS (the H200 sweep: the kernel loses at 256)
 MAX_WEIGHT = 64 << 20  # elements; the output layer (128256 x 2048) already runs at ~4 TB/s
 MIN_CAPABILITY = (9, 0)  # the plans' tiles: sm_90's shared memory (H100 / H200)
@@ -91,8 +93,12 @@ def plan(n: int, k: int) -> int | None:
 
 def tile_for(rows: int, n: int, k: int, splits: int) -> tuple[Tile, int]:
     """(tile, rows per program) for a launch with `rows` rows."""
-    small, large = TILES.get((n, k, splits), (Tile(),) * 2)
-    return (small, 16) if rows <= 16 else (large, 64)
+    return _by_rows(TILES.get((n, k, splits), (Tile(),) * 2), rows)
+
+
+def _by_rows(tiles: tuple[Tile, Tile], rows: int) -> tuple[Tile, int]:
+    """The (small, large) pair's tile for `rows` rows and its rows per program."""
+    return (tiles[0], 16) if rows <= 16 else (tiles[1], 64)
 
 
 def skinny_mm_reference(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
@@ -165,7 +171,7 @@ def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     tiles = GLU_TILES.get(tuple(weight.shape))
     if launch is None or tiles is None:
         return skinny_swiglu_reference(x, weight)
-    tile, block_m = (tiles[0], 16) if x.shape[0] <= 16 else (tiles[1], 64)
+    tile, block_m = _by_rows(tiles, x.shape[0])
     return launch(x, weight, 1, tile.block_n, tile.block_k, block_m, tile.swap, tile.num_warps,
                   tile.num_stages, glu=True)[0]
 
@@ -235,8 +241,7 @@ def skinny_swiglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         rows = x.reshape(-1, x.shape[-1])
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
         return skinny_swiglu(rows, weight).view(*x.shape[:-1], -1)
-    gate, up = F.linear(x, weight, bias).chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return swiglu(F.linear(x, weight, bias))
 
 
 class SkinnyLinear(nn.Linear):
@@ -269,12 +274,14 @@ def use_skinny_linears(model: nn.Module, on: bool = True) -> int:
 def warm_up(model: nn.Module) -> None:
     """Compile now the kernels the SkinnyLinears of `model` (swapped in, on a GPU where they
     run) launch: every planned shape at both tiles (rows <= 16 and more). A step meeting an
-    uncompiled one would stall ~0.5-1 s in the middle of serving."""
-    for module in model.modules():
-        if isinstance(module, SkinnyLinear):
-            w = module.weight
-            for rows in (1, MAX_ROWS):
-                x = w.new_zeros(rows, w.shape[1])
+    uncompiled one would stall ~0.5-1 s in the middle of serving. Once per weight shape, and
+    only the shapes that take a kernel."""
+    weights = {tuple(m.weight.shape): m.weight for m in model.modules()
+               if isinstance(m, SkinnyLinear)}
+    for shape, w in weights.items():
+        for rows in (1, MAX_ROWS):
+            x = w.new_zeros(rows, w.shape[1])
+            if plan(*shape) is not None:
                 skinny_linear(x, w)
-                if GLU_TILES.get(tuple(w.shape)) is not None:
-                    skinny_swiglu_linear(x, w)
+            if GLU_TILES.get(shape) is not None:
+                skinny_swiglu_linear(x, w)
