@@ -112,3 +112,24 @@ def run_sm90_script(script: str, tmp_path: Path) -> str:
                           text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0 and proc.stdout.split()[-1] == "ok", proc.stdout + proc.stderr
     return proc.stdout
+
+
+def compile_for_sm90(fn, constexprs: dict, pointers: dict, num_warps: int = 4,
+                     num_stages: int = 3):
+    """Compile a @triton.jit kernel for sm_90 (the H100 / H200) with Triton's real compiler, no
+    GPU needed: what the interpreter cannot show (a kernel that runs there may still fail to
+    compile, e.g. statements after a return in a constexpr `if`). `pointers` maps pointer
+    arguments to their Triton type ("*bf16"); other runtime arguments are i32. Skips without
+    Triton's NVIDIA backend."""
+    pytest.importorskip("triton", reason="compiling a kernel needs Triton")
+    import triton
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as e:  # a Triton without the NVIDIA backend
+        pytest.skip(f"Triton cannot compile for sm_90 here: {e}")
+    signature = {n: pointers.get(n) or ("constexpr" if n in constexprs else "i32")
+                 for n in fn.arg_names}
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                          target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})

@@ -364,3 +364,23 @@ def test_decode_gemm_triton_swaps_the_linears_and_keeps_the_tokens(monkeypatch):
     assert type(model.layers["0"].mlp.fc2) is torch.nn.Linear
     with pytest.raises(ConfigError, match="decode_gemm"):
         EngineSettings(decode_gemm="cutlass").check()
+
+
+def test_a_split_k_kernel_that_does_not_compile_leaves_the_plain_layers(monkeypatch):
+    """A Triton compile error at the warm-up (session 9: one tile failed on the H200 and the
+    engine did not start) turns the layers back and serves through cuBLAS, with a warning."""
+    model = model_of(CONFIGS["llama-gqa-untied"])
+    texts, params = prompts(2, seed=5), [SamplingParams(max_tokens=3, greedy=True)] * 2
+    settings = dict(block_size=4, max_running=2, max_batch_tokens=16)
+    want = [r.output_ids for r in
+            Engine(model, EngineSettings(**settings, decode_gemm="cublas")).generate(texts, params)]
+
+    def broken(model):
+        raise RuntimeError("accumulator shape is incompatible\n(the rest of Triton's report)")
+
+    monkeypatch.setattr(skinny, "unavailable", lambda device: None)
+    monkeypatch.setattr(skinny, "warm_up", broken)
+    with pytest.warns(UserWarning, match="does not compile here .RuntimeError: accumulator"):
+        engine = Engine(model, EngineSettings(**settings))
+    assert type(model.layers["0"].mlp.fc2) is torch.nn.Linear
+    assert [r.output_ids for r in engine.generate(texts, params)] == want

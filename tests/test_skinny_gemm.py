@@ -7,8 +7,9 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from interpreted import BF16_DOT, run_in_interpreter
+from interpreted import BF16_DOT, compile_for_sm90, run_in_interpreter
 from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import trireme.ops.skinny_gemm as skinny
 from trireme.config import ModelConfig
@@ -74,6 +75,36 @@ def test_kernel_matches_the_reference_in_interpreter():
     assert run_in_interpreter(BF16_DOT + KERNEL_SCRIPT) == "20"
 
 
+def planned_launches():
+    """(constexprs, num_warps, num_stages) of every launch the plans make: each TILES and
+    GLU_TILES entry at both row counts (and the default tile), both operand orders."""
+    launches = []
+    for (n, k, _), pair in skinny.TILES.items():
+        launches += [((n, k, False), pair)]
+    launches += [((2 * n, k, True), pair) for (n, k), pair in skinny.GLU_TILES.items()]
+    launches += [((2048, 8192, False), (skinny.Tile(),) * 2)]
+    for (_, k, glu), pair in launches:
+        for tile, block_m in (skinny._by_rows(pair, 1), skinny._by_rows(pair, 64)):
+            for swap in (False, True):
+                yield (dict(BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                            SWAP=swap, K=k, GLU=glu), tile.num_warps, tile.num_stages)
+
+
+def test_every_planned_tile_compiles_for_sm90():
+    """The interpreter runs Python, not Triton's compiler: a tile that runs there may not compile
+    (session 9: SWAP with 16 rows failed on the H200, and with it the engine's start)."""
+    pytest.importorskip("triton", reason="the kernel needs Triton")
+    from trireme.ops.skinny_gemm_triton import _skinny_kernel
+
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32"}
+    compiled = 0
+    for consts, warps, stages in planned_launches():
+        kernel = compile_for_sm90(_skinny_kernel, consts, pointers, warps, stages)
+        assert "mma" in kernel.asm["ptx"], consts  # the products on the tensor cores
+        compiled += 1
+    assert compiled >= 8
+
+
 def test_reference_sums_equal_linear():
     torch.manual_seed(0)
     x, w = torch.randn(7, 64, dtype=torch.float64), torch.randn(24, 64, dtype=torch.float64)
@@ -111,7 +142,7 @@ def test_skinny_linear_equals_linear(bias):
 def test_custom_op_traces_under_compile():
     torch.manual_seed(2)
     x, w = torch.randn(5, 128), torch.randn(96, 128)
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(lambda a, b: skinny_linear(a, b, splits=2) * 2, backend=counter,
                              fullgraph=True, dynamic=True)
     torch.testing.assert_close(compiled(x, w), F.linear(x, w) * 2, rtol=1e-5, atol=1e-5)
@@ -179,7 +210,7 @@ def test_the_row_guard_splits_dynamic_graphs_at_max_rows(monkeypatch):
     one graph above, one at or below (why compiled_prefill warms up a short prompt too)."""
     monkeypatch.setattr(skinny, "_small_inference_input",
                         lambda x, w: 0 < x.numel() // x.shape[-1] <= skinny.MAX_ROWS)
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(lambda a, b: skinny_linear(a, b), backend=counter, dynamic=True)
     w = torch.randn(256, 1024) * 0.05  # deep (K = 4 N): a plan
     with torch.no_grad():

@@ -29,6 +29,7 @@ import gc
 import itertools
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -162,9 +163,7 @@ class Engine:
         self.cfg = model.cfg
         weight = model.embedding.weight
         self.device, self.dtype = weight.device, weight.dtype
-        # the split-K kernel where it runs (else, and with "cublas", the plain layers again)
-        use_skinny_linears(model, on=settings.decode_gemm == "triton"
-                           and skinny_gemm.unavailable(self.device) is None)
+        self.use_decode_gemm(settings.decode_gemm)
         self.tokenizer = tokenizer
         self.eos_id = eos_id if eos_id is not None else (tokenizer.eod if tokenizer else None)
         probe = PagedCache(model, PagedLayout(1, settings.block_size), 1, torch.device("meta"),
@@ -213,6 +212,23 @@ class Engine:
         self.warm_kernels()
         self.freeze_startup_objects()
 
+    def use_decode_gemm(self, choice: str) -> None:
+        """The split-K kernel's layers (trireme.ops.skinny_gemm) where they run and `choice` is
+        "triton", compiled now, before any graph captures them; else, with "cublas", or if a
+        kernel fails to compile here (a warning says why), the plain layers again."""
+        on = choice == "triton" and skinny_gemm.unavailable(self.device) is None
+        use_skinny_linears(self.model, on=on)
+        if not on:
+            return
+        try:
+            skinny_gemm.warm_up(self.model)
+        except Exception as e:  # noqa: BLE001 - a Triton compile error: serve without it
+            use_skinny_linears(self.model, on=False)
+            warnings.warn(f"the split-K decode kernel does not compile here ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:120]}); the decode steps' linear layers "
+                          "run through cuBLAS (EngineSettings.decode_gemm \"cublas\")",
+                          stacklevel=3)
+
     def freeze_startup_objects(self) -> None:
         """On CUDA: collect once, then move every object alive now (the model, the compiled
         graphs and CUDA graphs built above: millions of objects) out of reach of Python's cycle
@@ -228,9 +244,8 @@ class Engine:
 
     def warm_kernels(self) -> None:
         """Compile now (CUDA only) the Triton kernels the steps outside the CUDA graphs launch:
-        the greedy / finite kernel for the model's logits, the split-K linear's tiles and the
-        paged decode kernel at every split count (with its fused store too when no graphs
-        replay the decode-only steps).
+        the greedy / finite kernel for the model's logits and the paged decode kernel at every
+        split count (with its fused store too when no graphs replay the decode-only steps).
         A step that met one uncompiled stalled the engine for ~0.5-1 s, and on a fresh machine
         (an empty Triton cache) the first minutes of serving met several; it costs a few
         seconds at startup instead (cached on disk by Triton after the first time)."""
@@ -238,7 +253,6 @@ class Engine:
             return
         argmax.warm_up(self.cfg.vocab_size, self.model.padded_vocab_size, self.dtype,
                        self.device)
-        skinny_gemm.warm_up(self.model)  # the split-K kernel's tiles (decode_gemm "triton")
         kv = next((s for s in self.cache.states() if isinstance(s, PagedKV)), None)
         if kv is not None:
             paged_attention.warm_up(kv.k_pool, kv.v_pool, self.cfg.num_attention_heads,

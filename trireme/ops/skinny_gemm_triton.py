@@ -32,10 +32,16 @@ import triton.language as tl
 
 @triton.jit
 def _tile_dot(x, w, acc, SWAP: tl.constexpr):
-    """acc + x w^T for x [BM, BK], w [BN, BK]: acc [BM, BN], or [BN, BM] transposed (SWAP)."""
+    """acc + x w^T for x [BM, BK], w [BN, BK]: acc [BM, BN], or [BN, BM] transposed (SWAP).
+    One return after the branch: Triton's compiler (3.6-3.9) builds the statements after a
+    return inside a constexpr `if` too (here: a dot of the other shape, a compile error), which
+    the interpreter, a plain Python run, never shows (tests/test_skinny_gemm.py compiles the
+    kernel for sm_90 as well)."""
     if SWAP:
-        return tl.dot(w, tl.trans(x), acc)
-    return tl.dot(x, tl.trans(w), acc)
+        acc = tl.dot(w, tl.trans(x), acc)
+    else:
+        acc = tl.dot(x, tl.trans(w), acc)
+    return acc
 
 
 @triton.jit(do_not_specialize=["m_rows"])
