@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 9's GPU calls (one call < 10 min; logs and JSON under $OUT, packed into one tarball):
-#   bash bench/gpu_session9.sh diag   # the fused gate_up + SwiGLU sweep, the step's kernels,
-#                                     # and the paged kernel alone with and without the new key
+#   bash bench/gpu_session9.sh diag    # the fused gate_up + SwiGLU sweep, the step's kernels,
+#                                      # and the paged kernel alone with and without the new key
+#   bash bench/gpu_session9.sh verify  # after the fixes: serving x3, kernels, pool layouts
 set -uo pipefail
 . bench/gpu_part.sh
 : "${TOTAL:=540}"
@@ -15,6 +16,23 @@ diag)
     TAIL=30 part paged 150 python bench/serve_profile.py --kernel-configs --batches 64 \
         --variants v2 --tiles 64,128 --warps 2,4 --splits 0,2 --heads 2,8 --prefetch 0 \
         --stages 0,3 --out "$O/serve_kernel_configs-64.json"
+    ;;
+verify)  # the swapped tile fixed, the fused gate_up + SwiGLU on: serving and the decode step
+    # (3 fresh runs), the step's kernels, the paged kernel by pool layout, the GLU sweep again
+    AB="bench/serve_throughput.py --graphs on --concurrency 1,16,64,256 --bound-batches 64"
+    for i in 1 2 3; do
+        TAIL=12 part serve_$i 85 python $AB --out "$O/serve-$i.json"
+    done
+    TAIL=30 part profile 80 python bench/serve_profile.py --batches 64 \
+        --out "$O/serve_profile-llama3-1b.json"
+    SWEEP="--kernel-configs --batches 64 --variants v2 --tiles 16,32,64 --warps 2,4 \
+        --splits 0,4 --heads 1,2,8 --prefetch 0 --max-seconds 75"
+    for layout in pos head; do
+        TAIL=8 part paged_$layout 95 python bench/serve_profile.py $SWEEP --layout $layout \
+            --out "$O/serve_kernel_configs-$layout.json"
+    done
+    TAIL=8 part glu 60 python bench/skinny_gemm.py --gemms down --batches 1,16 --glu --quick \
+        --out "$O/skinny_gemm-glu.json"
     ;;
 esac
 echo "== done at $SECONDS s"

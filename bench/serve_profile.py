@@ -113,6 +113,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-seconds", type=float, default=1e9,
                    help="start no setting after this many seconds of sweeping")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--layout", choices=["pos", "head"], default="pos",
+                   help="--kernel-configs' pools: position-major as the engine's, or head-major")
     p.add_argument("--kv-store", choices=["fused", "separate"], default="fused",
                    help="decode steps' keys stored by the paged kernel, or index_copy_ first")
     p.add_argument("--decode-gemm", choices=["cublas", "triton"], default="triton",
@@ -309,13 +311,19 @@ def print_result(r: dict) -> None:
 
 
 def kernel_case(m, batch: int, context: int, block: int, device: torch.device, dtype,
-                seed: int = 0):
-    """q [B, H, d], pools, tables [B, W] (blocks shuffled over the pool), lengths [B]."""
+                seed: int = 0, layout: str = "pos"):
+    """q [B, H, d], pools, tables [B, W] (blocks shuffled over the pool), lengths [B]. The pools
+    are [blocks, block, n_kv, d] either way; layout "head" stores them head-major
+    ([blocks, n_kv, block, d] memory, a transposed view: the kernel takes strides)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     width = -(-context // block)
     shape = (1 + batch * width, block, m.kv_heads, m.head_size)
-    k_pool = torch.randn(shape, generator=gen, device=device, dtype=dtype)
-    v_pool = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    if layout == "head":
+        shape = (shape[0], shape[2], shape[1], shape[3])
+    k_pool, v_pool = (torch.randn(shape, generator=gen, device=device, dtype=dtype)
+                      for _ in range(2))
+    if layout == "head":
+        k_pool, v_pool = k_pool.transpose(1, 2), v_pool.transpose(1, 2)
     order = torch.randperm(batch * width, generator=gen, device=device) + 1
     q = torch.randn(batch, m.num_attention_heads, m.head_size, generator=gen, device=device,
                     dtype=dtype)
@@ -421,13 +429,14 @@ def kernel_configs(cfg, args, device: torch.device, dtype, out: Path) -> list[di
 
     rows, stores, began = [], [], time.perf_counter()
     for batch in (int(b) for b in args.batches.split(",")):
-        one = kernel_case(cfg.model, batch, args.context, args.block_size, device, dtype)
+        one = kernel_case(cfg.model, batch, args.context, args.block_size, device, dtype,
+                          layout=args.layout)
         kv_bytes = 2 * batch * args.context * cfg.model.kv_heads * cfg.model.head_size * (
             one[1].element_size())  # the K and V rows read
         # cycled over enough pools (as the layers of a step are) not to be read from the L2
         n = min(128, max(4, -(-(256 << 20) // kv_bytes))) if device.type == "cuda" else 1
         cases = [one] + [kernel_case(cfg.model, batch, args.context, args.block_size, device,
-                                     dtype, i) for i in range(1, n)]
+                                     dtype, i, args.layout) for i in range(1, n)]
         want = paged_decode_reference(*one).float()
         for variant, kw in launch_settings(args, cfg.model.kv_heads):
             if time.perf_counter() - began > args.max_seconds:
@@ -474,7 +483,7 @@ def write_json(out: Path, args, device: torch.device, rows: list[dict],
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps({"preset": args.preset, "context": args.context,
-                               "block_size": args.block_size,
+                               "block_size": args.block_size, "layout": args.layout,
                                "device": torch.cuda.get_device_name()
                                if device.type == "cuda" else "cpu", "rows": rows,
                                "fused_store": stores}, indent=1))

@@ -83,9 +83,10 @@ def store_new(k_pool: torch.Tensor, v_pool: torch.Tensor, new: NewKeys) -> None:
     """k_new, v_new [r, n_kv, d] into the pools' rows slots [r] (block * block_size + offset),
     in place: the reference's half of `new` (module docstring)."""
     k_new, v_new, slots = new
-    n_kv, d = k_pool.shape[2], k_pool.shape[3]
-    k_pool.view(-1, n_kv, d).index_copy_(0, slots, k_new)  # [num_blocks * block_size, n_kv, d]
-    v_pool.view(-1, n_kv, d).index_copy_(0, slots, v_new)
+    block = k_pool.shape[1]
+    at = (slots // block, slots % block)  # any pool strides (a head-major pool's view too)
+    k_pool.index_put_(at, k_new)
+    v_pool.index_put_(at, v_new)
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,

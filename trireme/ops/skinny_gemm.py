@@ -65,9 +65,11 @@ TILES: dict[tuple[int, int, int], tuple[Tile, Tile]] = {
 
 # SwiGLU's first layer [W_gate; W_up] (2F, K) -> the tile of its fused kernel (GLU: one split,
 # silu(gate) * up written, trireme.ops.skinny_gemm_triton) for rows <= 16 and <= MAX_ROWS;
-# a shape not here runs F.linear, then the activation. Empty until the H200 sweep
-# (bench/skinny_gemm.py --glu) says the fused kernel beats cuBLAS + the activation's kernel.
-GLU_TILES: dict[tuple[int, int], tuple[Tile, Tile]] = {}
+# a shape not here runs F.linear, then the activation. From the H200 sweep (bench/skinny_gemm.py
+# --glu, session 9): llama3-1b's 16384 x 2048 fused 17.4 / 17.9 / 19.4 us at 1 / 16 / 64 rows
+# against cuBLAS + the compiled activation's 19.3 / 19.8 / 21.5.
+GLU_TILES: dict[tuple[int, int], tuple[Tile, Tile]] = {
+    (16384, 2048): (Tile(64, 128, False, 4, 4), Tile(64, 128, False, 4, 4))}
 
 
 def default_splits(n: int, k: int, tile: Tile = Tile()) -> int:
