@@ -34,6 +34,9 @@ verify)  # the swapped tile fixed, the fused gate_up + SwiGLU on: serving and th
     TAIL=8 part glu 60 python bench/skinny_gemm.py --gemms down --batches 1,16 --glu --quick \
         --out "$O/skinny_gemm-glu.json"
     ;;
+prefetch)  # the small GEMMs' weights prefetched into the L2 beside the paged kernel?
+    TAIL=30 part l2 120 python bench/l2_prefetch.py --out "$O/l2_prefetch.json"
+    ;;
 esac
 echo "== done at $SECONDS s"
 cd "$O" && tar czf session9.tgz --remove-files ./*.json ./*.log 2>/dev/null; ls "$O"
