@@ -37,6 +37,14 @@ verify)  # the swapped tile fixed, the fused gate_up + SwiGLU on: serving and th
 prefetch)  # the small GEMMs' weights prefetched into the L2 beside the paged kernel?
     TAIL=30 part l2 120 python bench/l2_prefetch.py --out "$O/l2_prefetch.json"
     ;;
+mixed)  # where a loaded server's prompt steps go, eager and compiled; the other batch sizes
+    TAIL=16 part mixed_off 120 python bench/serve_mixed.py --batch 256 --mixed-prompt 1800 \
+        --out "$O/serve_mixed-256.json"
+    TAIL=16 part mixed_on 180 python bench/serve_mixed.py --batch 256 --mixed-prompt 1800 \
+        --compile-prefill on --out "$O/serve_mixed-256-compile-prefill.json"
+    TAIL=8 part bound 100 python bench/serve_throughput.py --graphs on --concurrency 1 \
+        --num-prompts 16 --bound-batches 1,16,64,256 --out "$O/serve_bound.json"
+    ;;
 esac
 echo "== done at $SECONDS s"
 cd "$O" && tar czf session9.tgz --remove-files ./*.json ./*.log 2>/dev/null; ls "$O"

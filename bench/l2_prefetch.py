@@ -43,7 +43,7 @@ from serve_profile import kernel_case  # noqa: E402
 from trireme.config import load_config  # noqa: E402
 from trireme.ops.paged_attention_triton import paged_decode_attention  # noqa: E402
 
-PREFETCH_ASM = ("{ .reg .pred p; setp.gt.s32 p, $2, 0; "
+PREFETCH_ASM = tl.constexpr("{ .reg .pred p; setp.gt.s32 p, $2, 0; "
                 "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }")
 
 
