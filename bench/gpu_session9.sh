@@ -45,6 +45,14 @@ mixed)  # where a loaded server's prompt steps go, eager and compiled; the other
     TAIL=8 part bound 100 python bench/serve_throughput.py --graphs on --concurrency 1 \
         --num-prompts 16 --bound-batches 1,16,64,256 --out "$O/serve_bound.json"
     ;;
+rope)  # RoPE folded into the paged kernel: serving and the decode step (3 fresh runs), kernels
+    AB="bench/serve_throughput.py --graphs on --concurrency 1,16,64,256 --bound-batches 64"
+    for i in 1 2 3; do
+        TAIL=12 part rope_serve_$i 85 python $AB --out "$O/rope-serve-$i.json"
+    done
+    TAIL=30 part rope_profile 80 python bench/serve_profile.py --batches 64 \
+        --out "$O/rope-serve_profile-llama3-1b.json"
+    ;;
 esac
 echo "== done at $SECONDS s"
 cd "$O" && tar czf session9.tgz --remove-files ./*.json ./*.log 2>/dev/null; ls "$O"
