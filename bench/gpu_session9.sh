@@ -53,6 +53,14 @@ rope)  # RoPE folded into the paged kernel: serving and the decode step (3 fresh
     TAIL=30 part rope_profile 80 python bench/serve_profile.py --batches 64 \
         --out "$O/rope-serve_profile-llama3-1b.json"
     ;;
+rope_kernel)  # the paged kernel alone: stored keys, fused, fused + RoPE, by launch setting
+    for spec in "" "v2,num_warps=4" "v2,tile=32" "v2,heads=1" "v2,num_stages=3"; do
+        TAIL=3 part "rk_${spec//[,=]/_}" 60 env TRIREME_PAGED_KERNEL="$spec" \
+            python bench/serve_profile.py --kernel-configs --batches 64 --variants v2 \
+            --tiles 64 --warps 2 --splits 0 --heads 2 --prefetch 0 \
+            --out "$O/rk-${spec//[,=]/_}.json"
+    done
+    ;;
 esac
 echo "== done at $SECONDS s"
 cd "$O" && tar czf session9.tgz --remove-files ./*.json ./*.log 2>/dev/null; ls "$O"
