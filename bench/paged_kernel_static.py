@@ -32,7 +32,7 @@ sys.path.insert(0, str(HERE.parent))
 POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "tables_ptr": "*i64",
             "lengths_ptr": "*i64", "out_ptr": "*bf16", "part_m_ptr": "*fp32",
             "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "k_new_ptr": "*bf16",
-            "v_new_ptr": "*bf16", "slots_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+            "v_new_ptr": "*bf16", "slots_ptr": "*i64"}
 DEFAULT = ["v1:1:64:4:0", "v1:1:128:8:0", "v2:1:64:4:0", "v2:2:32:4:0", "v2:4:32:8:0",
            "v2:8:16:8:0", "v2:1:64:4:1", "v2:2:32:4:1"]
 
@@ -47,8 +47,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--splits", type=int, default=1)
     p.add_argument("--new", action="store_true",
                    help="with the fused store of the step's keys (the kernels' NEW)")
-    p.add_argument("--rope", action="store_true",
-                   help="v2 RoPE-ing q and the new key as it reads them (its ROPE)")
     p.add_argument("--out", default=str(HERE / "results" / "paged_kernel_static.json"))
     return p.parse_args(argv)
 
@@ -87,7 +85,7 @@ def compile_one(setting: str, args) -> dict:
         consts["HEADS_FIRST"] = False
     else:
         fn = kernels._paged_decode_v2_kernel
-        consts.update(HEADS=heads, PREFETCH=prefetch == "1", ROPE=args.rope)
+        consts.update(HEADS=heads, PREFETCH=prefetch == "1")
     signature = {n: POINTERS.get(n) or ("constexpr" if n in consts else
                                         "fp32" if n == "scale" else "i32") for n in fn.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)

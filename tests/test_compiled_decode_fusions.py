@@ -348,13 +348,11 @@ def tokens(compiled):
 
 want = tokens(False)  # eager: index_copy_, then the gather path
 real, layouts = paged.paged_decode_attention, []
-def through_kernel(q, k_pool, v_pool, tables, lengths, backend="auto", new=None, rope=None):
+def through_kernel(q, k_pool, v_pool, tables, lengths, backend="auto", new=None):
     if new is None:
-        return real(q, k_pool, v_pool, tables, lengths, backend, rope=rope)
-    layouts.append([q.is_contiguous(), new[0].is_contiguous(), new[1].is_contiguous(),
-                    rope is not None])
-    return kernels.paged_decode_attention(q, k_pool, v_pool, tables, lengths, new=new,
-                                          rope=rope)
+        return real(q, k_pool, v_pool, tables, lengths, backend)
+    layouts.append([q.is_contiguous(), new[0].is_contiguous(), new[1].is_contiguous()])
+    return kernels.paged_decode_attention(q, k_pool, v_pool, tables, lengths, new=new)
 paged.paged_decode_attention = through_kernel
 got = tokens(True)
 print(json.dumps({"want": want, "got": got, "layouts": layouts}))
@@ -363,14 +361,13 @@ print(json.dumps({"want": want, "got": got, "layouts": layouts}))
 
 def test_compiled_decode_steps_hand_the_kernel_views_and_give_the_eager_tokens():
     """The llama shape's compiled decode steps (graph buckets, aot_eager) with the fused kernel
-    (through the interpreter): q, k, v reach it as strided views of the qkv output, not yet
-    RoPE'd (the kernel rotates them), and the tokens are the eager engine's (RoPE, index_copy_,
-    the gather path)."""
+    (through the interpreter): q, k, v reach it as strided views of the qkv output, and the
+    tokens are the eager engine's (index_copy_ + the gather path)."""
     pytest.importorskip("triton")
     script = ENGINE_SCRIPT.replace("TESTS", repr(str(Path(__file__).parent)))
     out = json.loads(run_in_interpreter(script).splitlines()[-1])
     assert out["got"] == out["want"], out
-    assert out["layouts"] and [False, False, False, True] in out["layouts"], out
+    assert out["layouts"] and [False, False, False] in out["layouts"], out
 
 
 @pytest.mark.slow  # cold Inductor C++ compiles of five pieces: ~20 s on two cores

@@ -21,7 +21,7 @@ import trireme.models.block as block_module
 import trireme.ops.skinny_gemm as skinny
 from trireme.errors import ConfigError
 from trireme.inference.cli import LoadedModel, engine_from_args
-from trireme.inference.compiled_decode import _post, _pre_deferred, compiled_layer, pieces
+from trireme.inference.compiled_decode import _post, _pre, compiled_layer, pieces
 from trireme.inference.engine import Engine, EngineSettings
 from trireme.inference.sampling import SamplingParams
 from trireme.inference.serve_cli import serve_parser
@@ -83,7 +83,7 @@ def test_compiled_prompt_and_mixed_steps_give_the_eager_logits_without_recompili
     assert counter.frame_count == before
     # apart from the decode pieces: the graphs hang on the prefill wrappers' code only
     assert _debug_get_cache_entry_list(compiled_prefill._prefill_pre.__code__)
-    assert not _debug_get_cache_entry_list(_pre_deferred.__code__)
+    assert not _debug_get_cache_entry_list(_pre.__code__)
     assert not _debug_get_cache_entry_list(_post.__code__)
 
 
@@ -113,7 +113,7 @@ def test_compile_prefill_with_the_compiled_decode_forward(monkeypatch):
     engine.cache.compiled_layer = compiled_layer("aot_eager")
     assert [r.output_ids for r in engine.generate(texts, params)] == [
         r.output_ids for r in eager]
-    assert _debug_get_cache_entry_list(_pre_deferred.__code__)  # the decode steps'
+    assert _debug_get_cache_entry_list(_pre.__code__)  # the decode steps'
     assert _debug_get_cache_entry_list(compiled_prefill._prefill_pre.__code__)
 
 

@@ -12,18 +12,13 @@ block's decode forward on a decode-only step x [1, T, h] (T requests, one token 
     x = post(x, y)                    compiled: x + out(y), then each following sublayer
                                       x + mlp(norm(x)) (up to the next mixer)
 
-so no compiled graph ever takes a KV pool as an input. Three fusions save small kernels:
+so no compiled graph ever takes a KV pool as an input. Two fusions save small kernels:
 
 - Without QK-norm (`_project`) q and k are RoPE'd together: the qkv output's q and k columns
   viewed as one [T, n_heads + n_kv, d] tensor, one rotary kernel (cos, sin [T, 1, d] shared by
   the heads: rope.apply_rotary_heads); q, k are its views, v a view of the qkv output's v
   columns: no copies (the paged kernel takes row and head strides; stride(-1) is 1). With
   QK-norm: attention.heads, then contiguous q, k, v (as before).
-- RoPE in the paged kernel: without QK-norm the decode pieces (`_pre_deferred`,
-  `_project_deferred`) hand q and k over un-rotated, and the kernel rotates them by each
-  request's cos / sin row as it reads them (`deferred_rope`; PagedKV.attend_decode's `rope`;
-  the gather path rotates first: the same math). The rotary kernel between the qkv GEMM and the
-  paged kernel is gone (session 9: 1.4 us a layer on the H200 at batch 64).
 - A post followed by an attention piece (the next block's first, as a rule) is `post_norm`: it
   also returns h = that attention's input norm of x, which Inductor computes in the kernel of
   the last residual add (the down-projection before it is an extern GEMM, which that add could
@@ -67,21 +62,19 @@ RECOMPILE_LIMIT = 64  # graphs compiled per process: batch buckets x dtypes x mo
 Piece = tuple[str, str | None, tuple[str, ...]]  # (kind, sublayer, the plain sublayers after it)
 
 
-def _pre(block: torch.nn.Module, name: str, x: torch.Tensor, rope: Any,
-         defer_rope: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _pre(block: torch.nn.Module, name: str, x: torch.Tensor, rope: Any
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [1, T, h] -> q [T, n_heads, d], k, v [T, n_kv, d] of attention sublayer `name`."""
-    return _project(block, name, getattr(block, f"{name}_norm")(x), rope, defer_rope)
+    return _project(block, name, getattr(block, f"{name}_norm")(x), rope)
 
 
-def _project(block: torch.nn.Module, name: str, h: torch.Tensor, rope: Any,
-             defer_rope: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _project(block: torch.nn.Module, name: str, h: torch.Tensor, rope: Any
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h [1, T, h] (x's input norm) -> q [T, n_heads, d], k, v [T, n_kv, d]. Without QK-norm
     q, k, v are views of the qkv projection's row of each token, [T, (n_heads + 2 n_kv) d]:
     q and k RoPE'd together as one [T, n_heads + n_kv, d] tensor (one kernel), v not copied
-    (unit column stride, row stride (n_heads + 2 n_kv) d: the paged kernel takes strides);
-    with `defer_rope` (deferred_rope says whether it applies) q and k are views too, not
-    RoPE'd: the paged kernel rotates them. With QK-norm, attention.heads, then contiguous
-    copies."""
+    (unit column stride, row stride (n_heads + 2 n_kv) d: the paged kernel takes strides).
+    With QK-norm, attention.heads, then contiguous copies."""
     attention = getattr(block, name)
     qkv = attention.qkv(h)  # [1, T, (n_heads + 2 n_kv) d]
     if attention.qk_norm:
@@ -90,33 +83,10 @@ def _project(block: torch.nn.Module, name: str, h: torch.Tensor, rope: Any,
     n_heads, n_kv, d = attention.num_heads, attention.num_kv_heads, attention.head_size
     rows = qkv[0]  # [T, (n_heads + 2 n_kv) d]
     qk = rows[:, : (n_heads + n_kv) * d].unflatten(1, (n_heads + n_kv, d))  # [T, H + n_kv, d]
-    if rope is not None and not defer_rope:
+    if rope is not None:
         qk = apply_rotary_heads(qk, *rope)  # [T, H + n_kv, d], contiguous
     v = rows[:, (n_heads + n_kv) * d :].unflatten(1, (n_kv, d))  # [T, n_kv, d], a view
     return qk[:, :n_heads], qk[:, n_heads:], v
-
-
-def _pre_deferred(block: torch.nn.Module, name: str, x: torch.Tensor, rope: Any
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """_pre with RoPE left to the paged kernel (where deferred_rope applies)."""
-    return _pre(block, name, x, rope, defer_rope=True)
-
-
-def _project_deferred(block: torch.nn.Module, name: str, h: torch.Tensor, rope: Any
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """_project with RoPE left to the paged kernel (where deferred_rope applies)."""
-    return _project(block, name, h, rope, defer_rope=True)
-
-
-def deferred_rope(attention: torch.nn.Module, rope: Any
-                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The cos, sin rows [T, d] fp32 the paged kernel rotates q and k by when the compiled
-    decode forward leaves RoPE to it (_pre_deferred, _project_deferred: attention without
-    QK-norm, whose RoPE comes after the norm), else None."""
-    if rope is None or attention.qk_norm:
-        return None
-    cos, sin = rope  # [1, T, d] (each token's position) or [T, d]
-    return cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
 
 
 def _post(block: torch.nn.Module, x: torch.Tensor, y: torch.Tensor | None,
@@ -166,12 +136,10 @@ def pieces(block: torch.nn.Module, states: dict[str, Any]) -> list[Piece]:
 
 
 def _attend(block: torch.nn.Module, name: str, kv: PagedKV, q: torch.Tensor, k: torch.Tensor,
-            v: torch.Tensor, rope: Any = None) -> torch.Tensor:
+            v: torch.Tensor) -> torch.Tensor:
     """Eager: store k, v [T, n_kv, d] in the pools and attend q [T, n_heads, d] -> y [T, H, d]
-    (one launch of the paged kernel: PagedKV.attend_decode), which RoPEs q and k first when
-    the pieces before left it to it (deferred_rope)."""
-    attention = getattr(block, name)
-    return kv.attend_decode(q, k, v, attention.decode_backend, deferred_rope(attention, rope))
+    (one launch of the paged kernel: PagedKV.attend_decode)."""
+    return kv.attend_decode(q, k, v, getattr(block, name).decode_backend)
 
 
 class Fusing(NamedTuple):
@@ -222,7 +190,7 @@ def run_pieces(block: torch.nn.Module, x: torch.Tensor, rope: Any, states: dict[
         if kind == "attend":
             q, k, v = (pre(block, name, x, rope) if carried is None
                        else fusing.project(block, name, carried, rope))
-            y = attend(block, name, states[name], q, k, v, rope)
+            y = attend(block, name, states[name], q, k, v)
         elif kind == "eager":
             normed = getattr(block, f"{name}_norm")(x)
             x = x + getattr(block, name)(normed, rope, states.get(name), 0)
@@ -247,8 +215,7 @@ def compiled_layer(backend: str = "inductor") -> Callable[..., tuple]:
     `_post_norm` (one set per backend per process: its compilations are shared by every engine
     and layer)."""
     pre, project, post, post_norm = (torch.compile(f, backend=backend, fullgraph=True)
-                                     for f in (_pre_deferred, _project_deferred, _post,
-                                               _post_norm))
+                                     for f in (_pre, _project, _post, _post_norm))
     fusing = Fusing(project, post_norm)
 
     def run(block: torch.nn.Module, x: torch.Tensor, rope: Any, states: dict[str, Any],

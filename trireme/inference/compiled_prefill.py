@@ -76,10 +76,9 @@ def _tokens_dynamic(*tensors: torch.Tensor | None, dim: int) -> None:
 
 
 def _attend(block: torch.nn.Module, name: str, kv: PagedKV, q: torch.Tensor, k: torch.Tensor,
-            v: torch.Tensor, rope: Any = None) -> torch.Tensor:
+            v: torch.Tensor) -> torch.Tensor:
     """Eager: q [T, n_heads, d], k, v [T, n_kv, d] -> y [T, n_heads, d] (contiguous) through
-    PagedKV.attend, which takes and gives [1, heads, T, d] views (`rope` unused: the pre piece
-    here RoPEs q and k itself)."""
+    PagedKV.attend, which takes and gives [1, heads, T, d] views."""
     backend = getattr(block, name).decode_backend
     y = kv.attend(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), backend)
     return y[0].transpose(0, 1).contiguous()  # one layout for the compiled post: no recompile

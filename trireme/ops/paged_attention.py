@@ -32,7 +32,6 @@ import torch
 
 from trireme.errors import ConfigError
 from trireme.ops.attention import padded_attention
-from trireme.ops.rope import apply_rotary_heads
 
 NewKeys = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # k_new, v_new [r, n_kv, d], slots [r]
 
@@ -92,21 +91,16 @@ def store_new(k_pool: torch.Tensor, v_pool: torch.Tensor, new: NewKeys) -> None:
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            tables: torch.Tensor, lengths: torch.Tensor,
-                           backend: str = "auto", new: NewKeys | None = None,
-                           rope: tuple[torch.Tensor, torch.Tensor] | None = None
-                           ) -> torch.Tensor:
+                           backend: str = "auto", new: NewKeys | None = None) -> torch.Tensor:
     """The module docstring's attention; `backend` "reference" (or any forced SDPA kernel)
     takes the gather path. With `new` = (k_new, v_new, slots) this step's keys are stored
-    first (the kernel: as it attends; elsewhere store_new, then the gather path). With `rope`
-    = (cos, sin [r, d] fp32, each request's row) q and k_new are not RoPE'd yet: the kernel
-    rotates them as it reads them, the gather path first (trireme.ops.rope.apply_rotary_heads),
-    the same math; the pools get the rotated keys either way."""
+    first (the kernel: as it attends; elsewhere store_new, then the gather path)."""
     if _fits_kernel(q, k_pool, backend):
         launch = _kernel()
         if launch is not None:
             try:
                 with torch.cuda.device(q.device):
-                    return launch(q, k_pool, v_pool, tables, lengths, new=new, rope=rope)
+                    return launch(q, k_pool, v_pool, tables, lengths, new=new)
             except ConfigError:  # a bad $TRIREME_PAGED_KERNEL: say so, do not fall back
                 raise
             except Exception as e:  # a Triton compile error: keep serving on the plain path
@@ -115,9 +109,6 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                 warnings.warn(f"the paged decode kernel failed ({type(e).__name__}: "
                               f"{str(e)[:200]}); gathering the KV blocks instead", stacklevel=2)
                 _FAILED.append(e)
-    if rope is not None:
-        q = apply_rotary_heads(q, *rope)
-        new = None if new is None else (apply_rotary_heads(new[0], *rope), *new[1:])
     if new is not None:
         store_new(k_pool, v_pool, new)
     return paged_decode_reference(q, k_pool, v_pool, tables, lengths, backend)

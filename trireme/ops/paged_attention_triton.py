@@ -42,11 +42,6 @@ into registers before tile i's math: a program always has the next tile in fligh
 of about twice the registers (150-170 against 71-92), so fewer programs fit on an SM
 (bench/paged_kernel_static.py prints these counts).
 
-RoPE (ROPE, v2 only, with `rope` = cos, sin [r, d] fp32): q and k_new arrive un-rotated and are
-rotated as they are read, x cos + rotate_half(x) sin in fp32, rounded to the pool's dtype (the
-compiled decode step's rotary kernel, folded in: trireme.inference.compiled_decode); the stored
-key is the rotated one. v1 gets them rotated by torch first.
-
 Storing this step's keys (NEW: `new` = k_new, v_new [r, n_kv, d], slots [r]; saves the two
 index_copy_ launches per layer of a decode step). Request b's new key sits at position
 last = lengths[b] - 1, pool row slots[b] (block slots[b] // BLOCK, offset slots[b] % BLOCK):
@@ -83,40 +78,20 @@ import triton
 import triton.language as tl
 
 from trireme.errors import ConfigError
-from trireme.ops.rope import apply_rotary_heads
 
 NewKeys = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # k_new, v_new [r, n_kv, d], slots [r]
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [r, d] fp32: each request's position
-
-
-@triton.jit
-def _rotated(x_at, cols, cos_ptr, sin_ptr, D: tl.constexpr, mask):
-    """RoPE (rotate half: trireme.ops.rope) of the rows at x_at + cols, the last axis `cols` the
-    head dimension: x cos + rotate_half(x) sin in fp32, cos and sin [D] rows fp32 (broadcast
-    over the other axes), rotate_half(x)[i] = -x[i + D/2] for i < D/2, x[i - D/2] after."""
-    x = tl.load(x_at + cols, mask=mask, other=0.0).to(tl.float32)
-    partner = tl.load(x_at + (cols + D // 2) % D, mask=mask, other=0.0).to(tl.float32)
-    sign = tl.where(cols < D // 2, -1.0, 1.0)
-    return x * tl.load(cos_ptr + cols) + sign * partner * tl.load(sin_ptr + cols)
 
 
 @triton.jit
 def _new_key(q, m, denom, acc, k_new_ptr, v_new_ptr, slots_ptr, k_ptr, v_ptr, b, heads, cols, j,
              first, end, length, scale, stride_knr, stride_knh, stride_vnr, stride_vnh,
-             stride_kb, stride_ks, stride_kh, cos_ptr, sin_ptr, BLOCK: tl.constexpr,
-             D: tl.constexpr, ROPE: tl.constexpr):
+             stride_kb, stride_ks, stride_kh, BLOCK: tl.constexpr):
     """This step's key and value of request b, kv heads `heads` (h, or [HEADS, 1]) at columns
     `cols` (d, or [1, D]): chunk j == 0's program stores them into the pools' row slots[b]
     (block slot // BLOCK, offset slot % BLOCK), and the program whose chunk first..end-1 holds
     position length - 1 takes them into its online softmax (q [G, D] or [HEADS, G, D], m and
-    denom [G] or [HEADS, G], acc as q) as one more key, s = q . k_new * scale in fp32. With
-    ROPE the key is RoPE'd first (cos_ptr, sin_ptr: request b's rows), rounded to the pool's
-    dtype: what is stored, and what is attended."""
-    k_at = k_new_ptr + b * stride_knr + heads * stride_knh
-    if ROPE:
-        k = _rotated(k_at, cols, cos_ptr, sin_ptr, D, cols < D).to(k_new_ptr.dtype.element_ty)
-    else:
-        k = tl.load(k_at + cols)  # [D] or [HEADS, D]
+    denom [G] or [HEADS, G], acc as q) as one more key, s = q . k_new * scale in fp32."""
+    k = tl.load(k_new_ptr + b * stride_knr + heads * stride_knh + cols)  # [D] or [HEADS, D]
     v = tl.load(v_new_ptr + b * stride_vnr + heads * stride_vnh + cols)
     if j == 0:
         slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -191,7 +166,7 @@ def _paged_decode_kernel(
         m, denom, acc = _new_key(q, m, denom, acc, k_new_ptr, v_new_ptr, slots_ptr, k_ptr,
                                  v_ptr, b, h, d, j, first, end, length, 1.0, stride_knr,
                                  stride_knh, stride_vnr, stride_vnh, stride_kb, stride_ks,
-                                 stride_kh, k_new_ptr, k_new_ptr, BLOCK, D, False)
+                                 stride_kh, BLOCK)
     if SPLITS == 1:
         out = acc / denom[:, None]
         tl.store(out_ptr + b * stride_or + q_rows[:, None] * stride_oh + d[None, :],
@@ -269,17 +244,16 @@ def _walk_prefetched(q, k_at, v_at, tables_ptr, b, stride_tr, first, end, stride
 @triton.jit(do_not_specialize=["stride_tr"])  # as v1's
 def _paged_decode_v2_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, out_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr, k_new_ptr, v_new_ptr, slots_ptr, cos_ptr, sin_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, k_new_ptr, v_new_ptr, slots_ptr,
     stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_tr, stride_or, stride_oh,
-    stride_knr, stride_knh, stride_vnr, stride_vnh, stride_cr, scale, n_heads,
+    stride_knr, stride_knh, stride_vnr, stride_vnh, scale, n_heads,
     GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
     BLOCK: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
-    NEW: tl.constexpr, ROPE: tl.constexpr,
+    NEW: tl.constexpr,
 ):
     """v2 (module docstring): program (b, c, j) serves kv heads c * HEADS .. + HEADS of request
     b (all their query heads) over chunk j; with PREFETCH the next tile's K, V loads are in
-    flight while this tile's math runs; with ROPE (and NEW) q and the new key come un-rotated
-    and are RoPE'd here (cos, sin: request b's row at cos_ptr + b * stride_cr)."""
+    flight while this tile's math runs."""
     b = tl.program_id(0)
     kh = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # [HEADS] this program's kv heads
     j = tl.program_id(2)
@@ -292,14 +266,8 @@ def _paged_decode_v2_kernel(
     t = tl.arange(0, TILE)
     q_rows = kh[:, None] * GROUPS + g[None, :]  # [HEADS, G] query heads
     g_mask = (g < GROUPS)[None, :] & (kh >= 0)[:, None]  # [HEADS, G]
-    q_at = q_ptr + b * stride_qr + q_rows[:, :, None] * stride_qh
-    cos_at = cos_ptr + b * stride_cr
-    sin_at = sin_ptr + b * stride_cr
-    if ROPE:  # rounded to the pool's dtype, as a RoPE'd q handed in would be
-        q = _rotated(q_at, d[None, None, :], cos_at, sin_at, D, g_mask[:, :, None])
-    else:
-        q = tl.load(q_at + d[None, None, :], mask=g_mask[:, :, None], other=0.0)
-    q = q.to(k_ptr.dtype.element_ty)  # [HEADS, G, D]
+    q = tl.load(q_ptr + b * stride_qr + q_rows[:, :, None] * stride_qh + d[None, None, :],
+                mask=g_mask[:, :, None], other=0.0).to(k_ptr.dtype.element_ty)  # [HEADS, G, D]
     k_cols = (kh * stride_kh)[:, None, None] + d[None, :, None]  # [HEADS, D, 1]: K^T tiles
     v_cols = (kh * stride_kh)[:, None, None] + d[None, None, :]  # [HEADS, 1, D]
     m = tl.full([HEADS, GROUPS_POW2], float("-inf"), tl.float32)
@@ -326,7 +294,7 @@ def _paged_decode_v2_kernel(
         m, denom, acc = _new_key(q, m, denom, acc, k_new_ptr, v_new_ptr, slots_ptr, k_ptr,
                                  v_ptr, b, kh[:, None], d[None, :], j, first, end, length, scale,
                                  stride_knr, stride_knh, stride_vnr, stride_vnh, stride_kb,
-                                 stride_ks, stride_kh, cos_at, sin_at, BLOCK, D, ROPE)
+                                 stride_ks, stride_kh, BLOCK)
     if SPLITS == 1:
         out = acc / denom[:, :, None]
         tl.store(out_ptr + b * stride_or + q_rows[:, :, None] * stride_oh + d[None, None, :],
@@ -394,8 +362,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                            splits: int = 0, num_warps: int = 0, num_stages: int = 0,
                            heads_first: bool = False, variant: str = "",
                            heads: int = 0, prefetch: bool = False,
-                           new: NewKeys | None = None, rope: Rope | None = None
-                           ) -> torch.Tensor:
+                           new: NewKeys | None = None) -> torch.Tensor:
     """[r, n_heads, d] (contiguous): each request's query heads over its first lengths[r] keys
     (q [r, n_heads, d], k_new, v_new: any row and head strides, read in place when the column
     stride is 1, as the compiled decode step's views of its qkv output); with `new`
@@ -406,9 +373,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     tune the launch (0: the variant's SHIPPED setting; the tile at least the block size);
     heads_first (the grid's order: a request's kv heads side by side) only v1's, `heads` (kv
     heads per program, a power of two dividing n_kv; 0: SHIPPED's if it divides n_kv, else 1)
-    and `prefetch` (the next tile's loads issued early, in registers) only v2's. With `rope`
-    (cos, sin [r, d] fp32: each request's row) q and k_new come un-RoPE'd: v2 rotates them as
-    it reads them (and stores the rotated key), v1 takes them rotated by torch first."""
+    and `prefetch` (the next tile's loads issued early, in registers) only v2's."""
     kw = dict(tile=tile, splits=splits, num_warps=num_warps, num_stages=num_stages,
               heads_first=bool(heads_first), heads=heads, prefetch=bool(prefetch))
     if not variant:
@@ -431,30 +396,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     for key in ("tile", "splits"):
         if kw[key] & (kw[key] - 1):
             raise ConfigError(f"{key}={kw[key]} must be a power of two (or 0: the default)")
-    new = new_keys(new, q, k_pool, v_pool)
-    rope = rope_rows(rope, q)
-    if rope is not None and variant == "v1":  # v1 reads them rotated
-        q = apply_rotary_heads(q, *rope)
-        new = None if new is None else (apply_rotary_heads(new[0], *rope), *new[1:])
-        rope = None
     return _launch(q, k_pool, v_pool, tables, lengths, variant, **{**kw, "heads": heads},
-                   new=new, rope=rope)
-
-
-def rope_rows(rope: Rope | None, q: torch.Tensor) -> Rope | None:
-    """`rope` checked against q [r, n_heads, d]: cos, sin [r, d] float32 on q's device, rows of
-    unit column stride and one row stride (the kernel's addressing)."""
-    if rope is None:
-        return None
-    want = (q.shape[0], q.shape[2])
-    for name, t in zip(("cos", "sin"), rope):
-        if tuple(t.shape) != want or t.dtype != torch.float32 or t.device != q.device:
-            raise ValueError(f"rope {name} is {tuple(t.shape)} {t.dtype} on {t.device}; it must "
-                             f"be {want} torch.float32 on {q.device}: one row per request")
-    cos, sin = rope
-    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
-        cos, sin = cos.contiguous(), sin.contiguous()
-    return cos, sin
+                   new=new_keys(new, q, k_pool, v_pool))
 
 
 def new_keys(new: NewKeys | None, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
@@ -478,8 +421,7 @@ def new_keys(new: NewKeys | None, q: torch.Tensor, k_pool: torch.Tensor, v_pool:
 
 def _launch(q, k_pool, v_pool, tables, lengths, variant: str, tile: int, splits: int,
             num_warps: int, num_stages: int, heads_first: bool, heads: int,
-            prefetch: bool, new: NewKeys | None = None, rope: Rope | None = None
-            ) -> torch.Tensor:
+            prefetch: bool, new: NewKeys | None = None) -> torch.Tensor:
     """paged_decode_attention's launch, its settings (and `new`: new_keys) checked."""
     r, n_heads, d = q.shape
     n_kv = k_pool.shape[2]
@@ -495,23 +437,20 @@ def _launch(q, k_pool, v_pool, tables, lengths, variant: str, tile: int, splits:
                  q.new_empty(r, n_heads, splits, dtype=torch.float32),
                  q.new_empty(r, n_heads, splits, d, dtype=torch.float32)]
     stages = {"num_stages": num_stages} if num_stages else {}
-    pointers = (q, k_pool, v_pool, tables, lengths, out, *parts, k_new, v_new, slots)
-    strides = (q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-               tables.stride(0), out.stride(0), out.stride(1),
-               *(k_new.stride()[:2] + v_new.stride()[:2] if new is not None else (0,) * 4))
-    scalars = (1.0 / math.sqrt(d), n_heads)
+    args = (q, k_pool, v_pool, tables, lengths, out, *parts, k_new, v_new, slots,
+            q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+            tables.stride(0), out.stride(0), out.stride(1),
+            *(k_new.stride()[:2] + v_new.stride()[:2] if new is not None else (0,) * 4),
+            1.0 / math.sqrt(d), n_heads)
     consts = dict(GROUPS=groups, GROUPS_POW2=max(16, triton.next_power_of_2(groups)), D=d,
                   BLOCK=block, TILE=tile, SPLITS=splits, NEW=new is not None,
                   num_warps=num_warps, **stages)
     if variant == "v1":
         grid = (n_kv, r, splits) if heads_first else (r, n_kv, splits)
-        _paged_decode_kernel[grid](*pointers, *strides, *scalars,
-                                   HEADS_FIRST=bool(heads_first), **consts)
+        _paged_decode_kernel[grid](*args, HEADS_FIRST=bool(heads_first), **consts)
     else:
-        cos, sin = rope if rope is not None else (q, q)  # (unused without ROPE)
-        _paged_decode_v2_kernel[(r, n_kv // heads, splits)](
-            *pointers, cos, sin, *strides, cos.stride(0), *scalars, HEADS=heads,
-            PREFETCH=bool(prefetch), ROPE=rope is not None, **consts)
+        _paged_decode_v2_kernel[(r, n_kv // heads, splits)](*args, HEADS=heads,
+                                                             PREFETCH=bool(prefetch), **consts)
     if splits > 1:
         _merge_splits_kernel[(r, n_heads)](*parts, out, out.stride(0), out.stride(1), D=d,
                                            SPLITS=splits, num_warps=1)
