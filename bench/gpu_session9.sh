@@ -45,7 +45,8 @@ mixed)  # where a loaded server's prompt steps go, eager and compiled; the other
     TAIL=8 part bound 100 python bench/serve_throughput.py --graphs on --concurrency 1 \
         --num-prompts 16 --bound-batches 1,16,64,256 --out "$O/serve_bound.json"
     ;;
-rope)  # RoPE folded into the paged kernel: serving and the decode step (3 fresh runs), kernels
+rope)  # RoPE folded into the paged kernel (ca58ce6, reverted after this call and rope_kernel):
+    # serving and the decode step (3 fresh runs), kernels
     AB="bench/serve_throughput.py --graphs on --concurrency 1,16,64,256 --bound-batches 64"
     for i in 1 2 3; do
         TAIL=12 part rope_serve_$i 85 python $AB --out "$O/rope-serve-$i.json"
@@ -53,7 +54,7 @@ rope)  # RoPE folded into the paged kernel: serving and the decode step (3 fresh
     TAIL=30 part rope_profile 80 python bench/serve_profile.py --batches 64 \
         --out "$O/rope-serve_profile-llama3-1b.json"
     ;;
-rope_kernel)  # the paged kernel alone: stored keys, fused, fused + RoPE, by launch setting
+rope_kernel)  # the paged kernel alone: stored keys, fused, fused + RoPE (36ff37f), by setting
     for spec in "" "v2,num_warps=4" "v2,tile=32" "v2,heads=1" "v2,num_stages=3"; do
         TAIL=3 part "rk_${spec//[,=]/_}" 60 env TRIREME_PAGED_KERNEL="$spec" \
             python bench/serve_profile.py --kernel-configs --batches 64 --variants v2 \

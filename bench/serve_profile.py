@@ -364,21 +364,14 @@ def fused_store(launch, cases, batch: int, device: torch.device) -> dict:
         case, new = news[i % len(news)]
         return launch(*case, new=new)
 
-    rope = [torch.rand(batch, q.shape[-1], device=device) for _ in range(2)]  # cos, sin rows
-
-    def rotating(i):  # the compiled decode step's call: q and k_new RoPE'd by the kernel
-        case, new = news[i % len(news)]
-        return launch(*case, new=new, rope=rope)
-
     reps = max(48, len(cases)) if device.type == "cuda" else 1
     row = {"batch": batch, "max_err": (got - want).abs().max().item(),
            "pools_equal": torch.equal(fused[0], stored[0]) and torch.equal(fused[1], stored[1]),
            "separate_us": launches_us(separate, reps, device),
-           "fused_us": launches_us(together, reps, device),
-           "fused_rope_us": launches_us(rotating, reps, device)}
+           "fused_us": launches_us(together, reps, device)}
     print(f"B {batch:>3} store + kernel {row['separate_us']:8.1f} us, fused "
-          f"{row['fused_us']:8.1f} us, fused + RoPE {row['fused_rope_us']:8.1f} us; err "
-          f"{row['max_err']:.1e}, pools equal {row['pools_equal']}", flush=True)
+          f"{row['fused_us']:8.1f} us; err {row['max_err']:.1e}, pools equal "
+          f"{row['pools_equal']}", flush=True)
     return row
 
 
