@@ -88,3 +88,35 @@ def test_dropout_only_changes_output_when_asked():
     clean = attention(q, q, q, dropout_p=0.0)
     assert torch.equal(clean, attention(q, q, q, dropout_p=0.0))
     assert not torch.allclose(clean, attention(q, q, q, dropout_p=0.5))
+
+
+@pytest.mark.parametrize("per_sample", [False, True])
+def test_heads_rotates_q_and_k_together_as_each_alone(per_sample):
+    """Attention.heads RoPEs q and k as one view of qkv (fewer kernels): the values and the
+    gradients are exactly those of rotating each on its own, for positions shared by the batch
+    ([s, d] tables) and per sample ([b, s, d])."""
+    from trireme.config import ModelConfig
+    from trireme.models.attention import Attention
+    from trireme.ops.rope import RotaryEmbedding, apply_rotary, rope_frequencies
+    from trireme.parallel.context import ParallelContext
+
+    cfg = ModelConfig(hidden_size=64, num_attention_heads=4, num_query_groups=2, num_layers=1,
+                      vocab_size=32, seq_length=16, ffn_hidden_size=64)
+    layer = Attention(cfg, ParallelContext())
+    d, h, n_kv = layer.head_size, layer.num_heads, layer.num_kv_heads
+    table = RotaryEmbedding(d, 64, rope_frequencies(d))
+    b, s = 3, 7
+    positions = torch.randint(0, 60, (b, s)) if per_sample else None
+    rope = table(torch.device("cpu"), position_ids=positions) if per_sample else table(
+        torch.device("cpu"), offset=5, length=s)
+    qkv = torch.randn(b, s, (h + 2 * n_kv) * d, dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = layer.heads(qkv, rope)
+    q_part, k_part, _ = qkv.split(layer.split_sizes, dim=-1)
+    want_q = apply_rotary(q_part.view(b, s, h, d).transpose(1, 2), *rope)
+    want_k = apply_rotary(k_part.view(b, s, n_kv, d).transpose(1, 2), *rope)
+    assert q.shape == want_q.shape and k.shape == want_k.shape and v.shape == (b, n_kv, s, d)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    grads = [torch.randn_like(t) for t in (q, k)]
+    got = torch.autograd.grad([q, k], qkv, grads)[0]
+    want = torch.autograd.grad([want_q, want_k], qkv, grads)[0]
+    assert torch.equal(got, want)

@@ -22,7 +22,7 @@ from trireme.ops.attention import attention
 from trireme.ops.attention_fa4 import require_fa4
 from trireme.ops.norms import RMSNorm
 from trireme.ops.recompute import recompute
-from trireme.ops.rope import apply_rotary
+from trireme.ops.rope import apply_rotary, apply_rotary_tokens
 from trireme.parallel.context import ParallelContext
 from trireme.parallel.context_parallel import ContextParallel, context_attention
 from trireme.parallel.random import dropout, fork_rng
@@ -107,13 +107,19 @@ class Attention(nn.Module):
     def heads(self, qkv: torch.Tensor, rope: Rope | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [b, n_heads, s, d], k, v [b, n_kv, s, d] of qkv [b, s, ...]: split per head,
-        QK-norm, RoPE of q and k."""
+        QK-norm, RoPE of q and k. Without QK-norm q and k are RoPE'd together, as one
+        [b, s, n_heads + n_kv, d] view of qkv's first columns: half the elementwise kernels of
+        rotating each (eager prompt steps launch ~6 fewer per layer), the same values."""
         d = self.head_size
+        b, s, _ = qkv.shape
+        h, n_kv = self.num_heads, self.num_kv_heads
         q, k, v = qkv.split(self.split_sizes, dim=-1)  # [b, s, heads * d] each
-        b, s, _ = q.shape
-        q = q.view(b, s, self.num_heads, d).transpose(1, 2)  # [b, n_heads, s, d]
-        k = k.view(b, s, self.num_kv_heads, d).transpose(1, 2)  # [b, n_kv, s, d]
-        v = v.view(b, s, self.num_kv_heads, d).transpose(1, 2)  # [b, n_kv, s, d]
+        v = v.view(b, s, n_kv, d).transpose(1, 2)  # [b, n_kv, s, d]
+        if rope is not None and not self.qk_norm:
+            qk = apply_rotary_tokens(qkv[..., : (h + n_kv) * d].view(b, s, h + n_kv, d), *rope)
+            return qk[:, :, :h].transpose(1, 2), qk[:, :, h:].transpose(1, 2), v
+        q = q.view(b, s, h, d).transpose(1, 2)  # [b, n_heads, s, d]
+        k = k.view(b, s, n_kv, d).transpose(1, 2)  # [b, n_kv, s, d]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:

@@ -122,6 +122,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
 
 
+def apply_rotary_tokens(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rotary for token-major x [b, s, heads, d] (the qkv projection's layout): cos/sin
+    [s, d] (or [b, s, d] for per-sample positions) broadcast over the heads. The same math, in
+    fp32, cast back to x's dtype."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [s, 1, d] or [b, s, 1, d]
+    xf = x.float()
+    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+
+
 def apply_rotary_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """apply_rotary for token-major x [s, heads, d] (a token's heads side by side, as a fused
     qkv projection lays out q and k): cos/sin [s, d] (or [1, s, d]) broadcast over the heads.
