@@ -62,6 +62,12 @@ rope_kernel)  # the paged kernel alone: stored keys, fused, fused + RoPE (36ff37
             --out "$O/rk-${spec//[,=]/_}.json"
     done
     ;;
+joint)  # q and k RoPE'd together in the eager forward: prompt and mixed steps, serving once
+    TAIL=16 part joint_mixed 120 python bench/serve_mixed.py --batch 256 --mixed-prompt 1800 \
+        --out "$O/joint-serve_mixed-256.json"
+    TAIL=12 part joint_serve 90 python bench/serve_throughput.py --graphs on \
+        --concurrency 1,16,64,256 --bound-batches 64 --out "$O/joint-serve.json"
+    ;;
 esac
 echo "== done at $SECONDS s"
 cd "$O" && tar czf session9.tgz --remove-files ./*.json ./*.log 2>/dev/null; ls "$O"
