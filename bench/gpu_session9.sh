@@ -68,7 +68,10 @@ joint)  # q and k RoPE'd together in the eager forward: prompt and mixed steps, 
     TAIL=12 part joint_serve 90 python bench/serve_throughput.py --graphs on \
         --concurrency 1,16,64,256 --bound-batches 64 --out "$O/joint-serve.json"
     ;;
-joint_ab)  # the same machine: 93665d1 (q, k rotated apart; a copy carried in .old) against this
+joint_ab)  # the same machine: 93665d1 (q, k rotated apart) against this; the copy, carried:
+    # mkdir .old && git archive 93665d1 trireme configs bench/serve_mixed.py \
+    #     bench/serve_throughput.py | tar -x -C .old   (call 9 lacked configs/; call 10 ran one
+    # pair by hand)
     for i in 1 2; do
         TAIL=14 part ab_apart_$i 75 python .old/bench/serve_mixed.py --batch 256 \
             --mixed-prompt 1800 --reps 12 --out "$O/ab-apart-$i.json"
