@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -133,3 +134,64 @@ def compile_for_sm90(fn, constexprs: dict, pointers: dict, num_warps: int = 4,
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                           target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+TRITON_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
+                torch.float8_e5m2: "*fp8e5", torch.float8_e4m3fn: "*fp8e4nv",
+                torch.int64: "*i64", torch.int32: "*i32", torch.int8: "*i8", torch.uint8: "*u8",
+                torch.bool: "*i1"}
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
+
+
+def recorded_launches(module, call) -> list[tuple[object, dict, dict]]:
+    """The launches `call()` makes of `module`'s @triton.jit kernels, recorded instead of run
+    (CPU tensors will do): (kernel, {argument: value}, launch options) each."""
+    triton = pytest.importorskip("triton", reason="recording a launch needs Triton")
+
+    seen = []
+
+    class Recorder:
+        def __init__(self, jit):
+            self.jit = jit
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                options = {k: kwargs.pop(k) for k in LAUNCH_OPTIONS if k in kwargs}
+                values = dict(zip(self.jit.arg_names, args)) | kwargs
+                seen.append((self.jit, values, options))
+            return launch
+
+    kernels = {name: v for name, v in vars(module).items()
+               if isinstance(v, triton.runtime.JITFunction)}
+    try:
+        for name, jit in kernels.items():
+            setattr(module, name, Recorder(jit))
+        call()
+    finally:
+        for name, jit in kernels.items():
+            setattr(module, name, jit)
+    return seen
+
+
+def compile_recorded_for_sm90(module, call) -> list:
+    """Each launch of recorded_launches(module, call) compiled for sm_90 by compile_for_sm90
+    (argument types from the recorded values: tensors as pointers of their dtype, ints as i32
+    or i64, floats as fp32, constexprs as given or their defaults)."""
+    compiled = []
+    for jit, values, options in recorded_launches(module, call):
+        consts, pointers = {}, {}
+        for param in jit.params:
+            name = param.name
+            if param.is_constexpr:
+                consts[name] = values.get(name, param.default)
+            elif isinstance(values.get(name), torch.Tensor):
+                pointers[name] = TRITON_TYPES[values[name].dtype]
+            elif isinstance(values.get(name), float):
+                pointers[name] = "fp32"
+            elif isinstance(values.get(name), bool):
+                pointers[name] = "i1"
+            elif isinstance(values.get(name), int) and not -2**31 <= values[name] < 2**31:
+                pointers[name] = "i64"
+        compiled.append(compile_for_sm90(jit, consts, pointers, options.get("num_warps", 4),
+                                         options.get("num_stages", 3)))
+    return compiled

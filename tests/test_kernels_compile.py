@@ -1,0 +1,73 @@
+"""Every Triton kernel a CUDA run takes by default compiles for sm_90 (the H100 / H200) with
+Triton's real compiler, on a machine without a GPU: the launches its Python launcher makes for a
+llama3-1b-sized call are recorded (tests/interpreted.py: recorded_launches) and compiled as
+recorded. The interpreter tests check what the kernels compute; they run Python, so a kernel can
+pass there and fail to compile (session 9: the split-K GEMM's swapped tile, which kept the
+serving engine from starting on the H200)."""
+
+import pytest
+import torch
+from interpreted import compile_recorded_for_sm90
+
+pytest.importorskip("triton", reason="the kernels need Triton")
+
+BF16 = torch.bfloat16
+
+
+def compiled(module_name: str, call) -> int:
+    """How many launches of trireme.ops.<module_name>'s kernels `call` made, each compiled."""
+    import importlib
+
+    module = importlib.import_module(f"trireme.ops.{module_name}")
+    kernels = compile_recorded_for_sm90(module, call)
+    for kernel in kernels:
+        assert kernel.asm["ptx"], module_name
+    return len(kernels)
+
+
+def test_greedy_and_finite_compiles():
+    from trireme.ops.argmax_triton import PROGRAMS_PER_SM, greedy_and_finite
+
+    logits = torch.empty(64, 128256, dtype=BF16)
+    assert compiled("argmax_triton",
+                    lambda: greedy_and_finite(logits, programs=PROGRAMS_PER_SM * 132)) == 2
+
+
+@pytest.mark.parametrize("e5m2", [False, True])
+def test_cross_entropy_kernel_compiles(e5m2):
+    from trireme.ops.cross_entropy_triton import loss_and_grad
+
+    logits = torch.empty(8, 128256, dtype=BF16)
+    labels, weight = torch.zeros(8, dtype=torch.long), torch.ones(8)
+    scale = torch.ones(()) if e5m2 else None
+    assert compiled("cross_entropy_triton",
+                    lambda: loss_and_grad(logits, labels, weight, out_scale=scale)) == 1
+
+
+def test_swiglu_backward_compiles():
+    from trireme.ops.swiglu_triton import swiglu_backward
+
+    h, dy = torch.empty(64, 2 * 8192, dtype=BF16), torch.empty(64, 8192, dtype=BF16)
+    assert compiled("swiglu_triton", lambda: swiglu_backward(h, dy)) == 1
+
+
+def test_accumulate_compiles():
+    from trireme.ops.accumulate_triton import accumulate
+
+    dst, src = torch.zeros(1 << 16), torch.empty(1 << 16, dtype=BF16)
+    assert compiled("accumulate_triton", lambda: accumulate(dst, src)) == 1
+
+
+def test_moe_permutation_kernels_compile():
+    from trireme.ops.moe_permute_triton import gather_sum, unpermute_backward
+
+    rows, index = torch.empty(64, 2048, dtype=BF16), torch.zeros(32, 2, dtype=torch.long)
+    weights = torch.ones(32, 2)
+    dy, out = torch.empty(32, 2048, dtype=BF16), torch.empty(64, 2048, dtype=BF16)
+    token_of, w_sorted = torch.zeros(64, dtype=torch.long), torch.ones(64)
+
+    def both():
+        gather_sum(rows, index, weights)
+        unpermute_backward(dy, out, w_sorted, token_of)
+
+    assert compiled("moe_permute_triton", both) == 2
