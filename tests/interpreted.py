@@ -115,12 +115,12 @@ def run_sm90_script(script: str, tmp_path: Path) -> str:
     return proc.stdout
 
 
-def compile_for_sm90(fn, constexprs: dict, pointers: dict, num_warps: int = 4,
+def compile_for_sm90(fn, constexprs: dict, types: dict, num_warps: int = 4,
                      num_stages: int = 3):
     """Compile a @triton.jit kernel for sm_90 (the H100 / H200) with Triton's real compiler, no
     GPU needed: what the interpreter cannot show (a kernel that runs there may still fail to
-    compile, e.g. statements after a return in a constexpr `if`). `pointers` maps pointer
-    arguments to their Triton type ("*bf16"); other runtime arguments are i32. Skips without
+    compile, e.g. statements after a return in a constexpr `if`). `types` maps runtime
+    arguments to their Triton type ("*bf16", "fp32", "i64"); the others are i32. Skips without
     Triton's NVIDIA backend."""
     pytest.importorskip("triton", reason="compiling a kernel needs Triton")
     import triton
@@ -129,7 +129,7 @@ def compile_for_sm90(fn, constexprs: dict, pointers: dict, num_warps: int = 4,
         from triton.compiler import ASTSource
     except ImportError as e:  # a Triton without the NVIDIA backend
         pytest.skip(f"Triton cannot compile for sm_90 here: {e}")
-    signature = {n: pointers.get(n) or ("constexpr" if n in constexprs else "i32")
+    signature = {n: types.get(n) or ("constexpr" if n in constexprs else "i32")
                  for n in fn.arg_names}
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                           target=GPUTarget("cuda", 90, 32),
@@ -179,19 +179,19 @@ def compile_recorded_for_sm90(module, call) -> list:
     or i64, floats as fp32, constexprs as given or their defaults)."""
     compiled = []
     for jit, values, options in recorded_launches(module, call):
-        consts, pointers = {}, {}
+        consts, types = {}, {}
         for param in jit.params:
-            name = param.name
+            name, value = param.name, values.get(param.name)
             if param.is_constexpr:
                 consts[name] = values.get(name, param.default)
-            elif isinstance(values.get(name), torch.Tensor):
-                pointers[name] = TRITON_TYPES[values[name].dtype]
-            elif isinstance(values.get(name), float):
-                pointers[name] = "fp32"
-            elif isinstance(values.get(name), bool):
-                pointers[name] = "i1"
-            elif isinstance(values.get(name), int) and not -2**31 <= values[name] < 2**31:
-                pointers[name] = "i64"
-        compiled.append(compile_for_sm90(jit, consts, pointers, options.get("num_warps", 4),
+            elif isinstance(value, torch.Tensor):
+                types[name] = TRITON_TYPES[value.dtype]
+            elif isinstance(value, float):
+                types[name] = "fp32"
+            elif isinstance(value, bool):
+                types[name] = "i1"
+            elif isinstance(value, int) and not -2**31 <= value < 2**31:
+                types[name] = "i64"
+        compiled.append(compile_for_sm90(jit, consts, types, options.get("num_warps", 4),
                                          options.get("num_stages", 3)))
     return compiled
