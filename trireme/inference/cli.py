@@ -133,9 +133,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        "fails, an error; docs/serving.md)")
     group.add_argument("--decode-gemm", choices=list(DECODE_GEMMS), default="triton",
                        help="the linear layers of steps with at most 64 rows: triton (default: "
-                       "a split-K kernel where it is measured faster, llama3-1b's down "
-                       "projection, on sm_90 GPUs; F.linear elsewhere) or cublas (F.linear "
-                       "always; docs/serving.md)")
+                       "Triton kernels where measured faster, llama3-1b's down projection "
+                       "and gate-up + SwiGLU, on sm_90 GPUs; F.linear elsewhere) or cublas "
+                       "(F.linear always; docs/serving.md)")
 
 
 def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> Engine:
