@@ -111,6 +111,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """rope(x, p) = x cos + rotate_half(x) sin in fp32 (cos, sin already broadcastable to x),
+    cast back to x's dtype: the one formula the three layouts below share."""
+    xf = x.float()
+    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [b, heads, s, d] by cos/sin [s, d] (or [b, s, d] for per-sample positions).
 
@@ -118,25 +125,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """
     if cos.dim() == 3:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [b, 1, s, d]: shared by the heads
-    xf = x.float()
-    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+    return _rotated(x, cos, sin)
 
 
 def apply_rotary_tokens(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """apply_rotary for token-major x [b, s, heads, d] (the qkv projection's layout): cos/sin
-    [s, d] (or [b, s, d] for per-sample positions) broadcast over the heads. The same math, in
-    fp32, cast back to x's dtype."""
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [s, 1, d] or [b, s, 1, d]
-    xf = x.float()
-    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+    [s, d] (or [b, s, d] for per-sample positions) broadcast over the heads."""
+    return _rotated(x, cos.unsqueeze(-2), sin.unsqueeze(-2))  # [s, 1, d] or [b, s, 1, d]
 
 
 def apply_rotary_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """apply_rotary for token-major x [s, heads, d] (a token's heads side by side, as a fused
-    qkv projection lays out q and k): cos/sin [s, d] (or [1, s, d]) broadcast over the heads.
-
-    The same math, in fp32, cast back to x's dtype: rope(x, p) = x cos + rotate_half(x) sin.
-    """
+    qkv projection lays out q and k): cos/sin [s, d] (or [1, s, d]) broadcast over the heads."""
     cos, sin = (t.reshape(-1, 1, t.shape[-1]) for t in (cos, sin))  # [s, 1, d]
-    xf = x.float()
-    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+    return _rotated(x, cos, sin)
