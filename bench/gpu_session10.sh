@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Session 10's GPU calls (one call < 10 min; logs and JSON under $OUT, packed into one tarball):
+#   bash bench/gpu_session10.sh tma    # the paged kernel v3 (TMA block reads) against v2, pool
+#                                      # blocks of 16 and 64; the decode step with the best
+set -uo pipefail
+. bench/gpu_part.sh
+: "${TOTAL:=540}"
+export PYTHONPATH=$PWD
+
+best() {  # JSON [VARIANT]: the fastest agreeing setting's $TRIREME_PAGED_KERNEL spec
+    python - "$@" <<'PY'
+import json, sys
+rows = [r for r in json.load(open(sys.argv[1]))["rows"] if r.get("ok")
+        and (len(sys.argv) < 3 or r["variant"] == sys.argv[2])]
+r = min(rows, key=lambda r: r["us"])
+keys = ("tile", "num_warps", "splits", "num_stages", "heads")
+print(",".join([r["variant"] if r["variant"] != "default" else "v2"]
+               + [f"{k}={r[k]}" for k in keys if r.get(k)]))
+PY
+}
+
+bound() {  # NAME SPEC BLOCK: the decode step at batch 64 (and a short serving run)
+    TAIL=12 part "$1" 100 env TRIREME_PAGED_KERNEL="$2" python bench/serve_throughput.py \
+        --graphs on --concurrency 16 --num-prompts 32 --output-tokens 64 --bound-batches 64 \
+        --block-size "$3" --out "$O/$1.json"
+}
+
+case "${1:-tma}" in
+tma)
+    SWEEP="--kernel-configs --batches 64 --splits 0,1 --stages 2,3,4 --max-seconds 100"
+    TAIL=12 part paged16 115 python bench/serve_profile.py $SWEEP --variants v3 --warps 2,4 \
+        --heads 1,2,4 --block-size 16 --out "$O/kernel_configs-b16.json"
+    TAIL=12 part paged64 115 python bench/serve_profile.py $SWEEP --variants v2,v3 --tiles 64 \
+        --warps 2,4 --heads 2,4 --prefetch 0 --block-size 64 --out "$O/kernel_configs-b64.json"
+    b16=$(best "$O/kernel_configs-b16.json" v3); b64=$(best "$O/kernel_configs-b64.json")
+    echo "best v3 at block 16: $b16; best at block 64: $b64"
+    bound step_v2_b16 "" 16
+    bound step_v3_b16 "$b16" 16
+    bound step_b64 "$b64" 64
+    ;;
+esac
+cd "$O" && tar -czf session10.tgz --exclude=session10.tgz . && ls
