@@ -111,17 +111,19 @@ SM90_SCRIPT = textwrap.dedent("""
         assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
         return kernel.asm["ptx"]
 
-    for dtype in ("bf16", "fp16", "fp32"):
+    for dtype, pdl in (("bf16", False), ("fp16", False), ("fp32", False), ("bf16", True)):
         signature = {"logits_ptr": f"*{dtype}", "part_ptr": "*i32", "row_stride": "i32",
                      "n_cols": "i32", "part_plane": "i32", "n_parts": "i32",
-                     "BLOCK": "constexpr", "TILES": "constexpr"}
-        ptx = build(_chunk_kernel, signature, {"BLOCK": BLOCK, "TILES": 8},
+                     "BLOCK": "constexpr", "TILES": "constexpr", "PDL": "constexpr"}
+        ptx = build(_chunk_kernel, signature, {"BLOCK": BLOCK, "TILES": 8, "PDL": pdl},
                     ("logits_ptr", "part_ptr", "row_stride", "n_cols"), NUM_WARPS)
         loads = [line for line in ptx.splitlines() if "ld.global" in line]
         assert loads and all(".v4." in line for line in loads), loads
+        assert ("griddepcontrol.wait" in ptx) == pdl, dtype  # trireme.ops.pdl
     signature = {"part_ptr": "*i32", "out_ptr": "*i64", "n_rows": "i32", "part_plane": "i32",
-                 "n_parts": "i32", "S_BLOCK": "constexpr"}
-    build(_merge_kernel, signature, {"S_BLOCK": 16}, ("part_ptr", "out_ptr"), 1)
+                 "n_parts": "i32", "S_BLOCK": "constexpr", "PDL": "constexpr"}
+    for pdl in (False, True):
+        build(_merge_kernel, signature, {"S_BLOCK": 16, "PDL": pdl}, ("part_ptr", "out_ptr"), 1)
     print("ok")
 """)
 

@@ -43,6 +43,9 @@ import torch
 import triton
 import triton.language as tl
 
+from trireme.ops.pdl import launch_pdl
+from trireme.ops.pdl_triton import enter
+
 # columns per tile: 4 KiB of bf16, 16 elements (two 16-byte loads) a thread at 4 warps; compiled
 # for sm_90: 72 registers (bf16), no spills. Larger tiles keep more bytes in flight per thread.
 BLOCK = 2048
@@ -79,10 +82,11 @@ def _merge(key, col):
 @triton.jit(do_not_specialize=["part_plane", "n_parts"])
 def _chunk_kernel(
     logits_ptr, part_ptr, row_stride, n_cols, part_plane, n_parts,
-    BLOCK: tl.constexpr, TILES: tl.constexpr,
+    BLOCK: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Stage 1: program (i, s) reduces row i's columns [s * CHUNK, (s + 1) * CHUNK) to
     part[:, i, s] = (max key, its first column, any non-finite)."""
+    enter(PDL)
     row = tl.program_id(0)
     s = tl.program_id(1)
     z_row = logits_ptr + row.to(tl.int64) * row_stride  # n * V can pass 2^31
@@ -108,9 +112,11 @@ def _chunk_kernel(
 
 
 @triton.jit(do_not_specialize=["n_rows", "part_plane", "n_parts"])
-def _merge_kernel(part_ptr, out_ptr, n_rows, part_plane, n_parts, S_BLOCK: tl.constexpr):
+def _merge_kernel(part_ptr, out_ptr, n_rows, part_plane, n_parts, S_BLOCK: tl.constexpr,
+                  PDL: tl.constexpr = False):
     """Stage 2: program i merges part[:, i, 0 .. S - 1] (S = n_parts) into out[0, i] (ids,
     int64) and out[1, i] (finite, 0 / 1)."""
+    enter(PDL)
     row = tl.program_id(0)
     s = tl.arange(0, S_BLOCK)
     inside = s < n_parts
@@ -165,9 +171,10 @@ def greedy_and_finite(logits: torch.Tensor, *, block: int | None = None,
     # Triton launches on the current device (the interpreter: the CPU)
     where = torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext()
     num_warps = num_warps or (NUM_WARPS if block >= 1024 else 1)
+    pdl = launch_pdl(logits)
     with where:
         _chunk_kernel[(n, s)](logits, part, logits.stride(0), n_cols, n * s, s, BLOCK=block,
-                              TILES=tiles, num_warps=num_warps)
+                              TILES=tiles, PDL=pdl, num_warps=num_warps, launch_pdl=pdl)
         _merge_kernel[(n,)](part, out, n, n * s, s, S_BLOCK=triton.next_power_of_2(s),
-                            num_warps=1)
+                            PDL=pdl, num_warps=1, launch_pdl=pdl)
     return out

@@ -79,6 +79,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from trireme.errors import ConfigError
+from trireme.ops.pdl import launch_pdl
+from trireme.ops.pdl_triton import enter
 
 NewKeys = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # k_new, v_new [r, n_kv, d], slots [r]
 
@@ -181,8 +183,9 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _merge_splits_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_or, stride_oh,
-                         D: tl.constexpr, SPLITS: tl.constexpr):
+                         D: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = False):
     """out[b, head] from the SPLITS partials of program (b, head) (module docstring)."""
+    enter(PDL)
     b = tl.program_id(0)
     head = tl.program_id(1)
     n_heads = tl.num_programs(1)
@@ -250,11 +253,12 @@ def _paged_decode_v2_kernel(
     stride_knr, stride_knh, stride_vnr, stride_vnh, scale, n_heads,
     GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
     BLOCK: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
-    NEW: tl.constexpr,
+    NEW: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """v2 (module docstring): program (b, c, j) serves kv heads c * HEADS .. + HEADS of request
     b (all their query heads) over chunk j; with PREFETCH the next tile's K, V loads are in
     flight while this tile's math runs."""
+    enter(PDL)
     b = tl.program_id(0)
     kh = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # [HEADS] this program's kv heads
     j = tl.program_id(2)
@@ -515,9 +519,12 @@ def _launch(q, k_pool, v_pool, tables, lengths, variant: str, tile: int, splits:
         _paged_decode_v3_kernel[(r, n_kv // heads, splits)](*args[:1], *descs, *args[1:],
                                                              HEADS=heads, **consts)
     else:
+        pdl = launch_pdl(q)
         _paged_decode_v2_kernel[(r, n_kv // heads, splits)](*args, HEADS=heads,
-                                                             PREFETCH=bool(prefetch), **consts)
+                                                             PREFETCH=bool(prefetch), PDL=pdl,
+                                                             launch_pdl=pdl, **consts)
     if splits > 1:
+        pdl = launch_pdl(q)
         _merge_splits_kernel[(r, n_heads)](*parts, out, out.stride(0), out.stride(1), D=d,
-                                           SPLITS=splits, num_warps=1)
+                                           SPLITS=splits, num_warps=1, PDL=pdl, launch_pdl=pdl)
     return out

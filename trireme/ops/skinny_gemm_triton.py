@@ -29,6 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from trireme.ops.pdl import launch_pdl
+from trireme.ops.pdl_triton import enter
+
 
 @triton.jit
 def _tile_dot(x, w, acc, SWAP: tl.constexpr):
@@ -47,9 +50,11 @@ def _tile_dot(x, w, acc, SWAP: tl.constexpr):
 @triton.jit(do_not_specialize=["m_rows"])
 def _skinny_kernel(x_ptr, w_ptr, out_ptr, m_rows, n_cols, k_chunk, x_row_stride,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SWAP: tl.constexpr, K: tl.constexpr, GLU: tl.constexpr):
+                   SWAP: tl.constexpr, K: tl.constexpr, GLU: tl.constexpr,
+                   PDL: tl.constexpr = False):
     """out[s, m, n] (module docstring) for this program's BLOCK_M x BLOCK_N tile and chunk s;
     with GLU (one chunk) silu(x W_gate^T) * (x W_up^T), W_up's rows n_cols below W_gate's."""
+    enter(PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -102,8 +107,10 @@ def skinny_mm(x: torch.Tensor, weight: torch.Tensor, splits: int, block_n: int, 
     grid = (n_cols // block_n, splits, triton.cdiv(m_rows, block_m))
     # Triton launches on the current device (the interpreter: the CPU)
     where = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+    pdl = launch_pdl(x)
     with where:
         _skinny_kernel[grid](x, weight, out, m_rows, n_cols, k // splits, x.stride(0),
                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap, K=k,
-                             GLU=glu, num_warps=num_warps, num_stages=num_stages)
+                             GLU=glu, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+                             launch_pdl=pdl)
     return out

@@ -1,0 +1,31 @@
+"""Programmatic dependent launch (PDL, sm_90 and later): a kernel launched with it may start
+while the kernel before it in the stream is finishing (its programs scheduled, its setup done),
+and waits (griddepcontrol.wait) for that kernel to complete, its writes visible, before it
+touches memory. In a decode step of ~140 short kernels this hides part of each launch.
+
+The Triton kernels that take it (skinny GEMM, paged decode attention, greedy ids) call
+trireme.ops.pdl_triton.enter first when their PDL constexpr is set: wait, then let the next
+kernel launch. Every write comes after the wait, so no kernel overwrites what an earlier one
+still reads, and every such kernel waits, so "this kernel completed" still implies "every kernel
+before it completed" for the one after it. `launch_pdl(t)` says whether to launch with it:
+$TRIREME_PDL=1 and t on a CUDA device of capability >= 9 (off by default: an experiment).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+ENV = "TRIREME_PDL"
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def launch_pdl(t: torch.Tensor) -> bool:
+    """Whether a kernel reading t launches with PDL (module docstring)."""
+    return t.is_cuda and os.environ.get(ENV, "0") == "1" and _capable(t.device.index or 0)
