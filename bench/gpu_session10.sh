@@ -2,6 +2,7 @@
 # Session 10's GPU calls (one call < 10 min; logs and JSON under $OUT, packed into one tarball):
 #   bash bench/gpu_session10.sh tma    # the paged kernel v3 (TMA block reads) against v2, pool
 #                                      # blocks of 16 and 64; the decode step with the best
+#   bash bench/gpu_session10.sh pdl    # programmatic dependent launch in the decode step
 set -uo pipefail
 . bench/gpu_part.sh
 : "${TOTAL:=540}"
@@ -25,7 +26,24 @@ bound() {  # NAME SPEC BLOCK: the decode step at batch 64 (and a short serving r
         --block-size "$3" --out "$O/$1.json"
 }
 
+step() {  # NAME [VAR=VALUE...]: the decode step at batch 64 (a short serving run first)
+    local name=$1; shift
+    TAIL=4 part "$name" 80 env "$@" python bench/serve_throughput.py --graphs on \
+        --concurrency 16 --num-prompts 32 --output-tokens 64 --bound-batches 64 \
+        --out "$O/$name.json"
+}
+
 case "${1:-tma}" in
+pdl)  # programmatic dependent launch: ours (TRIREME_PDL), Inductor's, both; alternated x2
+    for i in 1 2; do
+        step base_$i TRIREME_PDL=0
+        step ours_$i TRIREME_PDL=1
+        step inductor_$i TORCHINDUCTOR_ENABLE_PDL=1
+        step both_$i TRIREME_PDL=1 TORCHINDUCTOR_ENABLE_PDL=1
+    done
+    TAIL=30 part profile_both 80 env TRIREME_PDL=1 TORCHINDUCTOR_ENABLE_PDL=1 \
+        python bench/serve_profile.py --batches 64 --out "$O/serve_profile-pdl.json"
+    ;;
 tma)
     SWEEP="--kernel-configs --batches 64 --splits 0,1 --stages 2,3,4 --max-seconds 100"
     TAIL=12 part paged16 115 python bench/serve_profile.py $SWEEP --variants v3 --warps 2,4 \
