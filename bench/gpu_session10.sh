@@ -5,6 +5,8 @@
 #   bash bench/gpu_session10.sh pdl    # programmatic dependent launch in the decode step
 set -uo pipefail
 . bench/gpu_part.sh
+OUT_DIR=${OUT:-bench/results}
+O=$(mktemp -d)  # logs and JSON here, packed into one tarball under $OUT at the end
 : "${TOTAL:=540}"
 export PYTHONPATH=$PWD
 
@@ -33,7 +35,18 @@ step() {  # NAME [VAR=VALUE...]: the decode step at batch 64 (a short serving ru
         --out "$O/$name.json"
 }
 
-case "${1:-tma}" in
+set -- "${1:-tma}"
+case "$1" in
+check)  # PDL's tokens; the read rate by size; with PDL: out / qkv through the split-K kernel
+    TAIL=4 part pdl_check 120 python bench/pdl_check.py --out "$O/pdl_check.json"
+    TAIL=12 part read_rate 40 python bench/read_rate.py --out "$O/read_rate.json"
+    step pdl TRIREME_PDL=1
+    step pdl_out4 TRIREME_PDL=1 TRIREME_SKINNY_SPLITS=2048x2048:4
+    step pdl_out4_qkv1 TRIREME_PDL=1 TRIREME_SKINNY_SPLITS=2048x2048:4,3072x2048:1
+    step pdl_out1_qkv1 TRIREME_PDL=1 TRIREME_SKINNY_SPLITS=2048x2048:1,3072x2048:1
+    step pdl_out4_2 TRIREME_PDL=1 TRIREME_SKINNY_SPLITS=2048x2048:4
+    step pdl_2 TRIREME_PDL=1
+    ;;
 pdl)  # programmatic dependent launch: ours (TRIREME_PDL), Inductor's, both; alternated x2
     for i in 1 2; do
         step base_$i TRIREME_PDL=0
@@ -57,4 +70,4 @@ tma)
     bound step_b64 "$b64" 64
     ;;
 esac
-cd "$O" && tar -czf session10.tgz --exclude=session10.tgz . && ls
+tar -czf "$OUT_DIR/session10-$1.tgz" -C "$O" . && ls "$O"

@@ -128,6 +128,18 @@ def test_plan_splits_and_limits():
     assert usable(x, torch.randn(2048, 2048)) is None  # CPU and fp32: F.linear
 
 
+def test_env_names_more_plans(monkeypatch):
+    from trireme.errors import ConfigError
+
+    monkeypatch.setenv("TRIREME_SKINNY_SPLITS", "2048x2048:4, 3072x2048:1")
+    assert plan(2048, 2048) == 4 and plan(3072, 2048) == 1 and plan(2048, 8192) == 4
+    monkeypatch.setenv("TRIREME_SKINNY_SPLITS", "2048x2048:3")  # 2048 = 3 x 128 x k? no
+    assert plan(2048, 2048) is None
+    monkeypatch.setenv("TRIREME_SKINNY_SPLITS", "2048*2048:4")
+    with pytest.raises(ConfigError, match="'2048\\*2048:4' is not NxK:SPLITS"):
+        plan(2048, 2048)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_skinny_linear_equals_linear(bias):
     torch.manual_seed(1)

@@ -26,6 +26,7 @@ come from the H200 sweep in bench/skinny_gemm.py (bench/RESULTS.md, session 8).
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trireme.errors import ConfigError
 from trireme.ops.swiglu import swiglu
 
 MAX_ROWS = 64  # more rows: cuBLAS (the H200 sweep: the kernel loses at 256)
@@ -81,12 +83,31 @@ def default_splits(n: int, k: int, tile: Tile = Tile()) -> int:
     return splits
 
 
+ENV = "TRIREME_SKINNY_SPLITS"  # e.g. "2048x2048:4,3072x2048:1": more (N, K) -> splits
+
+
+@functools.lru_cache(maxsize=8)
+def env_splits(spec: str) -> dict[tuple[int, int], int]:
+    """$TRIREME_SKINNY_SPLITS parsed: NxK:SPLITS pairs, comma-separated (for measuring a shape's
+    plan without editing SPLITS)."""
+    found = {}
+    for part in filter(None, (x.strip() for x in spec.split(","))):
+        shape, _, splits = part.partition(":")
+        n, _, k = shape.partition("x")
+        if not (n.isdigit() and k.isdigit() and splits.isdigit() and int(splits) > 0):
+            raise ConfigError(f"{ENV}={spec!r}: {part!r} is not NxK:SPLITS (e.g. 2048x2048:4)")
+        found[int(n), int(k)] = int(splits)
+    return found
+
+
 def plan(n: int, k: int) -> int | None:
     """Splits for a weight [n, k], or None when the shape does not tile (or is too large to
-    gain: MAX_WEIGHT)."""
-    if n * k > MAX_WEIGHT or ((n, k) not in SPLITS and k < DEEP * n):
+    gain: MAX_WEIGHT). SPLITS and $TRIREME_SKINNY_SPLITS name shapes; others take
+    default_splits when K >= DEEP x N."""
+    named = {**SPLITS, **env_splits(os.environ.get(ENV, ""))}
+    if n * k > MAX_WEIGHT or ((n, k) not in named and k < DEEP * n):
         return None
-    splits = SPLITS.get((n, k)) or default_splits(n, k)
+    splits = named.get((n, k)) or default_splits(n, k)
     tiles = TILES.get((n, k, splits), (Tile(),) * 2)
     if any(n % t.block_n or k % (splits * t.block_k) for t in tiles):
         return None
