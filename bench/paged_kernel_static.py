@@ -6,9 +6,10 @@ the instructions of the loop over key tiles, for each launch setting (v1 / v2).
     python bench/paged_kernel_static.py --new                # with the fused store of new keys
 
 A setting is variant:heads:tile:num_warps:prefetch (heads only means something for v2 and v3,
-prefetch for v2; v3's tile is the block size). Each kernel is compiled with Triton for --arch (no device needed) with 16-divisible strides
-and bf16 pools, as serving runs it; ptxas -v gives registers and spills. "loop" counts the PTX
-instructions of the largest loop (one tile per trip) per warp, and "per KiB" the warp
+prefetch for v2; v3's tile is the block size). Each kernel is compiled with Triton for --arch
+(no device needed) with 16-divisible strides and bf16 pools, as serving runs it; ptxas -v
+gives registers and spills. "loop" counts the PTX instructions of the largest loop (one tile
+per trip) per warp, and "per KiB" the warp
 instructions per KiB of K and V the loop reads: a read-bound kernel wants that low (an H200 SM
 issues at most 4 warp instructions a cycle and must take in about 16 bytes a cycle to read at
 the bandwidth, so about 240 per KiB is the ceiling, and stalls take a large share of it).
@@ -117,7 +118,8 @@ def compile_one(setting: str, args) -> dict:
             "spill_bytes": int(spills.group(1)) if spills else None,
             "shared_bytes": kernel.metadata.shared, "loop_instructions": loop,
             "warp_instructions_per_kib": loop * warps / kib,
-            "cp_async": ptx.count("cp.async.c"), "tma": ptx.count("cp.async.bulk.tensor"), "mma": ptx.count("mma.sync")}
+            "cp_async": ptx.count("cp.async.c"), "tma": ptx.count("cp.async.bulk.tensor"),
+            "mma": ptx.count("mma.sync")}
 
 
 def main(argv=None) -> int:

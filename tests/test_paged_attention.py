@@ -155,8 +155,8 @@ def test_paged_decode_kernel_settings_are_checked():
 
 def test_kernel_configs_sweep_runs_every_variant(tmp_path):
     """bench/serve_profile.py --kernel-configs on a tiny model through the interpreter: every
-    setting of the three variants agrees with the gather path, and the shipped default is timed, also
-    with the step's keys stored by the kernel."""
+    setting of the three variants agrees with the gather path, and the shipped default is
+    timed, also with the step's keys stored by the kernel."""
     pytest.importorskip("triton")
     out = tmp_path / "configs.json"
     argv = ["serve_profile.py", "--smoke", "--kernel-configs", "--tiles",
