@@ -71,3 +71,30 @@ def test_moe_permutation_kernels_compile():
         unpermute_backward(dy, out, w_sorted, token_of)
 
     assert compiled("moe_permute_triton", both) == 2
+
+
+def test_the_decode_step_kernels_compile_with_pdl(monkeypatch):
+    """On sm_90 the decode step's own kernels launch with programmatic dependent launch
+    (trireme.ops.pdl): so recorded, each compiles with its griddepcontrol wait."""
+    import importlib
+
+    from trireme.ops.argmax_triton import PROGRAMS_PER_SM, greedy_and_finite
+    from trireme.ops.paged_attention_triton import paged_decode_attention
+    from trireme.ops.skinny_gemm_triton import skinny_mm
+
+    x = torch.empty(64, 2048, dtype=BF16)
+    q, pool = torch.empty(64, 32, 64, dtype=BF16), torch.empty(64 * 42, 16, 8, 64, dtype=BF16)
+    tables, lengths = torch.zeros(64, 42, dtype=torch.long), torch.full((64,), 667)
+    calls = {"skinny_gemm_triton": lambda: (
+                 skinny_mm(x, torch.empty(16384, 2048, dtype=BF16), 1, 64, 128, 64, glu=True),
+                 skinny_mm(torch.empty(64, 8192, dtype=BF16), torch.empty(2048, 8192, dtype=BF16),
+                           4, 64, 128, 64, num_stages=5)),
+             "paged_attention_triton": lambda: paged_decode_attention(q, pool, pool, tables,
+                                                                      lengths, variant="v2"),
+             "argmax_triton": lambda: greedy_and_finite(torch.empty(64, 128256, dtype=BF16),
+                                                        programs=PROGRAMS_PER_SM * 132)}
+    for name, call in calls.items():
+        module = importlib.import_module(f"trireme.ops.{name}")
+        monkeypatch.setattr(module, "launch_pdl", lambda t: True)
+        kernels = compile_recorded_for_sm90(module, call)
+        assert kernels and all("griddepcontrol.wait" in k.asm["ptx"] for k in kernels), name

@@ -7,8 +7,12 @@ The Triton kernels that take it (skinny GEMM, paged decode attention, greedy ids
 trireme.ops.pdl_triton.enter first when their PDL constexpr is set: wait, then let the next
 kernel launch. Every write comes after the wait, so no kernel overwrites what an earlier one
 still reads, and every such kernel waits, so "this kernel completed" still implies "every kernel
-before it completed" for the one after it. `launch_pdl(t)` says whether to launch with it:
-$TRIREME_PDL=1 and t on a CUDA device of capability >= 9 (off by default: an experiment).
+before it completed" for the one after it. `launch_pdl(t)` says whether to launch with it: t on
+a CUDA device of capability >= 9, unless $TRIREME_PDL=0. On the H200 it took the serving
+engine's decode step at batch 64 from 1.50-1.51 to 1.45-1.46 ms, and the same greedy tokens
+came out with and without it (bench/pdl_check.py; bench/RESULTS.md, session 10). Inductor's own
+PDL (TORCHINDUCTOR_ENABLE_PDL=1, for the compiled step's elementwise kernels) measured no gain
+there and stays off.
 """
 
 from __future__ import annotations
@@ -28,4 +32,4 @@ def _capable(index: int) -> bool:
 
 def launch_pdl(t: torch.Tensor) -> bool:
     """Whether a kernel reading t launches with PDL (module docstring)."""
-    return t.is_cuda and os.environ.get(ENV, "0") == "1" and _capable(t.device.index or 0)
+    return t.is_cuda and os.environ.get(ENV, "1") != "0" and _capable(t.device.index or 0)

@@ -1,0 +1,24 @@
+"""trireme.ops.pdl: when kernels launch with programmatic dependent launch. (That the kernels
+compile with griddepcontrol for sm_90 is tests/test_argmax_triton.py's and
+tests/test_kernels_compile.py's; that it changes no token is bench/pdl_check.py's, on a GPU.)"""
+
+import torch
+
+from trireme.ops import pdl
+
+
+def test_only_cuda_tensors_of_sm90_launch_with_pdl(monkeypatch):
+    monkeypatch.delenv(pdl.ENV, raising=False)
+    assert not pdl.launch_pdl(torch.zeros(2))  # the CPU (and the interpreter): never
+
+    class FakeCuda:  # a tensor's device facts, as launch_pdl reads them
+        is_cuda = True
+        device = torch.device("cuda", 0)
+
+    for major, want in ((8, False), (9, True), (10, True)):
+        monkeypatch.setattr(pdl, "_capable", lambda index, major=major: major >= 9)
+        assert pdl.launch_pdl(FakeCuda()) is want
+    monkeypatch.setenv(pdl.ENV, "0")
+    assert not pdl.launch_pdl(FakeCuda())  # turned off
+    monkeypatch.setenv(pdl.ENV, "1")
+    assert pdl.launch_pdl(FakeCuda())
