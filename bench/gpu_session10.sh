@@ -3,6 +3,8 @@
 #   bash bench/gpu_session10.sh tma    # the paged kernel v3 (TMA block reads) against v2, pool
 #                                      # blocks of 16 and 64; the decode step with the best
 #   bash bench/gpu_session10.sh pdl    # programmatic dependent launch in the decode step
+#   bash bench/gpu_session10.sh check  # PDL's tokens, read rates, out / qkv split-K with PDL
+#   bash bench/gpu_session10.sh verify # PDL on by default: serving x3, kernels, read rates
 set -uo pipefail
 . bench/gpu_part.sh
 OUT_DIR=${OUT:-bench/results}
@@ -37,6 +39,20 @@ step() {  # NAME [VAR=VALUE...]: the decode step at batch 64 (a short serving ru
 
 set -- "${1:-tma}"
 case "$1" in
+verify)  # PDL on by default: serving and the decode step (3 fresh runs), read rates, kernels,
+    # then the out projection split four ways against not, alternated
+    AB="bench/serve_throughput.py --graphs on --concurrency 1,16,64,256 --bound-batches 64"
+    for i in 1 2 3; do
+        TAIL=12 part serve_$i 90 python $AB --out "$O/serve-$i.json"
+    done
+    TAIL=12 part read_rate 40 python bench/read_rate.py --out "$O/read_rate.json"
+    TAIL=30 part profile 80 python bench/serve_profile.py --batches 64 \
+        --out "$O/serve_profile-llama3-1b.json"
+    for i in 1 2; do
+        step ab_out4_$i TRIREME_SKINNY_SPLITS=2048x2048:4
+        step ab_base_$i TRIREME_PDL=1
+    done
+    ;;
 check)  # PDL's tokens; the read rate by size; with PDL: out / qkv through the split-K kernel
     TAIL=4 part pdl_check 120 python bench/pdl_check.py --out "$O/pdl_check.json"
     TAIL=12 part read_rate 40 python bench/read_rate.py --out "$O/read_rate.json"

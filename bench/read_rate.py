@@ -35,12 +35,12 @@ def rate(mb: float, reps: int) -> dict:
     bufs = [torch.randn(n, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
     out = torch.empty((), device="cuda", dtype=torch.float32)
     for b in bufs:
-        torch.sum(b, dtype=torch.float32, out=out)
+        torch.sum(b, dim=0, dtype=torch.float32, out=out)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(reps):
-            torch.sum(bufs[i % count], dtype=torch.float32, out=out)
+            torch.sum(bufs[i % count], dim=0, dtype=torch.float32, out=out)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
