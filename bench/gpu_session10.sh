@@ -5,6 +5,7 @@
 #   bash bench/gpu_session10.sh pdl    # programmatic dependent launch in the decode step
 #   bash bench/gpu_session10.sh check  # PDL's tokens, read rates, out / qkv split-K with PDL
 #   bash bench/gpu_session10.sh verify # PDL on by default: serving x3, kernels, read rates
+#   bash bench/gpu_session10.sh final  # out split four ways by default; serving, PDL off / on
 set -uo pipefail
 . bench/gpu_part.sh
 OUT_DIR=${OUT:-bench/results}
@@ -39,6 +40,17 @@ step() {  # NAME [VAR=VALUE...]: the decode step at batch 64 (a short serving ru
 
 set -- "${1:-tma}"
 case "$1" in
+final)  # the out projection split four ways by default: the decode step x3; serving at
+    # concurrency 64 with PDL off and on, alternated (are the prompt steps' hosts slower?)
+    S64="bench/serve_throughput.py --graphs on --concurrency 64 --num-prompts 256 \
+        --bound-batches 1"
+    for i in 1 2; do
+        step final_step_$i
+        TAIL=4 part serve64_pdl0_$i 60 env TRIREME_PDL=0 python $S64 --out "$O/s64-pdl0-$i.json"
+        TAIL=4 part serve64_pdl1_$i 60 env TRIREME_PDL=1 python $S64 --out "$O/s64-pdl1-$i.json"
+    done
+    step final_step_3
+    ;;
 verify)  # PDL on by default: serving and the decode step (3 fresh runs), read rates, kernels,
     # then the out projection split four ways against not, alternated
     AB="bench/serve_throughput.py --graphs on --concurrency 1,16,64,256 --bound-batches 64"

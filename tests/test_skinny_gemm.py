@@ -120,7 +120,8 @@ def test_plan_splits_and_limits():
     assert default_splits(16384, 2048) == 1  # 256 column tiles already
     assert default_splits(64, 256) == 2  # at most as many splits as K has 128-wide tiles
     assert plan(2048, 8192) == 4  # llama3-1b's down projection, measured
-    assert plan(2048, 2048) is None  # not deep: cuBLAS is as fast
+    assert plan(2048, 2048) == 4  # llama3-1b's out projection, measured
+    assert plan(3072, 2048) is None  # its qkv: not deep, not measured to gain
     assert plan(1024, 4096) == default_splits(1024, 4096) == 16  # deep, not measured
     assert plan(1030, 8192) is None  # N does not tile
     assert 128256 * 2048 > MAX_WEIGHT and plan(128256, 2048) is None  # the output layer
@@ -131,9 +132,9 @@ def test_plan_splits_and_limits():
 def test_env_names_more_plans(monkeypatch):
     from trireme.errors import ConfigError
 
-    monkeypatch.setenv("TRIREME_SKINNY_SPLITS", "2048x2048:4, 3072x2048:1")
-    assert plan(2048, 2048) == 4 and plan(3072, 2048) == 1 and plan(2048, 8192) == 4
-    monkeypatch.setenv("TRIREME_SKINNY_SPLITS", "2048x2048:3")  # 2048 = 3 x 128 x k? no
+    monkeypatch.setenv("TRIREME_SKINNY_SPLITS", "2048x2048:2, 3072x2048:1")
+    assert plan(2048, 2048) == 2 and plan(3072, 2048) == 1 and plan(2048, 8192) == 4
+    monkeypatch.setenv("TRIREME_SKINNY_SPLITS", "2048x2048:3")  # K = 2048: not 3 x 128 x k
     assert plan(2048, 2048) is None
     monkeypatch.setenv("TRIREME_SKINNY_SPLITS", "2048*2048:4")
     with pytest.raises(ConfigError, match="'2048\\*2048:4' is not NxK:SPLITS"):

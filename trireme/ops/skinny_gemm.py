@@ -55,10 +55,12 @@ class Tile:
 
 
 # (N, K) -> splits, from the H200 sweep (bench/skinny_gemm.py, session 8): cuBLAS runs
-# llama3-1b's qkv, out and gate_up as fast at 1-64 rows (each ~6 us or at ~3.5 TB/s), but its
-# down projection (K = 4 N) at 13-13.6 us, where 4 splits take 9.8-11.3 us before their sum;
-# other shapes with K >= DEEP * N: default_splits, others: cuBLAS
-SPLITS: dict[tuple[int, int], int] = {(2048, 8192): 4}
+# llama3-1b's qkv and gate_up as fast at 1-64 rows (each ~6 us or at ~3.5 TB/s), but its
+# down projection (K = 4 N) at 13-13.6 us, where 4 splits take 9.8-11.3 us before their sum,
+# and its out projection (2048 x 2048) at 6.1-6.2 us, where 4 splits take 4.2-5.1 (the sums
+# fold into the next add + norm; the decode step at batch 64: 1.436 ms median of 4 against
+# 1.447 of 7, session 10); other shapes with K >= DEEP * N: default_splits, others: cuBLAS
+SPLITS: dict[tuple[int, int], int] = {(2048, 8192): 4, (2048, 2048): 4}
 DEEP = 4
 # (N, K, splits) -> Tile for rows <= 16 and <= MAX_ROWS; other shapes: Tile()
 TILES: dict[tuple[int, int, int], tuple[Tile, Tile]] = {
