@@ -5,11 +5,10 @@ the instructions of the loop over key tiles, for each launch setting (v1 / v2).
     python bench/paged_kernel_static.py --settings v1:1:64:4:0 v2:2:32:4:0
     python bench/paged_kernel_static.py --new                # with the fused store of new keys
 
-A setting is variant:heads:tile:num_warps:prefetch (heads only means something for v2 and v3,
-prefetch for v2; v3's tile is the block size). Each kernel is compiled with Triton for --arch
-(no device needed) with 16-divisible strides and bf16 pools, as serving runs it; ptxas -v
-gives registers and spills. "loop" counts the PTX instructions of the largest loop (one tile
-per trip) per warp, and "per KiB" the warp
+A setting is variant:heads:tile:num_warps:prefetch (heads and prefetch only mean something for
+v2). Each kernel is compiled with Triton for --arch (no device needed) with 16-divisible strides
+and bf16 pools, as serving runs it; ptxas -v gives registers and spills. "loop" counts the PTX
+instructions of the largest loop (one tile per trip) per warp, and "per KiB" the warp
 instructions per KiB of K and V the loop reads: a read-bound kernel wants that low (an H200 SM
 issues at most 4 warp instructions a cycle and must take in about 16 bytes a cycle to read at
 the bandwidth, so about 240 per KiB is the ceiling, and stalls take a large share of it).
@@ -46,7 +45,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head-size", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--splits", type=int, default=1)
-    p.add_argument("--stages", type=int, default=3)
     p.add_argument("--new", action="store_true",
                    help="with the fused store of the step's keys (the kernels' NEW)")
     p.add_argument("--out", default=str(HERE / "results" / "paged_kernel_static.json"))
@@ -85,23 +83,16 @@ def compile_one(setting: str, args) -> dict:
     if variant == "v1":
         fn, heads = kernels._paged_decode_kernel, 1
         consts["HEADS_FIRST"] = False
-    elif variant == "v3":  # a tile is a block: TILE is the block size
-        fn, tile = kernels._paged_decode_v3_kernel, args.block_size
-        consts.update(HEADS=heads)
-        consts.pop("TILE")
     else:
         fn = kernels._paged_decode_v2_kernel
         consts.update(HEADS=heads, PREFETCH=prefetch == "1")
-    box = f"tensordesc<bf16[1,{args.block_size},{heads},{args.head_size}]>"  # v3's TMA boxes
-    signature = {n: POINTERS.get(n) or (box if n.endswith("_desc") else "constexpr" if n in consts
-                                        else "fp32" if n == "scale" else "i32")
-                 for n in fn.arg_names}
+    signature = {n: POINTERS.get(n) or ("constexpr" if n in consts else
+                                        "fp32" if n == "scale" else "i32") for n in fn.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
                if n.startswith("stride") or n.endswith("_ptr")}
     kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts,
                                       attrs=aligned),
-                            target=GPUTarget("cuda", args.arch, 32),
-                            options={"num_warps": warps, "num_stages": args.stages})
+                            target=GPUTarget("cuda", args.arch, 32), options={"num_warps": warps})
     ptx = kernel.asm["ptx"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
@@ -118,8 +109,7 @@ def compile_one(setting: str, args) -> dict:
             "spill_bytes": int(spills.group(1)) if spills else None,
             "shared_bytes": kernel.metadata.shared, "loop_instructions": loop,
             "warp_instructions_per_kib": loop * warps / kib,
-            "cp_async": ptx.count("cp.async.c"), "tma": ptx.count("cp.async.bulk.tensor"),
-            "mma": ptx.count("mma.sync")}
+            "cp_async": ptx.count("cp.async.c"), "mma": ptx.count("mma.sync")}
 
 
 def main(argv=None) -> int:

@@ -107,8 +107,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--splits", default="0,1,2,4", help="0: the kernel's default choice")
     p.add_argument("--stages", default="0", help="0: Triton's default")
     p.add_argument("--heads-first", default="0,1", help="v1's grid order (1: kv heads first)")
-    p.add_argument("--variants", default="v1,v2", help="the kernels to sweep (v1, v2, v3)")
-    p.add_argument("--heads", default="1,2,4,8", help="v2's and v3's kv heads per program")
+    p.add_argument("--variants", default="v1,v2", help="the kernels to sweep (v1: the default)")
+    p.add_argument("--heads", default="1,2,4,8", help="v2's kv heads per program")
     p.add_argument("--prefetch", default="0,1", help="v2's register prefetch (1) or not (0)")
     p.add_argument("--max-seconds", type=float, default=1e9,
                    help="start no setting after this many seconds of sweeping")
@@ -378,23 +378,18 @@ def fused_store(launch, cases, batch: int, device: torch.device) -> dict:
 def launch_settings(args, n_kv: int) -> list[tuple[str, dict]]:
     """(variant, launch keywords) to sweep: the shipped default first, then every tile x warps x
     splits x stages, by grid order (v1) or kv heads per program and prefetching (v2, at most
-    256 rows of keys per tile: heads x tile <= 256) or kv heads per program (v3, whose tile is
-    the block)."""
+    256 rows of keys per tile: heads x tile <= 256)."""
     ints = {a: [int(v) for v in getattr(args, a).split(",")]
             for a in ("tiles", "warps", "splits", "stages", "heads_first", "heads", "prefetch")}
     settings = [("default", {})]  # as shipped (or as $TRIREME_PAGED_KERNEL says)
     for variant in args.variants.split(","):
-        tiles = ints["tiles"]
         if variant == "v1":
             extra = [{"heads_first": bool(x)} for x in ints["heads_first"]]
-        elif variant == "v3":  # a tile is a block
-            extra = [{"heads": h} for h in ints["heads"] if h <= n_kv and n_kv % h == 0]
-            tiles = [args.block_size]
         else:
             extra = [{"heads": h, "prefetch": bool(f)} for h in ints["heads"]
                      for f in ints["prefetch"] if h <= n_kv and n_kv % h == 0]
         for tile, warps, splits, stages, x in itertools.product(
-                tiles, ints["warps"], ints["splits"], ints["stages"], extra):
+                ints["tiles"], ints["warps"], ints["splits"], ints["stages"], extra):
             kw = dict(variant=variant, tile=tile, num_warps=warps, splits=splits,
                       num_stages=stages, **x)
             if tile >= args.block_size and x.get("heads", 1) * tile <= 256:

@@ -86,11 +86,10 @@ import trireme.ops.paged_attention_triton as kernels
 shapes = [(8, 2, 64, 16, [1, 16, 17, 33, 64, 70, 5, 48, 31]), (4, 4, 128, 32, [1, 32, 33, 96]),
           (16, 4, 64, 32, [64]), (4, 4, 64, 16, [1])]
 # (variant, launch settings): v1 as shipped, v2 with 1..4 kv heads per program, its loads
-# prefetched or not, split or not; v3 (a block per tile, read by TMA) with 1..4 heads, split
+# prefetched or not, split or not
 launches = [("v1", {}), ("v1", dict(tile=32, splits=2)), ("v2", {}),
             ("v2", dict(heads=2, tile=16, prefetch=True)), ("v2", dict(heads=4, tile=32, splits=4)),
-            ("v2", dict(heads=2, tile=64, splits=2, num_warps=8, prefetch=True)),
-            ("v3", {}), ("v3", dict(heads=1, splits=2)), ("v3", dict(heads=4, splits=4))]
+            ("v2", dict(heads=2, tile=64, splits=2, num_warps=8, prefetch=True))]
 errors = {}
 for n_heads, n_kv, d, block, lengths in shapes:
     case = paged_case(n_heads, n_kv, lengths, block=block, d=d, seed=len(lengths))
@@ -122,12 +121,12 @@ print(json.dumps({"errors": errors, "env": env, "calls": env_calls,
 
 
 def test_paged_decode_kernel_variants_equal_the_gather_path():
-    """v1, v2 (kv heads per program, prefetched tiles) and v3 against the gather reference through
+    """v1 and v2 (kv heads per program, prefetched tiles) against the gather reference through
     the interpreter; $TRIREME_PAGED_KERNEL=v1 selects v1 (v2 is the default)."""
     pytest.importorskip("triton")
     script = VARIANTS_SCRIPT.replace("TESTS", repr(str(Path(__file__).parent)))
     out = json.loads(run_in_interpreter(script).splitlines()[-1])
-    assert len(out["errors"]) == 9 and max(out["errors"].values()) < 1e-4, out
+    assert len(out["errors"]) == 6 and max(out["errors"].values()) < 1e-4, out
     assert out["calls"] == [["_paged_decode_kernel", [2, 2, 1]]] and out["env"] < 1e-4, out
     assert out["bf16"] < 2e-2, out  # bf16 dot operands (p rounded to bf16) against fp32
 
@@ -139,8 +138,8 @@ def test_paged_decode_kernel_settings_are_checked():
 
     assert env_choice("") == ("v2", {}) and env_choice("v1") == ("v1", {})
     assert env_choice("v2, heads=2,tile=32") == ("v2", {"heads": 2, "tile": 32})
-    with pytest.raises(ConfigError, match="TRIREME_PAGED_KERNEL='v4': 'v4' is not.*v1, v2, v3"):
-        env_choice("v4")
+    with pytest.raises(ConfigError, match="TRIREME_PAGED_KERNEL='v3': 'v3' is not.*v1, v2"):
+        env_choice("v3")
     with pytest.raises(ConfigError, match="'warps=8' is not a launch setting.*num_warps"):
         env_choice("v2,warps=8")
     case = paged_case(8, 4, [3, 9], block=4)
@@ -153,15 +152,15 @@ def test_paged_decode_kernel_settings_are_checked():
         paged_decode_attention(*case, variant="v9")
 
 
-def test_kernel_configs_sweep_runs_every_variant(tmp_path):
+def test_kernel_configs_sweep_runs_both_variants(tmp_path):
     """bench/serve_profile.py --kernel-configs on a tiny model through the interpreter: every
-    setting of the three variants agrees with the gather path, and the shipped default is
-    timed, also with the step's keys stored by the kernel."""
+    setting of both variants agrees with the gather path, and the shipped default is timed, also
+    with the step's keys stored by the kernel."""
     pytest.importorskip("triton")
     out = tmp_path / "configs.json"
     argv = ["serve_profile.py", "--smoke", "--kernel-configs", "--tiles",
             "16", "--warps", "4", "--splits", "0", "--heads", "1,2", "--heads-first", "0,1",
-            "--block-size", "8", "--variants", "v1,v2,v3", "--out", str(out)]
+            "--block-size", "8", "--out", str(out)]
     bench = Path(__file__).resolve().parent.parent / "bench" / "serve_profile.py"
     run_in_interpreter(f"import runpy, sys; sys.argv = {argv!r}; "
                        f"runpy.run_path({str(bench)!r}, run_name='__main__')")
@@ -176,13 +175,13 @@ def test_kernel_configs_sweep_runs_every_variant(tmp_path):
     v2 = [("v2", None, h, f) for h in (1, 2) for f in (False, True)]
     assert settings == [(b, *s) for b in (1, 4) for s in [
         ("default", None, None, None), ("v1", False, None, None), ("v1", True, None, None),
-        *v2, ("v3", None, 1, None), ("v3", None, 2, None)]], rows
+        *v2]], rows
     assert all(r["ok"] and r["us"] > 0 for r in rows), rows
     assert [r["baseline"] for r in rows].count(True) == 2
 
 
-def test_every_variant_compiles_for_the_h200_without_a_gpu(tmp_path, monkeypatch):
-    """bench/paged_kernel_static.py compiles v1, v2 and v3 for sm_90 (Triton's compiler and ptxas,
+def test_both_variants_compile_for_the_h200_without_a_gpu(tmp_path, monkeypatch):
+    """bench/paged_kernel_static.py compiles v1 and v2 for sm_90 (Triton's compiler and ptxas,
     no device): both loops are pipelined through cp.async, and no registers spill; with the
     step's keys stored by the kernel (--new) the tile loop is the same length."""
     pytest.importorskip("triton")
@@ -192,13 +191,12 @@ def test_every_variant_compiles_for_the_h200_without_a_gpu(tmp_path, monkeypatch
     found = {}
     for new in ([], ["--new"]):
         out = tmp_path / "static.json"
-        paged_kernel_static.main(["--settings", "v1:1:64:4:0", "v2:2:32:4:0", "v3:2:16:2:0",
-                                  "--out", str(out), *new])
+        paged_kernel_static.main(["--settings", "v1:1:64:4:0", "v2:2:32:4:0", "--out", str(out),
+                                  *new])
         rows = found[bool(new)] = json.loads(out.read_text())["rows"]
-        assert [r.get("error") for r in rows] == [None, None, None], rows
+        assert [r.get("error") for r in rows] == [None, None], rows
         for r in rows:
             assert r["registers"] > 0 and r["spill_bytes"] == 0 and r["loop_instructions"] > 0, r
-            # v1, v2 through cp.async; v3 through the TMA (cp.async.bulk.tensor)
-            assert (r["tma"] > 0) == (r["variant"] == "v3") and r["cp_async"] > 0, r
+            assert r["cp_async"] > 0, r
     assert ([r["loop_instructions"] for r in found[True]]
             == [r["loop_instructions"] for r in found[False]]), found

@@ -72,8 +72,7 @@ launches = [("v1", {}), ("v1", dict(tile=16, splits=4)),
             ("v1", dict(tile=16, splits=2, heads_first=True)),
             ("v2", {}), ("v2", dict(heads=2, tile=16, prefetch=True)),
             ("v2", dict(heads=2, tile=16, splits=4)),
-            ("v2", dict(heads=1, tile=16, splits=2, prefetch=True)),
-            ("v3", {}), ("v3", dict(heads=1, splits=4))]
+            ("v2", dict(heads=1, tile=16, splits=2, prefetch=True))]
 out, pools = {}, {}
 for n_heads, n_kv, d, block, lengths, strided in shapes:
     case, new = new_case(n_heads, n_kv, lengths, block, d, seed=len(lengths), strided=strided)
@@ -107,7 +106,7 @@ def test_fused_store_equals_store_then_attend_in_the_interpreter():
     pytest.importorskip("triton")
     script = SCRIPT.replace("TESTS", repr(str(Path(__file__).parent)))
     out = json.loads(run_in_interpreter(script).splitlines()[-1])
-    assert len(out["errors"]) == 9 and max(out["errors"].values()) < 1e-4, out
+    assert len(out["errors"]) == 7 and max(out["errors"].values()) < 1e-4, out
     assert all(out["pools"].values()), out
     assert out["bf16"]["pools"] and out["bf16"]["err"] < 2e-2, out
 

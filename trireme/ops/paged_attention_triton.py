@@ -76,7 +76,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from trireme.errors import ConfigError
 from trireme.ops.pdl import launch_pdl
@@ -312,62 +311,6 @@ def _paged_decode_v2_kernel(
                  mask=g_mask[:, :, None])
 
 
-@triton.jit(do_not_specialize=["stride_tr"])  # as v1's
-def _paged_decode_v3_kernel(
-    q_ptr, k_desc, v_desc, k_ptr, v_ptr, tables_ptr, lengths_ptr, out_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr, k_new_ptr, v_new_ptr, slots_ptr,
-    stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_tr, stride_or, stride_oh,
-    stride_knr, stride_knh, stride_vnr, stride_vnh, scale, n_heads,
-    GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
-    BLOCK: tl.constexpr, SPLITS: tl.constexpr, NEW: tl.constexpr,
-):
-    """v3 (module docstring): v2's programs and math, each tile one pool block read by the
-    tensor memory accelerator (k_desc, v_desc: boxes [1, BLOCK, HEADS, D] of the pools)."""
-    b = tl.program_id(0)
-    kh = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # [HEADS] this program's kv heads
-    j = tl.program_id(2)
-    length = tl.load(lengths_ptr + b)
-    chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK) * BLOCK  # whole blocks
-    first = j * chunk
-    end = tl.minimum(first + chunk, length)
-    g = tl.arange(0, GROUPS_POW2)
-    d = tl.arange(0, D)
-    t = tl.arange(0, BLOCK)
-    q_rows = kh[:, None] * GROUPS + g[None, :]  # [HEADS, G] query heads
-    g_mask = (g < GROUPS)[None, :] & (kh >= 0)[:, None]  # [HEADS, G]
-    q = tl.load(q_ptr + b * stride_qr + q_rows[:, :, None] * stride_qh + d[None, None, :],
-                mask=g_mask[:, :, None], other=0.0).to(k_ptr.dtype.element_ty)  # [HEADS, G, D]
-    m = tl.full([HEADS, GROUPS_POW2], float("-inf"), tl.float32)
-    denom = tl.zeros([HEADS, GROUPS_POW2], tl.float32)
-    acc = tl.zeros([HEADS, GROUPS_POW2, D], tl.float32)
-    pooled = end  # the keys first..pooled-1 are read from the pool
-    if NEW:  # key length - 1 is this step's, taken after the loop (module docstring)
-        pooled = tl.minimum(end, length - 1)
-    for start in range(first, pooled, BLOCK):
-        block = tl.load(tables_ptr + b * stride_tr + start // BLOCK).to(tl.int32)
-        k = k_desc.load([block, 0, tl.program_id(1) * HEADS, 0]).reshape(BLOCK, HEADS, D)
-        v = v_desc.load([block, 0, tl.program_id(1) * HEADS, 0]).reshape(BLOCK, HEADS, D)
-        live = start + t < pooled
-        v = tl.where(live[:, None, None], v, 0.0)  # rows past the length: whatever is there
-        m, denom, acc = _tile_step(q, tl.permute(k, (1, 2, 0)), tl.permute(v, (1, 0, 2)),
-                                   live, scale, m, denom, acc)
-    if NEW:
-        m, denom, acc = _new_key(q, m, denom, acc, k_new_ptr, v_new_ptr, slots_ptr, k_ptr,
-                                 v_ptr, b, kh[:, None], d[None, :], j, first, end, length, scale,
-                                 stride_knr, stride_knh, stride_vnr, stride_vnh, stride_kb,
-                                 stride_ks, stride_kh, BLOCK)
-    if SPLITS == 1:
-        out = acc / denom[:, :, None]
-        tl.store(out_ptr + b * stride_or + q_rows[:, :, None] * stride_oh + d[None, None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, :, None])
-    else:  # the partials as v1's: rows (b * n_heads + query head) * SPLITS + j
-        row = (b * n_heads + q_rows) * SPLITS + j  # [HEADS, G]
-        tl.store(part_m_ptr + row, m, mask=g_mask)
-        tl.store(part_l_ptr + row, denom, mask=g_mask)
-        tl.store(part_acc_ptr + row[:, :, None] * D + d[None, None, :], acc,
-                 mask=g_mask[:, :, None])
-
-
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -387,7 +330,7 @@ def default_splits(q: torch.Tensor, programs: int, keys_at_most: int, tile: int)
 
 SPLIT_COVER = 1.5  # programs per SM default_splits aims at
 
-VARIANTS = ("v1", "v2", "v3")
+VARIANTS = ("v1", "v2")
 ENV = "TRIREME_PAGED_KERNEL"
 SETTINGS = ("tile", "splits", "num_warps", "num_stages", "heads_first", "heads", "prefetch")
 
@@ -396,8 +339,7 @@ SETTINGS = ("tile", "splits", "num_warps", "num_stages", "heads_first", "heads",
 # --kernel-configs: v2 at these settings read 3.1-4.1 TB/s at batch 16-256, v1 at its own
 # 2.6-3.4); 0 in a call or unset in $TRIREME_PAGED_KERNEL means these
 SHIPPED = {"v1": {"tile": 64, "num_warps": 4, "num_stages": 0, "heads": 1},
-           "v2": {"tile": 64, "num_warps": 2, "num_stages": 2, "heads": 2},
-           "v3": {"tile": 16, "num_warps": 2, "num_stages": 3, "heads": 2}}
+           "v2": {"tile": 64, "num_warps": 2, "num_stages": 2, "heads": 2}}
 DEFAULT = "v2"
 
 
@@ -449,9 +391,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     for key in ("tile", "num_warps", "num_stages"):
         kw[key] = kw[key] or shipped[key]
     kw["tile"] = max(kw["tile"], k_pool.shape[1])  # whole blocks per tile
-    if variant == "v3":  # a tile is one block
-        kw["tile"] = k_pool.shape[1]
-    heads = kw["heads"] if variant != "v1" else 1
+    heads = kw["heads"] if variant == "v2" else 1
     if heads == 0:
         heads = shipped["heads"] if n_kv % shipped["heads"] == 0 else 1
     if heads < 1 or n_kv % heads or heads & (heads - 1):
@@ -512,12 +452,6 @@ def _launch(q, k_pool, v_pool, tables, lengths, variant: str, tile: int, splits:
     if variant == "v1":
         grid = (n_kv, r, splits) if heads_first else (r, n_kv, splits)
         _paged_decode_kernel[grid](*args, HEADS_FIRST=bool(heads_first), **consts)
-    elif variant == "v3":
-        descs = [TensorDescriptor(p, list(p.shape), list(p.stride()), [1, block, heads, d])
-                 for p in (k_pool, v_pool)]
-        consts.pop("TILE")
-        _paged_decode_v3_kernel[(r, n_kv // heads, splits)](*args[:1], *descs, *args[1:],
-                                                             HEADS=heads, **consts)
     else:
         pdl = launch_pdl(q)
         _paged_decode_v2_kernel[(r, n_kv // heads, splits)](*args, HEADS=heads,
