@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 10's GPU calls (one call < 10 min; logs and JSON under $OUT, packed into one tarball):
-#   bash bench/gpu_session10.sh tma    # the paged kernel v3 (TMA block reads) against v2, pool
+#   bash bench/gpu_session10.sh tma    # (ran at edae119; v3 reverted since) v3 against v2, pool
 #                                      # blocks of 16 and 64; the decode step with the best
 #   bash bench/gpu_session10.sh pdl    # programmatic dependent launch in the decode step
 #   bash bench/gpu_session10.sh check  # PDL's tokens, read rates, out / qkv split-K with PDL
