@@ -6,6 +6,7 @@
 #   bash bench/gpu_session10.sh check  # PDL's tokens, read rates, out / qkv split-K with PDL
 #   bash bench/gpu_session10.sh verify # PDL on by default: serving x3, kernels, read rates
 #   bash bench/gpu_session10.sh final  # out split four ways by default; serving, PDL off / on
+#   bash bench/gpu_session10.sh fp8    # trireme train in fp8: the auto micro batch against 16
 set -uo pipefail
 . bench/gpu_part.sh
 OUT_DIR=${OUT:-bench/results}
@@ -40,6 +41,11 @@ step() {  # NAME [VAR=VALUE...]: the decode step at batch 64 (a short serving ru
 
 set -- "${1:-tma}"
 case "$1" in
+fp8)  # issue 19: trireme train in fp8 at the planner's micro batch (8) and at 16
+    TAIL=6 part fp8_mb16 120 train fp8_mb16 llama3-1b --model.precision=fp8 \
+        --train.micro_batch_size=16
+    TAIL=6 part fp8_auto 120 train fp8_auto llama3-1b --model.precision=fp8
+    ;;
 final)  # the out projection split four ways by default: the decode step x3; serving at
     # concurrency 64 with PDL off and on, alternated (are the prompt steps' hosts slower?)
     S64="bench/serve_throughput.py --graphs on --concurrency 64 --num-prompts 256 \
