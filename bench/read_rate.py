@@ -18,6 +18,9 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from gemm_layouts import timed_us  # noqa: E402  (graph replays cycling over buffers)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -34,21 +37,7 @@ def rate(mb: float, reps: int) -> dict:
     count = max(2, min(reps, -(-1024 // max(int(mb), 1))))  # >= ~1 GB touched per cycle
     bufs = [torch.randn(n, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
     out = torch.empty((), device="cuda", dtype=torch.float32)
-    for b in bufs:
-        torch.sum(b, dim=0, dtype=torch.float32, out=out)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            torch.sum(bufs[i % count], dim=0, dtype=torch.float32, out=out)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    us = 1e3 * start.elapsed_time(end) / (5 * reps)
+    us = timed_us(lambda o, b: torch.sum(b, dim=0, dtype=torch.float32, out=o), bufs, out, reps)
     return {"mb": mb, "us": us, "tb_s": 2 * n / us / 1e6}
 
 
