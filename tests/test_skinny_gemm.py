@@ -129,6 +129,20 @@ def test_plan_splits_and_limits():
     assert usable(x, torch.randn(2048, 2048)) is None  # CPU and fp32: F.linear
 
 
+def test_plan_traces_under_compile_without_warnings(monkeypatch):
+    """The compiled decode step traces plan (and its reading of $TRIREME_SKINNY_SPLITS)."""
+    import warnings
+
+    monkeypatch.setenv("TRIREME_SKINNY_SPLITS", "3072x2048:2")
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = torch.compile(lambda x: x * plan(3072, 2048) + plan(2048, 2048),
+                            fullgraph=True)(torch.ones(2))
+    assert got.tolist() == [6.0, 6.0]
+    assert not [w for w in caught if "skinny_gemm" in str(w.message)], caught
+
+
 def test_env_names_more_plans(monkeypatch):
     from trireme.errors import ConfigError
 

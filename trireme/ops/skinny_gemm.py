@@ -88,10 +88,10 @@ def default_splits(n: int, k: int, tile: Tile = Tile()) -> int:
 ENV = "TRIREME_SKINNY_SPLITS"  # e.g. "2048x2048:4,3072x2048:1": more (N, K) -> splits
 
 
-@functools.lru_cache(maxsize=8)
 def env_splits(spec: str) -> dict[tuple[int, int], int]:
     """$TRIREME_SKINNY_SPLITS parsed: NxK:SPLITS pairs, comma-separated (for measuring a shape's
-    plan without editing SPLITS)."""
+    plan without editing SPLITS). Not cached: plan runs inside the compiled decode step, where
+    torch.compile traces it (and warns about a cache wrapper, which it ignores)."""
     found = {}
     for part in filter(None, (x.strip() for x in spec.split(","))):
         shape, _, splits = part.partition(":")
