@@ -17,6 +17,9 @@ import torch.multiprocessing as mp
 
 def _entry(rank: int, fn, world_size: int, store_path: str, args: tuple) -> None:
     torch.set_num_threads(1)  # several processes share two cores
+    # as torchrun says it: train() then gives each process its share of the cores (two ranks
+    # of two threads each on two cores made every op wait on spinning threads, 5-20x slower)
+    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
     os.environ.pop("WORLD_SIZE", None)  # the group below is the only source of truth
     dist.init_process_group(
         "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size
