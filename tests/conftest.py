@@ -1,8 +1,8 @@
 """The `slow` marker: tests that start several processes (gloo ranks, torchrun) or run the GPU
-benchmarks' CPU smoke tests. CI runs everything (`python -m pytest`); a newcomer's quick check is
-`python -m pytest -m "not slow"` (README). A test is slow when its module is listed below or its
-own code starts ranks (calls run_ranks or torchrun), so a new multi-process test is marked by
-itself."""
+benchmarks' CPU smoke tests. CI runs everything (`python -m pytest`); a newcomer's quick check
+is `python -m pytest -m "not slow" -n 2` (README). A test is slow when its module is listed
+below or its own code starts ranks (calls run_ranks or torchrun), so a new multi-process test
+is marked by itself."""
 
 from __future__ import annotations
 
