@@ -59,7 +59,8 @@ class Tile:
 # down projection (K = 4 N) at 13-13.6 us, where 4 splits take 9.8-11.3 us before their sum,
 # and its out projection (2048 x 2048) at 6.1-6.2 us, where 4 splits take 4.2-5.1 (the sums
 # fold into the next add + norm; the decode step at batch 64: 1.436 ms median of 4 against
-# 1.447 of 7, session 10); other shapes with K >= DEEP * N: default_splits, others: cuBLAS
+# 1.447 of 7 with cuBLAS, session 10, within what machines differ by: another ran it at
+# 1.452-1.460); other shapes with K >= DEEP * N: default_splits, others: cuBLAS
 SPLITS: dict[tuple[int, int], int] = {(2048, 8192): 4, (2048, 2048): 4}
 DEEP = 4
 # (N, K, splits) -> Tile for rows <= 16 and <= MAX_ROWS; other shapes: Tile()
