@@ -9,7 +9,7 @@ kernel launch. Every write comes after the wait, so no kernel overwrites what an
 still reads, and every such kernel waits, so "this kernel completed" still implies "every kernel
 before it completed" for the one after it. `launch_pdl(t)` says whether to launch with it: t on
 a CUDA device of capability >= 9, unless $TRIREME_PDL=0. On the H200 it took the serving
-engine's decode step at batch 64 from 1.50-1.51 to 1.45-1.46 ms, and the same greedy tokens
+engine's decode step at batch 64 from 1.50-1.51 to 1.44-1.46 ms, and the same greedy tokens
 came out with and without it (bench/pdl_check.py; bench/RESULTS.md, session 10). Inductor's own
 PDL (TORCHINDUCTOR_ENABLE_PDL=1, for the compiled step's elementwise kernels) measured no gain
 there and stays off.
