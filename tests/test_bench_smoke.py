@@ -205,6 +205,18 @@ def test_serve_mixed_cpu_smoke(tmp_path):
     assert all(r["wall_ms"] > 0 and r["kernels"] > 0 for r in rows.values())
 
 
+def test_pdl_check_cpu_smoke(tmp_path):
+    """bench/pdl_check.py runs two engines on the CPU (where PDL never applies) and finds the
+    same tokens: the script works; on the GPU it is what holds PDL to the tokens."""
+    env = {**{k: v for k, v in os.environ.items() if k != "OUT"}, "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "pdl.json"
+    cmd = [sys.executable, str(REPO / "bench" / "pdl_check.py"), "--smoke", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert data["same"] and data["differ"] == [] and data["requests"] == 8, data
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_decode_bound_counts_the_weights_a_step_reads(tied, monkeypatch):
     """The decode bound's weights leave out an untied input embedding table (a step gathers
