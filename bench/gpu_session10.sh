@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 10's GPU calls (one call < 10 min; logs and JSON under $OUT, packed into one tarball):
-#   bash bench/gpu_session10.sh tma    # (ran at edae119; v3 reverted since) v3 against v2, pool
-#                                      # blocks of 16 and 64; the decode step with the best
+#   (call 1, "tma": the v3 paged kernel against v2, ran at edae119; v3 is reverted, and that
+#   case with it: git show edae119:bench/gpu_session10.sh)
 #   bash bench/gpu_session10.sh pdl    # programmatic dependent launch in the decode step
 #   bash bench/gpu_session10.sh check  # PDL's tokens, read rates, out / qkv split-K with PDL
 #   bash bench/gpu_session10.sh verify # PDL on by default: serving x3, kernels, read rates
@@ -14,24 +14,6 @@ O=$(mktemp -d)  # logs and JSON here, packed into one tarball under $OUT at the 
 : "${TOTAL:=540}"
 export PYTHONPATH=$PWD
 
-best() {  # JSON [VARIANT]: the fastest agreeing setting's $TRIREME_PAGED_KERNEL spec
-    python - "$@" <<'PY'
-import json, sys
-rows = [r for r in json.load(open(sys.argv[1]))["rows"] if r.get("ok")
-        and (len(sys.argv) < 3 or r["variant"] == sys.argv[2])]
-r = min(rows, key=lambda r: r["us"])
-keys = ("tile", "num_warps", "splits", "num_stages", "heads")
-print(",".join([r["variant"] if r["variant"] != "default" else "v2"]
-               + [f"{k}={r[k]}" for k in keys if r.get(k)]))
-PY
-}
-
-bound() {  # NAME SPEC BLOCK: the decode step at batch 64 (and a short serving run)
-    TAIL=12 part "$1" 100 env TRIREME_PAGED_KERNEL="$2" python bench/serve_throughput.py \
-        --graphs on --concurrency 16 --num-prompts 32 --output-tokens 64 --bound-batches 64 \
-        --block-size "$3" --out "$O/$1.json"
-}
-
 step() {  # NAME [VAR=VALUE...]: the decode step at batch 64 (a short serving run first)
     local name=$1; shift
     TAIL=4 part "$name" 80 env "$@" python bench/serve_throughput.py --graphs on \
@@ -39,7 +21,7 @@ step() {  # NAME [VAR=VALUE...]: the decode step at batch 64 (a short serving ru
         --out "$O/$name.json"
 }
 
-set -- "${1:-tma}"
+set -- "${1:-verify}"
 case "$1" in
 fp8)  # issue 19: trireme train in fp8 at the planner's micro batch (8) and at 16
     TAIL=6 part fp8_mb16 120 train fp8_mb16 llama3-1b --model.precision=fp8 \
@@ -90,18 +72,6 @@ pdl)  # programmatic dependent launch: ours (TRIREME_PDL), Inductor's, both; alt
     done
     TAIL=30 part profile_both 80 env TRIREME_PDL=1 TORCHINDUCTOR_ENABLE_PDL=1 \
         python bench/serve_profile.py --batches 64 --out "$O/serve_profile-pdl.json"
-    ;;
-tma)
-    SWEEP="--kernel-configs --batches 64 --splits 0,1 --stages 2,3,4 --max-seconds 100"
-    TAIL=12 part paged16 115 python bench/serve_profile.py $SWEEP --variants v3 --warps 2,4 \
-        --heads 1,2,4 --block-size 16 --out "$O/kernel_configs-b16.json"
-    TAIL=12 part paged64 115 python bench/serve_profile.py $SWEEP --variants v2,v3 --tiles 64 \
-        --warps 2,4 --heads 2,4 --prefetch 0 --block-size 64 --out "$O/kernel_configs-b64.json"
-    b16=$(best "$O/kernel_configs-b16.json" v3); b64=$(best "$O/kernel_configs-b64.json")
-    echo "best v3 at block 16: $b16; best at block 64: $b64"
-    bound step_v2_b16 "" 16
-    bound step_v3_b16 "$b16" 16
-    bound step_b64 "$b64" 64
     ;;
 esac
 tar -czf "$OUT_DIR/session10-$1.tgz" -C "$O" . && ls "$O"

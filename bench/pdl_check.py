@@ -47,7 +47,8 @@ def greedy_tokens(model, args, prompts, pdl: bool, tokens: int) -> list[list[int
     params = [SamplingParams(max_tokens=tokens, greedy=True, ignore_eos=True)] * len(prompts)
     out = [r.output_ids for r in engine.generate(prompts, params)]
     del engine
-    torch.cuda.empty_cache() if graphs else None
+    if graphs:
+        torch.cuda.empty_cache()
     return out
 
 
@@ -61,8 +62,10 @@ def main(argv=None) -> int:
     try:
         off = greedy_tokens(model, serve, prompts, False, tokens)
         on = greedy_tokens(model, serve, prompts, True, tokens)
-    finally:
-        os.environ.pop(ENV) if before is None else os.environ.__setitem__(ENV, before)
+    finally:  # $TRIREME_PDL as it was
+        os.environ.pop(ENV)
+        if before is not None:
+            os.environ[ENV] = before
     differ = [i for i, (a, b) in enumerate(zip(off, on)) if a != b]
     result = {"device": str(device), "requests": len(prompts), "tokens": tokens,
               "differ": differ, "same": not differ and len(off) == len(on) == len(prompts)}

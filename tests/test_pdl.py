@@ -15,9 +15,11 @@ def test_only_cuda_tensors_of_sm90_launch_with_pdl(monkeypatch):
         is_cuda = True
         device = torch.device("cuda", 0)
 
-    for major, want in ((8, False), (9, True), (10, True)):
-        monkeypatch.setattr(pdl, "_capable", lambda index, major=major: major >= 9)
+    for major, want in ((8, False), (9, True), (10, True)):  # Ampere, Hopper, Blackwell
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i, m=major: (m, 0))
+        pdl._capable.cache_clear()
         assert pdl.launch_pdl(FakeCuda()) is want
+    pdl._capable.cache_clear()
     monkeypatch.setenv(pdl.ENV, "0")
     assert not pdl.launch_pdl(FakeCuda())  # turned off
     monkeypatch.setenv(pdl.ENV, "1")

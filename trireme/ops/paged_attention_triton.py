@@ -449,16 +449,15 @@ def _launch(q, k_pool, v_pool, tables, lengths, variant: str, tile: int, splits:
     consts = dict(GROUPS=groups, GROUPS_POW2=max(16, triton.next_power_of_2(groups)), D=d,
                   BLOCK=block, TILE=tile, SPLITS=splits, NEW=new is not None,
                   num_warps=num_warps, **stages)
+    pdl = launch_pdl(q)  # v2 and the merge (trireme.ops.pdl)
     if variant == "v1":
         grid = (n_kv, r, splits) if heads_first else (r, n_kv, splits)
         _paged_decode_kernel[grid](*args, HEADS_FIRST=bool(heads_first), **consts)
     else:
-        pdl = launch_pdl(q)
         _paged_decode_v2_kernel[(r, n_kv // heads, splits)](*args, HEADS=heads,
                                                              PREFETCH=bool(prefetch), PDL=pdl,
                                                              launch_pdl=pdl, **consts)
     if splits > 1:
-        pdl = launch_pdl(q)
         _merge_splits_kernel[(r, n_heads)](*parts, out, out.stride(0), out.stride(1), D=d,
                                            SPLITS=splits, num_warps=1, PDL=pdl, launch_pdl=pdl)
     return out
