@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Session 11's GPU calls (one call < 10 min; logs and JSON under $OUT, packed into one tarball):
+#   bash bench/gpu_session11.sh qkv    # qkv through the split-K kernel (2 / 4 splits) against
+#                                      # cuBLAS; then one bf16 / fp8 `trireme train` pair
+#   bash bench/gpu_session11.sh fp8    # bf16 / fp8 `trireme train` pairs, alternated (issue 19)
+set -uo pipefail
+. bench/gpu_part.sh
+OUT_DIR=${OUT:-bench/results}
+O=$(mktemp -d)  # logs and JSON here, packed into one tarball under $OUT at the end
+: "${TOTAL:=550}"
+export PYTHONPATH=$PWD
+
+step() {  # NAME [VAR=VALUE...]: the decode step at batch 64 (a short serving run first)
+    local name=$1; shift
+    TAIL=4 part "$name" 80 env "$@" python bench/serve_throughput.py --graphs on \
+        --concurrency 16 --num-prompts 32 --output-tokens 64 --bound-batches 64 \
+        --out "$O/$name.json"
+}
+
+pair() {  # I: `trireme train` llama3-1b as shipped, bf16 then fp8 (15 steps each)
+    TAIL=4 part "bf16_$1" 120 train "bf16_$1" llama3-1b
+    TAIL=4 part "fp8_$1" 120 train "fp8_$1" llama3-1b --model.precision=fp8
+}
+
+case "$1" in
+qkv)
+    step base_1 TRIREME_PDL=1
+    step qkv4_1 TRIREME_SKINNY_SPLITS=3072x2048:4
+    step qkv2_1 TRIREME_SKINNY_SPLITS=3072x2048:2
+    step qkv4_2 TRIREME_SKINNY_SPLITS=3072x2048:4
+    step base_2 TRIREME_PDL=1
+    pair 1
+    ;;
+fp8)
+    pair 2
+    pair 3
+    ;;
+esac
+tar -czf "$OUT_DIR/session11-$1.tgz" -C "$O" . && ls "$O"
