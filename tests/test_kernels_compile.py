@@ -86,12 +86,17 @@ def test_the_decode_step_kernels_compile_with_pdl(monkeypatch):
     x = torch.empty(64, 2048, dtype=BF16)
     q, pool = torch.empty(64, 32, 64, dtype=BF16), torch.empty(64 * 42, 16, 8, 64, dtype=BF16)
     tables, lengths = torch.zeros(64, 42, dtype=torch.long), torch.full((64,), 667)
+    qkv = torch.empty(4, 64, 48, 64)  # the compiled step's raw inputs: split qkv planes, RoPE
+    new = (qkv[:, :, 32:40], qkv[:, :, 40:], torch.zeros(64, dtype=torch.long))
+    rope = (torch.empty(64, 64), torch.empty(64, 64))
     calls = {"skinny_gemm_triton": lambda: (
                  skinny_mm(x, torch.empty(16384, 2048, dtype=BF16), 1, 64, 128, 64, glu=True),
                  skinny_mm(torch.empty(64, 8192, dtype=BF16), torch.empty(2048, 8192, dtype=BF16),
                            4, 64, 128, 64, num_stages=5)),
-             "paged_attention_triton": lambda: paged_decode_attention(q, pool, pool, tables,
-                                                                      lengths, variant="v2"),
+             "paged_attention_triton": lambda: (
+                 paged_decode_attention(q, pool, pool, tables, lengths, variant="v2"),
+                 paged_decode_attention(qkv[:, :, :32], pool, pool, tables, lengths,
+                                        variant="v2", new=new, rope=rope)),
              "argmax_triton": lambda: greedy_and_finite(torch.empty(64, 128256, dtype=BF16),
                                                         programs=PROGRAMS_PER_SM * 132)}
     for name, call in calls.items():
