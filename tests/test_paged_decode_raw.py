@@ -12,6 +12,7 @@ import torch
 from interpreted import BF16_DOT, BF16_ROUND, run_in_interpreter
 from test_paged_decode_store import new_case, stored_then_attended
 
+from trireme.inference.sampling import SamplingParams
 from trireme.ops.decode_inputs import prepared
 from trireme.ops.paged_attention import paged_decode_attention
 from trireme.ops.rope import RotaryEmbedding, rope_frequencies
@@ -64,6 +65,7 @@ SCRIPT = BF16_DOT + BF16_ROUND + """
 import json, sys, torch
 sys.path.insert(0, TESTS)
 from test_paged_decode_raw import raw_case, prepared_reference
+from trireme.inference.sampling import SamplingParams
 from trireme.ops.decode_inputs import prepared
 import trireme.ops.paged_attention_triton as kernels
 launches = [("v1", {}), ("v2", {}), ("v2", dict(heads=2, tile=16, splits=4)),
@@ -115,3 +117,53 @@ def test_kernels_sum_and_rotate_as_prepared_in_the_interpreter():
     assert max(v for k, v in errors.items() if not k.startswith("bf16")) < 1e-4, out
     assert errors["bf16 1"] == 0 and errors["bf16 4"] == 0, out
     assert all(out["pools"].values()), out
+
+
+def raw_run(model, monkeypatch, texts, params, raw: bool):
+    """test_compiled_decode.recorded_run with the blocks compiled by aot_eager, `raw`: the raw
+    qkv inputs (compiled_decode._project_raw)."""
+    from test_compiled_decode import EagerGraphs, sampled_logits
+
+    from trireme.inference.compiled_decode import compiled_layer
+    from trireme.inference.engine import Engine, EngineSettings
+
+    with sampled_logits(monkeypatch) as rows:
+        engine = Engine(model, EngineSettings(block_size=4, max_running=4, max_batch_tokens=16))
+        engine.graphs = EagerGraphs(model, engine.cache, 4, 4)
+        engine.cache.compiled_layer = compiled_layer("aot_eager", raw=raw)
+        requests = engine.generate(texts, params)
+    return [r.output_ids for r in requests], torch.stack(rows)
+
+
+@pytest.mark.parametrize("kind,splits", [("llama", 0), ("llama", 2), ("gpt2-learned-tied", 0),
+                                         ("llama-gqa-untied", 0)])
+@torch.no_grad()
+def test_raw_qkv_decode_gives_the_eager_logits_and_tokens(kind, splits, monkeypatch):
+    """Decode steps whose paged attention takes the qkv projection raw (planes of a split-K
+    product with `splits`, else the product; RoPE applied in the attention) give the logits and
+    tokens of the compiled steps without it: the llama shape (RoPE, GQA, no QK-norm), GPT-2's
+    (no RoPE), and one with QK-norm (which keeps the rotated path)."""
+    from test_serve_engine import CONFIGS, config, model_of, prompts
+
+    import trireme.ops.skinny_gemm as skinny
+    from trireme.inference import compiled_decode
+
+    model = model_of(config(qk_norm=False) if kind == "llama" else CONFIGS[kind])
+    planes = []
+    if splits:  # the kernel's plan off the GPU: every linear layer split (torch's reference)
+        monkeypatch.setattr(skinny, "unavailable", lambda device: None)  # the engine swaps
+        monkeypatch.setattr(skinny, "usable", lambda x, w: splits)
+    real = compiled_decode.linear_planes
+    monkeypatch.setattr(compiled_decode, "linear_planes",
+                        lambda layer, x: planes.append(real(layer, x)) or planes[-1])
+    texts = prompts(5, seed=3, longest=14)
+    params = [SamplingParams(max_tokens=2 + i % 3, greedy=True) for i in range(len(texts))]
+    torch._dynamo.reset()
+    want_ids, want = raw_run(model, monkeypatch, texts, params, raw=False)
+    torch._dynamo.reset()
+    got_ids, got = raw_run(model, monkeypatch, texts, params, raw=True)
+    assert got_ids == want_ids
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # the raw path ran (traced once per graph) where there is no QK-norm, with the planes
+    assert bool(planes) == (not model.cfg.qk_norm)
+    assert all(p.shape[0] == max(splits, 1) for p in planes)

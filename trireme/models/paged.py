@@ -97,15 +97,18 @@ class PagedKV:
         self.v_pool.view(-1, n_kv, d).index_copy_(0, step.slot_ids, v)
 
     def attend_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      backend: str = "auto") -> torch.Tensor:
+                      backend: str = "auto", rope: Any = None) -> torch.Tensor:
         """A decode-only step (step.decode_only): q [T, n_heads, d], k, v [T, n_kv, d] (any
         strides; views of the qkv output in the compiled decode step) -> y [T, n_heads, d].
         The paged kernel stores k, v at step.slot_ids as it attends (one
-        launch: trireme.ops.paged_attention's `new`); elsewhere this is `store`, then attend."""
+        launch: trireme.ops.paged_attention's `new`); elsewhere this is `store`, then attend.
+        With `rope` (cos, sin) q, k, v may be planes [S, T, heads, d] and q, k unrotated
+        (trireme.ops.decode_inputs)."""
         step = self.step
         assert step is not None, "PagedKV used outside a step (PagedCache.begin)"
         return paged_decode_attention(q, self.k_pool, self.v_pool, step.decode_tables,
-                                      step.decode_lengths, backend, new=(k, v, step.slot_ids))
+                                      step.decode_lengths, backend, new=(k, v, step.slot_ids),
+                                      rope=rope)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                backend: str = "auto") -> torch.Tensor:

@@ -78,7 +78,7 @@ import triton
 import triton.language as tl
 
 from trireme.errors import ConfigError
-from trireme.ops.decode_inputs import Rope, prepared
+from trireme.ops.decode_inputs import Rope, check_rope, prepared
 from trireme.ops.pdl import launch_pdl
 from trireme.ops.pdl_triton import enter
 
@@ -450,6 +450,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         if kw[key] & (kw[key] - 1):
             raise ConfigError(f"{key}={kw[key]} must be a power of two (or 0: the default)")
     new = new_keys(new, q, k_pool, v_pool)
+    rope = check_rope(rope, q.shape[-3], q.shape[-1])  # [r, d] rows
     if new is not None and (q.dim() == 4 or rope is not None) and variant == "v1":
         q, k_new, v_new = prepared(q, new[0], new[1], rope, k_pool.dtype)
         new, rope = (k_new, v_new, new[2]), None
