@@ -3,6 +3,9 @@
 #   bash bench/gpu_session11.sh qkv    # qkv through the split-K kernel (2 / 4 splits) against
 #                                      # cuBLAS; then one bf16 / fp8 `trireme train` pair
 #   bash bench/gpu_session11.sh fp8    # bf16 / fp8 `trireme train` pairs, alternated (issue 19)
+#   bash bench/gpu_session11.sh raw    # the raw qkv inputs (RoPE in the paged kernel), with
+#                                      # and without a split qkv, against the default
+#   (no machine was lent in session 11: none of these has run yet)
 set -uo pipefail
 . bench/gpu_part.sh
 OUT_DIR=${OUT:-bench/results}
@@ -34,6 +37,15 @@ qkv)
 fp8)
     pair 2
     pair 3
+    ;;
+raw)
+    TAIL=4 part check 120 env TRIREME_DECODE_RAW_QKV=1 python bench/pdl_check.py \
+        --out "$O/raw_check.json"  # (its PDL off / on tokens, now with the raw inputs)
+    for i in 1 2; do
+        step base_$i TRIREME_PDL=1
+        step raw_$i TRIREME_DECODE_RAW_QKV=1
+        step raw_qkv4_$i TRIREME_DECODE_RAW_QKV=1 TRIREME_SKINNY_SPLITS=3072x2048:4
+    done
     ;;
 esac
 tar -czf "$OUT_DIR/session11-$1.tgz" -C "$O" . && ls "$O"
