@@ -60,7 +60,8 @@ for m, splits, bm, swap in [(5, 2, 16, False), (20, 4, 16, True), (3, 4, 64, Fal
     key = f"residual {m} {splits} {bm} {swap}"
     out[key] = [(new.float() - want.float()).abs().max().item(),
                 ((sumsq - want_sq).abs() / want_sq).max().item(),
-                int(counters.abs().sum()), (part.sum(0) - (a.float() @ w.float().t())).abs().max().item()]
+                int(counters.abs().sum()),
+                (part.sum(0) - (a.float() @ w.float().t())).abs().max().item()]
     # the norm: rmsnorm(new) W^T as planes, and SwiGLU's
     g = (1 + 0.1 * torch.randn(n, generator=gen)).to(bf)
     h = normed_reference(new, sumsq, g, 1e-5)
