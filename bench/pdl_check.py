@@ -5,6 +5,8 @@ every kernel is deterministic, so without a race the tokens are the same, every 
 
     python bench/pdl_check.py                   # on the GPU
     python bench/pdl_check.py --smoke           # a tiny model on the CPU (PDL never applies)
+    python bench/pdl_check.py --env TRIREME_DECODE_CHAIN --values 1,1   # another switch: here
+        # the chained decode twice (its semaphores: a race would not give the same tokens)
 
 Prints the requests whose tokens differ; writes JSON (default bench/results/pdl_check.json).
 """
@@ -35,13 +37,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--env", default=ENV, help="the switch the two engines differ in")
+    p.add_argument("--values", default="0,1", help="its two values, first,second")
     p.add_argument("--out", default=str(HERE / "results" / "pdl_check.json"))
     return p.parse_args(argv)
 
 
-def greedy_tokens(model, args, prompts, pdl: bool, tokens: int) -> list[list[int]]:
-    """Each prompt's greedy tokens from a fresh engine captured with PDL on or off."""
-    os.environ[ENV] = "1" if pdl else "0"
+def greedy_tokens(model, args, prompts, env: str, value: str, tokens: int) -> list[list[int]]:
+    """Each prompt's greedy tokens from a fresh engine captured with $env = value."""
+    os.environ[env] = value
     graphs = next(model.parameters()).is_cuda
     engine = engine_for(model, args, max_running=len(prompts), graphs=graphs)
     params = [SamplingParams(max_tokens=tokens, greedy=True, ignore_eos=True)] * len(prompts)
@@ -58,18 +62,23 @@ def main(argv=None) -> int:
     cfg, model, device = build(serve)
     prompts = make_prompts(serve, cfg.model.vocab_size)[:args.requests]
     tokens = min(args.tokens, serve.output_tokens) if args.smoke else args.tokens
-    before = os.environ.get(ENV)
+    values = args.values.split(",")
+    if len(values) != 2:
+        raise SystemExit(f"--values {args.values!r}: give two, e.g. 0,1")
+    before = os.environ.get(args.env)
     try:
-        off = greedy_tokens(model, serve, prompts, False, tokens)
-        on = greedy_tokens(model, serve, prompts, True, tokens)
-    finally:  # $TRIREME_PDL as it was
-        os.environ.pop(ENV)
+        off = greedy_tokens(model, serve, prompts, args.env, values[0], tokens)
+        on = greedy_tokens(model, serve, prompts, args.env, values[1], tokens)
+    finally:  # the switch as it was
+        os.environ.pop(args.env)
         if before is not None:
-            os.environ[ENV] = before
+            os.environ[args.env] = before
     differ = [i for i, (a, b) in enumerate(zip(off, on)) if a != b]
     result = {"device": str(device), "requests": len(prompts), "tokens": tokens,
+              "env": args.env, "values": values,
               "differ": differ, "same": not differ and len(off) == len(on) == len(prompts)}
-    print(f"{len(prompts)} requests x {tokens} greedy tokens, PDL off vs on: "
+    print(f"{len(prompts)} requests x {tokens} greedy tokens, {args.env}={values[0]} vs "
+          f"{values[1]}: "
           f"{'the same tokens' if result['same'] else f'{len(differ)} differ: {differ[:10]}'}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -205,16 +205,20 @@ def test_serve_mixed_cpu_smoke(tmp_path):
     assert all(r["wall_ms"] > 0 and r["kernels"] > 0 for r in rows.values())
 
 
-def test_pdl_check_cpu_smoke(tmp_path):
+@pytest.mark.parametrize("switch", [[], ["--env", "TRIREME_DECODE_RAW_QKV", "--values", "1,1"]])
+def test_pdl_check_cpu_smoke(tmp_path, switch):
     """bench/pdl_check.py runs two engines on the CPU (where PDL never applies) and finds the
-    same tokens: the script works; on the GPU it is what holds PDL to the tokens."""
+    same tokens: the script works; on the GPU it is what holds PDL (or another switch, run
+    twice) to the tokens."""
     env = {**{k: v for k, v in os.environ.items() if k != "OUT"}, "OMP_NUM_THREADS": "1"}
     out = tmp_path / "pdl.json"
-    cmd = [sys.executable, str(REPO / "bench" / "pdl_check.py"), "--smoke", "--out", str(out)]
+    cmd = [sys.executable, str(REPO / "bench" / "pdl_check.py"), "--smoke", "--out", str(out),
+           *switch]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
     assert data["same"] and data["differ"] == [] and data["requests"] == 8, data
+    assert data["env"] == (switch[1] if switch else "TRIREME_PDL")
 
 
 @pytest.mark.parametrize("tied", [False, True])

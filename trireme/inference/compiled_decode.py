@@ -61,6 +61,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from trireme.inference.chained_decode import ENV as CHAIN_ENV
+from trireme.inference.chained_decode import Squares, chained_post, normed_qkv, post_plan
 from trireme.models.paged import PagedCache, PagedKV, PagedStep
 from trireme.ops.rope import apply_rotary_heads
 from trireme.ops.skinny_gemm import linear_planes
@@ -265,11 +267,43 @@ def _raw_pieces(backend: str, pre: Callable, project: Callable) -> tuple[Callabl
     return raw_pre, raw_project
 
 
+def chain() -> bool:
+    """Whether $TRIREME_DECODE_CHAIN asks for trireme.inference.chained_decode."""
+    return os.environ.get(CHAIN_ENV, "0") == "1"
+
+
+def _chained(pre: Callable, project: Callable, post: Callable, post_norm: Callable,
+             step: PagedStep) -> tuple[Callable, Fusing]:
+    """post and Fusing that take trireme.inference.chained_decode's kernels where a piece fits
+    them (its post hands on Squares), else the compiled pieces."""
+    def chain_post(block, x, y, attended, names):
+        plan = post_plan(block, x, y, attended, names)
+        if plan is None:
+            return post(block, x, y, attended, names)
+        return chained_post(block, x, y, attended, names, plan, step.counters)[0]
+
+    def chain_post_norm(block, x, y, attended, names, norm):
+        plan = post_plan(block, x, y, attended, names)
+        if plan is None:
+            return post_norm(block, x, y, attended, names, norm)
+        return chained_post(block, x, y, attended, names, plan, step.counters)
+
+    def chain_project(block, name, carried, rope):
+        if not isinstance(carried, Squares):
+            return project(block, name, carried, rope)
+        planes = normed_qkv(block, name, carried)
+        return pre(block, name, carried.x, rope) if planes is None else (*planes, rope)
+
+    return chain_post, Fusing(chain_project, chain_post_norm)
+
+
 @functools.cache
-def compiled_layer(backend: str = "inductor", raw: bool = False) -> Callable[..., tuple]:
+def compiled_layer(backend: str = "inductor", raw: bool = False,
+                   chained: bool = False) -> Callable[..., tuple]:
     """A decode-only step's block forward with compiled `_pre`, `_project`, `_post` and
     `_post_norm` (one set per backend per process: its compilations are shared by every engine
-    and layer); with `raw`, `_pre_raw` and `_project_raw` where they apply."""
+    and layer); with `raw`, `_pre_raw` and `_project_raw` where they apply; `chained` (with
+    `raw`): trireme.inference.chained_decode's kernels where they fit."""
     pre, project, post, post_norm = (torch.compile(f, backend=backend, fullgraph=True)
                                      for f in (_pre, _project, _post, _post_norm))
     if raw:
@@ -285,8 +319,11 @@ def compiled_layer(backend: str = "inductor", raw: bool = False) -> Callable[...
         Carry); `following`: the next block and its states in this step, or None (the
         module docstring)."""
         next_norm = first_attention_norm(*following) if following is not None else None
+        posting, fused = post, fusing
+        if chained:
+            posting, fused = _chained(pre, project, post, post_norm, step)
         with torch._dynamo.config.patch(**{_limit_key(): RECOMPILE_LIMIT}):
-            return run_pieces(block, x, rope, states, pre, _attend, post, fusing, h, next_norm)
+            return run_pieces(block, x, rope, states, pre, _attend, posting, fused, h, next_norm)
 
     return run
 
@@ -302,8 +339,11 @@ def unavailable() -> str | None:
     return None
 
 
-def compile_decode(cache: PagedCache, backend: str = "inductor", raw: bool | None = None
-                   ) -> None:
+def compile_decode(cache: PagedCache, backend: str = "inductor", raw: bool | None = None,
+                   chained: bool | None = None) -> None:
     """Run `cache`'s decode-only steps through the compiled pieces (`raw`: the raw qkv inputs,
-    module docstring; None: as $TRIREME_DECODE_RAW_QKV says)."""
-    cache.compiled_layer = compiled_layer(backend, raw_qkv() if raw is None else raw)
+    module docstring; `chained`: trireme.inference.chained_decode, which implies `raw`; None:
+    as $TRIREME_DECODE_RAW_QKV and $TRIREME_DECODE_CHAIN say)."""
+    chained = chain() if chained is None else chained
+    raw = chained or (raw_qkv() if raw is None else raw)
+    cache.compiled_layer = compiled_layer(backend, raw, chained)

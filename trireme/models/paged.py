@@ -39,6 +39,7 @@ import torch
 from trireme.errors import ConfigError
 from trireme.ops.attention import attention
 from trireme.ops.paged_attention import gather_blocks, paged_decode_attention
+from trireme.ops.skinny_fused import COUNTERS
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class PagedStep:
     decode_lengths: torch.Tensor | None = None  # [n_dec] long
     prefills: list[tuple[int, int, torch.Tensor, int]] = field(default_factory=list)
     requests: list[tuple[int, int, int, int]] = field(default_factory=list)
+    counters: torch.Tensor | None = None  # the cache's int32 semaphores (PagedCache.begin)
     decode_only: bool = field(init=False)  # every token a decode row: no prompt chunk
 
     def __post_init__(self) -> None:
@@ -164,7 +166,7 @@ class Carry:
     x itself and its block is `block`, else drops it; `begin` drops it too."""
 
     x: torch.Tensor  # [1, T, h]
-    h: torch.Tensor  # [1, T, h]: block's first norm of x
+    h: Any  # [1, T, h]: block's first norm of x (or what stands for it: chained_decode.Squares)
     block: torch.nn.Module
 
 
@@ -200,6 +202,9 @@ class PagedCache:
         self.carry: Carry | None = None  # within a decode step only (forward_layer)
         self.compiled_layer: Callable[..., tuple] | None = None
         self.compiled_prefill: Callable[..., torch.Tensor] | None = None
+        # zeros the chained decode kernels use as semaphores and leave at zero
+        # (trireme.ops.skinny_fused; one engine's steps run on one stream)
+        self.counters = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
 
     def states(self) -> list[PagedKV | SlotState]:
         return [s for layer in self.layers.values() for s in layer.values()]
@@ -207,6 +212,7 @@ class PagedCache:
     def begin(self, step: PagedStep) -> None:
         """Point every layer's state at this step's batch (and drop any carry)."""
         self.step = step
+        step.counters = self.counters
         self.carry = None
         for state in self.states():
             state.step = step

@@ -1,0 +1,91 @@
+"""The chained decode (trireme.inference.chained_decode): decode steps whose residual adds and
+norms ride in the split-K kernels (here their torch references, the plans forced on the CPU)
+give the logits and tokens of the compiled steps without them; each layer's post goes through
+the chain and each later layer's qkv through skinny_normed; a block that does not fit (GPT-2's
+LayerNorm and GELU) keeps the compiled pieces."""
+
+import pytest
+import torch
+from test_compiled_decode import EagerGraphs, sampled_logits
+from test_serve_engine import CONFIGS, config, model_of, prompts
+
+import trireme.inference.chained_decode as chained_decode
+import trireme.ops.skinny_gemm as skinny
+from trireme.inference import compiled_decode
+from trireme.inference.compiled_decode import compiled_layer
+from trireme.inference.engine import Engine, EngineSettings
+from trireme.inference.sampling import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def run(model, monkeypatch, texts, params, chained: bool):
+    """(token ids, logits rows) of an engine whose decode steps run compiled (aot_eager) with
+    the raw qkv inputs, and `chained`."""
+    with sampled_logits(monkeypatch) as rows:
+        engine = Engine(model, EngineSettings(block_size=4, max_running=4, max_batch_tokens=16))
+        engine.graphs = EagerGraphs(model, engine.cache, 4, 4)
+        engine.cache.compiled_layer = compiled_layer("aot_eager", raw=True, chained=chained)
+        requests = engine.generate(texts, params)
+    return [r.output_ids for r in requests], torch.stack(rows)
+
+
+def spy(monkeypatch, module, name, calls):
+    real = getattr(module, name)
+
+    def recorded(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append((name, out is not None))
+        return out
+
+    monkeypatch.setattr(module, name, recorded)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2-learned-tied"])
+@torch.no_grad()
+def test_chained_decode_gives_the_compiled_logits_and_tokens(kind, monkeypatch):
+    model = model_of(config(qk_norm=False, num_layers=3) if kind == "llama" else CONFIGS[kind])
+    monkeypatch.setattr(skinny, "unavailable", lambda device: None)  # the engine swaps layers
+    monkeypatch.setattr(skinny, "usable", lambda x, w: 2)  # every layer on a 2-split plan
+    monkeypatch.setattr(skinny, "glu_usable", lambda x, w: True)
+    calls: list = []
+    spy(monkeypatch, compiled_decode, "chained_post", calls)
+    spy(monkeypatch, compiled_decode, "normed_qkv", calls)
+    texts = prompts(5, seed=6, longest=14)
+    params = [SamplingParams(max_tokens=2 + i % 3, greedy=True) for i in range(len(texts))]
+    torch._dynamo.reset()
+    want_ids, want = run(model, monkeypatch, texts, params, chained=False)
+    assert not calls
+    torch._dynamo.reset()
+    got_ids, got = run(model, monkeypatch, texts, params, chained=True)
+    assert got_ids == want_ids
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    posts = [ok for name, ok in calls if name == "chained_post"]
+    qkvs = [ok for name, ok in calls if name == "normed_qkv"]
+    if kind == "llama":  # every layer's post chained; every later layer's qkv normed
+        assert posts and all(posts) and qkvs and all(qkvs)
+        assert len(posts) == len(qkvs) * 3 // 2  # 3 layers: 3 posts, 2 normed qkvs a step
+    else:  # LayerNorm, GELU: nothing fits
+        assert not posts and not qkvs
+
+
+def test_post_plan_needs_the_whole_shape(monkeypatch):
+    """post_plan: the llama block fits (on forced plans); biases, another norm or MLP, a
+    missing split do not."""
+    monkeypatch.setattr(skinny, "usable", lambda x, w: 2)
+    monkeypatch.setattr(skinny, "glu_usable", lambda x, w: True)
+    model = model_of(config(qk_norm=False))
+    skinny.use_skinny_linears(model)
+    block = next(iter(model.layers.values()))
+    x = torch.zeros(1, 3, model.cfg.hidden_size)
+    y = torch.zeros(3, model.cfg.num_attention_heads, 16)
+    assert chained_decode.post_plan(block, x, y, "attention", ("mlp",)) is not None
+    assert chained_decode.post_plan(block, x, None, "attention", ("mlp",)) is None
+    assert chained_decode.post_plan(block, x, y, None, ("mlp",)) is None
+    monkeypatch.setattr(skinny, "usable", lambda x, w: 1)  # one split: no semaphore to count
+    assert chained_decode.post_plan(block, x, y, "attention", ("mlp",)) is None
+    gpt2 = model_of(CONFIGS["gpt2-learned-tied"])
+    skinny.use_skinny_linears(gpt2)
+    monkeypatch.setattr(skinny, "usable", lambda x, w: 2)
+    assert chained_decode.post_plan(next(iter(gpt2.layers.values())), x, y, "attention",
+                                    ("mlp",)) is None
