@@ -5,6 +5,7 @@
 #   bash bench/gpu_session11.sh fp8    # bf16 / fp8 `trireme train` pairs, alternated (issue 19)
 #   bash bench/gpu_session11.sh raw    # the raw qkv inputs (RoPE in the paged kernel), with
 #                                      # and without a split qkv, against the default
+#   bash bench/gpu_session11.sh chain  # the chained decode: determinism, error, step time
 #   (no machine was lent in session 11: none of these has run yet)
 set -uo pipefail
 . bench/gpu_part.sh
@@ -45,6 +46,19 @@ raw)
         step base_$i TRIREME_PDL=1
         step raw_$i TRIREME_DECODE_RAW_QKV=1
         step raw_qkv4_$i TRIREME_DECODE_RAW_QKV=1 TRIREME_SKINNY_SPLITS=3072x2048:4
+    done
+    ;;
+chain)
+    TAIL=4 part chain_check 120 python bench/pdl_check.py --env TRIREME_DECODE_CHAIN \
+        --values 1,1 --out "$O/chain_check.json"
+    for c in 0 1; do
+        TAIL=12 part numerics_$c 80 env TRIREME_DECODE_CHAIN=$c python bench/decode_numerics.py \
+            --out "$O/numerics-$c.json"
+    done
+    for i in 1 2; do
+        step base_$i TRIREME_PDL=1
+        step chain_$i TRIREME_DECODE_CHAIN=1
+        step chain_qkv4_$i TRIREME_DECODE_CHAIN=1 TRIREME_SKINNY_SPLITS=3072x2048:4
     done
     ;;
 esac

@@ -101,13 +101,18 @@ def test_fused_kernels_compile_for_sm90():
     residual = (x, torch.empty_like(x), torch.empty(32, 64), torch.zeros(128, dtype=torch.int32))
     norm = (torch.empty(32, 64), torch.empty(2048, dtype=bf), 1e-5)
 
+    small = (x[:16], torch.empty_like(x[:16]), torch.empty(32, 16), residual[3])
+
     def calls():
         module.skinny_mm(a, w, 4, 64, 128, 64, residual=residual)
+        module.skinny_mm(torch.empty(16, 8192, dtype=bf), torch.empty(2048, 8192, dtype=bf), 4,
+                         64, 128, 16, True, 4, 5, residual=small)  # the down tile, <= 16 rows
         module.skinny_mm(x, torch.empty(16384, 2048, dtype=bf), 1, 64, 128, 64, glu=True,
                          norm=norm)
         module.skinny_mm(x, torch.empty(3072, 2048, dtype=bf), 4, 64, 128, 64, norm=norm)
 
     kernels = compile_recorded_for_sm90(module, calls)
-    assert len(kernels) == 3
-    residual_ptx = kernels[0].asm["ptx"]
-    assert "atom" in residual_ptx and "bar.sync" in residual_ptx  # the semaphore, the barrier
+    assert len(kernels) == 4
+    for kernel in kernels[:2]:  # the semaphore (one thread's acquire-release atomic), a barrier
+        ptx = kernel.asm["ptx"]
+        assert "atom.global.gpu.acq_rel.add" in ptx and "bar.sync" in ptx
