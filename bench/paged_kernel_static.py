@@ -83,6 +83,8 @@ def compile_one(setting: str, args) -> dict:
     consts = dict(GROUPS=args.groups, GROUPS_POW2=max(16, triton.next_power_of_2(args.groups)),
                   D=args.head_size, BLOCK=args.block_size, TILE=tile, SPLITS=args.splits,
                   NEW=args.new)
+    if variant == "v1" and args.raw:
+        raise SystemExit(f"{setting}: --raw is v2's (v1 takes decode_inputs.prepared's tensors)")
     if variant == "v1":
         fn, heads = kernels._paged_decode_kernel, 1
         consts["HEADS_FIRST"] = False

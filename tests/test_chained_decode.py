@@ -41,12 +41,22 @@ def spy(monkeypatch, module, name, calls):
     monkeypatch.setattr(module, name, recorded)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2-learned-tied"])
+MODELS = {"llama": dict(qk_norm=False, num_layers=3), "qk-norm": dict(num_layers=3),
+          "gpt2-learned-tied": None}
+QKV_ROWS = (4 + 2 * 2) * 16  # the test configs' qkv weight: (heads + 2 kv heads) x head size
+
+
+@pytest.mark.parametrize("kind,qkv_split", [("llama", True), ("llama", False),
+                                           ("qk-norm", True), ("gpt2-learned-tied", True)])
 @torch.no_grad()
-def test_chained_decode_gives_the_compiled_logits_and_tokens(kind, monkeypatch):
-    model = model_of(config(qk_norm=False, num_layers=3) if kind == "llama" else CONFIGS[kind])
+def test_chained_decode_gives_the_compiled_logits_and_tokens(kind, qkv_split, monkeypatch):
+    """With the qkv on a split plan its input norm rides in it too; without one (llama3-1b's
+    qkv by default), or with QK-norm, the next layer's compiled pre norms the carried x."""
+    overrides = MODELS[kind]
+    model = model_of(config(**overrides) if overrides is not None else CONFIGS[kind])
     monkeypatch.setattr(skinny, "unavailable", lambda device: None)  # the engine swaps layers
-    monkeypatch.setattr(skinny, "usable", lambda x, w: 2)  # every layer on a 2-split plan
+    monkeypatch.setattr(skinny, "usable",  # every layer on a 2-split plan (the qkv: if asked)
+                        lambda x, w: 2 if qkv_split or w.shape[0] != QKV_ROWS else None)
     monkeypatch.setattr(skinny, "glu_usable", lambda x, w: True)
     calls: list = []
     spy(monkeypatch, compiled_decode, "chained_post", calls)
@@ -62,16 +72,18 @@ def test_chained_decode_gives_the_compiled_logits_and_tokens(kind, monkeypatch):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     posts = [ok for name, ok in calls if name == "chained_post"]
     qkvs = [ok for name, ok in calls if name == "normed_qkv"]
-    if kind == "llama":  # every layer's post chained; every later layer's qkv normed
-        assert posts and all(posts) and qkvs and all(qkvs)
-        assert len(posts) == len(qkvs) * 3 // 2  # 3 layers: 3 posts, 2 normed qkvs a step
-    else:  # LayerNorm, GELU: nothing fits
+    if kind == "gpt2-learned-tied":  # LayerNorm, GELU: nothing fits
         assert not posts and not qkvs
+        return
+    # every layer's post chained; every later layer's qkv asked (3 layers: 3 posts, 2 qkvs a
+    # step), normed by the kernel only on a split plan and without QK-norm
+    assert posts and all(posts) and len(posts) == len(qkvs) * 3 // 2
+    assert all(qkvs) if kind == "llama" and qkv_split else not any(qkvs)
 
 
 def test_post_plan_needs_the_whole_shape(monkeypatch):
-    """post_plan: the llama block fits (on forced plans); biases, another norm or MLP, a
-    missing split do not."""
+    """post_plan: the llama block fits (on forced plans); biases, another norm (LayerNorm,
+    liger's RMSNorm) or MLP, a missing split, too few semaphores do not."""
     monkeypatch.setattr(skinny, "usable", lambda x, w: 2)
     monkeypatch.setattr(skinny, "glu_usable", lambda x, w: True)
     model = model_of(config(qk_norm=False))
@@ -84,8 +96,18 @@ def test_post_plan_needs_the_whole_shape(monkeypatch):
     assert chained_decode.post_plan(block, x, y, None, ("mlp",)) is None
     monkeypatch.setattr(skinny, "usable", lambda x, w: 1)  # one split: no semaphore to count
     assert chained_decode.post_plan(block, x, y, "attention", ("mlp",)) is None
-    gpt2 = model_of(CONFIGS["gpt2-learned-tied"])
-    skinny.use_skinny_linears(gpt2)
     monkeypatch.setattr(skinny, "usable", lambda x, w: 2)
-    assert chained_decode.post_plan(next(iter(gpt2.layers.values())), x, y, "attention",
-                                    ("mlp",)) is None
+    monkeypatch.setattr(block.mlp_norm, "liger", True)  # liger's RMSNorm: not ours to fold
+    assert chained_decode.post_plan(block, x, y, "attention", ("mlp",)) is None
+    monkeypatch.undo()
+    monkeypatch.setattr(skinny, "usable", lambda x, w: 2)
+    monkeypatch.setattr(skinny, "glu_usable", lambda x, w: True)
+    assert chained_decode.post_plan(block, x, y, "attention", ("mlp",)) is not None
+    monkeypatch.setattr(chained_decode, "COUNTERS", 0)  # too few semaphores for the kernel
+    assert chained_decode.post_plan(block, x, y, "attention", ("mlp",)) is None
+    monkeypatch.setattr(chained_decode, "COUNTERS", 1024)
+    for other in (config(qk_norm=False, bias=True), CONFIGS["gpt2-learned-tied"]):
+        model = model_of(other)  # biases; LayerNorm and GELU
+        skinny.use_skinny_linears(model)
+        assert chained_decode.post_plan(next(iter(model.layers.values())), x, y, "attention",
+                                        ("mlp",)) is None

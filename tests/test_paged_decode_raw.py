@@ -4,6 +4,7 @@ interpreter, v1 and v2, one plane and several, with and without RoPE, give what 
 rotating (decode_inputs.prepared) and then the fused store + attention give: the same output and
 the same pools; the gather path (CPU) does exactly that; bad inputs get one-line errors."""
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -56,6 +57,10 @@ def test_raw_inputs_are_checked():
     q, k_pool, v_pool, tables, lengths = case
     with pytest.raises(ValueError, match="planes of q or `rope` come with `new`"):
         paged_decode_attention(q, k_pool, v_pool, tables, lengths)
+    if importlib.util.find_spec("triton") is not None:  # the launcher says so too
+        from trireme.ops.paged_attention_triton import paged_decode_attention as launch
+        with pytest.raises(ValueError, match="`rope` comes with `new`"):
+            launch(q[0], k_pool, v_pool, tables, lengths, rope=rope)
     with pytest.raises(ValueError, match=r"rope cos is \(2, 8\).*must be \[2, 16\] float32"):
         paged_decode_attention(q, k_pool, v_pool, tables, lengths, new=new,
                                rope=(rope[0][:, :8], rope[1]))

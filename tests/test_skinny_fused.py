@@ -116,3 +116,22 @@ def test_fused_kernels_compile_for_sm90():
     for kernel in kernels[:2]:  # the semaphore (one thread's acquire-release atomic), a barrier
         ptx = kernel.asm["ptx"]
         assert "atom.global.gpu.acq_rel.add" in ptx and "bar.sync" in ptx
+
+
+def test_bad_buffers_get_one_line_errors():
+    pytest.importorskip("triton")
+    from trireme.ops.skinny_gemm_triton import skinny_mm
+
+    a, w, x = torch.randn(4, 256), torch.randn(128, 256), torch.randn(4, 128)
+    sums, counters = torch.empty(2, 4), torch.zeros(8, dtype=torch.int32)
+    good = (x, torch.empty_like(x), sums, counters)
+    for bad in [(x.t().contiguous().t(), *good[1:]), (x, x[:3], sums, counters),
+                (x, good[1], sums, counters.long()), (x, good[1], sums, counters[:0])]:
+        with pytest.raises(ValueError, match="a residual needs splits > 1, r and new"):
+            skinny_mm(a, w, 2, 64, 128, 16, residual=bad)
+    with pytest.raises(ValueError, match="a residual needs splits > 1"):
+        skinny_mm(a, w, 1, 64, 128, 16, residual=good)
+    with pytest.raises(ValueError, match=r"the norm needs g \[256\]"):
+        skinny_mm(a, w, 2, 64, 128, 16, norm=(torch.empty(2, 4), torch.ones(128), 1e-5))
+    with pytest.raises(ValueError, match="a residual or a norm, not both"):
+        skinny_mm(a, w, 2, 64, 128, 16, residual=good, norm=(sums, torch.ones(256), 1e-5))

@@ -27,7 +27,7 @@ import torch
 
 from trireme.ops import skinny_gemm
 from trireme.ops.norms import RMSNorm
-from trireme.ops.skinny_fused import skinny_normed, skinny_residual
+from trireme.ops.skinny_fused import COUNTERS, residual_fits, skinny_normed, skinny_residual
 
 ENV = "TRIREME_DECODE_CHAIN"
 
@@ -73,7 +73,10 @@ def post_plan(block: torch.nn.Module, x: torch.Tensor, y: torch.Tensor | None,
             rows, fc1.weight):
         return None
     splits = _split(out, rows), _split(fc2, rows)
-    return (*splits, norm) if None not in splits else None
+    if None in splits or not all(residual_fits(layer.weight, rows.shape[0], s, COUNTERS)
+                                 for layer, s in zip((out, fc2), splits)):
+        return None
+    return (*splits, norm)
 
 
 def chained_post(block: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, attended: str,

@@ -426,7 +426,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     k_new, v_new may be planes [S, r, heads, d] (fp32 for S > 1, else the pools' dtype) and
     q, k_new unrotated with `rope` (cos, sin [r, d] fp32, unit column stride:
     trireme.ops.decode_inputs): v2 sums and rotates them as it loads them, v1 after
-    decode_inputs.prepared."""
+    decode_inputs.prepared. The output takes the pools' dtype."""
     kw = dict(tile=tile, splits=splits, num_warps=num_warps, num_stages=num_stages,
               heads_first=bool(heads_first), heads=heads, prefetch=bool(prefetch))
     if not variant:
@@ -450,6 +450,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         if kw[key] & (kw[key] - 1):
             raise ConfigError(f"{key}={kw[key]} must be a power of two (or 0: the default)")
     new = new_keys(new, q, k_pool, v_pool)
+    if rope is not None and new is None:
+        raise ValueError("paged_decode_attention: `rope` comes with `new`, this step's keys")
     rope = check_rope(rope, q.shape[-3], q.shape[-1])  # [r, d] rows
     if new is not None and (q.dim() == 4 or rope is not None) and variant == "v1":
         q, k_new, v_new = prepared(q, new[0], new[1], rope, k_pool.dtype)

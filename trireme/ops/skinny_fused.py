@@ -14,9 +14,10 @@ so a block's residual add and the next sublayer's norm are no kernels of their o
 squares come out of the kernel that made `new` (the last of its splits to finish adds the
 partials: trireme.ops.skinny_gemm_triton's RESIDUAL), and the next GEMM norms its input as it
 loads it (NORM). `counters` is an int32 buffer of zeros (at least `counters_needed` of them)
-that the kernel uses as its tiles' semaphores and leaves at zero: the op does not change it,
-so it is declared unmutated; two launches must not share it at the same time (one stream). On
-CUDA the Triton kernel; elsewhere, and as the reference, the same math in torch.
+that the kernel uses as its tiles' semaphores and leaves at zero,
+but it is declared mutated (it writes it while it runs); two launches must not share it at the
+same time (one stream). On CUDA the Triton kernel; elsewhere, and as the reference, the same
+math in torch.
 """
 
 from __future__ import annotations
@@ -33,12 +34,21 @@ from trireme.ops.skinny_gemm import (
 )
 
 RESIDUAL_TILE_N = 64  # columns per sumsq tile: the block_n of every planned split tile
-COUNTERS = 1024  # the semaphores a caller allocates: N / 64 x M / 16 for N <= 16384, M <= 64
+COUNTERS = 1024  # the semaphores a caller allocates: N / 64 tiles x 4 row tiles, N <= 16384
 
 
 def counters_needed(n: int, rows: int) -> int:
-    """Semaphores a skinny_residual launch of `rows` rows and N = n takes at most."""
+    """Semaphores a skinny_residual launch of `rows` rows and N = n takes at most (row tiles
+    of 16 rows at the least)."""
     return (n // RESIDUAL_TILE_N) * -(-rows // 16)
+
+
+def residual_fits(weight: torch.Tensor, rows: int, splits: int, counters: int) -> bool:
+    """Whether skinny_residual's kernel takes weight [N, K] at `rows` rows and `splits`: its
+    tile RESIDUAL_TILE_N wide, and `counters` semaphores enough."""
+    n, k = weight.shape
+    return (tile_for(rows, n, k, splits)[0].block_n == RESIDUAL_TILE_N
+            and counters_needed(n, rows) <= counters)
 
 
 def residual_reference(a: torch.Tensor, weight: torch.Tensor, splits: int, x: torch.Tensor
@@ -60,9 +70,9 @@ def normed_reference(x: torch.Tensor, sumsq: torch.Tensor, norm_weight: torch.Te
     return (x.float() * rstd * norm_weight.float()).to(x.dtype)
 
 
-@torch.library.custom_op("trireme::skinny_residual", mutates_args=(),
+@torch.library.custom_op("trireme::skinny_residual", mutates_args=("counters",),
                          schema="(Tensor a, Tensor weight, int splits, Tensor x, "
-                                "Tensor counters) -> (Tensor, Tensor)")
+                                "Tensor(a!) counters) -> (Tensor, Tensor)")
 def skinny_residual(a: torch.Tensor, weight: torch.Tensor, splits: int, x: torch.Tensor,
                     counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(new [M, N], sumsq [N / RESIDUAL_TILE_N, M] fp32) for a [M, K], weight [N, K], x [M, N]
@@ -87,7 +97,8 @@ def _(a, weight, splits, x, counters):
     if tile.block_n != RESIDUAL_TILE_N:
         raise ValueError(f"skinny_residual: the plan for {n} x {k} tiles {tile.block_n} "
                          f"columns; its sums of squares need {RESIDUAL_TILE_N}")
-    new = torch.empty_like(x)
+    x = x if x.is_contiguous() else x.contiguous()
+    new = x.new_empty(x.shape)
     sumsq = x.new_empty(n // tile.block_n, a.shape[0], dtype=torch.float32)
     launch(a, weight, splits, tile.block_n, tile.block_k, block_m, tile.swap, tile.num_warps,
            tile.num_stages, residual=(x, new, sumsq, counters))

@@ -21,7 +21,7 @@ gate rows W[n] and the up rows W[N/2 + n] of its tile in two accumulators and wr
 silu(gate) * up, rounded once: the [M, N] product and the activation's kernel are never made.
 
 Two fusions take the decode step's residual adds and RMSNorms out of kernels of their own
-(trireme.ops.skinny_gemm's skinny_residual and skinny_normed have the torch references):
+(trireme.ops.skinny_fused's skinny_residual and skinny_normed, with the torch references):
 
 - RESIDUAL (a split-K product y = x W^T that a residual stream r takes, r' = r + y): each
   program, its partial stored, counts itself in on its tile's semaphore (an int32 that is 0
@@ -152,6 +152,24 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, m_rows, n_cols, k_chunk, x_row_stride,
                 m_rows, n_cols)
 
 
+def _check_residual(residual: Residual, m_rows: int, n_cols: int, block_n: int, splits: int,
+                    tiles: int) -> None:
+    """RESIDUAL's buffers as _finish addresses them, or a one-line ValueError."""
+    r, new, sumsq, counters = residual
+    ok = (splits > 1 and r.shape == new.shape == (m_rows, n_cols) and r.is_contiguous()
+          and new.is_contiguous() and new.dtype == r.dtype
+          and sumsq.shape == (n_cols // block_n, m_rows) and sumsq.dtype == torch.float32
+          and counters.dtype == torch.int32 and counters.numel() >= tiles
+          and counters.device == r.device)
+    if not ok:
+        raise ValueError(f"skinny_mm: a residual needs splits > 1, r and new contiguous "
+                         f"[{m_rows}, {n_cols}] of one dtype, sums [{n_cols // block_n}, "
+                         f"{m_rows}] fp32 and {tiles} int32 counters; got splits {splits}, r "
+                         f"{tuple(r.shape)}, new {tuple(new.shape)}, sums "
+                         f"{tuple(sumsq.shape)} {sumsq.dtype}, {counters.numel()} "
+                         f"{counters.dtype} counters")
+
+
 def skinny_mm(x: torch.Tensor, weight: torch.Tensor, splits: int, block_n: int, block_k: int,
               block_m: int = 16, swap: bool = False, num_warps: int = 4,
               num_stages: int = 4, glu: bool = False, residual: Residual | None = None,
@@ -179,9 +197,13 @@ def skinny_mm(x: torch.Tensor, weight: torch.Tensor, splits: int, block_n: int, 
     sq, g, eps = norm if norm is not None else (x, x, 0.0)
     if residual is not None and norm is not None:
         raise ValueError("skinny_mm: a residual or a norm, not both")
-    if residual is not None and (splits < 2 or counters.numel() < grid[0] * grid[2]):
-        raise ValueError(f"skinny_mm: a residual needs splits > 1 and {grid[0] * grid[2]} "
-                         f"counters; got splits {splits}, {counters.numel()} counters")
+    if residual is not None:
+        _check_residual(residual, m_rows, n_cols, block_n, splits, grid[0] * grid[2])
+    if norm is not None and (g.numel() != k or sq.dim() != 2 or sq.shape[1] != m_rows
+                             or sq.dtype != torch.float32):
+        raise ValueError(f"skinny_mm: the norm needs g [{k}] and sums of squares [tiles, "
+                         f"{m_rows}] fp32; got g {tuple(g.shape)}, sums {tuple(sq.shape)} "
+                         f"{sq.dtype}")
     # Triton launches on the current device (the interpreter: the CPU)
     where = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
     pdl = launch_pdl(x)
