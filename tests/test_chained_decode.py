@@ -4,8 +4,12 @@ give the logits and tokens of the compiled steps without them; each layer's post
 the chain and each later layer's qkv through skinny_normed; a block that does not fit (GPT-2's
 LayerNorm and GELU) keeps the compiled pieces."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
+from interpreted import BF16_DOT, run_in_interpreter
 from test_compiled_decode import EagerGraphs, sampled_logits
 from test_serve_engine import CONFIGS, config, model_of, prompts
 
@@ -111,3 +115,79 @@ def test_post_plan_needs_the_whole_shape(monkeypatch):
         skinny.use_skinny_linears(model)
         assert chained_decode.post_plan(next(iter(model.layers.values())), x, y, "attention",
                                         ("mlp",)) is None
+
+
+ENGINE_SCRIPT = BF16_DOT + """
+import json, sys, torch
+sys.path.insert(0, TESTS)
+torch.set_num_threads(1)
+from test_compiled_decode import EagerGraphs
+from test_serve_engine import config, model_of, prompts
+import trireme.models.paged as paged
+import trireme.ops.paged_attention_triton as attention_kernels
+import trireme.ops.skinny_fused as fused
+import trireme.ops.skinny_gemm as skinny
+import trireme.ops.skinny_gemm_triton as gemm_kernels
+from trireme.inference.compiled_decode import compiled_layer
+from trireme.inference.engine import Engine, EngineSettings
+from trireme.inference.sampling import SamplingParams
+# a llama block whose shapes tile as the kernels' default tile (64 x 128): hidden 256
+model = model_of(config(qk_norm=False, num_layers=3, hidden_size=256, ffn_hidden_size=256,
+                        num_attention_heads=4, num_query_groups=2))
+texts = prompts(4, seed=2, longest=10)
+params = [SamplingParams(max_tokens=3 + i % 3, greedy=True) for i in range(len(texts))]
+
+def tokens(chained):
+    engine = Engine(model, EngineSettings(block_size=4, max_running=4))
+    engine.graphs = EagerGraphs(model, engine.cache, 4, 4)
+    engine.cache.compiled_layer = compiled_layer("aot_eager", raw=chained, chained=chained)
+    with torch.no_grad():
+        return [r.output_ids for r in engine.generate(texts, params)]
+
+want = tokens(False)
+# the CPU runs the GPU's kernels now, through the interpreter: every layer on a 2-split plan,
+# the ops' CPU implementations the Triton launchers, paged attention the kernel
+skinny.unavailable = lambda device: None
+skinny.usable = lambda x, w: 2
+skinny.glu_usable = lambda x, w: True
+launched = []
+def residual(a, weight, splits, x):
+    new, sumsq = torch.empty_like(x), x.new_empty(weight.shape[0] // 64, a.shape[0])
+    counters = torch.zeros(64, dtype=torch.int32)
+    gemm_kernels.skinny_mm(a.contiguous(), weight, splits, 64, 128, 16,
+                           residual=(x.contiguous(), new, sumsq, counters))
+    launched.append(("residual", int(counters.abs().sum())))
+    return new, sumsq
+def normed(x, sumsq, g, eps, weight, splits, glu):
+    launched.append(("normed", glu))
+    out = gemm_kernels.skinny_mm(x.contiguous(), weight, splits, 64, 128, 16, glu=glu,
+                                 norm=(sumsq, g, eps))
+    return out[0] if glu else out
+fused.residual_reference = residual
+fused._normed_torch = normed
+real = paged.paged_decode_attention
+def through_kernel(q, k_pool, v_pool, tables, lengths, backend="auto", new=None, rope=None):
+    if new is None:
+        return real(q, k_pool, v_pool, tables, lengths, backend)
+    return attention_kernels.paged_decode_attention(q, k_pool, v_pool, tables, lengths,
+                                                    new=new, rope=rope)
+paged.paged_decode_attention = through_kernel
+got = tokens(True)
+print(json.dumps({"want": want, "got": got, "launched": launched}))
+"""
+
+
+@pytest.mark.slow  # three engines' steps through the interpreter: ~25 s on two cores
+def test_chained_decode_through_the_kernels_gives_the_eager_tokens():
+    """The chained decode steps with the real kernels (Triton's interpreter: the split-K GEMMs
+    with RESIDUAL and NORM, the paged kernel on planes with RoPE) give the tokens of the
+    compiled steps without them; every semaphore is back at zero after its launch."""
+    pytest.importorskip("triton")
+    script = ENGINE_SCRIPT.replace("TESTS", repr(str(Path(__file__).parent)))
+    out = json.loads(run_in_interpreter(script).splitlines()[-1])
+    assert out["got"] == out["want"], out
+    kinds = {kind for kind, _ in out["launched"]}
+    assert kinds == {"residual", "normed"}, out
+    assert all(left == 0 for kind, left in out["launched"] if kind == "residual"), out
+    assert [True, False] == sorted({glu for kind, glu in out["launched"] if kind == "normed"},
+                                   reverse=True), out  # the gate-up GEMM and the qkv
