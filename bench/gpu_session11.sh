@@ -6,6 +6,7 @@
 #   bash bench/gpu_session11.sh raw    # the raw qkv inputs (RoPE in the paged kernel), with
 #                                      # and without a split qkv, against the default
 #   bash bench/gpu_session11.sh chain  # the chained decode: determinism, error, step time
+#   bash bench/gpu_session11.sh gpt2   # gpt2-124m at micro batch 32 (the preset's), 64, 16
 #   (no machine was lent in session 11: none of these has run yet)
 set -uo pipefail
 . bench/gpu_part.sh
@@ -46,6 +47,14 @@ raw)
         step base_$i TRIREME_PDL=1
         step raw_$i TRIREME_DECODE_RAW_QKV=1
         step raw_qkv4_$i TRIREME_DECODE_RAW_QKV=1 TRIREME_SKINNY_SPLITS=3072x2048:4
+    done
+    ;;
+gpt2)  # issue 19: does a larger micro batch (fewer, larger GEMMs) take gpt2 toward 600k?
+    for i in 1 2; do
+        for mb in 32 64 16; do
+            TAIL=4 part "gpt2_mb${mb}_$i" 90 train "gpt2_mb${mb}_$i" gpt2-124m \
+                --train.micro_batch_size=$mb
+        done
     done
     ;;
 chain)

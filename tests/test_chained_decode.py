@@ -177,7 +177,7 @@ print(json.dumps({"want": want, "got": got, "launched": launched}))
 """
 
 
-@pytest.mark.slow  # three engines' steps through the interpreter: ~25 s on two cores
+@pytest.mark.slow  # two engines, one through the interpreter: ~25 s on two cores
 def test_chained_decode_through_the_kernels_gives_the_eager_tokens():
     """The chained decode steps with the real kernels (Triton's interpreter: the split-K GEMMs
     with RESIDUAL and NORM, the paged kernel on planes with RoPE) give the tokens of the
