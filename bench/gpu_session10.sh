@@ -14,13 +14,6 @@ O=$(mktemp -d)  # logs and JSON here, packed into one tarball under $OUT at the 
 : "${TOTAL:=540}"
 export PYTHONPATH=$PWD
 
-step() {  # NAME [VAR=VALUE...]: the decode step at batch 64 (a short serving run first)
-    local name=$1; shift
-    TAIL=4 part "$name" 80 env "$@" python bench/serve_throughput.py --graphs on \
-        --concurrency 16 --num-prompts 32 --output-tokens 64 --bound-batches 64 \
-        --out "$O/$name.json"
-}
-
 set -- "${1:-verify}"
 case "$1" in
 fp8)  # issue 19: trireme train in fp8 at the planner's micro batch (8) and at 16

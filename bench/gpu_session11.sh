@@ -15,13 +15,6 @@ O=$(mktemp -d)  # logs and JSON here, packed into one tarball under $OUT at the 
 : "${TOTAL:=550}"
 export PYTHONPATH=$PWD
 
-step() {  # NAME [VAR=VALUE...]: the decode step at batch 64 (a short serving run first)
-    local name=$1; shift
-    TAIL=4 part "$name" 80 env "$@" python bench/serve_throughput.py --graphs on \
-        --concurrency 16 --num-prompts 32 --output-tokens 64 --bound-batches 64 \
-        --out "$O/$name.json"
-}
-
 pair() {  # I: `trireme train` llama3-1b as shipped, bf16 then fp8 (15 steps each)
     TAIL=4 part "bf16_$1" 120 train "bf16_$1" llama3-1b
     TAIL=4 part "fp8_$1" 120 train "fp8_$1" llama3-1b --model.precision=fp8
