@@ -6,7 +6,8 @@
 #   bash bench/gpu_session11.sh raw    # the raw qkv inputs (RoPE in the paged kernel), with
 #                                      # and without a split qkv, against the default
 #   bash bench/gpu_session11.sh chain  # the chained decode: determinism, error, step time
-#   bash bench/gpu_session11.sh gpt2   # gpt2-124m at micro batch 32 (the preset's), 64, 16
+#   bash bench/gpu_session11.sh gpt2   # gpt2-124m at micro batch 32 (the preset's), 64, 16,
+#                                      # and compiled with max-autotune (model.compile_mode)
 #   (no machine was lent in session 11: none of these has run yet)
 set -uo pipefail
 . bench/gpu_part.sh
@@ -48,6 +49,8 @@ gpt2)  # issue 19: does a larger micro batch (fewer, larger GEMMs) take gpt2 tow
             TAIL=4 part "gpt2_mb${mb}_$i" 90 train "gpt2_mb${mb}_$i" gpt2-124m \
                 --train.micro_batch_size=$mb
         done
+        TAIL=4 part "gpt2_autotune_$i" 240 train "gpt2_autotune_$i" gpt2-124m \
+            --model.compile_mode=max-autotune-no-cudagraphs
     done
     ;;
 chain)

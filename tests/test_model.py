@@ -293,3 +293,23 @@ def test_matches_hf_gpt2():
                 layer.get_parameter(f"{ours}.bias").copy_(b)
         inputs, _ = batch(s=32)
         torch.testing.assert_close(model(inputs), hf(inputs).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode,want", [("default", None),
+                                       ("max-autotune-no-cudagraphs",
+                                        "max-autotune-no-cudagraphs")])
+def test_blocks_compile_once_with_the_configured_mode(mode, want, monkeypatch):
+    """On a GPU each block is compiled once when training starts, with model.compile_mode
+    (default: torch's own); generation and the CPU stay eager (no GPU needed: compile is
+    recorded, not run)."""
+    model = GPT(ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=2,
+                            ffn_hidden_size=64, vocab_size=64, seq_length=16, compile_mode=mode))
+    calls = []
+    for block in model.layers.values():
+        monkeypatch.setattr(block, "compile", lambda **kw: calls.append(kw))
+    model._maybe_compile(torch.device("cpu"))
+    model.eval()._maybe_compile(torch.device("cuda"))
+    assert calls == []
+    model.train()._maybe_compile(torch.device("cuda"))
+    model._maybe_compile(torch.device("cuda"))
+    assert calls == [{"mode": want}] * 2

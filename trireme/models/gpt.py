@@ -184,8 +184,9 @@ class GPT(nn.Module):
         # eager unless they compile themselves.
         if self._compile_pending and device.type == "cuda" and self.training:
             vision = self.vision.layers.values() if hasattr(self, "vision") else []
+            mode = None if self.cfg.compile_mode == "default" else self.cfg.compile_mode
             for block in [*self.layers.values(), *vision]:
-                block.compile()
+                block.compile(mode=mode)
             self._compile_pending = False
 
     def forward(
