@@ -64,6 +64,8 @@ chain)
         step base_$i TRIREME_PDL=1
         step chain_$i TRIREME_DECODE_CHAIN=1
         step chain_qkv4_$i TRIREME_DECODE_CHAIN=1 TRIREME_SKINNY_SPLITS=3072x2048:4
+        step chain_qkv4_pre_$i TRIREME_DECODE_CHAIN=1 TRIREME_SKINNY_SPLITS=3072x2048:4 \
+            TRIREME_PDL_PREFETCH=1
     done
     ;;
 esac

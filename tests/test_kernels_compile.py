@@ -110,3 +110,31 @@ def test_the_decode_step_kernels_compile_with_pdl(monkeypatch):
             memory = [i for i, line in enumerate(lines)
                       if any(op in line for op in ("ld.global", "st.global", "cp.async"))]
             assert memory and wait < min(memory), name
+
+
+def test_the_weight_prefetch_reads_only_before_the_wait(monkeypatch):
+    """With $TRIREME_PDL_PREFETCH (trireme.ops.pdl.prefetch_weights) the split-K GEMMs load a
+    weight tile before griddepcontrol.wait, and nothing else: no store, atomic or async copy
+    (x and the sums come from the kernel before), and without it no load either."""
+    import trireme.ops.skinny_gemm_triton as module
+
+    x = torch.empty(64, 2048, dtype=BF16)
+    residual = (x, torch.empty_like(x), torch.empty(32, 64), torch.zeros(128, dtype=torch.int32))
+
+    def calls():
+        module.skinny_mm(x, torch.empty(16384, 2048, dtype=BF16), 1, 64, 128, 64, glu=True)
+        module.skinny_mm(x, torch.empty(2048, 2048, dtype=BF16), 4, 64, 128, 64,
+                         residual=residual)
+
+    monkeypatch.setattr(module, "launch_pdl", lambda t: True)
+    for early in (False, True):
+        monkeypatch.setattr(module, "prefetch_weights", lambda t, early=early: early)
+        kernels = compile_recorded_for_sm90(module, calls)
+        assert len(kernels) == 2
+        for kernel in kernels:
+            lines = kernel.asm["ptx"].splitlines()
+            wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+            before = lines[:wait]
+            assert not any(op in line for line in before
+                           for op in ("st.global", "atom", "cp.async", "red.")), early
+            assert any("ld.global" in line for line in before) == early

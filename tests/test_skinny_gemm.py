@@ -77,7 +77,8 @@ def test_kernel_matches_the_reference_in_interpreter():
 
 def planned_launches():
     """(constexprs, num_warps, num_stages) of every launch the plans make: each TILES and
-    GLU_TILES entry at both row counts (and the default tile), both operand orders."""
+    GLU_TILES entry at both row counts (and the default tile), both operand orders, and the
+    planned order with PDL and the weight prefetch."""
     launches = []
     for (n, k, _), pair in skinny.TILES.items():
         launches += [((n, k, False), pair)]
@@ -85,10 +86,11 @@ def planned_launches():
     launches += [((2048, 8192, False), (skinny.Tile(),) * 2)]
     for (_, k, glu), pair in launches:
         for tile, block_m in (skinny._by_rows(pair, 1), skinny._by_rows(pair, 64)):
-            for swap in (False, True):
+            for swap, prefetch in ((False, False), (True, False), (tile.swap, True)):
                 yield (dict(BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-                            SWAP=swap, K=k, GLU=glu, PDL=False, RESIDUAL=False, NORM=False,
-                            TILES=1), tile.num_warps, tile.num_stages)
+                            SWAP=swap, K=k, GLU=glu, PDL=prefetch, RESIDUAL=False,
+                            NORM=False, TILES=1, PREFETCH=prefetch), tile.num_warps,
+                       tile.num_stages)
 
 
 def test_every_planned_tile_compiles_for_sm90():

@@ -23,6 +23,7 @@ import os
 import torch
 
 ENV = "TRIREME_PDL"
+PREFETCH_ENV = "TRIREME_PDL_PREFETCH"  # "1": the split-K GEMMs read a weight tile before the wait
 
 
 @functools.cache
@@ -33,3 +34,10 @@ def _capable(index: int) -> bool:
 def launch_pdl(t: torch.Tensor) -> bool:
     """Whether a kernel reading t launches with PDL (module docstring)."""
     return t.is_cuda and os.environ.get(ENV, "1") != "0" and _capable(t.device.index or 0)
+
+
+def prefetch_weights(t: torch.Tensor) -> bool:
+    """Whether a split-K GEMM launched with PDL for input t reads its first weight tile before
+    its wait ($TRIREME_PDL_PREFETCH=1; opt-in until measured): the weights are never written
+    while serving, so that read may overlap the kernel before it."""
+    return launch_pdl(t) and os.environ.get(PREFETCH_ENV, "0") == "1"

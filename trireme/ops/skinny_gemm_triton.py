@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trireme.ops.pdl import launch_pdl
+from trireme.ops.pdl import launch_pdl, prefetch_weights
 from trireme.ops.pdl_triton import enter
 
 Residual = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # r, new, sumsq, counters
@@ -99,18 +99,35 @@ def _row_rstd(sumsq_ptr, tiles, rows, m_rows, eps, K: tl.constexpr, TILES: tl.co
     return tl.rsqrt(tl.sum(sq, axis=1) / K + eps)
 
 
+@triton.jit
+def _k_step(x_at, w, w_up, acc, up, live, g_at, rstd, NORM: tl.constexpr, GLU: tl.constexpr,
+            SWAP: tl.constexpr):
+    """One BLOCK_K step: x's tile (normed with NORM) times the weight tile w (and W_up's w_up
+    with GLU) into acc (and up)."""
+    x = tl.load(x_at, mask=live, other=0.0)
+    if NORM:
+        g = tl.load(g_at).to(tl.float32)[None, :]
+        x = (x.to(tl.float32) * rstd * g).to(x_at.dtype.element_ty)
+    acc = _tile_dot(x, w, acc, SWAP)
+    if GLU:
+        up = _tile_dot(x, w_up, up, SWAP)
+    return acc, up
+
+
 @triton.jit(do_not_specialize=["m_rows"])
 def _skinny_kernel(x_ptr, w_ptr, out_ptr, m_rows, n_cols, k_chunk, x_row_stride,
                    r_ptr, new_ptr, sumsq_ptr, counters_ptr, norm_ptr, tiles, eps,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SWAP: tl.constexpr, K: tl.constexpr, GLU: tl.constexpr,
                    PDL: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
-                   NORM: tl.constexpr = False, TILES: tl.constexpr = 1):
+                   NORM: tl.constexpr = False, TILES: tl.constexpr = 1,
+                   PREFETCH: tl.constexpr = False):
     """out[s, m, n] (module docstring) for this program's BLOCK_M x BLOCK_N tile and chunk s;
     with GLU (one chunk) silu(x W_gate^T) * (x W_up^T), W_up's rows n_cols below W_gate's;
     with RESIDUAL then _finish; with NORM x's rows are normed as they are loaded (norm_ptr: g,
-    sumsq_ptr: `tiles` per-tile sums of squares, TILES a power of two >= tiles)."""
-    enter(PDL)
+    sumsq_ptr: `tiles` per-tile sums of squares, TILES a power of two >= tiles). PREFETCH
+    (with PDL): the first weight tile is read before the wait, while the kernel before this
+    one finishes (the weights are never written while serving), its step peeled off the loop."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -119,27 +136,40 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, m_rows, n_cols, k_chunk, x_row_stride,
     ks = split * k_chunk + tl.arange(0, BLOCK_K)
     x_at = x_ptr + rows[:, None].to(tl.int64) * x_row_stride + ks[None, :]  # [BM, BK]
     w_at = w_ptr + cols[:, None].to(tl.int64) * K + ks[None, :]  # [BN, BK]
+    up_rows = n_cols.to(tl.int64) * K  # W_up's offset from W_gate's
+    if PREFETCH:
+        w_first = tl.load(w_at)
+        w_first_up = w_first
+        if GLU:
+            w_first_up = tl.load(w_at + up_rows)
+    enter(PDL)  # nothing before this reads what an earlier kernel writes
     live = rows[:, None] < m_rows
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = acc  # GLU's second accumulator (unused otherwise)
-    up_rows = n_cols.to(tl.int64) * K  # W_up's offset from W_gate's
+    rstd = 1.0
+    g_at = norm_ptr + ks
     if NORM:
         rstd = _row_rstd(sumsq_ptr, tiles, rows, m_rows, eps, K, TILES)[:, None]
-        g_at = norm_ptr + ks
-    for _ in range(0, k_chunk, BLOCK_K):
-        x = tl.load(x_at, mask=live, other=0.0)
-        if NORM:
-            g = tl.load(g_at).to(tl.float32)[None, :]
-            x = (x.to(tl.float32) * rstd * g).to(x_ptr.dtype.element_ty)
-            g_at += BLOCK_K
-        acc = _tile_dot(x, tl.load(w_at), acc, SWAP)
-        if GLU:
-            up = _tile_dot(x, tl.load(w_at + up_rows), up, SWAP)
+    start = 0
+    if PREFETCH:
+        acc, up = _k_step(x_at, w_first, w_first_up, acc, up, live, g_at, rstd, NORM, GLU,
+                          SWAP)
         x_at += BLOCK_K
         w_at += BLOCK_K
+        g_at += BLOCK_K
+        start = BLOCK_K
+    for _ in range(start, k_chunk, BLOCK_K):
+        w = tl.load(w_at)
+        w_up = w
+        if GLU:
+            w_up = tl.load(w_at + up_rows)
+        acc, up = _k_step(x_at, w, w_up, acc, up, live, g_at, rstd, NORM, GLU, SWAP)
+        x_at += BLOCK_K
+        w_at += BLOCK_K
+        g_at += BLOCK_K
     if GLU:
         acc = acc * tl.sigmoid(acc) * up  # silu(gate) * up, in fp32
     if SWAP:
@@ -216,5 +246,5 @@ def skinny_mm(x: torch.Tensor, weight: torch.Tensor, splits: int, block_n: int, 
                              launch_pdl=pdl, RESIDUAL=residual is not None,
                              NORM=norm is not None,
                              TILES=triton.next_power_of_2(sq.shape[0]) if norm is not None
-                             else 1)
+                             else 1, PREFETCH=prefetch_weights(x))
     return out
