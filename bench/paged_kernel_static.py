@@ -47,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--splits", type=int, default=1)
     p.add_argument("--new", action="store_true",
                    help="with the fused store of the step's keys (the kernels' NEW)")
+    p.add_argument("--early", action="store_true",
+                   help="v2 with PDL and its first tile read before the wait (EARLY)")
     p.add_argument("--raw", type=int, default=0, metavar="PLANES",
                    help="v2 with --new: q, k_new, v_new as PLANES planes (fp32 when > 1) and "
                         "RoPE applied as they load (the kernel's PARTS, ROPE)")
@@ -90,8 +92,9 @@ def compile_one(setting: str, args) -> dict:
         consts["HEADS_FIRST"] = False
     else:
         fn = kernels._paged_decode_v2_kernel
-        consts.update(HEADS=heads, PREFETCH=prefetch == "1", PDL=False,
-                      PARTS=max(args.raw, 1), ROPE=args.raw > 0)
+        consts.update(HEADS=heads, PREFETCH=prefetch == "1", PDL=args.early,
+                      PARTS=max(args.raw, 1), ROPE=args.raw > 0,
+                      EARLY=args.early and prefetch != "1")
     pointers = dict(POINTERS)
     if args.raw > 1 and variant == "v2":
         pointers.update({n: "*fp32" for n in ("q_ptr", "k_new_ptr", "v_new_ptr")})

@@ -112,29 +112,58 @@ def test_the_decode_step_kernels_compile_with_pdl(monkeypatch):
             assert memory and wait < min(memory), name
 
 
-def test_the_weight_prefetch_reads_only_before_the_wait(monkeypatch):
-    """With $TRIREME_PDL_PREFETCH (trireme.ops.pdl.prefetch_weights) the split-K GEMMs load a
-    weight tile before griddepcontrol.wait, and nothing else: no store, atomic or async copy
-    (x and the sums come from the kernel before), and without it no load either."""
-    import trireme.ops.skinny_gemm_triton as module
+def _spill_bytes(ptx: str) -> int:
+    """ptxas's spill stores for sm_90 (bytes)."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        report = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o",
+                                 "/dev/null"], capture_output=True, text=True)
+    return int(re.search(r"(\d+) bytes spill stores", report.stderr).group(1))
+
+
+def test_early_reads_are_l2_prefetches_before_the_wait(monkeypatch):
+    """With $TRIREME_PDL_PREFETCH (trireme.ops.pdl.early_reads) the split-K GEMMs and the paged
+    kernel prefetch into the L2, before griddepcontrol.wait, what no earlier kernel of the step
+    writes (weight tiles; earlier steps' keys and values, through the step's tables): no
+    store, atomic or async copy comes before the wait (the paged kernel loads its step inputs
+    there, the GEMMs nothing), and no more register spills than without it; without it, no
+    prefetch. (Compiled this way, without the launch's alignment hints, the shipped paged
+    kernel spills already, as before this change.)"""
+    import trireme.ops.paged_attention_triton as paged
+    import trireme.ops.skinny_gemm_triton as gemm
 
     x = torch.empty(64, 2048, dtype=BF16)
     residual = (x, torch.empty_like(x), torch.empty(32, 64), torch.zeros(128, dtype=torch.int32))
-
-    def calls():
-        module.skinny_mm(x, torch.empty(16384, 2048, dtype=BF16), 1, 64, 128, 64, glu=True)
-        module.skinny_mm(x, torch.empty(2048, 2048, dtype=BF16), 4, 64, 128, 64,
-                         residual=residual)
-
-    monkeypatch.setattr(module, "launch_pdl", lambda t: True)
-    for early in (False, True):
-        monkeypatch.setattr(module, "prefetch_weights", lambda t, early=early: early)
-        kernels = compile_recorded_for_sm90(module, calls)
-        assert len(kernels) == 2
-        for kernel in kernels:
-            lines = kernel.asm["ptx"].splitlines()
-            wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
-            before = lines[:wait]
-            assert not any(op in line for line in before
-                           for op in ("st.global", "atom", "cp.async", "red.")), early
-            assert any("ld.global" in line for line in before) == early
+    q, pool = torch.empty(64, 32, 64, dtype=BF16), torch.empty(64 * 42, 16, 8, 64, dtype=BF16)
+    tables, lengths = torch.zeros(64, 42, dtype=torch.long), torch.full((64,), 667)
+    calls = {gemm: lambda: (
+                 gemm.skinny_mm(x, torch.empty(16384, 2048, dtype=BF16), 1, 64, 128, 64,
+                                glu=True),
+                 gemm.skinny_mm(x, torch.empty(2048, 2048, dtype=BF16), 4, 64, 128, 64,
+                                residual=residual)),
+             paged: lambda: paged.paged_decode_attention(q, pool, pool, tables, lengths,
+                                                         variant="v2")}
+    for module, call in calls.items():
+        monkeypatch.setattr(module, "launch_pdl", lambda t: True)
+        spills = {}
+        for early in (False, True):
+            monkeypatch.setattr(module, "early_reads", lambda t, early=early: early)
+            for kernel in compile_recorded_for_sm90(module, call):
+                lines = kernel.asm["ptx"].splitlines()
+                wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+                before = lines[:wait]
+                assert not any(op in line for line in before
+                               for op in ("st.global", "atom", "cp.async", "red.")), early
+                assert any("prefetch.global.L2" in line for line in before) == early
+                assert not any("prefetch.global.L2" in line for line in lines[wait:])
+                if module is gemm:
+                    assert not any("ld.global" in line for line in before)
+                spills.setdefault(early, []).append(_spill_bytes(kernel.asm["ptx"]))
+        assert all(e <= b for e, b in zip(spills[True], spills[False])), spills

@@ -79,8 +79,8 @@ import triton.language as tl
 
 from trireme.errors import ConfigError
 from trireme.ops.decode_inputs import Rope, check_rope, prepared
-from trireme.ops.pdl import launch_pdl
-from trireme.ops.pdl_triton import enter
+from trireme.ops.pdl import early_reads, launch_pdl
+from trireme.ops.pdl_triton import enter, l2_prefetch
 
 NewKeys = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # k_new, v_new [r, n_kv, d], slots [r]
 
@@ -245,6 +245,31 @@ def _tile_rows(tables_ptr, b, stride_tr, pos, end, stride_kb, stride_ks, BLOCK: 
 
 
 @triton.jit
+def _tile_kv(k_at, v_at, tables_ptr, b, stride_tr, pos, end, stride_kb, stride_ks,
+             BLOCK: tl.constexpr):
+    """K^T [HEADS, D, TILE] and V [HEADS, TILE, D] of key positions `pos` [TILE] (k_at
+    [HEADS, D, 1], v_at [HEADS, 1, D] at row 0's columns), and which are live (pos < end)."""
+    rows = _tile_rows(tables_ptr, b, stride_tr, pos, end, stride_kb, stride_ks, BLOCK)
+    live = pos < end
+    k = tl.load(k_at + rows[None, None, :], mask=live[None, None, :], other=0.0)
+    v = tl.load(v_at + rows[None, :, None], mask=live[None, :, None], other=0.0)
+    return k, v, live
+
+
+@triton.jit
+def _warm_tile(k_ptr, v_ptr, heads, tables_ptr, b, stride_tr, pos, end, stride_kb, stride_ks,
+               BLOCK: tl.constexpr):
+    """EARLY: ask the L2 for the K and V rows of kv heads `heads` (offsets [HEADS]) at key
+    positions `pos` [TILE] (past `end`: block 0's, harmless), one prefetch.global.L2 per row
+    start (a row of d = 64 bf16 values is one 128-byte line), no registers held: the loop's
+    first loads then find them there."""
+    rows = _tile_rows(tables_ptr, b, stride_tr, pos, end, stride_kb, stride_ks, BLOCK)
+    at = heads[:, None] + rows[None, :]  # [HEADS, TILE]
+    l2_prefetch(k_ptr + at)
+    l2_prefetch(v_ptr + at)
+
+
+@triton.jit
 def _tile_step(q, k, v, live, scale, m, denom, acc):
     """The online softmax over one tile: q [H, G, D], k [H, D, T], v [H, T, D], live [T]."""
     s = tl.dot(q, k) * scale  # [H, G, T] fp32
@@ -291,14 +316,17 @@ def _paged_decode_v2_kernel(
     GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
     BLOCK: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
     NEW: tl.constexpr, PDL: tl.constexpr = False, PARTS: tl.constexpr = 1,
-    ROPE: tl.constexpr = False,
+    ROPE: tl.constexpr = False, EARLY: tl.constexpr = False,
 ):
     """v2 (module docstring): program (b, c, j) serves kv heads c * HEADS .. + HEADS of request
     b (all their query heads) over chunk j; with PREFETCH the next tile's K, V loads are in
     flight while this tile's math runs. q, k_new and v_new are summed from PARTS planes
     (plane_q, plane_k, plane_v elements apart) and q, k_new rotated with ROPE (cos_ptr, sin_ptr
-    [r, D], row stride stride_cr) as they are loaded (_source)."""
-    enter(PDL)
+    [r, D], row stride stride_cr) as they are loaded (_source). EARLY (with PDL, not PREFETCH):
+    the chunk's first tile of pooled keys and values (earlier steps', which no kernel of this
+    step writes) is prefetched into the L2 before the wait (_warm_tile)."""
+    if not EARLY:
+        enter(PDL)  # first: as every PDL kernel without early reads
     b = tl.program_id(0)
     kh = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # [HEADS] this program's kv heads
     j = tl.program_id(2)
@@ -311,32 +339,31 @@ def _paged_decode_v2_kernel(
     t = tl.arange(0, TILE)
     q_rows = kh[:, None] * GROUPS + g[None, :]  # [HEADS, G] query heads
     g_mask = (g < GROUPS)[None, :] & (kh >= 0)[:, None]  # [HEADS, G]
+    k_cols = (kh * stride_kh)[:, None, None] + d[None, :, None]  # [HEADS, D, 1]: K^T tiles
+    v_cols = (kh * stride_kh)[:, None, None] + d[None, None, :]  # [HEADS, 1, D]
+    pooled = end  # the keys first..pooled-1 are read from the pool
+    if NEW:  # key length - 1 is this step's, taken after the loop (module docstring)
+        pooled = tl.minimum(end, length - 1)
+    if EARLY:  # reads of the step's lengths and tables, set before its first layer
+        _warm_tile(k_ptr, v_ptr, kh * stride_kh, tables_ptr, b, stride_tr, first + t, pooled,
+                   stride_kb, stride_ks, BLOCK)
+        enter(PDL)  # nothing before this reads what an earlier kernel of the step writes
     cos_at = cos_ptr + b * stride_cr
     sin_at = sin_ptr + b * stride_cr
     q = _source(q_ptr, b * stride_qr + q_rows[:, :, None] * stride_qh, d[None, None, :], plane_q,
                 g_mask[:, :, None], cos_at, sin_at, PARTS, ROPE, D,
                 k_ptr.dtype.element_ty)  # [HEADS, G, D]
-    k_cols = (kh * stride_kh)[:, None, None] + d[None, :, None]  # [HEADS, D, 1]: K^T tiles
-    v_cols = (kh * stride_kh)[:, None, None] + d[None, None, :]  # [HEADS, 1, D]
     m = tl.full([HEADS, GROUPS_POW2], float("-inf"), tl.float32)
     denom = tl.zeros([HEADS, GROUPS_POW2], tl.float32)
     acc = tl.zeros([HEADS, GROUPS_POW2, D], tl.float32)
-    pooled = end  # the keys first..pooled-1 are read from the pool
-    if NEW:  # key length - 1 is this step's, taken after the loop (module docstring)
-        pooled = tl.minimum(end, length - 1)
     if PREFETCH:  # the next tile's loads in registers, issued before this tile's math
         m, denom, acc = _walk_prefetched(q, k_ptr + k_cols, v_ptr + v_cols, tables_ptr, b,
                                          stride_tr, first, pooled, stride_kb, stride_ks, scale,
                                          m, denom, acc, BLOCK, TILE)
     else:  # loads where they are used: Triton's pipeliner may overlap them (num_stages)
         for start in range(first, pooled, TILE):
-            rows = _tile_rows(tables_ptr, b, stride_tr, start + t, pooled, stride_kb, stride_ks,
-                              BLOCK)
-            live = start + t < pooled
-            k = tl.load(k_ptr + k_cols + rows[None, None, :], mask=live[None, None, :],
-                        other=0.0)  # [HEADS, D, TILE]
-            v = tl.load(v_ptr + v_cols + rows[None, :, None], mask=live[None, :, None],
-                        other=0.0)  # [HEADS, TILE, D]
+            k, v, live = _tile_kv(k_ptr + k_cols, v_ptr + v_cols, tables_ptr, b, stride_tr,
+                                  start + t, pooled, stride_kb, stride_ks, BLOCK)
             m, denom, acc = _tile_step(q, k, v, live, scale, m, denom, acc)
     if NEW:
         m, denom, acc = _new_key(q, m, denom, acc, k_new_ptr, v_new_ptr, slots_ptr, k_ptr,
@@ -525,7 +552,7 @@ def _launch(q, k_pool, v_pool, tables, lengths, variant: str, tile: int, splits:
         _paged_decode_v2_kernel[(r, n_kv // heads, splits)](
             *args, cos, sin, cos.stride(0) if rope is not None else 0, *planes, HEADS=heads,
             PREFETCH=bool(prefetch), PDL=pdl, launch_pdl=pdl, PARTS=parts,
-            ROPE=rope is not None, **consts)
+            ROPE=rope is not None, EARLY=early_reads(q) and not prefetch, **consts)
     if splits > 1:
         _merge_splits_kernel[(r, n_heads)](*merged, out, out.stride(0), out.stride(1), D=d,
                                            SPLITS=splits, num_warps=1, PDL=pdl, launch_pdl=pdl)

@@ -23,7 +23,7 @@ import os
 import torch
 
 ENV = "TRIREME_PDL"
-PREFETCH_ENV = "TRIREME_PDL_PREFETCH"  # "1": the split-K GEMMs read a weight tile before the wait
+PREFETCH_ENV = "TRIREME_PDL_PREFETCH"  # "1": early_reads
 
 
 @functools.cache
@@ -36,8 +36,10 @@ def launch_pdl(t: torch.Tensor) -> bool:
     return t.is_cuda and os.environ.get(ENV, "1") != "0" and _capable(t.device.index or 0)
 
 
-def prefetch_weights(t: torch.Tensor) -> bool:
-    """Whether a split-K GEMM launched with PDL for input t reads its first weight tile before
-    its wait ($TRIREME_PDL_PREFETCH=1; opt-in until measured): the weights are never written
-    while serving, so that read may overlap the kernel before it."""
+def early_reads(t: torch.Tensor) -> bool:
+    """Whether a kernel launched with PDL for input t issues, before its wait, the first reads
+    of what no kernel of the step writes ($TRIREME_PDL_PREFETCH=1; opt-in until measured): the
+    split-K GEMMs their first weight tile (weights are never written while serving), the paged
+    kernel its first tile of earlier steps' keys and values (and the step's lengths and block
+    tables, set before its first layer). Those reads then overlap the kernel before it."""
     return launch_pdl(t) and os.environ.get(PREFETCH_ENV, "0") == "1"

@@ -42,8 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from trireme.ops.pdl import launch_pdl, prefetch_weights
-from trireme.ops.pdl_triton import enter
+from trireme.ops.pdl import launch_pdl, early_reads
+from trireme.ops.pdl_triton import enter, l2_prefetch
 
 Residual = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # r, new, sumsq, counters
 Norm = tuple[torch.Tensor, torch.Tensor, float]  # sumsq [tiles, M], g [K], eps
@@ -99,21 +99,6 @@ def _row_rstd(sumsq_ptr, tiles, rows, m_rows, eps, K: tl.constexpr, TILES: tl.co
     return tl.rsqrt(tl.sum(sq, axis=1) / K + eps)
 
 
-@triton.jit
-def _k_step(x_at, w, w_up, acc, up, live, g_at, rstd, NORM: tl.constexpr, GLU: tl.constexpr,
-            SWAP: tl.constexpr):
-    """One BLOCK_K step: x's tile (normed with NORM) times the weight tile w (and W_up's w_up
-    with GLU) into acc (and up)."""
-    x = tl.load(x_at, mask=live, other=0.0)
-    if NORM:
-        g = tl.load(g_at).to(tl.float32)[None, :]
-        x = (x.to(tl.float32) * rstd * g).to(x_at.dtype.element_ty)
-    acc = _tile_dot(x, w, acc, SWAP)
-    if GLU:
-        up = _tile_dot(x, w_up, up, SWAP)
-    return acc, up
-
-
 @triton.jit(do_not_specialize=["m_rows"])
 def _skinny_kernel(x_ptr, w_ptr, out_ptr, m_rows, n_cols, k_chunk, x_row_stride,
                    r_ptr, new_ptr, sumsq_ptr, counters_ptr, norm_ptr, tiles, eps,
@@ -126,50 +111,45 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, m_rows, n_cols, k_chunk, x_row_stride,
     with GLU (one chunk) silu(x W_gate^T) * (x W_up^T), W_up's rows n_cols below W_gate's;
     with RESIDUAL then _finish; with NORM x's rows are normed as they are loaded (norm_ptr: g,
     sumsq_ptr: `tiles` per-tile sums of squares, TILES a power of two >= tiles). PREFETCH
-    (with PDL): the first weight tile is read before the wait, while the kernel before this
-    one finishes (the weights are never written while serving), its step peeled off the loop."""
+    (with PDL): the first two weight tiles' lines are prefetched into the L2 before the wait,
+    while the kernel before this one finishes (weights are never written while serving)."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = split * k_chunk + tl.arange(0, BLOCK_K)
-    x_at = x_ptr + rows[:, None].to(tl.int64) * x_row_stride + ks[None, :]  # [BM, BK]
-    w_at = w_ptr + cols[:, None].to(tl.int64) * K + ks[None, :]  # [BN, BK]
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * K  # [BN, 1]
     up_rows = n_cols.to(tl.int64) * K  # W_up's offset from W_gate's
     if PREFETCH:
-        w_first = tl.load(w_at)
-        w_first_up = w_first
+        lines = split * k_chunk + tl.minimum(tl.arange(0, 4 * BLOCK_K // 128) * 64,
+                                             k_chunk - 64)  # 128-byte lines, in the chunk
+        l2_prefetch(w_rows + lines[None, :])
         if GLU:
-            w_first_up = tl.load(w_at + up_rows)
+            l2_prefetch(w_rows + up_rows + lines[None, :])
     enter(PDL)  # nothing before this reads what an earlier kernel writes
+    x_at = x_ptr + rows[:, None].to(tl.int64) * x_row_stride + ks[None, :]  # [BM, BK]
+    w_at = w_rows + ks[None, :]  # [BN, BK]
     live = rows[:, None] < m_rows
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = acc  # GLU's second accumulator (unused otherwise)
-    rstd = 1.0
-    g_at = norm_ptr + ks
     if NORM:
         rstd = _row_rstd(sumsq_ptr, tiles, rows, m_rows, eps, K, TILES)[:, None]
-    start = 0
-    if PREFETCH:
-        acc, up = _k_step(x_at, w_first, w_first_up, acc, up, live, g_at, rstd, NORM, GLU,
-                          SWAP)
-        x_at += BLOCK_K
-        w_at += BLOCK_K
-        g_at += BLOCK_K
-        start = BLOCK_K
-    for _ in range(start, k_chunk, BLOCK_K):
-        w = tl.load(w_at)
-        w_up = w
+        g_at = norm_ptr + ks
+    for _ in range(0, k_chunk, BLOCK_K):
+        x = tl.load(x_at, mask=live, other=0.0)
+        if NORM:
+            g = tl.load(g_at).to(tl.float32)[None, :]
+            x = (x.to(tl.float32) * rstd * g).to(x_ptr.dtype.element_ty)
+            g_at += BLOCK_K
+        acc = _tile_dot(x, tl.load(w_at), acc, SWAP)
         if GLU:
-            w_up = tl.load(w_at + up_rows)
-        acc, up = _k_step(x_at, w, w_up, acc, up, live, g_at, rstd, NORM, GLU, SWAP)
+            up = _tile_dot(x, tl.load(w_at + up_rows), up, SWAP)
         x_at += BLOCK_K
         w_at += BLOCK_K
-        g_at += BLOCK_K
     if GLU:
         acc = acc * tl.sigmoid(acc) * up  # silu(gate) * up, in fp32
     if SWAP:
@@ -246,5 +226,5 @@ def skinny_mm(x: torch.Tensor, weight: torch.Tensor, splits: int, block_n: int, 
                              launch_pdl=pdl, RESIDUAL=residual is not None,
                              NORM=norm is not None,
                              TILES=triton.next_power_of_2(sq.shape[0]) if norm is not None
-                             else 1, PREFETCH=prefetch_weights(x))
+                             else 1, PREFETCH=early_reads(x))
     return out
