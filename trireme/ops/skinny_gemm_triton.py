@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trireme.ops.pdl import launch_pdl, early_reads
+from trireme.ops.pdl import early_reads, launch_pdl
 from trireme.ops.pdl_triton import enter, l2_prefetch
 
 Residual = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # r, new, sumsq, counters
