@@ -13,6 +13,12 @@ engine's decode step at batch 64 from 1.50-1.51 to 1.44-1.46 ms, and the same gr
 came out with and without it (bench/pdl_check.py; bench/RESULTS.md, session 10). Inductor's own
 PDL (TORCHINDUCTOR_ENABLE_PDL=1, for the compiled step's elementwise kernels) measured no gain
 there and stays off.
+
+Early reads ($TRIREME_PDL_PREFETCH=1, `early_reads`): a kernel may read, before its wait, what
+no kernel of the step writes after the one two places before it. When kernel N + 1 starts, every
+program of kernel N has passed its own wait, so kernel N - 1 and all before it have completed:
+the step's lengths and block tables (set before the first layer), earlier steps' keys and
+values, and the weights are safe to read then; kernel N's output is not.
 """
 
 from __future__ import annotations
