@@ -133,8 +133,8 @@ def test_early_reads_are_l2_prefetches_before_the_wait(monkeypatch):
     kernel prefetch into the L2, before griddepcontrol.wait, what no earlier kernel of the step
     writes (weight tiles; earlier steps' keys and values, through the step's tables): no
     store, atomic or async copy comes before the wait (the paged kernel loads its step inputs
-    there, the GEMMs nothing), and no more register spills than without it; without it, no
-    prefetch. (Compiled this way, without the launch's alignment hints, the shipped paged
+    there: 64-bit loads, q and the new keys, bf16 / fp32, come after; the GEMMs load nothing),
+    and no more register spills than without it; without it, no prefetch. (Compiled this way, without the launch's alignment hints, the shipped paged
     kernel spills already, as before this change.)"""
     import trireme.ops.paged_attention_triton as paged
     import trireme.ops.skinny_gemm_triton as gemm
@@ -143,13 +143,19 @@ def test_early_reads_are_l2_prefetches_before_the_wait(monkeypatch):
     residual = (x, torch.empty_like(x), torch.empty(32, 64), torch.zeros(128, dtype=torch.int32))
     q, pool = torch.empty(64, 32, 64, dtype=BF16), torch.empty(64 * 42, 16, 8, 64, dtype=BF16)
     tables, lengths = torch.zeros(64, 42, dtype=torch.long), torch.full((64,), 667)
+    qkv = torch.empty(4, 64, 48, 64)  # the raw inputs: split qkv planes, RoPE
+    new = (qkv[:, :, 32:40], qkv[:, :, 40:], torch.zeros(64, dtype=torch.long))
+    rope = (torch.empty(64, 64), torch.empty(64, 64))
+    norm = (torch.empty(32, 64), torch.empty(2048, dtype=BF16), 1e-5)
     calls = {gemm: lambda: (
                  gemm.skinny_mm(x, torch.empty(16384, 2048, dtype=BF16), 1, 64, 128, 64,
-                                glu=True),
+                                glu=True, norm=norm),
                  gemm.skinny_mm(x, torch.empty(2048, 2048, dtype=BF16), 4, 64, 128, 64,
                                 residual=residual)),
-             paged: lambda: paged.paged_decode_attention(q, pool, pool, tables, lengths,
-                                                         variant="v2")}
+             paged: lambda: (
+                 paged.paged_decode_attention(q, pool, pool, tables, lengths, variant="v2"),
+                 paged.paged_decode_attention(qkv[:, :, :32], pool, pool, tables, lengths,
+                                              variant="v2", new=new, rope=rope))}
     for module, call in calls.items():
         monkeypatch.setattr(module, "launch_pdl", lambda t: True)
         spills = {}
@@ -163,7 +169,8 @@ def test_early_reads_are_l2_prefetches_before_the_wait(monkeypatch):
                                for op in ("st.global", "atom", "cp.async", "red.")), early
                 assert any("prefetch.global.L2" in line for line in before) == early
                 assert not any("prefetch.global.L2" in line for line in lines[wait:])
-                if module is gemm:
-                    assert not any("ld.global" in line for line in before)
+                loads = [line for line in before if "ld.global" in line]
+                assert all(".b64" in line for line in loads), loads  # lengths, tables
+                assert module is paged or not loads
                 spills.setdefault(early, []).append(_spill_bytes(kernel.asm["ptx"]))
         assert all(e <= b for e, b in zip(spills[True], spills[False])), spills

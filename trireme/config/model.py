@@ -181,10 +181,11 @@ class ModelConfig:
         True, "torch.compile each transformer block on a GPU (the CPU always runs eagerly); "
         "false: eager on the GPU too.")
     compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = doc(
-        "default", "torch.compile's mode for the blocks (with compile): max-autotune-no-cudagraphs "
-        "lets Inductor time its own Triton GEMMs against cuBLAS and fuse the elementwise work "
-        "after a GEMM into it (a longer first step: it times each GEMM shape); opt-in until "
-        "measured.")
+        "default", "torch.compile's mode for the blocks when training compiles them (compile; "
+        "the vision tower's too): max-autotune-no-cudagraphs lets Inductor time its own Triton "
+        "GEMMs against cuBLAS and fuse the elementwise work after a GEMM into it (a longer "
+        "first step: it times each GEMM shape); opt-in until measured. Serving's compiled "
+        "decode step does not use it.")
     fused_cross_entropy: Literal["auto", "true", "false"] = doc(
         "auto", "Compute the output layer and the loss in chunks of tokens (loss_chunk_size), "
         "gradients included, without the full fp32 logits: less memory at a large vocabulary, "

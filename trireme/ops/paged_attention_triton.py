@@ -258,13 +258,14 @@ def _tile_kv(k_at, v_at, tables_ptr, b, stride_tr, pos, end, stride_kb, stride_k
 
 @triton.jit
 def _warm_tile(k_ptr, v_ptr, heads, tables_ptr, b, stride_tr, pos, end, stride_kb, stride_ks,
-               BLOCK: tl.constexpr):
+               BLOCK: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr):
     """EARLY: ask the L2 for the K and V rows of kv heads `heads` (offsets [HEADS]) at key
-    positions `pos` [TILE] (past `end`: block 0's, harmless), one prefetch.global.L2 per row
-    start (a row of d = 64 bf16 values is one 128-byte line), no registers held: the loop's
-    first loads then find them there."""
+    positions `pos` [TILE] (past `end`: block 0's, which always exists), LINES prefetches
+    LINE elements (128 bytes) apart per row (a row of d values), no registers held: the
+    loop's first loads then find them there."""
     rows = _tile_rows(tables_ptr, b, stride_tr, pos, end, stride_kb, stride_ks, BLOCK)
-    at = heads[:, None] + rows[None, :]  # [HEADS, TILE]
+    lines = tl.arange(0, LINES) * LINE
+    at = heads[:, None, None] + rows[None, :, None] + lines[None, None, :]  # [HEADS, TILE, L]
     l2_prefetch(k_ptr + at)
     l2_prefetch(v_ptr + at)
 
@@ -316,15 +317,16 @@ def _paged_decode_v2_kernel(
     GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
     BLOCK: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
     NEW: tl.constexpr, PDL: tl.constexpr = False, PARTS: tl.constexpr = 1,
-    ROPE: tl.constexpr = False, EARLY: tl.constexpr = False,
+    ROPE: tl.constexpr = False, EARLY: tl.constexpr = False, LINE: tl.constexpr = 64,
 ):
     """v2 (module docstring): program (b, c, j) serves kv heads c * HEADS .. + HEADS of request
     b (all their query heads) over chunk j; with PREFETCH the next tile's K, V loads are in
     flight while this tile's math runs. q, k_new and v_new are summed from PARTS planes
     (plane_q, plane_k, plane_v elements apart) and q, k_new rotated with ROPE (cos_ptr, sin_ptr
     [r, D], row stride stride_cr) as they are loaded (_source). EARLY (with PDL, not PREFETCH):
-    the chunk's first tile of pooled keys and values (earlier steps', which no kernel of this
-    step writes) is prefetched into the L2 before the wait (_warm_tile)."""
+    the chunk's first tile of pooled keys and values is prefetched into the L2 before the wait
+    (_warm_tile; LINE: a 128-byte line's elements), after reading the step's lengths and
+    tables (trireme.ops.pdl: why that read is safe there)."""
     if not EARLY:
         enter(PDL)  # first: as every PDL kernel without early reads
     b = tl.program_id(0)
@@ -346,7 +348,7 @@ def _paged_decode_v2_kernel(
         pooled = tl.minimum(end, length - 1)
     if EARLY:  # reads of the step's lengths and tables, set before its first layer
         _warm_tile(k_ptr, v_ptr, kh * stride_kh, tables_ptr, b, stride_tr, first + t, pooled,
-                   stride_kb, stride_ks, BLOCK)
+                   stride_kb, stride_ks, BLOCK, LINE, max(D // LINE, 1))
         enter(PDL)  # nothing before this reads what an earlier kernel of the step writes
     cos_at = cos_ptr + b * stride_cr
     sin_at = sin_ptr + b * stride_cr
@@ -552,7 +554,8 @@ def _launch(q, k_pool, v_pool, tables, lengths, variant: str, tile: int, splits:
         _paged_decode_v2_kernel[(r, n_kv // heads, splits)](
             *args, cos, sin, cos.stride(0) if rope is not None else 0, *planes, HEADS=heads,
             PREFETCH=bool(prefetch), PDL=pdl, launch_pdl=pdl, PARTS=parts,
-            ROPE=rope is not None, EARLY=early_reads(q) and not prefetch, **consts)
+            ROPE=rope is not None, EARLY=early_reads(q) and not prefetch,
+            LINE=128 // k_pool.element_size(), **consts)
     if splits > 1:
         _merge_splits_kernel[(r, n_heads)](*merged, out, out.stride(0), out.stride(1), D=d,
                                            SPLITS=splits, num_warps=1, PDL=pdl, launch_pdl=pdl)

@@ -14,11 +14,14 @@ came out with and without it (bench/pdl_check.py; bench/RESULTS.md, session 10).
 PDL (TORCHINDUCTOR_ENABLE_PDL=1, for the compiled step's elementwise kernels) measured no gain
 there and stays off.
 
-Early reads ($TRIREME_PDL_PREFETCH=1, `early_reads`): a kernel may read, before its wait, what
-no kernel of the step writes after the one two places before it. When kernel N + 1 starts, every
-program of kernel N has passed its own wait, so kernel N - 1 and all before it have completed:
-the step's lengths and block tables (set before the first layer), earlier steps' keys and
-values, and the weights are safe to read then; kernel N's output is not.
+Early reads ($TRIREME_PDL_PREFETCH=1, `early_reads`): before its wait a kernel may ask the L2
+for lines it will read (prefetch.global.L2: a hint, no registers held, and the L2 is coherent
+across SMs, so a prefetch only has to stay inside the tensor), and may load into registers what
+no kernel after the one two places before it writes. Every PDL kernel here waits before it lets
+the next one launch (enter: wait, then launch_dependents), and a kernel launched without PDL
+starts only after the one before it completed; so when kernel N + 1 starts, kernel N - 1 and
+all before it have completed. The paged kernel loads the step's lengths and block tables
+early: they are copied in before the step's graph replays (or built before its forward).
 """
 
 from __future__ import annotations

@@ -111,8 +111,8 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, m_rows, n_cols, k_chunk, x_row_stride,
     with GLU (one chunk) silu(x W_gate^T) * (x W_up^T), W_up's rows n_cols below W_gate's;
     with RESIDUAL then _finish; with NORM x's rows are normed as they are loaded (norm_ptr: g,
     sumsq_ptr: `tiles` per-tile sums of squares, TILES a power of two >= tiles). PREFETCH
-    (with PDL): the first two weight tiles' lines are prefetched into the L2 before the wait,
-    while the kernel before this one finishes (weights are never written while serving)."""
+    (with PDL; 2-byte weights, BLOCK_K >= 64): the first two weight tiles' 128-byte lines are
+    prefetched into the L2 before the wait, while the kernel before this one finishes."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -226,5 +226,6 @@ def skinny_mm(x: torch.Tensor, weight: torch.Tensor, splits: int, block_n: int, 
                              launch_pdl=pdl, RESIDUAL=residual is not None,
                              NORM=norm is not None,
                              TILES=triton.next_power_of_2(sq.shape[0]) if norm is not None
-                             else 1, PREFETCH=early_reads(x))
+                             else 1, PREFETCH=early_reads(x) and block_k >= 64
+                             and x.element_size() == 2)
     return out
