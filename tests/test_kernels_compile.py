@@ -130,12 +130,12 @@ def _spill_bytes(ptx: str) -> int:
 
 def test_early_reads_are_l2_prefetches_before_the_wait(monkeypatch):
     """With $TRIREME_PDL_PREFETCH (trireme.ops.pdl.early_reads) the split-K GEMMs and the paged
-    kernel prefetch into the L2, before griddepcontrol.wait, what no earlier kernel of the step
-    writes (weight tiles; earlier steps' keys and values, through the step's tables): no
-    store, atomic or async copy comes before the wait (the paged kernel loads its step inputs
-    there: 64-bit loads, q and the new keys, bf16 / fp32, come after; the GEMMs load nothing),
-    and no more register spills than without it; without it, no prefetch. (Compiled this way, without the launch's alignment hints, the shipped paged
-    kernel spills already, as before this change.)"""
+    kernel prefetch into the L2, before griddepcontrol.wait, weight tiles and the first tile of
+    pooled keys and values: no store, atomic or async copy comes before the wait (the paged
+    kernel loads its step inputs there: 64-bit loads; q and the new keys, bf16 / fp32, come
+    after; the GEMMs load nothing), and no more register spills than without it; without it,
+    no prefetch. (Compiled this way, without the launch's alignment hints, the shipped paged
+    kernel spills already, as it did before these changes.)"""
     import trireme.ops.paged_attention_triton as paged
     import trireme.ops.skinny_gemm_triton as gemm
 
