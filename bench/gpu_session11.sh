@@ -67,6 +67,9 @@ chain)
         step chain_qkv4_pre_$i TRIREME_DECODE_CHAIN=1 TRIREME_SKINNY_SPLITS=3072x2048:4 \
             TRIREME_PDL_PREFETCH=1
     done
+    TAIL=30 part chain_profile 80 env TRIREME_DECODE_CHAIN=1 \
+        TRIREME_SKINNY_SPLITS=3072x2048:4 python bench/serve_profile.py --batches 64 \
+        --out "$O/serve_profile-chain.json"
     ;;
 esac
 tar -czf "$OUT_DIR/session11-$1.tgz" -C "$O" . && ls "$O"
