@@ -504,7 +504,8 @@ def new_keys(new: NewKeys | None, q: torch.Tensor, k_pool: torch.Tensor, v_pool:
     for name, t, pool in (("q", q, k_pool), ("k_new", k_new, k_pool), ("v_new", v_new, v_pool)):
         dtype = torch.float32 if lead and lead[0] > 1 else pool.dtype
         shape_ok = name == "q" or tuple(t.shape) == want
-        if q.dim() not in (3, 4) or not shape_ok or t.dtype != dtype or t.device != pool.device:
+        dtype_ok = t.dtype == dtype or (name == "q" and not lead)  # a 3-D q: cast on load
+        if q.dim() not in (3, 4) or not shape_ok or not dtype_ok or t.device != pool.device:
             raise ValueError(f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}; the new keys "
                              f"must be {want} {dtype} on {pool.device}, as the pools (q: "
                              f"{(*lead, q.shape[-3])} rows)")
