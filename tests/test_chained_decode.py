@@ -10,28 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 from interpreted import BF16_DOT, run_in_interpreter
-from test_compiled_decode import EagerGraphs, sampled_logits
+from test_paged_decode_raw import raw_run
 from test_serve_engine import CONFIGS, config, model_of, prompts
 
 import trireme.inference.chained_decode as chained_decode
 import trireme.ops.skinny_gemm as skinny
 from trireme.inference import compiled_decode
-from trireme.inference.compiled_decode import compiled_layer
-from trireme.inference.engine import Engine, EngineSettings
 from trireme.inference.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def run(model, monkeypatch, texts, params, chained: bool):
-    """(token ids, logits rows) of an engine whose decode steps run compiled (aot_eager) with
-    the raw qkv inputs, and `chained`."""
-    with sampled_logits(monkeypatch) as rows:
-        engine = Engine(model, EngineSettings(block_size=4, max_running=4, max_batch_tokens=16))
-        engine.graphs = EagerGraphs(model, engine.cache, 4, 4)
-        engine.cache.compiled_layer = compiled_layer("aot_eager", raw=True, chained=chained)
-        requests = engine.generate(texts, params)
-    return [r.output_ids for r in requests], torch.stack(rows)
 
 
 def spy(monkeypatch, module, name, calls):
@@ -68,10 +55,10 @@ def test_chained_decode_gives_the_compiled_logits_and_tokens(kind, qkv_split, mo
     texts = prompts(5, seed=6, longest=14)
     params = [SamplingParams(max_tokens=2 + i % 3, greedy=True) for i in range(len(texts))]
     torch._dynamo.reset()
-    want_ids, want = run(model, monkeypatch, texts, params, chained=False)
+    want_ids, want = raw_run(model, monkeypatch, texts, params, True, chained=False)
     assert not calls
     torch._dynamo.reset()
-    got_ids, got = run(model, monkeypatch, texts, params, chained=True)
+    got_ids, got = raw_run(model, monkeypatch, texts, params, True, chained=True)
     assert got_ids == want_ids
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     posts = [ok for name, ok in calls if name == "chained_post"]

@@ -11,8 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from interpreted import BF16_DOT, BF16_ROUND, run_in_interpreter
+from test_compiled_decode import EagerGraphs, sampled_logits
 from test_paged_decode_store import new_case, stored_then_attended
 
+from trireme.inference.compiled_decode import compiled_layer
+from trireme.inference.engine import Engine, EngineSettings
 from trireme.inference.sampling import SamplingParams
 from trireme.ops.decode_inputs import prepared
 from trireme.ops.paged_attention import paged_decode_attention
@@ -124,18 +127,14 @@ def test_kernels_sum_and_rotate_as_prepared_in_the_interpreter():
     assert all(out["pools"].values()), out
 
 
-def raw_run(model, monkeypatch, texts, params, raw: bool):
-    """test_compiled_decode.recorded_run with the blocks compiled by aot_eager, `raw`: the raw
-    qkv inputs (compiled_decode._project_raw)."""
-    from test_compiled_decode import EagerGraphs, sampled_logits
-
-    from trireme.inference.compiled_decode import compiled_layer
-    from trireme.inference.engine import Engine, EngineSettings
-
+def raw_run(model, monkeypatch, texts, params, raw: bool, chained: bool = False):
+    """(token ids, logits rows) of test_compiled_decode.recorded_run's engine with the blocks
+    compiled by aot_eager; `raw`: the raw qkv inputs (compiled_decode._project_raw), `chained`
+    (with raw): trireme.inference.chained_decode."""
     with sampled_logits(monkeypatch) as rows:
         engine = Engine(model, EngineSettings(block_size=4, max_running=4, max_batch_tokens=16))
         engine.graphs = EagerGraphs(model, engine.cache, 4, 4)
-        engine.cache.compiled_layer = compiled_layer("aot_eager", raw=raw)
+        engine.cache.compiled_layer = compiled_layer("aot_eager", raw=raw, chained=chained)
         requests = engine.generate(texts, params)
     return [r.output_ids for r in requests], torch.stack(rows)
 

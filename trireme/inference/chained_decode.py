@@ -105,7 +105,14 @@ def normed_qkv(block: torch.nn.Module, name: str, carried: Squares
     splits = None if attention.qk_norm or norm is None else _split(attention.qkv, rows)
     if splits is None:
         return None
-    planes = skinny_normed(rows, carried.sumsq, *norm, attention.qkv.weight, splits, False)
+    return qkv_views(attention, skinny_normed(rows, carried.sumsq, *norm, attention.qkv.weight,
+                                              splits, False))
+
+
+def qkv_views(attention: torch.nn.Module, planes: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [S, T, n_heads, d], k, v [S, T, n_kv, d]: views of an attention sublayer's qkv
+    projection as planes [S, T, (n_heads + 2 n_kv) d] (the paged kernel's raw inputs)."""
     n_heads, n_kv, d = attention.num_heads, attention.num_kv_heads, attention.head_size
     q = planes[..., : n_heads * d].unflatten(-1, (n_heads, d))
     k = planes[..., n_heads * d : (n_heads + n_kv) * d].unflatten(-1, (n_kv, d))

@@ -62,7 +62,13 @@ from typing import Any, NamedTuple
 import torch
 
 from trireme.inference.chained_decode import ENV as CHAIN_ENV
-from trireme.inference.chained_decode import Squares, chained_post, normed_qkv, post_plan
+from trireme.inference.chained_decode import (
+    Squares,
+    chained_post,
+    normed_qkv,
+    post_plan,
+    qkv_views,
+)
 from trireme.models.paged import PagedCache, PagedKV, PagedStep
 from trireme.ops.rope import apply_rotary_heads
 from trireme.ops.skinny_gemm import linear_planes
@@ -111,12 +117,7 @@ def _project_raw(block: torch.nn.Module, name: str, h: torch.Tensor
     planes [S, T, (n_heads + 2 n_kv) d] (linear_planes), not summed, not rotated (the paged
     kernel does both: trireme.ops.decode_inputs). Only without QK-norm."""
     attention = getattr(block, name)
-    n_heads, n_kv, d = attention.num_heads, attention.num_kv_heads, attention.head_size
-    planes = linear_planes(attention.qkv, h[0])
-    q = planes[..., : n_heads * d].unflatten(-1, (n_heads, d))
-    k = planes[..., n_heads * d : (n_heads + n_kv) * d].unflatten(-1, (n_kv, d))
-    v = planes[..., (n_heads + n_kv) * d :].unflatten(-1, (n_kv, d))
-    return q, k, v
+    return qkv_views(attention, linear_planes(attention.qkv, h[0]))
 
 
 def _post(block: torch.nn.Module, x: torch.Tensor, y: torch.Tensor | None,
