@@ -124,9 +124,13 @@ def generate_main(argv: list[str]) -> int:
         defaults = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
                                   top_k=args.top_k, top_p=args.top_p, greedy=args.greedy,
                                   seed=args.seed)
-        count = generate_file(args.input, args.output, engine_from_args(loaded, args),
-                              loaded.tokenizer, defaults)
-        print(f"trireme: wrote {count} completions to {args.output}")
+        try:  # under torchrun every rank runs the prompts; the first writes them
+            count = generate_file(args.input, args.output, engine_from_args(loaded, args),
+                                  loaded.tokenizer, defaults, write=loaded.is_main)
+        finally:
+            loaded.close()
+        if loaded.is_main:
+            print(f"trireme: wrote {count} completions to {args.output}")
         return 0
     text = generate_from_checkpoint(
         args.checkpoint,
@@ -141,5 +145,6 @@ def generate_main(argv: list[str]) -> int:
         device=args.device,
         image=args.image,
     )
-    print(text)
+    if launched_rank() == 0:  # under torchrun: every rank has the text
+        print(text)
     return 0

@@ -15,9 +15,12 @@ import torch
 from torch import Tensor, nn
 
 from trireme.checkpoint.format import tensor_identity
+from trireme.checkpoint.gathered import fit_vocab_rows
 from trireme.config import ModelConfig
 from trireme.errors import CheckpointError
 from trireme.models.gpt import GPT
+from trireme.parallel.context import ParallelContext
+from trireme.parallel.sharding import parameter_shardings, shard_full
 
 
 class LoadResult(NamedTuple):
@@ -129,17 +132,23 @@ def load_model_state(model: nn.Module, state: dict[str, Tensor], strict: bool = 
 
 
 def model_from_state(cfg: ModelConfig, state: dict[str, Tensor], device: torch.device | str,
-                     dtype: torch.dtype | None = None) -> GPT:
+                     dtype: torch.dtype | None = None, ctx: ParallelContext | None = None
+                     ) -> GPT:
     """`GPT(cfg)` holding `state`, built without a random init: the modules are made on the meta
     device, their storage allocated on `device` (fp32, uninitialized), every tensor filled from
     `state` (`load_model_state`, strict: nothing is left uninitialized), then cast to `dtype`.
+    With a tensor-parallel `ctx`, `state` is the full model (any checkpoint: they are stored in
+    the single-process form) and this rank keeps its slice (trireme.checkpoint.gathered).
 
     The rotary embedding's frequencies are no parameters: `RotaryEmbedding` computes them on the
     CPU when built (under the meta device too) and its cos / sin table on first use, so they
     equal a fully initialized model's."""
     with torch.device("meta"):
-        model = GPT(cfg, seed=None)
+        model = GPT(cfg, seed=None, ctx=ctx)
     model.to_empty(device=device)
+    if model.tp is not None:
+        state = fit_vocab_rows(state, model.padded_vocab_size)  # this degree's padding
+        state = shard_full(state, parameter_shardings(model))
     load_model_state(model, state)
     if dtype is not None:
         model.to(dtype=dtype)

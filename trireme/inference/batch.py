@@ -85,10 +85,13 @@ def _parse(line: str, defaults: SamplingParams, engine: Engine, tokenizer: Token
 
 
 def generate_file(input_path: str, output_path: str, engine: Engine, tokenizer: Tokenizer,
-                  defaults: SamplingParams) -> int:
-    """Run every prompt of `input_path`, write `output_path` atomically; the number of lines."""
+                  defaults: SamplingParams, write: bool = True) -> int:
+    """Run every prompt of `input_path`, write `output_path` atomically (unless not `write`: a
+    tensor-parallel rank other than the first); the number of lines."""
     items = read_prompts(input_path, defaults, engine, tokenizer)
     requests = engine.generate([ids for _, ids, _ in items], [p for _, _, p in items])
+    if not write:
+        return len(items)
     target = Path(output_path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)

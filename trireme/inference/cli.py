@@ -18,8 +18,10 @@ from trireme.data.tokenizer import Tokenizer, load_tokenizer
 from trireme.errors import CheckpointError, ConfigError
 from trireme.inference.engine import DECODE_GEMMS, Engine, EngineSettings
 from trireme.inference.generate import first_non_finite, generate, printable_ids
+from trireme.inference.tensor_parallel import agreed_seed, any_rank, rank_device, start_ranks
 from trireme.models.gpt import GPT
 from trireme.models.vision import num_image_tokens
+from trireme.parallel.mesh import DistributedEnv, launched_world_size
 from trireme.trainer import DTYPES, pick_device
 
 
@@ -32,11 +34,23 @@ class LoadedModel:
     cfg: Config
     path: Path
     tokenizer_spec: str
+    env: DistributedEnv = DistributedEnv()  # under torchrun: this process's rank
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process prints and writes the results (the first rank)."""
+        return self.env.is_main
+
+    def close(self) -> None:
+        """End the process group this load started (torchrun); nothing in one process."""
+        self.env.close()
 
 
 def load_for_inference(checkpoint: str, tokenizer: str = "", device: str = "auto"
                        ) -> LoadedModel:
-    """Build the model of `checkpoint` on `device` (no random init) with its tokenizer."""
+    """Build the model of `checkpoint` on `device` (no random init) with its tokenizer; under
+    torchrun with several processes, this rank's tensor-parallel shard of it
+    (trireme.inference.tensor_parallel; collective: every rank calls it)."""
     ckpt = load_checkpoint(checkpoint, name="--checkpoint")
     cfg = config_from_toml(ckpt.config_toml, f"{ckpt.path}/config.toml")
     cfg.model = without_optional_kernels(cfg.model)  # fa4 / liger: training speed, not needed
@@ -49,13 +63,17 @@ def load_for_inference(checkpoint: str, tokenizer: str = "", device: str = "auto
     # built on the meta device and filled from the checkpoint: no random init, no CPU copy
     if cfg.model.vision_layers and cfg.model.image_token_id < 0:  # the tokenizer's <image>
         cfg.model.image_token_id = image_token_id(tok, tok_spec)
-    model = model_from_state(cfg.model, ckpt.model, dev, dtype).eval()
+    env, ctx = DistributedEnv(), None
+    if launched_world_size() > 1:
+        env, ctx = start_ranks(cfg.model, dev)
+        dev = rank_device(env, dev)
+    model = model_from_state(cfg.model, ckpt.model, dev, dtype, ctx).eval()
     bad = first_non_finite(model)
-    if bad is not None:
-        raise CheckpointError(f"checkpoint {ckpt.path} holds non-finite weights ({bad!r} has a "
-                              "NaN or inf): the run diverged before it was saved; use an "
-                              "earlier checkpoint")
-    return LoadedModel(model, tok, cfg, Path(ckpt.path), tok_spec)
+    if any_rank(bad is not None, model.ctx.group("tensor"), dev):  # every rank stops
+        raise CheckpointError(f"checkpoint {ckpt.path} holds non-finite weights "
+                              f"({bad or 'a parameter on another rank'!r} has a NaN or inf): the "
+                              "run diverged before it was saved; use an earlier checkpoint")
+    return LoadedModel(model, tok, cfg, Path(ckpt.path), tok_spec, env)
 
 
 def generate_from_checkpoint(
@@ -76,7 +94,19 @@ def generate_from_checkpoint(
     (a vision model), the prompt is a question about that image, framed as in training
     (trireme.data.multimodal.image_prompt_ids)."""
     loaded = load_for_inference(checkpoint, tokenizer, device)
+    try:
+        return _generate_one(loaded, prompt, max_new_tokens=max_new_tokens,
+                             temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
+                             seed=seed, image=image)
+    finally:
+        loaded.close()
+
+
+def _generate_one(loaded: LoadedModel, prompt: str, *, max_new_tokens: int, temperature: float,
+                  top_k: int, top_p: float, greedy: bool, seed: int | None, image: str) -> str:
+    """generate_from_checkpoint's work on the loaded model."""
     tok, cfg, model = loaded.tokenizer, loaded.cfg, loaded.model
+    seed = agreed_seed(seed, model.ctx.group("tensor"), model.embedding.weight.device)
     ids, images = tok.encode(prompt) or [tok.eod], None
     if image:
         if not cfg.model.vision_layers:

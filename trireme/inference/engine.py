@@ -30,9 +30,10 @@ import itertools
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 
 from trireme.data.tokenizer_base import Tokenizer
 from trireme.errors import ConfigError, TriremeError
@@ -43,6 +44,7 @@ from trireme.inference.images import RequestImages
 from trireme.inference.sampling import SamplingParams, request_generator, sample_rows
 from trireme.inference.scheduler import Request, RequestOutput, Scheduler, StepPlan
 from trireme.inference.step_inputs import SlotTables, StepBatch
+from trireme.inference.tensor_parallel import agreed_min
 from trireme.inference.text import TextStream
 from trireme.models.gpt import GPT
 from trireme.models.paged import PagedCache, PagedKV, PagedLayout
@@ -114,6 +116,18 @@ class EngineSettings:
                               "decode CUDA graphs, which are off (--cuda-graphs off): turn them "
                               "on (auto), or use --compile-decode auto or off")
 
+    def for_tensor_parallel(self) -> EngineSettings:
+        """These settings for a tensor-parallel engine: its plain path (trireme.inference.
+        tensor_parallel), graphs, overlap and compiled pieces off; a ConfigError if one of them
+        was asked for."""
+        asked = [name for name in ("cuda_graphs", "overlap", "compile_decode", "compile_prefill")
+                 if getattr(self, name)]
+        if asked:
+            raise ConfigError(f"{', '.join(asked)} cannot run under tensor parallelism (torchrun "
+                              "with several processes) yet; leave them at auto or off")
+        return replace(self, cuda_graphs=False, overlap=False, compile_decode=False,
+                       decode_gemm="cublas")
+
     def compiles_decode(self) -> bool:
         """compile_decode resolved: auto (None) follows cuda_graphs (on unless they are off).
         The graphs themselves only apply where graphs_supported says (CUDA, the Triton kernel,
@@ -158,8 +172,12 @@ class Engine:
 
     def __init__(self, model: GPT, settings: EngineSettings | None = None, *,
                  tokenizer: Tokenizer | None = None, eos_id: int | None = None) -> None:
-        self.settings = settings = settings or EngineSettings()
+        settings = settings or EngineSettings()
         settings.check()
+        self.group = model.ctx.group("tensor")  # tensor-parallel: the ranks that step together
+        if self.group is not None:
+            settings = settings.for_tensor_parallel()
+        self.settings = settings
         self.model = model.eval()
         self.cfg = model.cfg
         weight = model.embedding.weight
@@ -174,6 +192,7 @@ class Engine:
             max_memory_gib=settings.max_memory_gib, device=self.device,
             fallback_tokens=settings.max_running * self.cfg.seq_length,
             block_size=settings.block_size, context_tokens=self.cfg.seq_length)
+        num_blocks = agreed_min(num_blocks, self.group, self.device)  # the same pool everywhere
         self.allocator = BlockAllocator(num_blocks)
         self.cache = PagedCache(model, PagedLayout(num_blocks, settings.block_size),
                                 settings.max_running, self.device, self.dtype)
@@ -256,7 +275,8 @@ class Engine:
                        self.device)
         kv = next((s for s in self.cache.states() if isinstance(s, PagedKV)), None)
         if kv is not None:
-            paged_attention.warm_up(kv.k_pool, kv.v_pool, self.cfg.num_attention_heads,
+            heads = self.cfg.num_attention_heads // self.model.ctx.size("tensor")  # this rank's
+            paged_attention.warm_up(kv.k_pool, kv.v_pool, heads,
                                     width=1, store=self.graphs is None)
 
     # ------------------------------------------------------------------ requests in and out
@@ -469,6 +489,10 @@ class Engine:
                                [r.generator for r in sampled], self.generator, greedy=both[0])
         if not all(r.params.is_greedy for r in sampled):  # some rows drew their ids
             both = torch.stack([next_ids, both[1]])  # [2, n]
+        if self.group is not None:  # every rank takes the first rank's ids
+            both = both.contiguous()
+            dist.broadcast(both, src=dist.get_global_rank(self.group, 0), group=self.group)
+            next_ids = both[0]
         event = None
         if both.is_cuda:
             host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)

@@ -73,12 +73,12 @@ def sample_one_model(trainer: Trainer, prompt_ids: list[int]) -> list[int]:
                        top_k=40, seed=cfg.train.seed)
     else:
         # Every rank runs the generation (the layers communicate) and samples the same tokens
-        # from the same gathered logits. No KV cache under TP yet, and no sequence parallelism:
-        # the growing sequence need not split evenly.
+        # from the same gathered logits, each rank's KV cache holding its own heads; no
+        # sequence parallelism: a decode step's one token cannot be split along the sequence.
         sequence_parallel, tp.sequence_parallel = tp.sequence_parallel, False
         try:
             out = generate(trainer.model, prompt_ids, cfg.train.sample_tokens, temperature=0.8,
-                           top_k=40, seed=cfg.train.seed, use_cache=False)
+                           top_k=40, seed=cfg.train.seed)
         finally:
             tp.sequence_parallel = sequence_parallel
     return out[0].tolist() if out.dim() == 2 else out.tolist()

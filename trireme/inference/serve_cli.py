@@ -25,6 +25,7 @@ from trireme.inference.cli import (
 )
 from trireme.inference.image_parts import MAX_IMAGE_PIXELS
 from trireme.inference.runner import EngineThread
+from trireme.parallel.mesh import launched_world_size
 
 EPILOG = """\
 endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
@@ -75,6 +76,10 @@ def chat_format(loaded: LoadedModel) -> ChatFormat:
 
 def serve_main(argv: list[str]) -> int:
     args = serve_parser().parse_args(argv)
+    if launched_world_size() > 1:
+        raise ConfigError("trireme serve runs in one process: tensor-parallel serving is not "
+                          "implemented yet (torchrun ... -m trireme generate --input runs "
+                          "offline batches tensor-parallel; docs/serving.md)")
     if args.max_image_pixels <= 0:
         raise ConfigError(f"--max-image-pixels {args.max_image_pixels} must be > 0 (default "
                           f"{MAX_IMAGE_PIXELS}, 4096 x 4096)")

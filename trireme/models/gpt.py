@@ -256,10 +256,11 @@ class GPT(nn.Module):
                 f"positions up to {end} exceed model.seq_length = {self.cfg.seq_length} "
                 "(learned position embeddings have no rows past it)"
             )
-        if kv_cache is not None and self.tp is not None:
+        if kv_cache is not None and self.tp is not None and self.tp.sequence_parallel:
             raise TriremeError(
-                "generation with a KV cache under tensor parallelism is not implemented yet; "
-                "pass use_cache=False"
+                "a KV cache under sequence parallelism: a decode step's one token per sequence "
+                "cannot be split along the sequence; build the model without it "
+                "(parallel.sequence_parallel = false), or pass use_cache=False"
             )
         if (position_ids is not None and not ragged or document_ids is not None) and (
                 kv_cache is not None):

@@ -1,0 +1,130 @@
+"""Tensor-parallel inference (trireme.inference.tensor_parallel) against one process.
+
+`trireme generate` on 2 gloo processes (as under torchrun) must write what one process writes:
+the same completions for a file of prompts through the serving engine (greedy, seeded and
+unseeded sampling, a stop string) and the same text for one prompt through the contiguous
+cache, while each rank's KV cache holds only its own key / value heads; and the logits of a
+prefill and three decode steps through the cache must be the one-process model's (within
+fp32 rounding: the row-parallel sums add in another order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+import torch
+from distributed import run_ranks
+
+from trireme.checkpoint.model_state import model_from_state
+from trireme.checkpoint.store import load_checkpoint, save_checkpoint
+from trireme.commands import generate_main
+from trireme.config import Config, ModelConfig
+from trireme.errors import ConfigError
+from trireme.inference.cli import generate_from_checkpoint, load_for_inference
+from trireme.inference.engine import EngineSettings
+from trireme.inference.serve_cli import serve_main
+from trireme.models.cache import InferenceCache
+from trireme.models.gpt import GPT
+
+LINES = [
+    {"prompt": "def main(", "max_tokens": 12, "greedy": True},
+    {"prompt": "import os\n", "max_tokens": 9, "temperature": 0.9, "top_k": 20, "seed": 5},
+    {"prompt": "x", "max_tokens": 14, "temperature": 1.1},  # the engine's shared generator
+    {"prompt": "class A:\n    ", "max_tokens": 10, "greedy": True, "stop": ["e"]},
+    {"prompt": "ab" * 20, "max_tokens": 6, "top_p": 0.8, "seed": 11},
+]
+
+MODELS = {  # name -> model settings; each at TP = 2
+    "gqa": dict(num_attention_heads=4, num_query_groups=2),
+    "mqa-learned": dict(num_attention_heads=4, num_query_groups=1, position_embedding="learned",
+                        normalization="layernorm", activation="gelu", bias=True),
+    "hybrid": dict(num_layers=2, layer_pattern="M-*-", num_attention_heads=4,
+                   num_query_groups=2, activation="swiglu", mamba_state_dim=8,
+                   mamba_head_dim=8, mamba_num_groups=2, mamba_chunk_size=8),
+}
+
+
+def checkpoint(tmp_path, model: dict) -> str:
+    cfg = Config()
+    settings = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, vocab_size=257,
+                    seq_length=64, make_vocab_size_divisible_by=8)
+    cfg.model = ModelConfig(**{**settings, **model})
+    cfg.data.tokenizer = "bytes"
+    state = dict(GPT(cfg.model, seed=3).state_dict())
+    save_checkpoint(tmp_path / "ckpt", 0, model=state, optimizer={}, trainer={"step": 0},
+                    config_toml=cfg.to_toml())
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(x) + "\n" for x in LINES))
+    return str(tmp_path / "ckpt")
+
+
+def run_generate(ckpt: str, tmp_path, output: str) -> str:
+    """Both ways of `trireme generate`: the file's completions to `output`, and one prompt's
+    text (returned)."""
+    args = ["--checkpoint", ckpt, "--device", "cpu", "--max-running", "3",
+            "--max-batch-tokens", "24"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert generate_main([*args, "--input", str(tmp_path / "prompts.jsonl"),
+                              "--output", str(tmp_path / output)]) == 0
+    return generate_from_checkpoint(ckpt, "def f(x):", max_new_tokens=10, device="cpu",
+                                    temperature=0.8, top_k=30, seed=2)
+
+
+@torch.no_grad()
+def cached_logits(model: GPT) -> torch.Tensor:
+    """[4, 2, vocab]: a prompt's last logits, then three decode steps', through the KV cache."""
+    ids = torch.tensor([[5, 9, 200, 31, 7], [1, 2, 3, 4, 5]])
+    cache = InferenceCache.for_model(model, 2, 16)
+    steps = [model(ids, kv_cache=cache)[:, -1]]
+    for pos in range(5, 8):
+        next_ids = steps[-1].argmax(-1, keepdim=True)  # [2, 1]
+        steps.append(model(next_ids, kv_cache=cache, start_pos=pos)[:, -1])
+    return torch.stack(steps)
+
+
+def _ranks(rank: int, world_size: int, ckpt: str, tmp_path) -> None:
+    text = run_generate(ckpt, tmp_path, "tp.jsonl")
+    loaded = load_for_inference(ckpt, device="cpu")
+    attention = next(m for m in loaded.model.modules() if hasattr(m, "num_kv_heads"))
+    full_kv = loaded.cfg.model.kv_heads
+    assert attention.num_kv_heads == max(full_kv // world_size, 1)  # this rank's heads
+    assert attention.num_heads == loaded.cfg.model.num_attention_heads // world_size
+    if rank == 0:
+        (tmp_path / "tp.txt").write_text(text)
+    reference = model_from_state(loaded.cfg.model, load_checkpoint(ckpt).model, "cpu")
+    got, want = cached_logits(loaded.model), cached_logits(reference.eval())
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    with pytest.raises(ConfigError, match="one process"):
+        serve_main(["--checkpoint", ckpt, "--device", "cpu"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MODELS))
+def test_generate_under_tensor_parallelism_writes_what_one_process_writes(tmp_path, name):
+    ckpt = checkpoint(tmp_path, MODELS[name])
+    text = run_generate(ckpt, tmp_path, "one.jsonl")
+    run_ranks(_ranks, 2, tmp_path, ckpt, tmp_path)
+    one = (tmp_path / "one.jsonl").read_text().splitlines()
+    tp = (tmp_path / "tp.jsonl").read_text().splitlines()
+    assert len(one) == len(LINES) and tp == one
+    assert sum(json.loads(line)["completion_tokens"] for line in one) > 20
+    assert (tmp_path / "tp.txt").read_text() == text and len(text) > len("def f(x):")
+
+
+def test_tensor_parallel_engines_refuse_what_they_cannot_run():
+    plain = EngineSettings().for_tensor_parallel()
+    assert (plain.cuda_graphs, plain.overlap, plain.compile_decode) == (False, False, False)
+    assert plain.decode_gemm == "cublas"
+    for asked in ("cuda_graphs", "overlap", "compile_decode", "compile_prefill"):
+        with pytest.raises(ConfigError, match=asked):
+            EngineSettings(**{asked: True}).for_tensor_parallel()
+
+
+def test_one_process_keeps_every_head(tmp_path):
+    ckpt = checkpoint(tmp_path, MODELS["gqa"])
+    loaded = load_for_inference(ckpt, device="cpu")
+    assert loaded.is_main and loaded.model.tp is None
+    assert loaded.model.layers["0"].attention.num_kv_heads == 2
+    assert torch.isfinite(loaded.model.embedding.weight).all()
