@@ -13,6 +13,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -128,3 +131,26 @@ def test_one_process_keeps_every_head(tmp_path):
     assert loaded.is_main and loaded.model.tp is None
     assert loaded.model.layers["0"].attention.num_kv_heads == 2
     assert torch.isfinite(loaded.model.embedding.weight).all()
+
+
+@pytest.mark.slow
+def test_torchrun_generate_writes_and_prints_once(tmp_path):
+    """The command as a user runs it: torchrun starts the group, rank 0 alone writes the file and
+    prints the one-prompt text, and both equal one process's."""
+    ckpt = checkpoint(tmp_path, MODELS["gqa"])
+    text = run_generate(ckpt, tmp_path, "one.jsonl")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+              "--nproc_per_node=2", "-m", "trireme", "generate", "--checkpoint", ckpt,
+              "--device", "cpu", "--max-running", "3", "--max-batch-tokens", "24"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    files = subprocess.run([*launch, "--input", str(tmp_path / "prompts.jsonl"), "--output",
+                            str(tmp_path / "tp.jsonl")], capture_output=True, text=True,
+                           timeout=300, env=env)
+    assert files.returncode == 0, files.stderr[-3000:]
+    assert files.stdout.count("wrote 5 completions") == 1
+    assert (tmp_path / "tp.jsonl").read_text() == (tmp_path / "one.jsonl").read_text()
+    one = subprocess.run([*launch, "--prompt", "def f(x):", "--max-new-tokens", "10",
+                          "--temperature", "0.8", "--top-k", "30", "--seed", "2"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert one.stdout == text + "\n"
