@@ -3,27 +3,28 @@ return what `trireme generate --greedy` returns for each prompt alone; streaming
 answer; stop strings, bad input (400 / 401 / 413), the bounded queue (429), metrics, chat
 templates, disconnects and SIGTERM; and the offline batch mode."""
 
-import http.client
 import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import openai
 import pytest
-import torch
-import uvicorn
+from serving import (
+    CONTEXT,
+    client,
+    live_server,
+    make_checkpoint,
+    plain_request,
+    stream_lines,
+    wait_for_url,
+)
 
-from trireme.checkpoint.store import save_checkpoint
 from trireme.cli import main as trireme_main
-from trireme.config import Config, ModelConfig
 from trireme.data.tokenizer import load_tokenizer
 from trireme.inference.chat import (
     ChatFormat,
@@ -31,16 +32,9 @@ from trireme.inference.chat import (
     find_special_token,
     plain_chat_prompt,
 )
-from trireme.inference.cli import load_for_inference
-from trireme.inference.engine import Engine, EngineSettings
 from trireme.inference.openai_api import ApiError, parse_chat, parse_completion
-from trireme.inference.runner import EngineThread
-from trireme.inference.serve_cli import chat_format
-from trireme.inference.server import ServerSettings, build_app
-from trireme.models.gpt import GPT
 
 REPO = Path(__file__).resolve().parents[1]
-CONTEXT = 96
 PROMPTS = ["def ", "import os\n", "a", "The quick brown fox jumps over the lazy dog. " * 2,
            "class Foo:\n    def __init__(self):", "x = [1, 2, 3]\nfor i in x:\n", "hello world",
            "# comment", "return None", "while True:\n    pass\n" * 2]
@@ -48,104 +42,16 @@ PROMPTS = ["def ", "import os\n", "a", "The quick brown fox jumps over the lazy 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    """A tiny Llama-shaped model (GQA, untied) with large random weights (clear greedy choices),
-    saved as a checkpoint with the byte tokenizer."""
-    root = tmp_path_factory.mktemp("serve") / "ckpt"
-    cfg = Config()
-    cfg.model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
-                            num_query_groups=2, ffn_hidden_size=128, vocab_size=257,
-                            seq_length=CONTEXT, position_embedding="rope",
-                            normalization="rmsnorm", activation="swiglu", precision="fp32")
-    cfg.data.tokenizer = "bytes"
-    model = GPT(cfg.model, seed=3)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(8.0)
-    state = {n: t.detach().clone() for n, t in model.state_dict().items()}
-    save_checkpoint(root, 0, model=state, optimizer={}, trainer={"step": 0},
-                    config_toml=cfg.to_toml())
-    return root
+    return make_checkpoint(tmp_path_factory.mktemp("serve") / "ckpt")
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@contextmanager
-def live_server(checkpoint: Path, api_key: str = "", *, name: str = "tiny",
-                server_settings: dict | None = None, **engine_settings):
-    """`trireme serve`'s app under uvicorn on a free loopback port, in this process; yields
-    (its URL, the engine)."""
-    loaded = load_for_inference(str(checkpoint), device="cpu")
-    settings = EngineSettings(**{"max_running": 32, "max_batch_tokens": 256, **engine_settings})
-    engine = Engine(loaded.model, settings, tokenizer=loaded.tokenizer)
-    served = ServerSettings(name, api_key, **{"max_body_bytes": 64 * 1024,
-                                              **(server_settings or {})})
-    app = build_app(EngineThread(engine), chat_format(loaded), served)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        assert thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}", engine
-    finally:
-        server.should_exit = True
-        thread.join(10)
-
-
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    with live_server(checkpoint, api_key="secret") as (url, engine):
+    with live_server(checkpoint, api_key="secret") as (url, engine, _):
         yield url, engine
-
-
-def client(url: str, key: str = "secret") -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
-
-
-def plain_request(url: str, method: str = "GET", body: bytes | dict | None = None, key: str = ""
-         ) -> tuple[int, str]:
-    """(status, body text) of one plain HTTP request."""
-    parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
-    headers = {"Content-Type": "application/json"}
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
-    if isinstance(body, dict):
-        body = json.dumps(body).encode()
-    conn.request(method, parts.path, body=body, headers=headers)
-    reply = conn.getresponse()
-    text = reply.read().decode()
-    conn.close()
-    return reply.status, text
-
-
-@contextmanager
-def stream_lines(url: str, body: dict, key: str = ""):
-    """The non-empty lines of a streamed answer, as they come (closing hangs up)."""
-    parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
-    headers = {"Content-Type": "application/json"}
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
-    conn.request("POST", parts.path, body=json.dumps(body).encode(), headers=headers)
-    reply = conn.getresponse()
-
-    def lines():
-        while True:
-            line = reply.readline()
-            if not line:
-                return
-            if line.strip():
-                yield line.decode().strip()
-
-    try:
-        yield lines()
-    finally:
-        conn.close()
 
 
 def cli_generate(checkpoint: Path, prompt: str, max_tokens: int, capsys) -> str:
@@ -261,7 +167,7 @@ def test_bad_input_gets_openai_errors(server):
 
 
 def test_a_full_queue_answers_429(checkpoint):
-    with live_server(checkpoint, max_running=1, max_queue=2) as (url, engine):
+    with live_server(checkpoint, max_running=1, max_queue=2) as (url, engine, _):
         api = client(url, key="any")  # no key required by this server
 
         def ask(_):
@@ -277,6 +183,7 @@ def test_a_full_queue_answers_429(checkpoint):
         served = [r for r in results if not isinstance(r, Exception)]
         assert limited and len(served) >= 3 and len(limited) + len(served) == 10
         assert limited[0].body["type"] == "rate_limit_error"
+        assert limited[0].response.headers["retry-after"] == "1"
         assert all(r.choices[0].text == served[0].choices[0].text for r in served)
         metrics = plain_request(f"{url}/metrics")[1]
         for name in ("queue_length", "running_requests", "kv_blocks_used",
@@ -371,23 +278,6 @@ def test_sigterm_lets_running_requests_finish(checkpoint):
     finally:
         proc.kill()
         proc.wait()
-
-
-def wait_for_url(proc: subprocess.Popen) -> str:
-    """The server's address from its first line, once it answers /health."""
-    for line in proc.stdout:
-        if " on http://" in line:
-            url = line.split(" on ")[-1].strip()
-            break
-    else:
-        raise AssertionError("the server never started")
-    for _ in range(600):
-        try:
-            if plain_request(f"{url}/health")[0] == 200:
-                return url
-        except OSError:
-            time.sleep(0.05)
-    raise AssertionError("the server never answered /health")
 
 
 def test_request_bodies_parse_to_prompts_and_settings():

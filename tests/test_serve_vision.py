@@ -16,8 +16,8 @@ import numpy as np
 import openai
 import pytest
 import torch
-from test_serve_api import client
-from test_serve_api import live_server as serve_api_server
+from serving import client
+from serving import live_server as serve_api_server
 
 import trireme.inference.server as server_module
 from trireme.checkpoint.store import save_checkpoint
@@ -135,9 +135,9 @@ def test_engine_greedy_equals_generate_with_images(positions, image_files):
 
 @contextmanager
 def live_server(checkpoint: Path, **server_settings):
-    """test_serve_api's live server for the vision model; yields an openai client of it."""
+    """The tests' live server (serving.py) for the vision model; yields an openai client of it."""
     with serve_api_server(checkpoint, name="vlm", server_settings=server_settings,
-                          max_running=8, max_batch_tokens=24) as (url, _):
+                          max_running=8, max_batch_tokens=24) as (url, _, _):
         yield client(url, key="none")
 
 

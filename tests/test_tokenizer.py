@@ -9,6 +9,7 @@ from trireme.data.tokenizer import (
     load_tokenizer,
     train_bpe,
 )
+from trireme.data.tokenizer_base import LONG_TEXT
 from trireme.errors import ConfigError, DataError
 
 TEXTS = [
@@ -94,3 +95,32 @@ def test_load_tokenizer_errors(tmp_path):
     no_eod.write_text(json.dumps(spec))
     with pytest.raises(DataError, match="end-of-document"):
         load_tokenizer(str(no_eod))
+
+
+def test_bpe_long_texts_take_the_batch_call_with_the_same_ids(bpe, monkeypatch):
+    """Past LONG_TEXT characters encode() goes through the batch call (which lets other threads
+    run); the ids are the single call's."""
+    text = "".join(TEXTS) * (LONG_TEXT // len("".join(TEXTS)) + 2)
+    assert len(text) > LONG_TEXT
+    single = bpe._tok.encode(text, add_special_tokens=False).ids
+    calls = []
+    batch = bpe._tok.encode_batch
+    monkeypatch.setattr(bpe, "_tok", _Recording(bpe._tok, calls))
+    assert bpe.encode(text) == single and calls == ["encode_batch"]
+    assert bpe.encode(TEXTS[0]) == batch([TEXTS[0]], add_special_tokens=False)[0].ids
+    assert calls == ["encode_batch", "encode"]
+
+
+class _Recording:
+    """A `tokenizers` Tokenizer that records which encode call it got."""
+
+    def __init__(self, tok, calls: list[str]) -> None:
+        self.tok, self.calls = tok, calls
+
+    def encode(self, *args, **kwargs):
+        self.calls.append("encode")
+        return self.tok.encode(*args, **kwargs)
+
+    def encode_batch(self, *args, **kwargs):
+        self.calls.append("encode_batch")
+        return self.tok.encode_batch(*args, **kwargs)

@@ -11,7 +11,7 @@ import torch
 from trireme.cli import split_overrides
 from trireme.config import AUTO_MICRO_BATCH, Config, load_config
 from trireme.errors import TriremeError
-from trireme.inference.batch import generate_file
+from trireme.inference.batch import check_output, encodable, generate_file
 from trireme.inference.cli import (
     add_engine_arguments,
     engine_from_args,
@@ -115,11 +115,14 @@ def generate_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if (args.prompt is None) == (args.input is None):
         raise TriremeError("give either --prompt TEXT or --input prompts.jsonl")
+    if args.prompt is not None and not encodable(args.prompt):
+        raise TriremeError("--prompt is not valid UTF-8 text")
     if args.image and args.input is not None:
         raise TriremeError("--image goes with --prompt (one image), not with --input")
     if args.input is not None:
         if not args.output:
             raise TriremeError("--input needs --output out.jsonl")
+        check_output(args.output)
         loaded = load_for_inference(args.checkpoint, args.tokenizer, args.device)
         defaults = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
                                   top_k=args.top_k, top_p=args.top_p, greedy=args.greedy,

@@ -94,6 +94,12 @@ class NullTokenizer(Tokenizer):
         return f"NullTokenizer({self.eod})"
 
 
+# Past this many characters HFTokenizer.encode goes through `tokenizers`' batch call, the same
+# ids: its single-text call holds Python's GIL throughout (a 4 MB text: ~5 s in which no other
+# thread of the process runs), the batch call releases it.
+LONG_TEXT = 1 << 16
+
+
 class HFTokenizer(Tokenizer):
     """A Hugging Face `tokenizer.json` run by the `tokenizers` library.
 
@@ -152,6 +158,8 @@ class HFTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         if self._fast is not None:
             return self._fast.encode(text, allowed_special="all")
+        if len(text) > LONG_TEXT:  # the batch call lets other threads run (a server's)
+            return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:

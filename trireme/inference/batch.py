@@ -59,6 +59,8 @@ def _parse(line: str, defaults: SamplingParams, engine: Engine, tokenizer: Token
         item = json.loads(line)
     except json.JSONDecodeError as e:
         raise TriremeError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+    except (ValueError, RecursionError) as e:  # a 5,000-digit number, nesting too deep
+        raise TriremeError(f"not valid JSON ({str(e)[:120]})") from None
     if not isinstance(item, dict) or "prompt" not in item:
         raise TriremeError('each line must be a JSON object with a "prompt" string')
     settings = {}
@@ -75,6 +77,10 @@ def _parse(line: str, defaults: SamplingParams, engine: Engine, tokenizer: Token
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) for s in stop):
         raise TriremeError("stop must be a string or a list of strings")
+    for name, text in [("prompt", item["prompt"]), *(("stop", s) for s in stop)]:
+        if not encodable(text):
+            raise TriremeError(f"{name} holds invalid Unicode (a lone surrogate escape such "
+                               "as \\ud800)")
     params = replace(defaults, **{**settings, "stop": tuple(stop)})
     problem = params.problem()
     if problem:
@@ -82,6 +88,26 @@ def _parse(line: str, defaults: SamplingParams, engine: Engine, tokenizer: Token
     ids = tokenizer.encode(item["prompt"]) or [tokenizer.eod]
     engine.check_prompt(ids)
     return item, ids, params
+
+
+def encodable(text: str) -> bool:
+    """Whether `text` is valid Unicode (JSON's escapes can carry a lone surrogate, "\\udfff",
+    which no tokenizer or file takes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_output(output_path: str) -> None:
+    """A TriremeError now, before any prompt runs, if `output_path` cannot be the output file."""
+    target = Path(output_path)
+    if target.is_dir():
+        raise TriremeError(f"--output {output_path} is a directory; give a file name")
+    parent = next((p for p in (target.parent, *target.parent.parents) if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise TriremeError(f"--output {output_path}: {parent} is not a directory")
 
 
 def generate_file(input_path: str, output_path: str, engine: Engine, tokenizer: Tokenizer,
@@ -96,6 +122,7 @@ def generate_file(input_path: str, output_path: str, engine: Engine, tokenizer: 
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())  # as open() would make it (mkstemp: 0600)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             for (item, ids, _), request in zip(items, requests):
                 record = {"prompt": item["prompt"], "text": request.text.text,
@@ -109,3 +136,10 @@ def generate_file(input_path: str, output_path: str, engine: Engine, tokenizer: 
         Path(tmp).unlink(missing_ok=True)
         raise
     return len(items)
+
+
+def current_umask() -> int:
+    """The process's umask (read by setting it, then back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

@@ -292,6 +292,12 @@ class Engine:
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.cfg.vocab_size:
             raise RequestError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
 
+    def room(self, prompt_tokens: int) -> int:
+        """New tokens a request with a prompt this long can get at most: what the context and
+        the whole KV pool hold after the prompt (<= 0: none)."""
+        pool = self.allocator.usable * self.settings.block_size
+        return min(self.cfg.seq_length, pool) - prompt_tokens
+
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_output=None,
                request_id: str | None = None, images: torch.Tensor | None = None) -> Request:
         """Queue a request; raises RequestError (bad request) or QueueFull. `images` [k, 3, S,

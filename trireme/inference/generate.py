@@ -13,6 +13,17 @@ from trireme.errors import TrainingError, TriremeError
 from trireme.models.cache import InferenceCache
 from trireme.models.gpt import GPT
 
+# A temperature below this samples as greedy: that is its limit, and 1 / T overflows fp32 (the
+# logits' division) for T near 1e-38, which would make every probability NaN.
+GREEDY_BELOW = 1e-5
+SEED_RANGE = 2**64  # generators take 64-bit seeds: any other integer is reduced modulo this
+
+
+def seeded(seed: int, device: torch.device | str) -> torch.Generator:
+    """A generator on `device` seeded by any integer (reduced modulo 2^64, as torch reads a
+    negative seed in range)."""
+    return torch.Generator(device=device).manual_seed(seed % SEED_RANGE)
+
 
 def sample_next(
     logits: torch.Tensor,
@@ -23,14 +34,14 @@ def sample_next(
     greedy: bool = False,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Next token ids [b] from logits [b, vocab]: greedy (or temperature <= 0), else a sample of
-    softmax(logits / temperature) restricted to the top_k tokens (0: all) and to the smallest set
-    whose probability reaches top_p (nucleus; 1.0: all). Non-finite logits (a model whose
-    weights diverged) raise a one-line TrainingError."""
+    """Next token ids [b] from logits [b, vocab]: greedy (or temperature < GREEDY_BELOW), else a
+    sample of softmax(logits / temperature) restricted to the top_k tokens (0: all) and to the
+    smallest set whose probability reaches top_p (nucleus; 1.0: all). Non-finite logits (a model
+    whose weights diverged) raise a one-line TrainingError."""
     if not bool(torch.isfinite(logits).all()):
         raise TrainingError("the model's logits are not finite (NaN or inf): its weights "
                             "diverged in training; nothing to sample")
-    if greedy or temperature <= 0.0:
+    if greedy or temperature < GREEDY_BELOW:
         return logits.argmax(dim=-1)
     probs = filter_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
@@ -125,7 +136,7 @@ def generate(
     total = min(ids.shape[1] + max(max_new_tokens, 0), model.cfg.seq_length)
     generator = None
     if seed is not None:
-        generator = torch.Generator(device=device).manual_seed(seed)
+        generator = seeded(seed, device)
 
     def pick(logits: torch.Tensor) -> torch.Tensor:  # [b, vocab] -> [b]
         return sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p,

@@ -45,9 +45,11 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     images: torch.Tensor | None = None  # [k, 3, S, S] normalized pixels (a vision model)
+    open_ended: bool = False  # no max tokens given: as many as the context (and pool) hold
 
 
 NUMBER = (int, float)
+MAX_STOP, MAX_STOP_CHARS = 16, 1000  # stop strings per request (OpenAI: 4), and their length
 TYPE_NAMES = {str: "string", int: "integer", bool: "boolean", list: "list", dict: "object"}
 
 
@@ -63,11 +65,12 @@ def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) 
 
 
 def _refuse_unsupported(body: dict) -> None:
-    for name, allowed in (("n", 1), ("best_of", 1)):
-        if body.get(name) not in (None, allowed):
+    for name in ("n", "best_of"):
+        if _field(body, name, (int,), 1) != 1:
             raise ApiError(400, f"{name} must be 1: this server returns one choice", name)
     for name in ("echo", "logprobs", "top_logprobs", "suffix", "logit_bias"):
-        if body.get(name) not in (None, False, {}):
+        value = body.get(name)  # absent, null, false or {}: not asked for (0 is no false)
+        if not (value is None or value is False or isinstance(value, dict) and not value):
             raise ApiError(400, f"{name} is not supported by this server", name)
     for name in ("presence_penalty", "frequency_penalty"):
         value = _field(body, name, NUMBER, 0.0)
@@ -75,21 +78,41 @@ def _refuse_unsupported(body: dict) -> None:
             raise ApiError(400, f"{name} is not supported (only 0)", name)
 
 
+def text_field(value: str, name: str) -> str:
+    """`value` if it is text that can be encoded (JSON's escapes let a body carry a lone UTF-16
+    surrogate, "\\ud800", which no tokenizer takes): else a 400 naming the field."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"{name} holds invalid Unicode (a lone surrogate escape such as "
+                       "\\ud800)", name) from None
+    return value
+
+
+def _stop_strings(body: dict) -> list[str]:
+    stop = _field(body, "stop", (str, list), [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) and s for s in stop):
+        raise ApiError(400, "stop must be a string or a list of non-empty strings", "stop")
+    if len(stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise ApiError(400, f"stop takes at most {MAX_STOP} strings of at most "
+                       f"{MAX_STOP_CHARS} characters each", "stop")
+    return [text_field(s, "stop") for s in stop]
+
+
 def sampling_from(body: dict, default_max_tokens: int, max_tokens_name: str = "max_tokens"
                   ) -> SamplingParams:
     _refuse_unsupported(body)
     max_tokens = _field(body, max_tokens_name, (int,), None)
     if max_tokens is None and max_tokens_name != "max_tokens":
-        max_tokens = _field(body, "max_tokens", (int,), None)
+        max_tokens_name = "max_tokens"  # the older name, which chat requests may send too
+        max_tokens = _field(body, max_tokens_name, (int,), None)
     if max_tokens is None:
         max_tokens = default_max_tokens
     if max_tokens <= 0:
         raise ApiError(400, f"{max_tokens_name} must be at least 1, got {max_tokens}",
                        max_tokens_name)
-    stop = _field(body, "stop", (str, list), [])
-    stop = [stop] if isinstance(stop, str) else stop
-    if not all(isinstance(s, str) and s for s in stop):
-        raise ApiError(400, "stop must be a string or a list of non-empty strings", "stop")
+    stop = _stop_strings(body)
     temperature = float(_field(body, "temperature", NUMBER, 1.0))
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_k=_field(body, "top_k", (int,), 0),
@@ -118,7 +141,7 @@ def parse_completion(body: Any, tokenizer) -> ParsedRequest:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt) or [tokenizer.eod]
+        ids = tokenizer.encode(text_field(prompt, "prompt")) or [tokenizer.eod]
     elif isinstance(prompt, list) and prompt and all(
             isinstance(i, int) and not isinstance(i, bool) for i in prompt):
         ids = list(prompt)
@@ -156,7 +179,8 @@ def parse_chat(body: Any, tokenizer, chat: ChatFormat, context: int,
     turn_end = chat.stop if vision is None else VISION_STOP  # the template's, the framing's
     if turn_end and not set(turn_end) <= set(params.stop):
         params = replace(params, stop=params.stop + turn_end)  # an answer ends with its turn
-    return ParsedRequest(ids, params, *_stream_flags(body), images=pixels)
+    open_ended = all(body.get(name) is None for name in ("max_completion_tokens", "max_tokens"))
+    return ParsedRequest(ids, params, *_stream_flags(body), images=pixels, open_ended=open_ended)
 
 
 def _prompt(plain: list[dict[str, str]], urls: list[str], tokenizer, chat: ChatFormat,
@@ -175,7 +199,7 @@ def _prompt(plain: list[dict[str, str]], urls: list[str], tokenizer, chat: ChatF
 def _content(content: Any, i: int) -> tuple[str, list[str]]:
     """A message's text and image URLs: a string, or a list of text and image_url parts."""
     if isinstance(content, str):
-        return content, []
+        return text_field(content, "messages"), []
     where = f"messages[{i}].content"
     if not isinstance(content, list):
         raise ApiError(400, f"{where} must be a string or a list of content parts", "messages")
@@ -183,7 +207,7 @@ def _content(content: Any, i: int) -> tuple[str, list[str]]:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text" and isinstance(part.get("text"), str):
-            texts.append(part["text"])
+            texts.append(text_field(part["text"], "messages"))
         elif kind == "image_url":
             try:
                 urls.append(image_url(part, f"{where}[{j}]"))

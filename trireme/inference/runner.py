@@ -71,12 +71,13 @@ class EngineThread:
             self.samples.popleft()
 
     def tokens_per_second(self) -> float:
-        """Output tokens per second over the last RATE_WINDOW_S seconds."""
-        if not self.samples:
-            return 0.0
+        """Output tokens per second over the last RATE_WINDOW_S seconds (0 after that long
+        without a step)."""
         now = time.monotonic()
-        first_time, first_count = self.samples[0]
-        last_count = self.samples[-1][1]
+        samples = [(t, count) for t, count in list(self.samples) if now - t <= RATE_WINDOW_S]
+        if len(samples) < 2:
+            return 0.0
+        (first_time, first_count), last_count = samples[0], samples[-1][1]
         return (last_count - first_count) / max(now - first_time, 1e-3)
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -105,7 +106,8 @@ class EngineThread:
              stats["requests_finished"]),
             ("steps_total", "counter", "Engine steps (model forwards).", stats["steps"]),
         ]
-        label = f'{{model="{model_name}"}}'
+        escaped = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        label = f'{{model="{escaped}"}}'
         lines = []
         for name, kind, help_text, value in rows:
             lines += [f"# HELP trireme_{name} {help_text}", f"# TYPE trireme_{name} {kind}",

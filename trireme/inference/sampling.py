@@ -11,11 +11,12 @@ request's tokens then do not depend on what else runs beside it).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from trireme.inference.generate import filter_logits
+from trireme.inference.generate import GREEDY_BELOW, filter_logits, seeded
 from trireme.ops.argmax import greedy_and_finite
 
 
@@ -23,8 +24,9 @@ from trireme.ops.argmax import greedy_and_finite
 class SamplingParams:
     """How one request samples and when it stops.
 
-    greedy (or temperature 0): the argmax; else softmax(logits / temperature) within top_k
-    (0: all) and top_p (1.0: all). seed: a generator of the request's own. stop: strings that end
+    greedy (or temperature 0, or below GREEDY_BELOW): the argmax; else softmax(logits /
+    temperature) within top_k (0 or more than the vocabulary: all) and top_p (1.0: all). seed: a
+    generator of the request's own (any integer, reduced modulo 2^64). stop: strings that end
     the text (not included); max_tokens: generated tokens at most (the model's seq_length caps
     prompt + output too); ignore_eos: do not stop at the end-of-document token."""
 
@@ -41,8 +43,8 @@ class SamplingParams:
         """What is wrong with these settings (one line naming the field), or None."""
         if self.max_tokens <= 0:
             return f"max_tokens must be at least 1, got {self.max_tokens}"
-        if not self.temperature >= 0.0:
-            return f"temperature must be >= 0, got {self.temperature}"
+        if not 0.0 <= self.temperature < math.inf:
+            return f"temperature must be a finite number >= 0, got {self.temperature}"
         if self.top_k < 0:
             return f"top_k must be >= 0 (0: no limit), got {self.top_k}"
         if not 0.0 <= self.top_p <= 1.0:
@@ -53,14 +55,14 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.greedy or self.temperature <= 0.0
+        return self.greedy or self.temperature < GREEDY_BELOW
 
 
 def request_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
     """The request's own generator when it has a seed (None: the engine's)."""
     if params.seed is None or params.is_greedy:
         return None
-    return torch.Generator(device=device).manual_seed(params.seed)
+    return seeded(params.seed, device)
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
@@ -78,7 +80,8 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     as_tensor = lambda values, dtype: to_device(torch.tensor(values, dtype=dtype), logits.device)
     index = as_tensor(rows, torch.long)
     temperature = as_tensor([p.temperature for p in picked], torch.float32)
-    top_k = as_tensor([p.top_k for p in picked], torch.long)
+    vocab = logits.shape[-1]  # a larger top_k keeps all, as 0 does (and may overflow int64)
+    top_k = as_tensor([min(p.top_k, vocab) for p in picked], torch.long)
     top_p = as_tensor([p.top_p for p in picked], torch.float32)
     if all(p.top_p >= 1.0 for p in picked):
         top_p = 1.0  # no sort of the vocabulary when nobody asks for nucleus sampling

@@ -86,7 +86,7 @@ def serve_main(argv: list[str]) -> int:
     try:
         import uvicorn
 
-        from trireme.inference.server import ServerSettings, build_app
+        from trireme.inference.server import DrainingServer, ServerSettings, build_app
     except ImportError as e:
         raise TriremeError(f"trireme serve needs FastAPI and uvicorn ({e}); "
                            "pip install 'trireme[serve]'") from None
@@ -94,7 +94,8 @@ def serve_main(argv: list[str]) -> int:
     engine = engine_from_args(loaded, args)
     name = args.model_name or Path(args.checkpoint).resolve().name
     settings = ServerSettings(name, args.api_key, args.max_body_bytes, args.max_image_pixels)
-    app = build_app(EngineThread(engine), chat_format(loaded), settings)
+    runner = EngineThread(engine)
+    app = build_app(runner, chat_format(loaded), settings)
     if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"trireme: warning: listening on {args.host} with no --api-key: anyone who can "
               "reach this port can use the model", file=sys.stderr, flush=True)
@@ -108,7 +109,7 @@ def serve_main(argv: list[str]) -> int:
     # there before it: make that one a no-op, so that a drained server exits with status 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    uvicorn.Server(config).run(sockets=[sock])
+    DrainingServer(config, runner, args.drain_timeout).run(sockets=[sock])
     print("trireme: server stopped", flush=True)
     return 0
 

@@ -15,12 +15,16 @@ import asyncio
 import contextlib
 import hmac
 import json
+import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from trireme.inference.chat import ChatFormat
 from trireme.inference.engine import QueueFull, RequestError
@@ -36,6 +40,8 @@ from trireme.inference.runner import EngineThread
 from trireme.inference.scheduler import RequestOutput
 
 POLL_S = 0.5  # how often a waiting handler checks that its client is still there
+RETRY_AFTER_S = 1  # a 429's Retry-After header (seconds)
+DRAIN_MARGIN_S = 1.0  # the engine's requests end this long before uvicorn's drain runs out
 
 
 IMAGE_DECODES = 2  # chat requests whose images are decoded at once (the rest wait their turn)
@@ -50,7 +56,17 @@ class ServerSettings:
 
 
 def error_response(error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 429 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+    """Starlette's own errors (an unknown path: 404, a wrong method: 405) in the OpenAI shape."""
+    kind = {404: "not_found_error", 405: "invalid_request_error"}.get(error.status_code,
+                                                                     "invalid_request_error")
+    message = f"{request.method} {request.url.path}: {error.detail}"
+    return JSONResponse(ApiError(error.status_code, message, kind=kind).body(),
+                        status_code=error.status_code, headers=error.headers)
 
 
 def build_app(runner: EngineThread, chat: ChatFormat, settings: ServerSettings) -> FastAPI:
@@ -66,9 +82,11 @@ def build_app(runner: EngineThread, chat: ChatFormat, settings: ServerSettings) 
                   openapi_url=None)
     api = OpenAIServer(runner, chat, settings)
     app.add_exception_handler(ApiError, api.error)
-    app.add_api_route("/health", api.health, methods=["GET"])
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_api_route("/health", api.health, methods=["GET", "HEAD"])
     app.add_api_route("/metrics", api.metrics, methods=["GET"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model:path}", api.model, methods=["GET"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
     return app
@@ -95,16 +113,27 @@ class OpenAIServer:
         return PlainTextResponse(self.runner.metrics_text(self.settings.model_name),
                                  media_type="text/plain; version=0.0.4")
 
+    def _model_card(self) -> dict:
+        return {"id": self.settings.model_name, "object": "model", "created": 0,
+                "owned_by": "trireme", "max_model_len": self.engine.cfg.seq_length}
+
     async def models(self, request: Request) -> Response:
         check_key(request, self.settings.api_key)
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.settings.model_name, "object": "model", "created": 0,
-             "owned_by": "trireme", "max_model_len": self.engine.cfg.seq_length}]})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request, model: str) -> Response:
+        check_key(request, self.settings.api_key)
+        if model != self.settings.model_name:
+            raise ApiError(404, f"no model {model!r} here; this server serves "
+                           f"{self.settings.model_name!r}", "model", "model_not_found",
+                           kind="not_found_error")
+        return JSONResponse(self._model_card())
 
     async def completions(self, request: Request) -> Response:
         check_key(request, self.settings.api_key)
         body = await read_json(request, self.settings.max_body_bytes)
-        parsed = parse_completion(body, self.engine.tokenizer)
+        # on a worker thread: tokenizing a long prompt must not hold up the other requests
+        parsed = await asyncio.to_thread(parse_completion, body, self.engine.tokenizer)
         return await self.answer(request, parsed, Answer(self.settings.model_name, chat=False))
 
     async def chat_completions(self, request: Request) -> Response:
@@ -138,6 +167,9 @@ class OpenAIServer:
 
         if not self.runner.alive:
             raise ApiError(503, "the server is shutting down", kind="server_error")
+        if parsed.open_ended:  # no max tokens asked for: as many as the context and pool hold
+            room = max(self.engine.room(len(parsed.prompt_ids)), 1)
+            parsed.params = replace(parsed.params, max_tokens=min(parsed.params.max_tokens, room))
         try:
             submitted = self.runner.submit(parsed.prompt_ids, parsed.params, put, parsed.images)
         except QueueFull as e:
@@ -153,22 +185,25 @@ class OpenAIServer:
             events = self.stream_events(queue, request_id, parsed.include_usage, shape)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        text, last = [], None
+        text, last, checked = [], None, time.monotonic()
         try:
             while last is None or not last.finished:
                 try:
                     last = await asyncio.wait_for(queue.get(), POLL_S)
                     text.append(last.text)
                 except TimeoutError:
-                    if await request.is_disconnected():
-                        self.runner.cancel(request_id)
-                        return Response(status_code=499)
+                    pass
+                if last is not None and last.finished or time.monotonic() - checked < POLL_S:
+                    continue
+                checked = time.monotonic()  # also while tokens arrive: a long answer
+                if await request.is_disconnected():
+                    self.runner.cancel(request_id)
+                    return Response(status_code=499)
         except asyncio.CancelledError:
             self.runner.cancel(request_id)
             raise
         if last.finish_reason not in ("stop", "length"):
-            raise ApiError(500, f"the request ended with {last.finish_reason}",
-                           kind="server_error")
+            raise ended_early(last.finish_reason)
         return JSONResponse(shape.whole("".join(text), last.finish_reason, last.prompt_tokens,
                                         last.completion_tokens))
 
@@ -183,9 +218,7 @@ class OpenAIServer:
                 out = await queue.get()
                 finished = out.finished
                 if out.finish_reason not in (None, "stop", "length"):
-                    error = ApiError(500, f"the request ended with {out.finish_reason}",
-                                     kind="server_error")
-                    yield sse(error.body())
+                    yield sse(ended_early(out.finish_reason).body())
                     break
                 if out.text or finished:
                     yield sse(shape.chunk(out.text, out.finish_reason))
@@ -195,6 +228,16 @@ class OpenAIServer:
         finally:
             if not finished:  # the client went away (or the server is stopping)
                 self.runner.cancel(request_id)
+
+
+def ended_early(reason: str) -> ApiError:
+    """The error of a request the engine ended: the server stopping (cancelled: 503), or a
+    failed step (error: 500, the cause in the server's log)."""
+    if reason == "cancelled":
+        return ApiError(503, "the server stopped before the request finished",
+                        kind="server_error")
+    return ApiError(500, f"the request ended with {reason} (the server's log says why)",
+                    kind="server_error")
 
 
 def sse(payload: dict) -> str:
@@ -227,5 +270,24 @@ async def read_json(request: Request, limit: int):
                            "(--max-body-bytes)", code="body_too_large")
     try:
         return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # also: bad UTF-8, a 5,000-digit number, depth
+        raise ApiError(400, f"the request body is not valid JSON ({str(e)[:200]})") from None
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, which on SIGTERM / SIGINT also ends the engine's requests
+    DRAIN_MARGIN_S before its graceful shutdown gives up (`drain_s`): each then gets an answer
+    (a 503, or a stream's error event and [DONE]) rather than a cancelled task."""
+
+    def __init__(self, config: uvicorn.Config, runner: EngineThread, drain_s: float) -> None:
+        super().__init__(config)
+        self.runner, self.drain_s = runner, drain_s
+        self.drain_timer: threading.Timer | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.drain_timer is None:
+            cutoff = max(self.drain_s - DRAIN_MARGIN_S, self.drain_s / 2)
+            self.drain_timer = threading.Timer(cutoff, self.runner.shutdown)
+            self.drain_timer.daemon = True
+            self.drain_timer.start()
+        super().handle_exit(sig, frame)

@@ -1,0 +1,211 @@
+"""`trireme serve` under hostile or unusual input, found by probing a live server: a request's
+settings must never fail other requests, odd bodies get 400s (never a 500 or a traceback), a
+whole answer is cancelled when its client leaves while tokens still come, and a drain that runs
+out answers the requests left (503, or a stream's last error event) instead of cutting them."""
+
+import json
+import math
+import os
+import socket
+import stat
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import openai
+import pytest
+import torch
+from serving import client, live_server, make_checkpoint, plain_request, stream_lines
+
+from trireme.cli import main as trireme_main
+from trireme.data.tokenizer import load_tokenizer
+from trireme.inference.chat import ChatFormat
+from trireme.inference.openai_api import ApiError, parse_chat, parse_completion
+from trireme.inference.runner import RATE_WINDOW_S, EngineThread
+from trireme.inference.sampling import SamplingParams, request_generator, sample_rows
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("hardening") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    with live_server(checkpoint, api_key="k") as (url, engine, _):
+        yield url, engine
+
+
+def slow_steps(monkeypatch, engine, seconds: float) -> None:
+    """Each engine step takes at least `seconds` (so a short answer lasts long enough to leave)."""
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: (time.sleep(seconds), step())[1])
+
+
+def test_extreme_sampling_settings_sample_and_fail_nobody(server):
+    url, _ = server
+    api = client(url, key="k")
+    ask = dict(model="tiny", prompt="def ", max_tokens=12)
+    greedy = api.completions.create(**ask, temperature=0).choices[0].text
+    # far below fp32's range: 1 / T would overflow; the limit of sampling is the argmax
+    assert api.completions.create(**ask, temperature=1e-300).choices[0].text == greedy
+    huge_k = api.completions.create(**ask, temperature=0.9, seed=4, extra_body={"top_k": 10**20})
+    all_k = api.completions.create(**ask, temperature=0.9, seed=4)
+    assert huge_k.choices[0].text == all_k.choices[0].text  # more than the vocabulary: all
+    wrapped = api.completions.create(**ask, temperature=0.9, seed=2**64 + 4)
+    assert wrapped.choices[0].text == all_k.choices[0].text  # seeds are taken modulo 2^64
+
+
+def test_odd_bodies_get_400s(server):
+    url, _ = server
+    digits = b'{"prompt": "a", "max_tokens": ' + b"1" * 5000 + b"}"
+    deep = b'{"prompt": ' + b"[" * 20000 + b"]" * 20000 + b"}"
+    surrogate = b'{"prompt": "\\udfffx", "max_tokens": 2}'
+    chat_surrogate = b'{"messages": [{"role": "user", "content": "\\ud800"}]}'
+    for path, raw in [("completions", digits), ("completions", deep),
+                      ("completions", surrogate), ("chat/completions", chat_surrogate)]:
+        status, text = plain_request(f"{url}/v1/{path}", "POST", raw, key="k")
+        assert status == 400, (raw[:40], text)
+        assert json.loads(text)["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_paths_methods_and_model_cards(server):
+    url, _ = server
+    status, text = plain_request(f"{url}/v2/nothing")
+    assert status == 404 and "/v2/nothing" in json.loads(text)["error"]["message"]
+    status, text = plain_request(f"{url}/v1/completions", key="k")  # GET, not POST
+    assert status == 405 and json.loads(text)["error"]["message"]
+    assert client(url, key="k").models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client(url, key="k").models.retrieve("another")
+    assert plain_request(f"{url}/v1/models/tiny")[0] == 401  # the key still guards it
+    assert plain_request(f"{url}/health", "HEAD")[0] == 200
+
+
+def test_a_whole_answer_is_cancelled_when_its_client_leaves_mid_answer(server, monkeypatch):
+    url, engine = server
+    slow_steps(monkeypatch, engine, 0.03)  # ~95 tokens: ~3 s, with a token every 30 ms
+    reasons = []
+    release = engine.scheduler.release
+    monkeypatch.setattr(engine.scheduler, "release",
+                        lambda request: reasons.append(request.finish_reason) or release(request))
+    parts = urlsplit(url)
+    body = json.dumps({"prompt": "a", "max_tokens": 200, "ignore_eos": True}).encode()
+    with socket.create_connection((parts.hostname, parts.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 10
+        while engine.counters["generation_tokens"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    deadline = time.monotonic() + 10
+    while not reasons and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reasons == ["cancelled"]  # within a poll or two, not after its ~95 tokens
+    assert engine.allocator.used == 0
+
+
+def test_a_drain_that_runs_out_answers_what_is_left(checkpoint, monkeypatch):
+    with live_server(checkpoint, drain_s=1.2, max_running=1) as (url, engine, server):
+        slow_steps(monkeypatch, engine, 0.05)  # 95 tokens: ~5 s, far past the drain
+        body = {"prompt": "a", "max_tokens": 200, "ignore_eos": True}
+        queued = {}
+
+        def ask_and_wait() -> None:  # queued behind the stream (one request runs at a time)
+            queued["status"], queued["text"] = plain_request(f"{url}/v1/completions", "POST",
+                                                             body)
+
+        waiting = threading.Thread(target=ask_and_wait)
+        with stream_lines(f"{url}/v1/completions", {**body, "stream": True}) as lines:
+            first = next(lines)
+            waiting.start()
+            while not engine.scheduler.waiting:
+                time.sleep(0.01)
+            server.handle_exit(15, None)  # SIGTERM, as uvicorn's handler gets it
+            rest = list(lines)
+        waiting.join(10)
+    assert first.startswith("data: {") and rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][6:])["error"]["message"].startswith("the server stopped")
+    assert queued["status"] == 503 and json.loads(queued["text"])["error"]["type"] == "server_error"
+
+
+def test_parsing_refuses_what_sampling_cannot_take():
+    tok = load_tokenizer("bytes")
+    for bad in ({"prompt": "a", "n": True}, {"prompt": "a", "echo": 0},
+                {"prompt": "a", "logprobs": 0}, {"prompt": "a", "stop": ["x"] * 17},
+                {"prompt": "a", "stop": "x" * 1001}, {"prompt": "a", "temperature": math.inf},
+                {"prompt": "a\udfff"}, {"prompt": "a", "stop": ["\ud800"]}):
+        with pytest.raises(ApiError) as caught:
+            parse_completion(bad, tok)
+        assert caught.value.status == 400
+    assert parse_completion({"prompt": "a", "n": 1, "echo": False}, tok).params.max_tokens == 16
+    chat = ChatFormat(None)
+    with pytest.raises(ApiError, match="^max_tokens must"):  # the name the request used
+        parse_chat({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, tok,
+                   chat, context=64)
+    messages = [{"role": "user", "content": "x"}]
+    assert parse_chat({"messages": messages}, tok, chat, context=64).open_ended
+    assert not parse_chat({"messages": messages, "max_tokens": 3}, tok, chat, 64).open_ended
+
+
+def test_sampling_rows_with_extreme_settings():
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=1e-39), SamplingParams(temperature=0.7, top_k=10**30),
+              SamplingParams(temperature=0.7, seed=-1)]
+    assert params[0].is_greedy and SamplingParams(temperature=math.nan).problem()
+    generators = [request_generator(p, torch.device("cpu")) for p in params]
+    ids = sample_rows(logits, params, generators, torch.Generator().manual_seed(1))
+    assert ids[0] == logits[0].argmax() and 0 <= int(ids[1]) < 40 and 0 <= int(ids[2]) < 40
+
+
+def test_metrics_escape_the_name_and_forget_old_rates(server):
+    _, engine = server
+    runner = EngineThread(engine)
+    text = runner.metrics_text('my "model"\\v2')
+    assert 'trireme_steps_total{model="my \\"model\\"\\\\v2"} ' in text
+    now = time.monotonic()
+    runner.samples.extend([(now - RATE_WINDOW_S - 5, 0), (now - RATE_WINDOW_S - 1, 500)])
+    assert runner.tokens_per_second() == 0.0  # nothing in the last window: not the old rate
+    runner.samples.append((now - 1, 600))
+    runner.samples.append((now, 700))
+    assert 0 < runner.tokens_per_second() <= 100 / 1 + 1e-6
+
+
+def test_offline_batches_refuse_odd_lines_and_outputs_first(checkpoint, tmp_path, capsys):
+    run = ["generate", "--checkpoint", str(checkpoint), "--device", "cpu"]
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "a", "max_tokens": 3}\n')
+    (tmp_path / "a_dir").mkdir()
+    assert trireme_main([*run, "--input", str(good), "--output", str(tmp_path / "a_dir")]) == 2
+    assert "is a directory" in capsys.readouterr().err  # before any prompt ran
+    for line, needle in [('{"prompt": "a\\udfff"}', "invalid Unicode"),
+                         ('{"prompt": "a", "max_tokens": ' + "9" * 5000 + "}", "not valid JSON"),
+                         ('{"prompt": ' + "[" * 5000 + "]" * 5000 + "}", "not valid JSON")]:
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(line + "\n")
+        assert trireme_main([*run, "--input", str(bad), "--output", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err
+        assert f"{bad}:1: " in err and needle in err and err.count("\n") == 1
+    out = tmp_path / "out.jsonl"
+    old = os.umask(0o027)
+    try:
+        assert trireme_main([*run, "--input", str(good), "--output", str(out)]) == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o640  # as open() makes it, not mkstemp's 0600
+
+
+def test_an_open_ended_chat_answer_fits_a_small_pool(checkpoint):
+    with live_server(checkpoint, num_blocks=4, block_size=16) as (url, engine, _):
+        pool = engine.allocator.usable * 16
+        assert pool < 96 and engine.room(10) == pool - 10  # less than the context (96)
+        answer = client(url).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=0,
+            extra_body={"ignore_eos": True})
+        assert answer.usage.completion_tokens == pool - answer.usage.prompt_tokens  # all of it
+        with pytest.raises(openai.BadRequestError, match="KV blocks"):  # asked for: refused
+            client(url).chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=80)
