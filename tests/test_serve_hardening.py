@@ -3,6 +3,7 @@ settings must never fail other requests, odd bodies get 400s (never a 500 or a t
 whole answer is cancelled when its client leaves while tokens still come, and a drain that runs
 out answers the requests left (503, or a stream's last error event) instead of cutting them."""
 
+import http.client
 import json
 import math
 import os
@@ -209,3 +210,30 @@ def test_an_open_ended_chat_answer_fits_a_small_pool(checkpoint):
         with pytest.raises(openai.BadRequestError, match="KV blocks"):  # asked for: refused
             client(url).chat.completions.create(
                 model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=80)
+
+
+def test_a_non_ascii_api_key_and_a_tool_calling_turn(checkpoint):
+    key = "clé-ключ"
+    with live_server(checkpoint, api_key=key) as (url, _, _):
+        assert models_status(url, key.encode()) == 200  # its UTF-8 bytes, as curl sends them
+        assert models_status(url, b"cle") == 401
+        messages = [{"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": None,
+                     "tool_calls": [{"id": "c", "type": "function",
+                                     "function": {"name": "f", "arguments": "{}"}}]},
+                    {"role": "user", "content": "and?"}]
+        tok = load_tokenizer("bytes")
+        parsed = parse_chat({"messages": messages}, tok, ChatFormat(None), context=64)
+        assert tok.decode(parsed.prompt_ids) == "user: hi\nassistant: \nuser: and?\nassistant:"
+
+
+def models_status(url: str, key: bytes) -> int:
+    """GET /v1/models with `Authorization: Bearer <key bytes>` sent as they are."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    conn.putrequest("GET", "/v1/models")
+    conn.putheader("Authorization", b"Bearer " + key)
+    conn.endheaders()
+    status = conn.getresponse().status
+    conn.close()
+    return status

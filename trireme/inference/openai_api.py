@@ -166,7 +166,10 @@ def parse_chat(body: Any, tokenizer, chat: ChatFormat, context: int,
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise ApiError(400, f"messages[{i}] needs a role, one of {', '.join(ROLES)}",
                            "messages")
-        text, images = _content(message.get("content"), i)
+        content = message.get("content")
+        if content is None and message["role"] == "assistant":
+            content = ""  # an assistant turn that only called tools has no text
+        text, images = _content(content, i)
         if images and (vision is None or message["role"] != "user"):
             raise ApiError(400, f"messages[{i}] has an image, but " + (
                 "this model takes no images" if vision is None else "only user messages may"),

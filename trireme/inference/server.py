@@ -250,7 +250,8 @@ def check_key(request: Request, api_key: str) -> None:
         return
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+    # the header as sent (HTTP headers arrive as latin-1 text), against the key's UTF-8 bytes
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("latin-1"),
                                                              api_key.encode()):
         raise ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
                        code="invalid_api_key", kind="authentication_error")
