@@ -13,7 +13,7 @@ from test_train import tiny_cfg, toy_data  # noqa: F401  (toy_data is a fixture)
 from trireme import cli
 from trireme.checkpoint import format as fmt
 from trireme.checkpoint import sharded
-from trireme.checkpoint.store import latest_checkpoint
+from trireme.checkpoint.store import latest_checkpoint, load_checkpoint
 from trireme.errors import CheckpointError
 from trireme.train import train
 
@@ -290,3 +290,26 @@ def test_inspect_verify_finds_nan_in_either_format(toy_data, tmp_path, monkeypat
     run(toy_data, tmp_path, ckpt, "sharded", "train.steps=1")
     assert cli.main(["inspect", "--verify", str(ckpt)]) == 1
     assert "tensor model/final_norm.weight holds NaN/Inf" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("damage", ["truncate", "meta"])
+def test_reading_a_root_never_falls_back_to_an_older_step(two_steps, tmp_path, capsys, damage):
+    """generate / convert / serve read a root as resuming does: a damaged latest is an error
+    naming it and the intact step to give instead, and `trireme inspect` warns of it."""
+    ckpt, _ = two_steps
+    step4 = ckpt / "step_0000004"
+    if damage == "meta":
+        (step4 / "meta.json").unlink()
+    else:
+        truncate(big_file(step4))
+    with pytest.raises(CheckpointError, match="step_0000004") as caught:
+        load_checkpoint(ckpt, name="--checkpoint")
+    assert f"give {ckpt / 'step_0000002'} as --checkpoint" in str(caught.value)
+    assert load_checkpoint(ckpt / "step_0000002").step == 2  # named: read as asked
+    code = cli.main(["convert", "--from", "trireme", "--to", "hf", "--input", str(ckpt),
+                     "--output", str(tmp_path / "hf")])
+    assert code == 2 and not (tmp_path / "hf").exists()
+    capsys.readouterr()
+    assert cli.main(["inspect", str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("WARNING: checkpoint") and "step_0000002" in out

@@ -17,6 +17,7 @@ from trireme.checkpoint import convert_megatron as mg
 from trireme.checkpoint import directory
 from trireme.checkpoint.convert_hf import hf_model_config, read_json_file, safetensors_files
 from trireme.checkpoint.model_state import expected_shapes
+from trireme.checkpoint.resume import damage_notice
 from trireme.checkpoint.safe_pickle import load_dcp_metadata
 from trireme.config import ModelConfig, config_from_toml
 from trireme.errors import CheckpointError
@@ -104,7 +105,15 @@ def describe_trireme(path: Path) -> list[str]:
         raise CheckpointError(f"no complete trireme checkpoint in {path}")
     meta = directory.check_complete(step_dir)
     if meta.get("checkpoint_format") == "sharded":
-        return describe_sharded(path, step_dir, meta)
+        lines = describe_sharded(path, step_dir, meta)
+    else:
+        lines = describe_gathered(path, step_dir, meta)
+    notice = damage_notice(path) if step_dir != path else None  # generate would refuse it
+    return [f"WARNING: {notice}", *lines] if notice else lines
+
+
+def describe_gathered(path: Path, step_dir: Path, meta: dict) -> list[str]:
+    """A gathered checkpoint (model.safetensors): counts and dtypes from its header."""
     cfg = config_from_toml((step_dir / directory.CONFIG_FILE).read_text(), str(step_dir))
     trainer = json.loads((step_dir / directory.TRAINER_JSON).read_text())
     params, dtypes, _ = _header_params([step_dir / directory.MODEL_FILE])

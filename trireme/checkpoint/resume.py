@@ -117,3 +117,28 @@ def candidates(root: str | Path, choice: str) -> list[Path]:
     if choice == LATEST_INTACT:
         return _latest_intact(root)
     return _exact(root, int(choice))
+
+
+def latest_to_read(root: str | Path, name: str) -> Path | None:
+    """The checkpoint `trireme generate` / `convert` / `serve` read from a root: the one
+    `latest` names, as resuming picks it (None: there is none). If that one or a newer step
+    directory is damaged, a one-line CheckpointError naming it and the newest intact step
+    directory to give as `name` instead: an older checkpoint is never read silently."""
+    root = Path(root)
+    try:
+        found = _latest(root)
+    except CheckpointError as e:
+        intact = newest_intact(root)
+        hint = (f"give {intact} as {name} to read the newest intact one" if intact is not None
+                else f"no intact checkpoint is left in {root}")
+        raise CheckpointError(f"{str(e).split('; ')[0]}; {hint}") from None
+    return found[0] if found else None
+
+
+def damage_notice(root: str | Path) -> str | None:
+    """A line on what `latest_to_read` would refuse in `root` (for `trireme inspect`), or None."""
+    try:
+        latest_to_read(root, "the path")
+    except CheckpointError as e:
+        return str(e)
+    return None

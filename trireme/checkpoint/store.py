@@ -55,6 +55,7 @@ from trireme.checkpoint.directory import (
 )
 from trireme.checkpoint.finite import first_nonfinite, nonfinite_error
 from trireme.checkpoint.model_state import LoadResult, load_model_state
+from trireme.checkpoint.resume import latest_to_read
 from trireme.checkpoint.rng import capture_rng_state, restore_rng_state
 from trireme.errors import CheckpointError
 
@@ -170,7 +171,7 @@ def load_checkpoint(path: str | Path, *, verify: bool = True, name: str = "check
             f"{path} is not a directory; give a checkpoint root or a step_* directory"
         )
     if not (path / META_FILE).exists() and not STEP_RE.fullmatch(path.name):
-        found = latest_checkpoint(path)
+        found = latest_to_read(path, name)
         if found is None:
             raise CheckpointError(
                 f"no complete checkpoint in {path} (expected step_*/{META_FILE}); "
