@@ -200,7 +200,9 @@ def test_latest_pointer(tmp_path: Path) -> None:
     (tmp_path / "latest").unlink()
     (tmp_path / "step_0000003" / "meta.json").unlink()
     assert latest_checkpoint(tmp_path) == tmp_path / "step_0000001"
-    assert load_checkpoint(tmp_path).step == 1
+    with pytest.raises(CheckpointError, match="step_0000003 is damaged.*give .*step_0000001"):
+        load_checkpoint(tmp_path)  # reading a root never falls back to an older step silently
+    assert load_checkpoint(tmp_path / "step_0000001").step == 1
 
 
 @pytest.mark.parametrize("exchange", [True, False])
@@ -321,7 +323,7 @@ def test_corrupted_files_name_the_file(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="optimizer.safetensors.*truncated"):
         load_checkpoint(path)
     assert latest_checkpoint(tmp_path) is None
-    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+    with pytest.raises(CheckpointError, match="step_0000003 is damaged.*no intact checkpoint"):
         load_checkpoint(tmp_path)
 
     garbled = bytearray(data)
