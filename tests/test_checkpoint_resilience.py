@@ -313,3 +313,26 @@ def test_reading_a_root_never_falls_back_to_an_older_step(two_steps, tmp_path, c
     assert cli.main(["inspect", str(ckpt)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("WARNING: checkpoint") and "step_0000002" in out
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_resuming_another_model_with_the_same_shapes_is_refused(toy_data, tmp_path, capsys,
+                                                                fmt_name):  # noqa: F811
+    """4 heads in 2 groups and 2 heads in 1 group have the same tensor shapes at this width, and
+    rope_theta has none: the checkpoint's config.toml says what its weights compute."""
+    ckpt = tmp_path / "ckpt"
+    run(toy_data, tmp_path, ckpt, fmt_name, "train.steps=2")
+    other = ["model.num_attention_heads=2", "model.num_query_groups=1", "model.rope_theta=5e5"]
+    with pytest.raises(CheckpointError) as caught:
+        run(toy_data, tmp_path, ckpt, fmt_name, "train.steps=3", *other)
+    message = str(caught.value)
+    for needle in ("num_attention_heads = 2 here, 4 in the checkpoint", "rope_theta",
+                   "checkpoint.check_model=false"):
+        assert needle in message
+    capsys.readouterr()
+    run(toy_data, tmp_path, ckpt, fmt_name, "train.steps=3", *other,
+        "checkpoint.check_model=false")  # asked for: loaded, with a warning
+    err = capsys.readouterr().err
+    assert "loading anyway" in err and "resumed from" in err
+    run(toy_data, tmp_path, ckpt, fmt_name, "train.steps=4", *other, "model.dropout=0.1",
+        "checkpoint.check_model=true")  # its own settings now (dropout is free to change)

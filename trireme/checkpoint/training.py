@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trireme.checkpoint import gathered, resume, sharded
+from trireme.checkpoint import directory, gathered, resume, sharded
 from trireme.checkpoint.saver import Saver
 from trireme.checkpoint.store import (
     capture_rng_state,
@@ -25,7 +25,8 @@ from trireme.checkpoint.store import (
     restore_rng_state,
     save_checkpoint,
 )
-from trireme.errors import CheckpointDamageError, CheckpointError
+from trireme.config import config_from_toml, model_differences
+from trireme.errors import CheckpointDamageError, CheckpointError, ConfigError
 
 if TYPE_CHECKING:
     from trireme.trainer import Trainer
@@ -116,12 +117,33 @@ def load_chosen(trainer: Trainer, choice: str | int, saver: Saver | None) -> Pat
 
 
 def _load(trainer: Trainer, path: Path, saver: Saver | None) -> None:
+    check_model(trainer, path)
     if sharded.is_sharded(path):
         # a gloo group: DCP's small collectives on CPU, whatever the training's backend
         group = (saver or Saver(trainer, save_gathered)).group()
         sharded.load(trainer, path, group)
     else:
         _load_gathered(trainer, path)
+
+
+def check_model(trainer: Trainer, path: Path) -> None:
+    """Refuse (checkpoint.check_model; else warn) a checkpoint whose config.toml describes a
+    model that computes something else with the same weights (config.MODEL_IDENTITY_FIELDS):
+    the shapes alone would let it load."""
+    try:
+        saved = config_from_toml((path / directory.CONFIG_FILE).read_text(), str(path)).model
+    except (OSError, UnicodeDecodeError, ConfigError):
+        return  # an older or converted checkpoint without a usable config: the shapes decide
+    differences = model_differences(saved, trainer.cfg.model)
+    if not differences:
+        return
+    what = f"checkpoint {path} was saved by another model: {'; '.join(differences)}"
+    if trainer.cfg.checkpoint.check_model:
+        raise CheckpointError(f"{what}; train with its settings (its config.toml), or set "
+                              "checkpoint.check_model=false to load the weights anyway")
+    if trainer.is_main:
+        print(f"trireme: warning: {what}; loading anyway (checkpoint.check_model=false)",
+              file=sys.stderr)
 
 
 def _load_gathered(trainer: Trainer, path: Path) -> None:

@@ -20,12 +20,14 @@ from trireme.config.model import (
     FP8_OUTPUT,
     KERNEL_NAMES,
     MIXERS,
+    MODEL_IDENTITY_FIELDS,
     NOT_YET,
     PRESET_DIR,
     SYMBOLS,
     ModelConfig,
     ResumeStep,
     doc,
+    model_differences,
     parse_layer_pattern,
 )
 from trireme.config.sections import (
@@ -54,12 +56,12 @@ from trireme.errors import ConfigError
 
 __all__ = [
     "AUTO_MICRO_BATCH", "FP8_AUTO", "FP8_LAYER_NAMES", "FP8_OUTPUT", "KERNEL_NAMES", "MIXERS",
-    "NOT_YET",
+    "MODEL_IDENTITY_FIELDS", "NOT_YET",
     "PRESET_DIR", "SECTIONS", "SYMBOLS", "CheckpointConfig", "Config", "DataConfig",
     "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "ResumeStep", "RunConfig",
     "ScheduleConfig", "TrainConfig", "apply_dict", "config_from_toml", "doc", "load_config",
-    "parse_layer_pattern", "preset_names", "reference_markdown", "resolve_preset", "set_value",
-    "to_toml", "validate",
+    "model_differences", "parse_layer_pattern", "preset_names", "reference_markdown",
+    "resolve_preset", "set_value", "to_toml", "validate",
 ]
 
 

@@ -62,6 +62,32 @@ def parse_layer_pattern(pattern: str, num_layers: int) -> list[str]:
     return layers
 
 
+# The ModelConfig fields that change what a model's weights compute (beyond their shapes):
+# resuming a checkpoint saved with other values refuses (checkpoint.check_model). Speed and
+# training settings (precision, kernels, compile, dropout, init, losses' coefficients,
+# seq_length, MoE capacity and dispatch) are free to change between runs.
+MODEL_IDENTITY_FIELDS = (
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "layer_pattern",
+    "head_dim", "ffn_hidden_size", "vocab_size", "position_embedding", "rope_theta",
+    "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+    "rope_original_max_position", "normalization", "norm_eps", "activation", "qk_norm", "bias",
+    "tie_embeddings", "moe_num_experts", "moe_top_k", "moe_ffn_hidden_size",
+    "moe_shared_ffn_hidden_size", "moe_router", "moe_num_groups", "moe_top_groups",
+    "moe_score_scale", "vision_layers", "vision_image_size", "vision_patch_size",
+    "vision_hidden_size", "vision_attention_heads", "vision_ffn_hidden_size",
+    "vision_activation", "vision_class_token", "vision_pre_norm", "vision_feature_layer",
+    "vision_feature_select", "mamba_state_dim", "mamba_head_dim", "mamba_num_heads",
+    "mamba_expand", "mamba_num_groups", "mamba_conv_kernel", "mamba_conv_bias",
+    "mamba_dt_limit_min", "mamba_dt_limit_max",
+)
+
+
+def model_differences(saved: ModelConfig, current: ModelConfig) -> list[str]:
+    """"field: current (saved ...)" for each MODEL_IDENTITY_FIELDS value that differs."""
+    return [f"{name} = {getattr(current, name)!r} here, {getattr(saved, name)!r} in the checkpoint"
+            for name in MODEL_IDENTITY_FIELDS if getattr(saved, name) != getattr(current, name)]
+
+
 @dataclass
 class ModelConfig:
     """The network: one GPT class covers the GPT-2 and Llama families."""

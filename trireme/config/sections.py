@@ -229,6 +229,12 @@ class CheckpointConfig:
         "intact checkpoint, naming every damaged one it skips. N (an integer): step_N exactly."
     )
     keep_last: int = doc(0, "Keep only this many most recent checkpoints; 0 keeps all.")
+    check_model: bool = doc(
+        True, "Refuse to resume a checkpoint saved with other model settings that change what "
+        "its weights compute (heads, query groups, rope_theta, norm_eps, activation, ...: "
+        "config.MODEL_IDENTITY_FIELDS), even where the shapes match. false: load anyway, with a "
+        "warning (e.g. a new rope_theta to extend the context)."
+    )
     format: Literal["sharded", "gathered"] = doc(
         "sharded", "sharded: every rank writes its own shards (torch.distributed.checkpoint) "
         "under global names and shapes; loads under any layout. gathered: rank 0 gathers and "
