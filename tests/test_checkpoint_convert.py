@@ -445,3 +445,36 @@ def test_tokenizer_travels_and_generate_works(tmp_path: Path) -> None:
     assert hf_config["eos_token_id"] == 0  # train_bpe puts <|endoftext|> at id 0
     modes = {(p.stat().st_mode & 0o777) for p in (tmp_path / "back").iterdir()}
     assert len(modes) == 1 and modes.pop() & 0o044 == 0o044  # group and others can read
+
+
+def test_a_tied_config_with_its_own_lm_head_keeps_the_head(tmp_path: Path) -> None:
+    """config.json says tied, the files hold an lm_head.weight of other values: transformers
+    loads it untied, and so does the conversion (it used to drop the head silently)."""
+    make_hf("llama-gqa-untied-llama3-rope", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config,
+                                                              "tie_word_embeddings": True}))
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(2))
+    want = hf_logits(tmp_path / "hf", ids)  # as transformers reads the folder
+    conv, _ = convert("hf", "trireme", tmp_path / "hf", tmp_path / "tri")
+    assert not conv.model.tie_embeddings and any("lm_head" in n for n in conv.notes)
+    assert_close(trireme_logits(tmp_path / "tri", ids), want)
+
+
+def test_convert_refuses_nan_weights_and_unusable_outputs_before_reading(tmp_path: Path,
+                                                                         monkeypatch) -> None:
+    hf = make_hf("llama-mqa-tied", tmp_path / "hf")
+    with torch.no_grad():
+        hf.model.layers[1].mlp.up_proj.weight[3, 5] = float("nan")
+    hf.save_pretrained(tmp_path / "nan")
+    with pytest.raises(CheckpointError, match="up_proj.*NaN or Inf|NaN or Inf"):
+        convert("hf", "trireme", tmp_path / "nan", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "afile").write_text("x")
+    read = []
+    monkeypatch.setattr("trireme.checkpoint.convert.read_any", lambda *a, **k: read.append(a))
+    for output, needle in [(tmp_path / "afile" / "sub", "is a file"),
+                           (tmp_path / "hf", "already exists")]:
+        with pytest.raises(CheckpointError, match=needle):
+            convert("hf", "trireme", tmp_path / "hf", output)
+    assert read == []  # refused before the input was read

@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from torch import Tensor
 
 from trireme.checkpoint.convert_hf import read_hf, write_hf
@@ -24,8 +25,10 @@ from trireme.checkpoint.converted import (
     Converted,
     atomic_output_dir,
     cast_state,
+    check_output_dir,
     copy_tokenizer_files,
 )
+from trireme.checkpoint.finite import first_nonfinite
 from trireme.checkpoint.model_state import check_state
 from trireme.checkpoint.store import load_checkpoint, save_checkpoint
 from trireme.checkpoint.tokenizer_copy import kept_copy
@@ -138,16 +141,25 @@ def convert(
     """
     if target_kind not in FORMATS_OUT:
         raise ConfigError(f"--to {target_kind!r} is not one of: {', '.join(FORMATS_OUT)}")
+    output = Path(output_path)
+    check_output_dir(output)
     conv = read_any(source_kind, Path(input_path), vocab_size=vocab_size)
     check_state(conv.model, conv.state, conv.source)
+    bad = first_nonfinite(conv.state.items())
+    if bad is not None:
+        raise CheckpointError(f"{conv.source}: {bad} holds NaN or Inf (the model diverged); "
+                              "it is not converted")
     if target_kind == "trireme" and conv.model.seq_length > 8192:
         conv.notes.append(f"model.seq_length = {conv.model.seq_length} (the context the source "
                           "supports) is also the training sample length: override it to train")
     if step is not None:
         conv.step = step
     torch_dtype = resolve_dtype(dtype, conv.state)
-    output = Path(output_path)
-    if target_kind == "trireme":
-        return conv, write_trireme(conv, output, torch_dtype)
-    write_hf(conv, output, torch_dtype)
+    try:
+        if target_kind == "trireme":
+            return conv, write_trireme(conv, output, torch_dtype)
+        write_hf(conv, output, torch_dtype)
+    except (OSError, SafetensorError) as e:  # a full disk: the temporary directory is gone
+        raise CheckpointError(f"writing {output} failed ({str(e).splitlines()[0][:200]}); "
+                              "nothing was written there") from None
     return conv, output

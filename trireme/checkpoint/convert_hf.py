@@ -355,6 +355,23 @@ def _with_prefix(tensors: dict[str, Tensor], prefix: str, probe: str) -> dict[st
     return {(n if n.startswith("lm_head.") else prefix + n): t for n, t in tensors.items()}
 
 
+def distinct_head(tensors: dict[str, Tensor], table: list[Entry]) -> bool:
+    """Whether the files hold an lm_head.weight that is not the input embedding's values."""
+    head = tensors.get("lm_head.weight")
+    embedding = next((tensors.get(e.theirs[0]) for e in table if e.ours == "embedding.weight"),
+                     None)
+    return head is not None and embedding is not None and not (
+        head.shape == embedding.shape and torch.equal(head, embedding))
+
+
+def untied(hf: dict) -> dict:
+    """config.json with tie_word_embeddings false (also in a text_config)."""
+    out = {**hf, "tie_word_embeddings": False}
+    if isinstance(hf.get("text_config"), dict):
+        out["text_config"] = {**hf["text_config"], "tie_word_embeddings": False}
+    return out
+
+
 def hf_model_config(hf: dict, has_lm_head: bool) -> tuple[ModelConfig, list[Entry], list[str]]:
     """The ModelConfig, tensor table and notes for a config.json (`has_lm_head`: the files hold
     lm_head.weight, which decides tying when config.json does not say)."""
@@ -407,6 +424,10 @@ def read_hf(folder: Path) -> Converted:
     elif kind in MAMBA_TYPES:
         tensors = _with_prefix(tensors, "backbone.", "embeddings.weight")
     cfg, table, notes = hf_model_config(hf, "lm_head.weight" in tensors)
+    if cfg.tie_embeddings and distinct_head(tensors, table):  # transformers keeps it: so do we
+        cfg, table, notes = hf_model_config(untied(hf), True)
+        notes = [*notes, "config.json ties the embeddings, but lm_head.weight differs from the "
+                 "input embedding: kept as an untied output layer, as transformers loads it"]
     expected = their_shapes(table, cfg)
     missing = [n for n in expected if n not in tensors]
     mismatched = [f"{n}: {tuple(tensors[n].shape)} vs {expected[n]}" for n in expected

@@ -59,13 +59,13 @@ def atomic_output_dir(output: Path) -> Iterator[Path]:
 
     `output` must not exist, or be an empty directory. On an error the temporary one is removed.
     """
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise CheckpointError(
-            f"output {output} already exists and is not an empty directory; choose a new path"
-        )
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.parent / f".{output.name}.tmp-{secrets.token_hex(4)}"
-    tmp.mkdir()
+    check_output_dir(output)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        tmp = output.parent / f".{output.name}.tmp-{secrets.token_hex(4)}"
+        tmp.mkdir()
+    except OSError as e:
+        raise CheckpointError(f"output {output}: cannot create it ({e.strerror or e})") from None
     try:
         yield tmp
         _usual_modes(tmp)
@@ -75,6 +75,18 @@ def atomic_output_dir(output: Path) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_output_dir(output: Path) -> None:
+    """A CheckpointError now (before a large input is read) if `output` cannot become the
+    output: it exists and is not an empty directory, or a file stands in its path."""
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise CheckpointError(
+            f"output {output} already exists and is not an empty directory; choose a new path"
+        )
+    parent = next((p for p in output.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise CheckpointError(f"output {output}: {parent} is a file, not a directory")
 
 
 def _usual_modes(folder: Path) -> None:
