@@ -133,6 +133,28 @@ def test_partitions_reuse_finished_parts(tmp_path, big_input, monkeypatch):
     assert docs[5] == ([[int(x) for x in records[5]["text"].split()]] if records[5]["text"] else [])
 
 
+def test_partitions_redo_a_part_whose_input_changed(tmp_path, monkeypatch):
+    """A finished part is reused only if its input file is unchanged (size and mtime)."""
+    import trireme.data.preprocess as pp
+
+    a = write_jsonl(tmp_path / "a.jsonl", [{"text": "old alpha"}])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"text": "b ok"}, {"bad": 1}])
+    with pytest.raises(DataError):
+        run(tmp_path, [a, b], tokenizer="bytes", partitions=2)  # part 0 done, part 1 fails
+    assert os.path.isfile(tmp_path / "out.parts" / "part0.done")
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "new beta gamma"}])
+    os.utime(a, ns=(1, 1))  # a different mtime even on a coarse clock
+    write_jsonl(tmp_path / "b.jsonl", [{"text": "b ok"}])
+    calls = []
+    real = pp._write_part
+    monkeypatch.setattr(pp, "_write_part", lambda pieces, *args: calls.append(pieces)
+                        or real(pieces, *args))
+    run(tmp_path, [a, b], tokenizer="bytes", partitions=2)
+    assert len(calls) == 2  # both parts written again
+    docs = read_docs(tmp_path / "out_text_document")[1]
+    assert docs[0] == [list(b"new beta gamma")]
+
+
 BAD_LINES = [
     ('{"text": "ok"}', None),
     ('{"text": "unterminated', "malformed JSON"),

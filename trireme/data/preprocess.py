@@ -48,7 +48,7 @@ from trireme.data.tables import (
     parse_rows,
     read_table_blocks,
 )
-from trireme.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
+from trireme.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer, tokenizer_files
 from trireme.errors import ConfigError, DataError
 from trireme.words import count_of
 
@@ -390,8 +390,9 @@ def _write_partitioned(groups, prefixes, options, dtype, report, bar) -> None:
     os.makedirs(parts_dir, exist_ok=True)
     part_prefixes = []
     for i, pieces in enumerate(groups):
-        description = json.dumps([[p.path, p.start, p.end] for p in pieces]
-                                 + [options.json_keys, options.tokenizer, options.append_eod,
+        description = json.dumps([[p.path, p.start, p.end, *file_stamp(p.path)] for p in pieces]
+                                 + [options.json_keys, options.tokenizer,
+                                    tokenizer_stamp(options.tokenizer), options.append_eod,
                                     options.split_sentences, dtype.str])
         marker = os.path.join(parts_dir, f"part{i}.done")
         names = [os.path.join(parts_dir, f"part{i}_{os.path.basename(p)}") for p in prefixes]
@@ -416,6 +417,25 @@ def _write_partitioned(groups, prefixes, options, dtype, report, bar) -> None:
     for k, prefix in enumerate(prefixes):
         merge_datasets([names[k] for names in part_prefixes], prefix)
     shutil.rmtree(parts_dir)
+
+
+def file_stamp(path: str) -> list[int]:
+    """[size, mtime in ns] of a file (a part's marker records its inputs', so a changed input is
+    tokenized again rather than its old part reused); [] if it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return []
+    return [st.st_size, st.st_mtime_ns]
+
+
+def tokenizer_stamp(spec: str) -> list[list[int]]:
+    """The stamps of the tokenizer's files (none for built-in ones such as bytes)."""
+    try:
+        files = tokenizer_files(spec)
+    except (ConfigError, DataError, OSError):
+        return []
+    return [file_stamp(str(path)) for _, path in sorted(files.items())]
 
 
 def merge_datasets(inputs: list[str], output: str) -> IndexedDataset:
