@@ -168,3 +168,16 @@ def test_bad_parquet_inputs_are_one_line(tmp_path, capsys):
     (splits / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
     assert preprocess(tmp_path, splits, out="o2") == 2
     one_line_error(capsys, "DatasetDict", "train, test", str(splits / "train"))
+
+
+def test_damaged_compressed_inputs_are_one_line(tmp_path, capsys):
+    import gzip
+
+    good = gzip.compress("".join(json.dumps(r) + "\n" for r in RECORDS).encode())
+    cases = {"cut.jsonl.gz": good[: len(good) // 2], "plain.jsonl.gz": b'{"text": "x"}\n',
+             "garbled.jsonl.gz": good[:20] + bytes(b ^ 0x5A for b in good[20:60]) + good[60:]}
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        assert preprocess(tmp_path, tmp_path / name) == 2, name
+        one_line_error(capsys, name, "truncated, damaged or not the format")
+        assert outputs(tmp_path) == [], name

@@ -11,6 +11,7 @@ import gzip
 import io
 import json
 import os
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -62,8 +63,10 @@ class _Source:
     reader is in the file on disk (compressed bytes for .gz / .zst)."""
 
     def __init__(self, path: str) -> None:
+        self.path = path
         self.raw = open(path, "rb")
         self.stream: BinaryIO
+        self.errors: tuple[type[BaseException], ...] = (EOFError, OSError, zlib.error)
         if path.endswith(".gz"):
             self.stream = gzip.GzipFile(fileobj=self.raw)
         elif path.endswith((".zst", ".zstd")):
@@ -75,8 +78,18 @@ class _Source:
                     f"{path}: reading .zst needs the 'zstandard' package: pip install zstandard"
                 ) from None
             self.stream = zstandard.ZstdDecompressor().stream_reader(self.raw)
+            self.errors += (zstandard.ZstdError,)
         else:
             self.stream = self.raw
+
+    def read(self, size: int) -> bytes:
+        """Up to `size` uncompressed bytes; a damaged or truncated file is a one-line DataError
+        (gzip's BadGzipFile is an OSError; a .gz cut short raises EOFError)."""
+        try:
+            return self.stream.read(size)
+        except self.errors as e:
+            raise DataError(f"{self.path}: cannot read it ({type(e).__name__}: {e}); the file is "
+                            "truncated, damaged or not the format its name says") from None
 
     def disk_position(self) -> int:
         return self.raw.tell()
@@ -122,7 +135,7 @@ def read_blocks(piece: Piece, block_bytes: int = 1 << 20) -> Iterator[Block]:
                     yield Block(piece.path, line, data, limit - position)
                 return
             size = block_bytes if limit is None else min(block_bytes, limit - source.raw.tell())
-            chunk = source.stream.read(size)
+            chunk = source.read(size)
             if not chunk:
                 if carry:
                     yield Block(piece.path, line, b"".join(carry),
