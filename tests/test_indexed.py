@@ -1,3 +1,4 @@
+import errno
 import os
 import struct
 
@@ -188,3 +189,32 @@ def test_pickle_reopens(dataset):
 
     ds = pickle.loads(pickle.dumps(IndexedDataset(dataset)))
     assert ds[0].tolist() == [1, 2, 3]
+
+
+class _FullDisk:
+    """A spool file whose flush fails as on a full disk (after really closing it)."""
+
+    def __init__(self, real) -> None:
+        self.real, self.closed = real, False
+
+    def write(self, data: bytes) -> int:
+        return self.real.write(data)
+
+    def close(self) -> None:
+        self.real.close()
+        self.closed = True
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_temporaries(tmp_path):
+    writer = IndexedDatasetWriter(str(tmp_path / "d"), np.uint16)
+    writer.add_document([1, 2, 3])
+    writer._lengths_file = _FullDisk(writer._lengths_file)
+    with pytest.raises(DataError, match="No space left on device"):
+        writer.finalize()
+    assert os.listdir(tmp_path) == []  # the .bin, the spools and the .idx temporaries are gone
+    with pytest.raises(DataError, match="writing .*failed"):
+        with IndexedDatasetWriter(str(tmp_path / "e"), np.uint16) as w:
+            w.add_document([4, 5])
+            raise OSError(errno.ENOSPC, "No space left on device")  # a write in the block
+    assert os.listdir(tmp_path) == []

@@ -16,6 +16,7 @@ Megatron-LM and the other way round.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import shutil
@@ -205,15 +206,28 @@ class IndexedDatasetWriter:
             return
         try:
             self._write_index()
-        except BaseException:
+        except BaseException as e:
             self.abort()
+            if isinstance(e, OSError):
+                raise self.write_error(e) from None
             raise
         self._remove_spools()
         self._done = True
 
+    def write_error(self, error: OSError) -> DataError:
+        """The one-line error of a failed write (a full disk), after `abort`."""
+        return DataError(f"writing {self.prefix}.bin / .idx failed ({error.strerror or error}); "
+                         "nothing was left under those names")
+
     def _write_index(self, chunk: int = 1 << 22) -> None:
+        failed = None
         for f in (self._bin_file, self._lengths_file, self._ends_file):
-            f.close()
+            try:  # close all three, even if a flush fails (a full disk)
+                f.close()
+            except OSError as e:
+                failed = failed or e
+        if failed is not None:
+            raise failed
         n, d = self.num_sequences, self.num_documents + 1
         self._idx_tmp = temporary_path(self.prefix + ".idx")
         with open(self._idx_tmp, "xb") as f:
@@ -246,7 +260,8 @@ class IndexedDatasetWriter:
         """Remove the temporaries; nothing is written under the final names."""
         for f in (self._bin_file, self._lengths_file, self._ends_file):
             if not f.closed:
-                f.close()
+                with contextlib.suppress(OSError):  # its flush may fail again: still removed
+                    f.close()
         for path in (self._bin_tmp, self._idx_tmp):
             if path and os.path.exists(path):
                 os.remove(path)
@@ -264,8 +279,11 @@ class IndexedDatasetWriter:
     ) -> None:
         if exc_type is None:
             self.finalize()
-        elif not self._done:
+            return
+        if not self._done:
             self.abort()
+        if isinstance(exc, OSError):  # a write failed (a full disk): one line, not a traceback
+            raise self.write_error(exc) from None
 
 
 def _map(path: str) -> np.ndarray:
