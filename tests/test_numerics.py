@@ -157,6 +157,20 @@ def test_skipped_steps_in_a_row_stop_the_run(toy_data, tmp_path, monkeypatch):
     assert records[-1]["step"] == last < 30  # stopped at the first log step past the limit
 
 
+def test_no_checkpoint_is_saved_at_a_skipped_step(toy_data, tmp_path, monkeypatch, capsys):
+    """Steps 3-6 skip: the saves at 4 and 6 would hold step 2's weights and push step 2's
+    checkpoint out under keep_last; they are left out, with a warning, and the last is saved."""
+    bad_loss_at(monkeypatch, set(range(5, 13)))  # micro batches of steps 3-6 (2 per step)
+    cfg = tiny_cfg(toy_data, tmp_path, "train.steps=7", "train.eval_interval=0",
+                   "train.max_skipped_steps=0", f"checkpoint.dir={tmp_path / 'ckpt'}",
+                   "checkpoint.interval=2", "checkpoint.keep_last=2")
+    train(cfg)
+    steps = sorted(p.name for p in (tmp_path / "ckpt").glob("step_*"))
+    assert steps == ["step_0000002", "step_0000007"]
+    err = capsys.readouterr().err
+    assert "no checkpoint at step 4: it was skipped" in err and "at step 6" in err
+
+
 def test_max_skipped_steps_zero_never_stops(toy_data, tmp_path, monkeypatch):
     bad_loss_at(monkeypatch, set(range(3, 100)))
     cfg = tiny_cfg(toy_data, tmp_path, "train.max_skipped_steps=0", "train.steps=8",

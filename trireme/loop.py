@@ -140,6 +140,13 @@ class RunOutput:
                                       mfu=f"{100 * record['mfu']:.1f}%")
         self.last_log = now()
 
+    def last_step_skipped(self) -> bool:
+        """Whether the newest step was skipped by the optimizer (reads its flag: a host sync,
+        which a save makes anyway)."""
+        if self.pending:
+            return bool(self.pending[-1]["skipped"])
+        return self.health.streak > 0
+
     def close(self) -> None:
         if self.progress is not None:
             self.progress.close()
@@ -173,7 +180,13 @@ def one_step(trainer: Trainer, saver: Saver, run: RunOutput, stop: StopRequest) 
             return True  # and no checkpoint of the spiked state
     if cfg.checkpoint.dir and (
             last or (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0)):
-        saver.save()
+        # a skipped step changed nothing since the last good one; its checkpoint would only
+        # push good ones out under keep_last (the skip flag is global: every rank agrees)
+        if last or not run.last_step_skipped():
+            saver.save()
+        else:
+            run.warn(f"trireme: warning: no checkpoint at step {step}: it was skipped (a "
+                     "non-finite loss or gradient norm); the earlier checkpoints stay")
     if out_of_time:
         why = "a stop signal" if signalled else "train.max_minutes"
         saved = " (checkpoint saved)" if cfg.checkpoint.dir else ""
