@@ -117,13 +117,13 @@ def load_chosen(trainer: Trainer, choice: str | int, saver: Saver | None) -> Pat
 
 
 def _load(trainer: Trainer, path: Path, saver: Saver | None) -> None:
-    check_model(trainer, path)
     if sharded.is_sharded(path):
         # a gloo group: DCP's small collectives on CPU, whatever the training's backend
         group = (saver or Saver(trainer, save_gathered)).group()
         sharded.load(trainer, path, group)
     else:
         _load_gathered(trainer, path)
+    check_model(trainer, path)  # after the load, whose errors name the tensors whose shapes differ
 
 
 def check_model(trainer: Trainer, path: Path) -> None:
