@@ -31,7 +31,9 @@ if _plain_patch_tensor is not None:
 
 def run_in_interpreter(script: str) -> str:
     """`python -c script` with TRITON_INTERPRET=1 and the repository importable (INDEX_FIX
-    first); its stdout, stripped. Fails (with its output) if the script does."""
+    first); its stdout, stripped. Fails (with its output) if the script does; skipped without
+    Triton (a CPU torch does not bring it: `pip install triton` to run these)."""
+    pytest.importorskip("triton", reason="the kernels run in Triton's interpreter")
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     script = INDEX_FIX + script

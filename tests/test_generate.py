@@ -1,6 +1,11 @@
 """KV-cache generation equals full recomputation; the samplers behave; `trireme generate` loads
 the model with no random init, and generates what a fully initialized model does."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -8,6 +13,7 @@ import trireme.models.gpt
 import trireme.models.init
 from trireme.checkpoint.model_state import model_from_state
 from trireme.checkpoint.store import load_model_state, save_checkpoint
+from trireme.cli import main as cli_main
 from trireme.config import Config, ModelConfig
 from trireme.data.tokenizer import load_tokenizer
 from trireme.errors import TriremeError
@@ -16,6 +22,8 @@ from trireme.inference.generate import generate, printable_ids, sample_next
 from trireme.models.cache import InferenceCache as KVCache
 from trireme.models.gpt import GPT
 from trireme.trainer import DTYPES
+
+REPO = Path(__file__).resolve().parents[1]
 
 VOCAB = 100
 
@@ -221,3 +229,35 @@ def test_printed_samples_stop_at_the_end_of_text_token():
 def test_a_missing_checkpoint_names_the_flag(tmp_path):
     with pytest.raises(TriremeError, match="--checkpoint"):
         generate_from_checkpoint(str(tmp_path / "nope"), "def ")
+
+
+def _saved(tmp_path) -> str:
+    cfg = Config()
+    cfg.model = llama_config(vocab_size=257)
+    cfg.data.tokenizer = "bytes"
+    state = {n: t.clone() for n, t in _model(cfg.model, seed=7).state_dict().items()}
+    save_checkpoint(tmp_path / "ckpt", 0, model=state, optimizer={}, trainer={"step": 0},
+                    config_toml=cfg.to_toml())
+    return str(tmp_path / "ckpt")
+
+
+def test_generate_flags_are_checked_as_the_server_checks_them(tmp_path, capsys):
+    ckpt = _saved(tmp_path)
+    for flags, needle in [(["--top-p", "1.5"], "--top-p must be in [0, 1]"),
+                          (["--temperature", "-1"], "--temperature must be a finite number"),
+                          (["--top-k", "-3"], "--top-k must be >= 0"),
+                          (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1")]:
+        assert cli_main(["generate", "--checkpoint", ckpt, "--prompt", "a", *flags]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1, err
+
+
+def test_generate_into_a_closed_pipe_exits_quietly(tmp_path):
+    """`trireme generate ... | head -c 0`: the reader is gone before the text is printed."""
+    proc = subprocess.Popen([sys.executable, "-m", "trireme", "generate", "--checkpoint",
+                             _saved(tmp_path), "--prompt", "a", "--max-new-tokens", "4",
+                             "--device", "cpu"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(120) == 141 and "Traceback" not in err and "Broken pipe" not in err, err

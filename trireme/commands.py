@@ -117,6 +117,14 @@ def generate_main(argv: list[str]) -> int:
         raise TriremeError("give either --prompt TEXT or --input prompts.jsonl")
     if args.prompt is not None and not encodable(args.prompt):
         raise TriremeError("--prompt is not valid UTF-8 text")
+    defaults = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, greedy=args.greedy,
+                              seed=args.seed)
+    problem = defaults.problem()
+    if problem:  # the flags' names for SamplingParams' fields
+        field, _, rest = problem.partition(" ")
+        flag = {"max_tokens": "max-new-tokens"}.get(field, field.replace("_", "-"))
+        raise TriremeError(f"--{flag} {rest}")
     if args.image and args.input is not None:
         raise TriremeError("--image goes with --prompt (one image), not with --input")
     if args.input is not None:
@@ -124,9 +132,6 @@ def generate_main(argv: list[str]) -> int:
             raise TriremeError("--input needs --output out.jsonl")
         check_output(args.output)
         loaded = load_for_inference(args.checkpoint, args.tokenizer, args.device)
-        defaults = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
-                                  top_k=args.top_k, top_p=args.top_p, greedy=args.greedy,
-                                  seed=args.seed)
         try:  # under torchrun every rank runs the prompts; the first writes them
             count = generate_file(args.input, args.output, engine_from_args(loaded, args),
                                   loaded.tokenizer, defaults, write=loaded.is_main)
