@@ -1,6 +1,7 @@
 """What a run writes besides checkpoints: an unwritable run.dir fails before training, running out
 of GPU memory is one line with the allocator's snapshot, and the optional Weights & Biases sink."""
 
+import json
 import pickle
 import subprocess
 import sys
@@ -85,3 +86,17 @@ def test_wandb_gets_every_record_at_its_step(toy_data, tmp_path, monkeypatch):  
     assert seen["init"]["config"]["model"]["num_layers"] == 2
     assert [step for step, _ in seen["logs"]] == [1, 2, 3] and seen["finished"]
     assert {"loss", "lr", "tokens_per_s"} <= seen["logs"][-1][1].keys()
+
+
+def test_a_fresh_run_keeps_an_earlier_runs_metrics_aside(toy_data, tmp_path, capsys):  # noqa: F811
+    """Two fresh runs into one run dir: metrics.jsonl holds the second only (as config.toml
+    describes it); the first run's files are kept beside it, renamed."""
+    train(tiny_cfg(toy_data, tmp_path, "train.steps=3", "train.eval_interval=0"))
+    train(tiny_cfg(toy_data, tmp_path, "train.steps=2", "train.eval_interval=0"))
+    run_dir = tmp_path / "run"
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
+    kept = sorted(p.name for p in run_dir.iterdir() if p.name.startswith(("metrics.", "config.")))
+    assert len(kept) == 4 and "metrics.jsonl" in kept and "config.toml" in kept, kept
+    earlier = next(p for p in run_dir.glob("metrics.*.jsonl"))
+    assert [json.loads(line)["step"] for line in earlier.read_text().splitlines()] == [1, 2, 3]
+    assert "held an earlier run's metrics" in capsys.readouterr().err

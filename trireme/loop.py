@@ -80,7 +80,8 @@ class RunOutput:
     @classmethod
     def open(cls, trainer: Trainer) -> RunOutput:
         cfg = trainer.cfg
-        run_dir = write_run_config(cfg) if trainer.is_main else cfg.run_dir
+        fresh = trainer.state.step == 0  # nothing resumed: a new metrics.jsonl
+        run_dir = write_run_config(cfg, fresh) if trainer.is_main else cfg.run_dir
         logger = None
         if trainer.is_main:
             wandb = None

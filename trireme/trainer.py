@@ -529,10 +529,15 @@ def check_run_dir(cfg: Config) -> None:
                           "give a directory you can write with --run.dir") from None
 
 
-def write_run_config(cfg: Config) -> Path:
-    """<run.dir>/config.toml (written whole, then renamed); a one-line error if it cannot be."""
+def write_run_config(cfg: Config, fresh: bool = False) -> Path:
+    """<run.dir>/config.toml (written whole, then renamed); a one-line error if it cannot be.
+    `fresh` (a run that resumed nothing): an earlier run's metrics.jsonl and config.toml there
+    are kept aside first (set_aside), so that metrics.jsonl holds one run, as config.toml
+    describes it."""
     run_dir = cfg.run_dir
     try:
+        if fresh:
+            set_aside(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         tmp = run_dir / ".config.toml.tmp"
         tmp.write_text(cfg.to_toml())
@@ -541,3 +546,20 @@ def write_run_config(cfg: Config) -> Path:
         raise ConfigError(f"run.dir {str(run_dir)!r} is not writable ({e.strerror or e}); give "
                           "a directory you can write with --run.dir") from None
     return run_dir
+
+
+def set_aside(run_dir: Path) -> None:
+    """Rename an earlier run's metrics.jsonl and config.toml in `run_dir` to
+    metrics.<time>.jsonl / config.<time>.toml (nothing is deleted), and say so."""
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file() or metrics.stat().st_size == 0:
+        return
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(metrics.stat().st_mtime))
+    moved = []
+    for path in (metrics, run_dir / "config.toml"):
+        if path.is_file():
+            target = path.with_name(f"{path.stem}.{stamp}{path.suffix}")
+            os.replace(path, target)
+            moved.append(target.name)
+    print(f"trireme: {run_dir} held an earlier run's metrics (this run starts fresh): kept as "
+          f"{' and '.join(moved)}", file=sys.stderr)
