@@ -170,7 +170,7 @@ def test_inspect_describes_a_sharded_checkpoint(saved, capsys):
     out = capsys.readouterr().out
     full = sharded.load_model_tensors(latest_checkpoint(saved))
     count = sum(t.numel() for t in full.values())
-    assert "sharded (torch.distributed.checkpoint) by 1 processes" in out
+    assert "sharded (torch.distributed.checkpoint) by 1 process (" in out
     assert f"({count:,})" in out and "step               2" in out
     assert ".metadata" in out and "rng/rank_00000.safetensors" in out
     assert describe(latest_checkpoint(saved))[:8] == describe(saved)[:8]  # step dir or root

@@ -100,3 +100,15 @@ def test_a_fresh_run_keeps_an_earlier_runs_metrics_aside(toy_data, tmp_path, cap
     earlier = next(p for p in run_dir.glob("metrics.*.jsonl"))
     assert [json.loads(line)["step"] for line in earlier.read_text().splitlines()] == [1, 2, 3]
     assert "held an earlier run's metrics" in capsys.readouterr().err
+
+
+def test_start_lines_say_what_a_user_would_miss(toy_data, tmp_path, capsys):  # noqa: F811
+    ckpt = f"checkpoint.dir={tmp_path / 'ckpt'}"
+    train(tiny_cfg(toy_data, tmp_path, "train.steps=3", "schedule.warmup_steps=3",
+                   "train.eval_interval=0", ckpt))
+    err = capsys.readouterr().err
+    assert "warmup_steps = 3 is not below train.steps = 3" in err
+    train(tiny_cfg(toy_data, tmp_path, "train.steps=2", "train.eval_interval=0", ckpt))
+    err = capsys.readouterr().err
+    assert "nothing to train: the checkpoint is at step 3 and train.steps = 2" in err
+    assert "warmup_steps" not in err  # nothing left to warm up

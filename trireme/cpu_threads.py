@@ -51,5 +51,5 @@ def cpu_threads_note(configured: int) -> str:
     """What the run's start line says of it: " with 2 threads per process (2 cores / 1 local
     process; train.cpu_threads sets it)"."""
     why = _choice(configured)[1]
-    return (f" with {count_of(torch.get_num_threads(), 'thread')} per process ({why}; "
-            "train.cpu_threads sets it)")
+    hint = "" if configured > 0 else "; train.cpu_threads sets it"
+    return f" with {count_of(torch.get_num_threads(), 'thread')} per process ({why}{hint})"

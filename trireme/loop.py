@@ -96,6 +96,10 @@ class RunOutput:
         run.print(f"trireme: {num_parameters / 1e6:.2f}M parameters{layout_note(trainer)}, "
                   f"{count_of(cfg.train.steps, 'step')} on {trainer.device}{threads}, "
                   f"run dir {run_dir}")
+        if cfg.schedule.warmup_steps >= cfg.train.steps > trainer.state.step:
+            run.warn(f"trireme: warning: schedule.warmup_steps = {cfg.schedule.warmup_steps} is "
+                     f"not below train.steps = {cfg.train.steps}: the learning rate is still "
+                     "rising (or at its peak) when the run ends, and never decays")
         return run
 
     def print(self, text: str) -> None:

@@ -200,8 +200,10 @@ class MetricsLogger:
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # tensorboard not installed: JSONL only
-                pass
+            except ImportError:  # tensorboard not installed: JSONL only, and say so
+                print("trireme: note: logging.tensorboard is on but the tensorboard package is "
+                      "not installed: metrics go to metrics.jsonl only (pip install tensorboard, "
+                      "or --logging.tensorboard=false)", file=sys.stderr)
             else:
                 self._writer = SummaryWriter(log_dir=str(self.run_dir / "tb"))
 

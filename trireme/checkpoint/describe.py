@@ -95,6 +95,12 @@ def _header_params(files: list[Path]) -> tuple[int, dict[str, int], set[str]]:
     return total, dtypes, names
 
 
+def processes(layout: dict) -> str:
+    """"1 process", "8 processes", or "? processes" when the layout does not say."""
+    size = layout.get("world_size")
+    return count_of(size, "process", "processes") if isinstance(size, int) else "? processes"
+
+
 def _row(label: str, value: object) -> str:
     return f"  {label:<18} {value}"
 
@@ -164,8 +170,8 @@ def describe_sharded(path: Path, step_dir: Path, meta: dict) -> list[str]:
         _row("step", f"{meta['step']} (consumed samples {trainer.get('consumed_samples', '?')})"),
         _row("saved", f"{meta.get('time', '?')} by trireme {meta.get('trireme_version', '?')}, "
                       f"torch {meta.get('torch_version', '?')}"),
-        _row("layout", f"sharded (torch.distributed.checkpoint) by {layout.get('world_size', '?')}"
-                       f" processes ({saved_by}); loads under any layout"),
+        _row("layout", f"sharded (torch.distributed.checkpoint) by {processes(layout)} "
+                       f"({saved_by}); loads under any layout"),
         _row("parameters", f"{human_count(params)} {', '.join(sorted(dtypes))}"),
         _row("model", model_summary(cfg.model)),
         _row("precision", cfg.model.precision),

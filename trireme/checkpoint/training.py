@@ -80,6 +80,9 @@ def maybe_resume(trainer: Trainer, saver: Saver | None = None) -> None:
     path = load_chosen(trainer, cfg.checkpoint.resume_step, saver)
     if path is not None and trainer.is_main:
         print(f"trireme: resumed from {path} at step {trainer.state.step}", file=sys.stderr)
+        if trainer.state.step >= cfg.train.steps:
+            print(f"trireme: nothing to train: the checkpoint is at step {trainer.state.step} "
+                  f"and train.steps = {cfg.train.steps} (raise it to train on)", file=sys.stderr)
 
 
 def load_latest(trainer: Trainer, saver: Saver | None = None) -> Path | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,6 +117,10 @@ def _generate_one(loaded: LoadedModel, prompt: str, *, max_new_tokens: int, temp
         ids = image_prompt_ids(tok, prompt, image_id, num_image_tokens(cfg.model))
         images = pixels(load_image(image, cfg.model.vision_image_size, "--image: ")[None])
         images = images.to(model.embedding.weight.device, model.embedding.weight.dtype)
+    if len(ids) + max_new_tokens > cfg.model.seq_length and loaded.is_main:
+        print(f"trireme: note: the prompt ({len(ids)} tokens) + --max-new-tokens {max_new_tokens}"
+              f" is past the model's context ({cfg.model.seq_length}): the text stops there",
+              file=sys.stderr)
     out = generate(model, ids, max_new_tokens, temperature=temperature, top_k=top_k,
                    top_p=top_p, greedy=greedy, seed=seed, eos_id=tok.eod, images=images)
     out_ids = out[0].tolist() if out.dim() == 2 else out.tolist()
