@@ -478,3 +478,15 @@ def test_convert_refuses_nan_weights_and_unusable_outputs_before_reading(tmp_pat
         with pytest.raises(CheckpointError, match=needle):
             convert("hf", "trireme", tmp_path / "hf", output)
     assert read == []  # refused before the input was read
+
+
+def test_an_index_naming_files_outside_its_folder_is_refused(tmp_path: Path) -> None:
+    make_hf("llama-mqa-tied", tmp_path / "hf")
+    sneaky = tmp_path / "sneaky"
+    sneaky.mkdir()
+    (sneaky / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    names = list(load_file(tmp_path / "hf" / "model.safetensors"))
+    (sneaky / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: "../hf/model.safetensors" for n in names}}))
+    with pytest.raises(CheckpointError, match="outside its folder"):
+        convert("hf", "trireme", sneaky, tmp_path / "out")

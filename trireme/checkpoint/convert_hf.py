@@ -315,6 +315,11 @@ def safetensors_files(folder: Path) -> dict[str, Path]:
         weight_map = read_json_file(folder / INDEX_FILE).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{folder / INDEX_FILE} has no weight_map")
+        outside = [f for f in set(weight_map.values())
+                   if not isinstance(f, str) or Path(f).is_absolute() or ".." in Path(f).parts]
+        if outside:  # an index names files of its own folder, nothing elsewhere
+            raise CheckpointError(f"{folder / INDEX_FILE} names {sorted(map(str, outside))[0]!r}, "
+                                  "outside its folder")
         return {name: folder / file for name, file in weight_map.items()}
     if (folder / SINGLE_FILE).is_file():
         return {"": folder / SINGLE_FILE}  # every name; listed when opened
