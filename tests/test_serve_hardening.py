@@ -138,11 +138,14 @@ def test_parsing_refuses_what_sampling_cannot_take():
     for bad in ({"prompt": "a", "n": True}, {"prompt": "a", "echo": 0},
                 {"prompt": "a", "logprobs": 0}, {"prompt": "a", "stop": ["x"] * 17},
                 {"prompt": "a", "stop": "x" * 1001}, {"prompt": "a", "temperature": math.inf},
-                {"prompt": "a\udfff"}, {"prompt": "a", "stop": ["\ud800"]}):
+                {"prompt": "a\udfff"}, {"prompt": "a", "stop": ["\ud800"]},
+                {"prompt": "a", "tools": [{"type": "function"}]},
+                {"prompt": "a", "response_format": {"type": "json_object"}}):
         with pytest.raises(ApiError) as caught:
             parse_completion(bad, tok)
         assert caught.value.status == 400
-    assert parse_completion({"prompt": "a", "n": 1, "echo": False}, tok).params.max_tokens == 16
+    fine = {"prompt": "a", "n": 1, "echo": False, "tools": [], "response_format": {"type": "text"}}
+    assert parse_completion(fine, tok).params.max_tokens == 16
     chat = ChatFormat(None)
     with pytest.raises(ApiError, match="^max_tokens must"):  # the name the request used
         parse_chat({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, tok,

@@ -6,7 +6,8 @@ ignores such as `user`): prompt (a string, token ids, or a list of one of either
 (content a string or a list of text and, for a vision model, image_url parts: image_parts),
 max_tokens / max_completion_tokens, temperature (0: greedy), top_p, seed, stop (a string or a
 list), stream, stream_options.include_usage; extensions top_k and ignore_eos. Refused with a 400:
-n, best_of != 1, echo, logprobs, suffix, logit_bias, nonzero presence / frequency penalties.
+n, best_of != 1, echo, logprobs, suffix, logit_bias, nonzero presence / frequency penalties,
+tools / functions, a response_format other than text.
 """
 
 from __future__ import annotations
@@ -72,6 +73,14 @@ def _refuse_unsupported(body: dict) -> None:
         value = body.get(name)  # absent, null, false or {}: not asked for (0 is no false)
         if not (value is None or value is False or isinstance(value, dict) and not value):
             raise ApiError(400, f"{name} is not supported by this server", name)
+    for name in ("tools", "functions"):  # a model here cannot call them: say so
+        if body.get(name):
+            raise ApiError(400, f"{name} are not supported by this server (plain text only)",
+                           name)
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise ApiError(400, "response_format: only {\"type\": \"text\"} is supported here",
+                       "response_format")
     for name in ("presence_penalty", "frequency_penalty"):
         value = _field(body, name, NUMBER, 0.0)
         if value != 0:
