@@ -316,8 +316,8 @@ def test_reading_a_root_never_falls_back_to_an_older_step(two_steps, tmp_path, c
 
 
 @pytest.mark.parametrize("fmt_name", FORMATS)
-def test_resuming_another_model_with_the_same_shapes_is_refused(toy_data, tmp_path, capsys,
-                                                                fmt_name):  # noqa: F811
+def test_resuming_another_model_with_the_same_shapes_is_refused(
+        toy_data, tmp_path, capsys, fmt_name):  # noqa: F811
     """4 heads in 2 groups and 2 heads in 1 group have the same tensor shapes at this width, and
     rope_theta has none: the checkpoint's config.toml says what its weights compute."""
     ckpt = tmp_path / "ckpt"

@@ -302,6 +302,28 @@ class Engine:
                request_id: str | None = None, images: torch.Tensor | None = None) -> Request:
         """Queue a request; raises RequestError (bad request) or QueueFull. `images` [k, 3, S,
         S] (normalized pixels, a vision model): their features fill the prompt's placeholders."""
+        request = self.new_request(prompt_ids, params, on_output, request_id, images)
+        self.enqueue(request)
+        return request
+
+    def enqueue(self, request: Request) -> None:
+        """Append a checked request to the waiting queue (QueueFull when it holds max_queue);
+        any thread."""
+        with self.lock:
+            self.check_queue()
+            self.scheduler.waiting.append(request)
+
+    def check_queue(self, waiting_elsewhere: int = 0) -> None:
+        """QueueFull if the waiting queue, with `waiting_elsewhere` requests bound for it (a
+        tensor-parallel server's inbox), holds max_queue."""
+        if len(self.scheduler.waiting) + waiting_elsewhere >= self.settings.max_queue:
+            raise QueueFull(f"the queue holds {self.settings.max_queue} waiting requests "
+                            "(--max-queue); retry later")
+
+    def new_request(self, prompt_ids: list[int], params: SamplingParams, on_output=None,
+                    request_id: str | None = None, images: torch.Tensor | None = None
+                    ) -> Request:
+        """A checked Request, not queued yet (RequestError if it cannot run here)."""
         self.check_prompt(prompt_ids)
         request_images = self._request_images(prompt_ids, images)
         problem = params.problem()
@@ -320,11 +342,6 @@ class Engine:
             raise RequestError(f"the request needs {need} KV blocks ({max_len} tokens) but the "
                                f"cache has {self.allocator.usable}; lower max_tokens or give the "
                                "server more --max-memory")
-        with self.lock:
-            if len(self.scheduler.waiting) >= self.settings.max_queue:
-                raise QueueFull(f"the queue holds {self.settings.max_queue} waiting requests "
-                                "(--max-queue); retry later")
-            self.scheduler.waiting.append(request)
         return request
 
     def _request_images(self, prompt_ids: list[int], images: torch.Tensor | None

@@ -84,7 +84,8 @@ class EngineThread:
         """Stop stepping; requests still in the engine end as "cancelled"."""
         self.stopping = True
         self.wake.set()
-        self.thread.join(timeout)
+        if self.thread.ident is not None:  # started (a server that failed to start did not)
+            self.thread.join(timeout)
         self.engine.abort_all("cancelled")
 
     def metrics_text(self, model_name: str) -> str:

@@ -23,9 +23,10 @@ from trireme.inference.cli import (
     engine_from_args,
     load_for_inference,
 )
+from trireme.inference.engine import Engine
 from trireme.inference.image_parts import MAX_IMAGE_PIXELS
+from trireme.inference.replicated import Leader, follow
 from trireme.inference.runner import EngineThread
-from trireme.parallel.mesh import launched_world_size
 
 EPILOG = """\
 endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
@@ -76,10 +77,6 @@ def chat_format(loaded: LoadedModel) -> ChatFormat:
 
 def serve_main(argv: list[str]) -> int:
     args = serve_parser().parse_args(argv)
-    if launched_world_size() > 1:
-        raise ConfigError("trireme serve runs in one process: tensor-parallel serving is not "
-                          "implemented yet (torchrun ... -m trireme generate --input runs "
-                          "offline batches tensor-parallel; docs/serving.md)")
     if args.max_image_pixels <= 0:
         raise ConfigError(f"--max-image-pixels {args.max_image_pixels} must be > 0 (default "
                           f"{MAX_IMAGE_PIXELS}, 4096 x 4096)")
@@ -92,9 +89,11 @@ def serve_main(argv: list[str]) -> int:
                            "pip install 'trireme[serve]'") from None
     loaded = load_for_inference(args.checkpoint, args.tokenizer, args.device)
     engine = engine_from_args(loaded, args)
+    if not loaded.is_main:  # torchrun: a tensor-parallel rank that steps with rank 0
+        return run_follower(loaded, engine)
     name = args.model_name or Path(args.checkpoint).resolve().name
     settings = ServerSettings(name, args.api_key, args.max_body_bytes, args.max_image_pixels)
-    runner = EngineThread(engine)
+    runner = EngineThread(Leader(engine) if engine.group is not None else engine)
     app = build_app(runner, chat_format(loaded), settings)
     if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"trireme: warning: listening on {args.host} with no --api-key: anyone who can "
@@ -109,8 +108,25 @@ def serve_main(argv: list[str]) -> int:
     # there before it: make that one a no-op, so that a drained server exits with status 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    DrainingServer(config, runner, args.drain_timeout).run(sockets=[sock])
+    try:
+        DrainingServer(config, runner, args.drain_timeout).run(sockets=[sock])
+    finally:
+        runner.shutdown()  # (done by the app's shutdown already; under torchrun: ranks stop)
+        loaded.close()
     print("trireme: server stopped", flush=True)
+    return 0
+
+
+def run_follower(loaded: LoadedModel, engine: Engine) -> int:
+    """A tensor-parallel rank other than the first (trireme.inference.replicated): it ignores
+    SIGTERM / SIGINT (torchrun passes them to every rank) and stops when rank 0, having drained,
+    tells it to."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        follow(engine)
+    finally:
+        loaded.close()
     return 0
 
 

@@ -18,7 +18,8 @@ What keeps the ranks in step, so that their collectives meet:
   generation agrees on its seed first (`agreed_seed`), so an unseeded sample cannot differ;
 - only rank 0 prints or writes the output file.
 The engine runs its plain path there (no CUDA graphs, no compiled pieces, no split-K kernels:
-they are not built for the row-parallel layers' all-reduce). `trireme serve` refuses torchrun.
+they are not built for the row-parallel layers' all-reduce). `trireme serve` under torchrun keeps
+the ranks' engines in step by sending rank 0's requests to all (trireme.inference.replicated).
 """
 
 from __future__ import annotations
