@@ -490,3 +490,9 @@ def test_an_index_naming_files_outside_its_folder_is_refused(tmp_path: Path) -> 
         {"weight_map": {n: "../hf/model.safetensors" for n in names}}))
     with pytest.raises(CheckpointError, match="outside its folder"):
         convert("hf", "trireme", sneaky, tmp_path / "out")
+
+
+def test_reading_a_hugging_face_folder_as_a_checkpoint_says_convert_it(tmp_path: Path) -> None:
+    make_hf("llama-mqa-tied", tmp_path / "hf")
+    with pytest.raises(CheckpointError, match="looks like a Hugging Face model.*trireme convert"):
+        load_checkpoint(tmp_path / "hf")

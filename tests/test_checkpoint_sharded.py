@@ -158,8 +158,9 @@ def test_corrupted_shard_is_a_checkpoint_error(saved, toy_data, tmp_path):  # no
 def test_other_model_shape_names_the_keys(saved, toy_data, tmp_path, change, needle):  # noqa: F811
     cfg = tiny_cfg(toy_data, tmp_path / "other", f"checkpoint.dir={saved}", *SHARDED,
                    "train.steps=3", change)
-    with pytest.raises(CheckpointError, match=needle):
+    with pytest.raises(CheckpointError, match=needle) as caught:
         train(cfg)
+    assert "--checkpoint.resume=never" in str(caught.value)  # and the ways on
 
 
 def test_inspect_describes_a_sharded_checkpoint(saved, capsys):

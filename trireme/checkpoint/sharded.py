@@ -327,17 +327,24 @@ def check_shapes(entries: dict[str, Entry], metadata, path: Path, model_cfg) -> 
         raise CheckpointError(
             f"{path} holds tensors this model does not have: {', '.join(unexpected[:4])}"
             f"{' ...' if len(unexpected) > 4 else ''} ({len(unexpected)}); the checkpoint was "
-            "saved from a different model")
+            f"saved from a different model{ANOTHER_MODEL}")
     missing = sorted(k for k in entries if k not in stored)
     if missing:
         raise CheckpointError(
             f"{path} has no {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} "
-            f"({len(missing)} missing); the checkpoint was saved from a different model")
+            f"({len(missing)} missing); the checkpoint was saved from a different model"
+            f"{ANOTHER_MODEL}")
     wrong = [f"{k} {tuple(stored[k].size)} (this model {e.shape})" for k, e in entries.items()
              if tuple(stored[k].size) != tuple(e.shape)]
     if wrong:
         raise CheckpointError(f"{path}: shapes differ from the config's model: "
-                              f"{'; '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}")
+                              f"{'; '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}"
+                              f"{ANOTHER_MODEL}")
+
+
+# what a checkpoint of another model's errors end with: the two ways on
+ANOTHER_MODEL = ("; train with the settings in its config.toml, or start afresh with "
+                 "--checkpoint.resume=never or another checkpoint.dir")
 
 
 def _read_rng(path: Path, rank: int) -> dict[str, Any] | None:

@@ -172,6 +172,12 @@ def load_checkpoint(path: str | Path, *, verify: bool = True, name: str = "check
         )
     if not (path / META_FILE).exists() and not STEP_RE.fullmatch(path.name):
         found = latest_to_read(path, name)
+        if found is None and (path / "config.json").is_file():
+            raise CheckpointError(
+                f"{path} looks like a Hugging Face model (config.json), not a trireme "
+                f"checkpoint: convert it first, trireme convert --from hf --to trireme --input "
+                f"{path} --output NEW_DIR"
+            )
         if found is None:
             raise CheckpointError(
                 f"no complete checkpoint in {path} (expected step_*/{META_FILE}); "

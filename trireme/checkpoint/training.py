@@ -158,7 +158,10 @@ def _load_gathered(trainer: Trainer, path: Path) -> None:
         names = chunk.state_dict().keys()
         state = ckpt.model if len(chunks) == 1 and trainer.pipeline is None else {
             n: t for n, t in ckpt.model.items() if n in names}
-        load_model_state(chunk, gathered.local_tensors(state, chunk))
+        try:
+            load_model_state(chunk, gathered.local_tensors(state, chunk))
+        except CheckpointError as e:  # another model's checkpoint: say which, and the ways on
+            raise CheckpointError(f"{path}: {e}{sharded.ANOTHER_MODEL}") from None
     trainer.optimizer.load_state_dict(gathered.local_optimizer_state(ckpt.optimizer, chunks))
     trainer.state.step = int(ckpt.trainer["step"])
     trainer.state.consumed_samples = int(ckpt.trainer["consumed_samples"])
