@@ -111,4 +111,5 @@ def test_start_lines_say_what_a_user_would_miss(toy_data, tmp_path, capsys):  # 
     train(tiny_cfg(toy_data, tmp_path, "train.steps=2", "train.eval_interval=0", ckpt))
     err = capsys.readouterr().err
     assert "nothing to train: the checkpoint is at step 3 and train.steps = 2" in err
+    assert "resuming with train.steps = 2 (saved with 3)" in err  # the schedule moves
     assert "warmup_steps" not in err  # nothing left to warm up

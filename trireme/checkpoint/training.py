@@ -25,7 +25,7 @@ from trireme.checkpoint.store import (
     restore_rng_state,
     save_checkpoint,
 )
-from trireme.config import config_from_toml, model_differences
+from trireme.config import Config, config_from_toml, model_differences
 from trireme.errors import CheckpointDamageError, CheckpointError, ConfigError
 
 if TYPE_CHECKING:
@@ -134,9 +134,11 @@ def check_model(trainer: Trainer, path: Path) -> None:
     model that computes something else with the same weights (config.MODEL_IDENTITY_FIELDS):
     the shapes alone would let it load."""
     try:
-        saved = config_from_toml((path / directory.CONFIG_FILE).read_text(), str(path)).model
+        saved_cfg = config_from_toml((path / directory.CONFIG_FILE).read_text(), str(path))
     except (OSError, UnicodeDecodeError, ConfigError):
         return  # an older or converted checkpoint without a usable config: the shapes decide
+    note_schedule_changes(trainer, saved_cfg)
+    saved = saved_cfg.model
     differences = model_differences(saved, trainer.cfg.model)
     if not differences:
         return
@@ -147,6 +149,23 @@ def check_model(trainer: Trainer, path: Path) -> None:
     if trainer.is_main:
         print(f"trireme: warning: {what}; loading anyway (checkpoint.check_model=false)",
               file=sys.stderr)
+
+
+SCHEDULE_KEYS = (("train", "steps"), ("train", "global_batch_size"), ("optimizer", "lr"),
+                 ("optimizer", "min_lr"), ("schedule", "warmup_steps"),
+                 ("schedule", "decay_style"), ("schedule", "decay_steps"))
+
+
+def note_schedule_changes(trainer: Trainer, saved: Config) -> None:
+    """Say (not refuse) which settings of the learning-rate schedule differ from the run that
+    saved the checkpoint: resuming follows the new ones from here, which can move the rate."""
+    changed = [f"{section}.{key} = {getattr(getattr(trainer.cfg, section), key)} (saved with "
+               f"{getattr(getattr(saved, section), key)})" for section, key in SCHEDULE_KEYS
+               if getattr(getattr(trainer.cfg, section), key)
+               != getattr(getattr(saved, section), key)]
+    if changed and trainer.is_main and trainer.state.step > 0:
+        print(f"trireme: note: resuming with {'; '.join(changed)}: the learning-rate schedule "
+              "follows these from here", file=sys.stderr)
 
 
 def _load_gathered(trainer: Trainer, path: Path) -> None:
