@@ -336,3 +336,20 @@ def test_resuming_another_model_with_the_same_shapes_is_refused(
     assert "loading anyway" in err and "resumed from" in err
     run(toy_data, tmp_path, ckpt, fmt_name, "train.steps=4", *other, "model.dropout=0.1",
         "checkpoint.check_model=true")  # its own settings now (dropout is free to change)
+
+
+def test_model_identity_compares_resolved_values_of_the_features_present():
+    from trireme.config import ModelConfig, model_differences
+
+    base = dict(hidden_size=64, num_attention_heads=4)
+    explicit = ModelConfig(**base, num_query_groups=4, ffn_hidden_size=256, layer_pattern="*-*-")
+    derived = ModelConfig(**base, num_layers=2, num_query_groups=0, ffn_hidden_size=0)
+    explicit.num_layers = 2
+    assert model_differences(explicit, derived) == []  # 0 means "derived": the same model
+    unused = ModelConfig(**base, moe_num_experts=4, rope_scaling_factor=16.0, vision_patch_size=7,
+                         mamba_state_dim=3, vocab_size=50260)
+    assert model_differences(ModelConfig(**base), unused) == []  # features the model lacks
+    learned = dict(position_embedding="learned")
+    assert model_differences(ModelConfig(**learned), ModelConfig(**learned, rope_theta=5.0)) == []
+    assert model_differences(ModelConfig(**base), ModelConfig(**base, num_query_groups=2)) == [
+        "kv_heads = 2 here, 4 in the checkpoint"]

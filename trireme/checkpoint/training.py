@@ -131,12 +131,12 @@ def _load(trainer: Trainer, path: Path, saver: Saver | None) -> None:
 
 def check_model(trainer: Trainer, path: Path) -> None:
     """Refuse (checkpoint.check_model; else warn) a checkpoint whose config.toml describes a
-    model that computes something else with the same weights (config.MODEL_IDENTITY_FIELDS):
+    model that computes something else with the same weights (config.model_differences):
     the shapes alone would let it load."""
     try:
         saved_cfg = config_from_toml((path / directory.CONFIG_FILE).read_text(), str(path))
     except (OSError, UnicodeDecodeError, ConfigError):
-        return  # an older or converted checkpoint without a usable config: the shapes decide
+        return  # a checkpoint without a readable config.toml: the shapes decide alone
     note_schedule_changes(trainer, saved_cfg)
     saved = saved_cfg.model
     differences = model_differences(saved, trainer.cfg.model)

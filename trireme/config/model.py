@@ -62,30 +62,55 @@ def parse_layer_pattern(pattern: str, num_layers: int) -> list[str]:
     return layers
 
 
-# The ModelConfig fields that change what a model's weights compute (beyond their shapes):
-# resuming a checkpoint saved with other values refuses (checkpoint.check_model). Speed and
-# training settings (precision, kernels, compile, dropout, init, losses' coefficients,
-# seq_length, MoE capacity and dispatch) are free to change between runs.
-MODEL_IDENTITY_FIELDS = (
-    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "layer_pattern",
-    "head_dim", "ffn_hidden_size", "vocab_size", "position_embedding", "rope_theta",
-    "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-    "rope_original_max_position", "normalization", "norm_eps", "activation", "qk_norm", "bias",
-    "tie_embeddings", "moe_num_experts", "moe_top_k", "moe_ffn_hidden_size",
-    "moe_shared_ffn_hidden_size", "moe_router", "moe_num_groups", "moe_top_groups",
-    "moe_score_scale", "vision_layers", "vision_image_size", "vision_patch_size",
-    "vision_hidden_size", "vision_attention_heads", "vision_ffn_hidden_size",
-    "vision_activation", "vision_class_token", "vision_pre_norm", "vision_feature_layer",
-    "vision_feature_select", "mamba_state_dim", "mamba_head_dim", "mamba_num_heads",
-    "mamba_expand", "mamba_num_groups", "mamba_conv_kernel", "mamba_conv_bias",
-    "mamba_dt_limit_min", "mamba_dt_limit_max",
+# What a model's weights compute, beyond their shapes: resuming a checkpoint saved with other
+# values refuses (checkpoint.check_model). Each entry is a ModelConfig field or property, read
+# resolved (0 = "derived" fields through their properties), and a feature's settings count
+# only where the model has the feature. Speed and training settings (precision, kernels,
+# compile, dropout, init, loss coefficients, seq_length, MoE capacity and dispatch) and the
+# vocabulary size (new tokens within the padding are a fine-tuning step; other sizes fail the
+# shape check) are free to change between runs.
+MODEL_IDENTITY = (
+    "num_layers", "hidden_size", "num_attention_heads", "kv_heads", "head_size", "ffn_size",
+    "layer_symbols", "position_embedding", "normalization", "norm_eps", "activation", "qk_norm",
+    "bias", "tie_embeddings",
 )
+ROPE_IDENTITY = ("rope_theta", "rope_scaling")
+ROPE_SCALING_IDENTITY = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                         "rope_original_max_position")
+MOE_IDENTITY = ("moe_num_experts", "moe_top_k", "moe_ffn_size", "moe_shared_ffn_hidden_size",
+                "moe_router", "moe_num_groups", "moe_top_groups", "moe_score_scale")
+MAMBA_IDENTITY = ("mamba_state_dim", "mamba_head_dim", "mamba_heads", "mamba_num_groups",
+                  "mamba_conv_kernel", "mamba_conv_bias", "mamba_dt_limit_min",
+                  "mamba_dt_limit_max")
+VISION_IDENTITY = ("vision_layers", "vision_image_size", "vision_patch_size",
+                   "vision_hidden_size", "vision_attention_heads", "vision_ffn_hidden_size",
+                   "vision_activation", "vision_class_token", "vision_pre_norm",
+                   "vision_feature_layer", "vision_feature_select")
+
+
+def identity_fields(cfg: ModelConfig) -> tuple[str, ...]:
+    """The MODEL_IDENTITY entries that apply to `cfg`'s model (its features' settings)."""
+    fields = list(MODEL_IDENTITY)
+    if cfg.position_embedding == "rope":
+        fields += ROPE_IDENTITY
+        if cfg.rope_scaling != "none":
+            fields += ROPE_SCALING_IDENTITY
+    symbols = "".join(cfg.layer_symbols)
+    if "E" in symbols:
+        fields += MOE_IDENTITY
+    if "M" in symbols:
+        fields += MAMBA_IDENTITY
+    if cfg.vision_layers:
+        fields += VISION_IDENTITY
+    return tuple(fields)
 
 
 def model_differences(saved: ModelConfig, current: ModelConfig) -> list[str]:
-    """"field: current (saved ...)" for each MODEL_IDENTITY_FIELDS value that differs."""
+    """"name = current here, saved in the checkpoint" for each identity value (resolved) that
+    differs, over the features either model has."""
+    names = dict.fromkeys(identity_fields(saved) + identity_fields(current))
     return [f"{name} = {getattr(current, name)!r} here, {getattr(saved, name)!r} in the checkpoint"
-            for name in MODEL_IDENTITY_FIELDS if getattr(saved, name) != getattr(current, name)]
+            for name in names if getattr(saved, name) != getattr(current, name)]
 
 
 @dataclass

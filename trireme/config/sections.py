@@ -232,8 +232,9 @@ class CheckpointConfig:
     check_model: bool = doc(
         True, "Refuse to resume a checkpoint saved with other model settings that change what "
         "its weights compute (heads, query groups, rope_theta, norm_eps, activation, ...: "
-        "config.MODEL_IDENTITY_FIELDS), even where the shapes match. false: load anyway, with a "
-        "warning (e.g. a new rope_theta to extend the context)."
+        "config.MODEL_IDENTITY, compared resolved, so 0 and the value it derives agree; a "
+        "feature's settings only where the model has it), even where the shapes match. false: "
+        "load anyway, with a warning (e.g. a new rope_theta to extend the context)."
     )
     format: Literal["sharded", "gathered"] = doc(
         "sharded", "sharded: every rank writes its own shards (torch.distributed.checkpoint) "
