@@ -157,18 +157,24 @@ def test_skipped_steps_in_a_row_stop_the_run(toy_data, tmp_path, monkeypatch):
     assert records[-1]["step"] == last < 30  # stopped at the first log step past the limit
 
 
-def test_no_checkpoint_is_saved_at_a_skipped_step(toy_data, tmp_path, monkeypatch, capsys):
-    """Steps 3-6 skip: the saves at 4 and 6 would hold step 2's weights and push step 2's
-    checkpoint out under keep_last; they are left out, with a warning, and the last is saved."""
-    bad_loss_at(monkeypatch, set(range(5, 13)))  # micro batches of steps 3-6 (2 per step)
-    cfg = tiny_cfg(toy_data, tmp_path, "train.steps=7", "train.eval_interval=0",
+@pytest.mark.parametrize("log_interval", [1, 3])
+def test_no_checkpoint_repeats_one_whose_steps_since_all_skipped(toy_data, tmp_path, monkeypatch,
+                                                                  capsys, log_interval):
+    """Steps 4-8 skip (interval 2): the save at 4 still holds step 3's update, so it is made;
+    those at 6 and 8 would be copies of step 4's and push good checkpoints out under keep_last,
+    so they are left out with a warning; the last one is saved. Whether the flags were read at a
+    log step or are still pending does not matter."""
+    bad_loss_at(monkeypatch, set(range(7, 17)))  # micro batches of steps 4-8 (2 per step)
+    cfg = tiny_cfg(toy_data, tmp_path, "train.steps=9", "train.eval_interval=0",
                    "train.max_skipped_steps=0", f"checkpoint.dir={tmp_path / 'ckpt'}",
-                   "checkpoint.interval=2", "checkpoint.keep_last=2")
+                   "checkpoint.interval=2", "checkpoint.keep_last=3",
+                   f"train.log_interval={log_interval}")
     train(cfg)
     steps = sorted(p.name for p in (tmp_path / "ckpt").glob("step_*"))
-    assert steps == ["step_0000002", "step_0000007"]
+    assert steps == ["step_0000002", "step_0000004", "step_0000009"]
     err = capsys.readouterr().err
-    assert "no checkpoint at step 4: it was skipped" in err and "at step 6" in err
+    assert "no checkpoint at step 6: every step since step 4's checkpoint was skipped" in err
+    assert "no checkpoint at step 8" in err
 
 
 def test_max_skipped_steps_zero_never_stops(toy_data, tmp_path, monkeypatch):

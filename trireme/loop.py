@@ -74,6 +74,8 @@ class RunOutput:
         self.pending: list[dict] = []  # step results still on the device
         self.health = RunHealth(trainer.cfg.train)  # skipped steps, loss spikes
         self.spiked = False  # whether the last logged loss was a spike
+        # the step of the newest checkpoint of these weights: the one resumed from, or saved
+        self.saved_step: int | None = trainer.state.step if trainer.state.step else None
         self.started = time.monotonic()
         self.last_log = now()
 
@@ -145,12 +147,22 @@ class RunOutput:
                                       mfu=f"{100 * record['mfu']:.1f}%")
         self.last_log = now()
 
-    def last_step_skipped(self) -> bool:
-        """Whether the newest step was skipped by the optimizer (reads its flag: a host sync,
-        which a save makes anyway)."""
-        if self.pending:
-            return bool(self.pending[-1]["skipped"])
-        return self.health.streak > 0
+    def skipped_since_saved(self) -> bool:
+        """Whether a checkpoint exists and every step after it was skipped by the optimizer, so
+        that the weights are exactly the checkpoint's (reads the pending steps' flags: one host
+        sync, which a save makes anyway)."""
+        if self.saved_step is None:
+            return False
+        flags = (torch.stack([r["skipped"] for r in self.pending]).tolist() if self.pending
+                 else [])
+        trailing = 0  # skipped steps at the end of the pending ones
+        for flag in reversed(flags):
+            if not flag:
+                break
+            trailing += 1
+        if trailing == len(flags):  # all pending skipped: the streak read before goes on
+            trailing += self.health.streak
+        return trailing >= self.trainer.state.step - self.saved_step
 
     def close(self) -> None:
         if self.progress is not None:
@@ -185,13 +197,16 @@ def one_step(trainer: Trainer, saver: Saver, run: RunOutput, stop: StopRequest) 
             return True  # and no checkpoint of the spiked state
     if cfg.checkpoint.dir and (
             last or (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0)):
-        # a skipped step changed nothing since the last good one; its checkpoint would only
-        # push good ones out under keep_last (the skip flag is global: every rank agrees)
-        if last or not run.last_step_skipped():
+        # every step since the last checkpoint skipped: the weights are that checkpoint's, and a
+        # copy would only push good ones out under keep_last (skip flags are global: every
+        # rank agrees)
+        if last or not run.skipped_since_saved():
             saver.save()
+            run.saved_step = step
         else:
-            run.warn(f"trireme: warning: no checkpoint at step {step}: it was skipped (a "
-                     "non-finite loss or gradient norm); the earlier checkpoints stay")
+            run.warn(f"trireme: warning: no checkpoint at step {step}: every step since step "
+                     f"{run.saved_step}'s checkpoint was skipped (non-finite losses or gradient "
+                     "norms), so the weights are still that checkpoint's")
     if out_of_time:
         why = "a stop signal" if signalled else "train.max_minutes"
         saved = " (checkpoint saved)" if cfg.checkpoint.dir else ""
@@ -210,6 +225,7 @@ def roll_back(trainer: Trainer, saver: Saver, run: RunOutput) -> bool:
         run.warn(f"trireme: warning: no checkpoint in {trainer.cfg.checkpoint.dir} to roll back "
                  f"to after the loss spike at step {spike_step}; going on")
         return False
+    run.saved_step = trainer.state.step  # these weights are that checkpoint's again
     skipped_from = trainer.state.consumed_samples
     trainer.state.consumed_samples = consumed
     run.health.forget_losses()
