@@ -163,6 +163,13 @@ def test_other_model_shape_names_the_keys(saved, toy_data, tmp_path, change, nee
     assert "--checkpoint.resume=never" in str(caught.value)  # and the ways on
 
 
+def test_a_model_only_load_reads_the_weights_alone(saved):
+    whole, weights = load_checkpoint(saved), load_checkpoint(saved, model_only=True)
+    assert weights.optimizer == {} and whole.optimizer["exp_avg"]
+    assert whole.model.keys() == weights.model.keys()
+    assert all(torch.equal(whole.model[n], weights.model[n]) for n in whole.model)
+
+
 def test_inspect_describes_a_sharded_checkpoint(saved, capsys):
     from trireme.checkpoint.cli import inspect_main
     from trireme.checkpoint.describe import describe

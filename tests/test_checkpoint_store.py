@@ -21,6 +21,7 @@ from safetensors import safe_open
 from torch import nn
 
 import trireme.checkpoint.directory as directory
+import trireme.checkpoint.format as fmt
 import trireme.checkpoint.store as store
 from trireme.checkpoint.store import (
     Checkpoint,
@@ -237,6 +238,7 @@ def child(code: str, root: Path) -> list[str]:
 import os, sys, torch
 import trireme.checkpoint.directory as directory
 import trireme.checkpoint.format as fmt
+import trireme.checkpoint.format as fmt
 import trireme.checkpoint.store as store
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from test_checkpoint_store import save
@@ -450,3 +452,13 @@ def test_no_code_execution_on_load() -> None:
     problems = {f.name: code_execution_risks(f.read_text(), f.name == RESTRICTED_UNPICKLER_FILE)
                 for f in files}
     assert not any(problems.values()), f"unsafe unpickling in trireme/checkpoint: {problems}"
+
+
+def test_model_only_loads_leave_the_optimizer_unread(tmp_path: Path, monkeypatch: Any) -> None:
+    path = save(tmp_path, 3)
+    read = []
+    real = fmt.read_safetensors
+    monkeypatch.setattr(fmt, "read_safetensors", lambda p: read.append(Path(p).name) or real(p))
+    ckpt = load_checkpoint(path, model_only=True)
+    assert ckpt.optimizer == {} and "optimizer.safetensors" not in read
+    assert torch.equal(ckpt.model["embedding.weight"], model_state()["embedding.weight"])

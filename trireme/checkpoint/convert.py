@@ -69,7 +69,7 @@ def resolve_dtype(name: str, state: dict[str, Tensor]) -> torch.dtype:
 
 def read_trireme(path: Path) -> Converted:
     """A trireme checkpoint (root or step directory) as a `Converted`."""
-    ckpt = load_checkpoint(path, name="--input")
+    ckpt = load_checkpoint(path, name="--input", model_only=True)  # weights are what converts
     cfg = config_from_toml(ckpt.config_toml, f"{ckpt.path}/config.toml")
     tokenizer_dir = kept_copy(ckpt.path)  # the run's own copy first (tokenizer_copy.py)
     if tokenizer_dir is None and cfg.data.tokenizer not in ("", "bytes"):

@@ -479,12 +479,13 @@ def load_model_tensors(path: Path) -> dict[str, torch.Tensor]:
     return {k[len("model/"):]: t for k, t in load_full_tensors(path, "model/").items()}
 
 
-def load_checkpoint(path: Path, meta: dict[str, Any], verify: bool = True
-                    ) -> directory.Checkpoint:
-    """A sharded checkpoint in the gathered form of `store.load_checkpoint`."""
+def load_checkpoint(path: Path, meta: dict[str, Any], verify: bool = True,
+                    model_only: bool = False) -> directory.Checkpoint:
+    """A sharded checkpoint in the gathered form of `store.load_checkpoint` (`model_only`:
+    the optimizer's tensors are not read, e.g. for inference)."""
     if verify:
         verify_digests(path, meta)
-    tensors = load_full_tensors(path)
+    tensors = load_full_tensors(path, "model/" if model_only else "")
     saved = fmt.read_json(path / directory.TRAINER_JSON)
     scalars = saved["optimizer"]
     optimizer: dict[str, Any] = {k: scalars[k] for k in ("step", "loss_scale", "good_steps",
@@ -494,6 +495,8 @@ def load_checkpoint(path: Path, meta: dict[str, Any], verify: bool = True
                 if k.startswith(f"optimizer/{key}/")}
         if part or key in MOMENTS:
             optimizer[key] = part
+    if model_only:
+        optimizer = {}
     model = {k[len("model/"):]: t for k, t in tensors.items() if k.startswith("model/")}
     trainer = {k: saved[k] for k in ("step", "consumed_samples")}
     rng = _read_rng(path, 0)

@@ -155,12 +155,13 @@ def save_checkpoint(
 # Load
 
 
-def load_checkpoint(path: str | Path, *, verify: bool = True, name: str = "checkpoint.dir"
-                    ) -> Checkpoint:
+def load_checkpoint(path: str | Path, *, verify: bool = True, name: str = "checkpoint.dir",
+                    model_only: bool = False) -> Checkpoint:
     """Load a checkpoint from a step directory, or from a root (then its latest checkpoint).
 
     Reads only safetensors and JSON; nothing in the checkpoint is executed. With `verify`, every
     file's sha256 is checked against meta.json (one extra read); sizes are always checked.
+    `model_only` (inference, conversion): the optimizer's tensors are not read ({}).
     `name` is what the user gave the path as (a config key or a flag), for the errors.
     """
     path = Path(path)
@@ -186,12 +187,15 @@ def load_checkpoint(path: str | Path, *, verify: bool = True, name: str = "check
         path = found
     meta = directory.check_complete(path)
     if meta.get("checkpoint_format") == sharded.FORMAT_NAME:  # every rank's shards
-        return sharded.load_checkpoint(path, meta, verify)
+        return sharded.load_checkpoint(path, meta, verify, model_only)
     if verify:
         directory.check_complete(path, hashes=True)
     model = fmt.read_model(path / MODEL_FILE)
-    opt_tensors, _ = fmt.read_safetensors(path / OPTIMIZER_FILE)
-    optimizer = fmt.decode(fmt.read_json(path / OPTIMIZER_JSON), opt_tensors, path / OPTIMIZER_JSON)
+    optimizer: dict[str, Any] = {}
+    if not model_only:
+        opt_tensors, _ = fmt.read_safetensors(path / OPTIMIZER_FILE)
+        optimizer = fmt.decode(fmt.read_json(path / OPTIMIZER_JSON), opt_tensors,
+                               path / OPTIMIZER_JSON)
     rng_tensors, _ = fmt.read_safetensors(path / RNG_FILE)
     trainer = fmt.decode(fmt.read_json(path / TRAINER_JSON), rng_tensors, path / TRAINER_JSON)
     try:

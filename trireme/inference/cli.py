@@ -52,7 +52,7 @@ def load_for_inference(checkpoint: str, tokenizer: str = "", device: str = "auto
     """Build the model of `checkpoint` on `device` (no random init) with its tokenizer; under
     torchrun with several processes, this rank's tensor-parallel shard of it
     (trireme.inference.tensor_parallel; collective: every rank calls it)."""
-    ckpt = load_checkpoint(checkpoint, name="--checkpoint")
+    ckpt = load_checkpoint(checkpoint, name="--checkpoint", model_only=True)
     cfg = config_from_toml(ckpt.config_toml, f"{ckpt.path}/config.toml")
     cfg.model = without_optional_kernels(cfg.model)  # fa4 / liger: training speed, not needed
     tok_spec = tokenizer_for(ckpt.path, cfg.data.tokenizer, tokenizer)
