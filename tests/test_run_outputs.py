@@ -2,6 +2,7 @@
 of GPU memory is one line with the allocator's snapshot, and the optional Weights & Biases sink."""
 
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -100,6 +101,10 @@ def test_a_fresh_run_keeps_an_earlier_runs_metrics_aside(toy_data, tmp_path, cap
     earlier = next(p for p in run_dir.glob("metrics.*.jsonl"))
     assert [json.loads(line)["step"] for line in earlier.read_text().splitlines()] == [1, 2, 3]
     assert "held an earlier run's metrics" in capsys.readouterr().err
+    # a third run, whose predecessor's time stamp is the first one's: a counter keeps both
+    os.utime(run_dir / "metrics.jsonl", ns=(earlier.stat().st_mtime_ns,) * 2)
+    train(tiny_cfg(toy_data, tmp_path, "train.steps=1", "train.eval_interval=0"))
+    assert len(list(run_dir.glob("metrics.*.jsonl"))) == 2  # both earlier runs kept
 
 
 def test_start_lines_say_what_a_user_would_miss(toy_data, tmp_path, capsys):  # noqa: F811

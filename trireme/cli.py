@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
 from trireme import __version__
@@ -113,7 +112,4 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("trireme: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # the reader went away (`trireme generate ... | head`): quietly
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # so that the exit's flush cannot fail again
-        return 141  # as a process that SIGPIPE stopped
+

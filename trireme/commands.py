@@ -4,6 +4,7 @@ trireme.cli dispatches to them."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -154,5 +155,19 @@ def generate_main(argv: list[str]) -> int:
         image=args.image,
     )
     if launched_rank() == 0:  # under torchrun: every rank has the text
-        print(text)
+        return print_result(text)
+    return 0
+
+
+def print_result(text: str) -> int:
+    """Print the generated text: 0, or 141 (as a process SIGPIPE stopped) and quietly when the
+    reader has gone (`trireme generate ... | head`)."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        try:  # so that the interpreter's last flush of stdout cannot fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout is not a file here
+            pass
+        return 141
     return 0

@@ -548,18 +548,27 @@ def write_run_config(cfg: Config, fresh: bool = False) -> Path:
     return run_dir
 
 
+def free_name(path: Path, suffix: str) -> Path:
+    """metrics.jsonl -> metrics.<suffix>.jsonl; tb -> tb.<suffix>."""
+    return path.with_name(f"{path.stem}.{suffix}{path.suffix}")
+
+
 def set_aside(run_dir: Path) -> None:
-    """Rename an earlier run's metrics.jsonl and config.toml in `run_dir` to
-    metrics.<time>.jsonl / config.<time>.toml (nothing is deleted), and say so."""
+    """Rename an earlier run's metrics.jsonl, config.toml and tb/ in `run_dir` to
+    metrics.<time>.jsonl, config.<time>.toml and tb.<time> (a counter after the time if those
+    are taken; nothing is deleted), and say so."""
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file() or metrics.stat().st_size == 0:
         return
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(metrics.stat().st_mtime))
+    paths = [p for p in (metrics, run_dir / "config.toml", run_dir / "tb") if p.exists()]
+    suffix, n = stamp, 1
+    while any(free_name(p, suffix).exists() for p in paths):  # never over an earlier one
+        n += 1
+        suffix = f"{stamp}-{n}"
     moved = []
-    for path in (metrics, run_dir / "config.toml"):
-        if path.is_file():
-            target = path.with_name(f"{path.stem}.{stamp}{path.suffix}")
-            os.replace(path, target)
-            moved.append(target.name)
+    for path in paths:
+        os.replace(path, free_name(path, suffix))
+        moved.append(free_name(path, suffix).name)
     print(f"trireme: {run_dir} held an earlier run's metrics (this run starts fresh): kept as "
-          f"{' and '.join(moved)}", file=sys.stderr)
+          f"{', '.join(moved)}", file=sys.stderr)
