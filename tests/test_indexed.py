@@ -213,8 +213,18 @@ def test_a_full_disk_is_one_line_and_leaves_no_temporaries(tmp_path):
     with pytest.raises(DataError, match="No space left on device"):
         writer.finalize()
     assert os.listdir(tmp_path) == []  # the .bin, the spools and the .idx temporaries are gone
-    with pytest.raises(DataError, match="writing .*failed"):
+    with pytest.raises(DataError, match="writing .*failed.*No space left"):
         with IndexedDatasetWriter(str(tmp_path / "e"), np.uint16) as w:
             w.add_document([4, 5])
-            raise OSError(errno.ENOSPC, "No space left on device")  # a write in the block
+            w._bin_file = _FullDisk(w._bin_file)
+            w._bin_file.write = _full  # the next document's tokens do not fit on the disk
+            w.add_document([6, 7])
     assert os.listdir(tmp_path) == []
+    with pytest.raises(PermissionError):  # anything else in the block stays what it is
+        with IndexedDatasetWriter(str(tmp_path / "f"), np.uint16) as w:
+            raise PermissionError(errno.EACCES, "an input that cannot be read")
+    assert os.listdir(tmp_path) == []
+
+
+def _full(data: bytes) -> int:
+    raise OSError(errno.ENOSPC, "No space left on device")

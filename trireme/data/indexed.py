@@ -24,6 +24,7 @@ import struct
 import uuid
 from collections.abc import Sequence
 from types import TracebackType
+from typing import Any
 
 import numpy as np
 
@@ -178,10 +179,9 @@ class IndexedDatasetWriter:
             raise DataError(f"{self.prefix}.idx: a sequence length is negative or above 2^31-1")
         if counts.size and counts.min() < 0:
             raise ValueError("a document cannot have a negative number of sequences")
-        self._bin_file.write(array.tobytes())
-        self._lengths_file.write(lengths.astype("<i4").tobytes())
         ends = self.num_sequences + np.cumsum(counts)
-        self._ends_file.write(ends.astype("<i8").tobytes())
+        self._write((self._bin_file, array), (self._lengths_file, lengths.astype("<i4")),
+                    (self._ends_file, ends.astype("<i8")))
         self.num_sequences += lengths.size
         self.num_documents += counts.size
         self.num_tokens += array.size
@@ -192,10 +192,11 @@ class IndexedDatasetWriter:
             raise RuntimeError(f"{self.prefix}: append after finalize")
         tokens = other.tokens
         for start in range(0, tokens.size, chunk_tokens):
-            self._bin_file.write(self._tokens_array(tokens[start : start + chunk_tokens]).tobytes())
-        self._lengths_file.write(np.asarray(other.sequence_lengths, dtype="<i4").tobytes())
+            self._write((self._bin_file,
+                         self._tokens_array(tokens[start : start + chunk_tokens])))
         ends = other.document_indices[1:].astype(np.int64) + self.num_sequences
-        self._ends_file.write(ends.astype("<i8").tobytes())
+        self._write((self._lengths_file, np.asarray(other.sequence_lengths, dtype="<i4")),
+                    (self._ends_file, ends.astype("<i8")))
         self.num_sequences += len(other)
         self.num_documents += other.num_documents
         self.num_tokens += other.num_tokens
@@ -213,6 +214,15 @@ class IndexedDatasetWriter:
             raise
         self._remove_spools()
         self._done = True
+
+    def _write(self, *pieces: tuple[Any, np.ndarray]) -> None:
+        """Each array's bytes to its file; a failed write (a full disk) is one DataError (the
+        `with` block or finalize then removes the temporaries)."""
+        try:
+            for file, array in pieces:
+                file.write(array.tobytes())
+        except OSError as e:
+            raise self.write_error(e) from None
 
     def write_error(self, error: OSError) -> DataError:
         """The one-line error of a failed write (a full disk), after `abort`."""
@@ -282,8 +292,6 @@ class IndexedDatasetWriter:
             return
         if not self._done:
             self.abort()
-        if isinstance(exc, OSError):  # a write failed (a full disk): one line, not a traceback
-            raise self.write_error(exc) from None
 
 
 def _map(path: str) -> np.ndarray:

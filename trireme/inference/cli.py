@@ -22,7 +22,7 @@ from trireme.inference.generate import first_non_finite, generate, printable_ids
 from trireme.inference.tensor_parallel import agreed_seed, any_rank, rank_device, start_ranks
 from trireme.models.gpt import GPT
 from trireme.models.vision import num_image_tokens
-from trireme.parallel.mesh import DistributedEnv, launched_world_size
+from trireme.parallel.mesh import DistributedEnv, init_distributed, launched_world_size
 from trireme.trainer import DTYPES, pick_device
 
 
@@ -66,14 +66,20 @@ def load_for_inference(checkpoint: str, tokenizer: str = "", device: str = "auto
         cfg.model.image_token_id = image_token_id(tok, tok_spec)
     env, ctx = DistributedEnv(), None
     if launched_world_size() > 1:
-        env, ctx = start_ranks(cfg.model, dev)
+        env = init_distributed(dev.type)
         dev = rank_device(env, dev)
-    model = model_from_state(cfg.model, ckpt.model, dev, dtype, ctx).eval()
-    bad = first_non_finite(model)
-    if any_rank(bad is not None, model.ctx.group("tensor"), dev):  # every rank stops
-        raise CheckpointError(f"checkpoint {ckpt.path} holds non-finite weights "
-                              f"({bad or 'a parameter on another rank'!r} has a NaN or inf): the "
-                              "run diverged before it was saved; use an earlier checkpoint")
+    try:
+        ctx = start_ranks(env, cfg.model, dev) if env.world_size > 1 else None
+        model = model_from_state(cfg.model, ckpt.model, dev, dtype, ctx).eval()
+        bad = first_non_finite(model)
+        if any_rank(bad is not None, model.ctx.group("tensor"), dev):  # every rank stops
+            where = repr(bad) if bad is not None else "a parameter on another rank"
+            raise CheckpointError(f"checkpoint {ckpt.path} holds non-finite weights ({where} "
+                                  "has a NaN or inf): the run diverged before it was saved; "
+                                  "use an earlier checkpoint")
+    except BaseException:
+        env.close()  # the process group this load started, if any
+        raise
     return LoadedModel(model, tok, cfg, Path(ckpt.path), tok_spec, env)
 
 

@@ -8,6 +8,7 @@ new token is one forward of length 1 at position start_pos, attending over the c
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from trireme.errors import TrainingError, TriremeError
 from trireme.models.cache import InferenceCache
@@ -139,8 +140,12 @@ def generate(
         generator = seeded(seed, device)
 
     def pick(logits: torch.Tensor) -> torch.Tensor:  # [b, vocab] -> [b]
-        return sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p,
-                           greedy=greedy, generator=generator)
+        ids = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                          greedy=greedy, generator=generator)
+        if model.tp is not None:  # tensor-parallel: every rank takes the first rank's ids
+            group = model.tp.group
+            dist.broadcast(ids, src=dist.get_global_rank(group, 0), group=group)
+        return ids
 
     was_training = model.training
     model.eval()

@@ -285,6 +285,13 @@ class DrainingServer(uvicorn.Server):
         self.runner, self.drain_s = runner, drain_s
         self.drain_timer: threading.Timer | None = None
 
+    def run(self, sockets=None) -> None:
+        try:
+            super().run(sockets=sockets)
+        finally:  # a drain that ended in time: its cut-off must not fire later
+            if self.drain_timer is not None:
+                self.drain_timer.cancel()
+
     def handle_exit(self, sig, frame) -> None:
         if self.drain_timer is None:
             cutoff = max(self.drain_s - DRAIN_MARGIN_S, self.drain_s / 2)

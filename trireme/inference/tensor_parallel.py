@@ -14,8 +14,9 @@ What keeps the ranks in step, so that their collectives meet:
 - the serving engine's scheduler is a function of its requests and its pool: the pool gets the
   smallest block count any rank can hold (`agreed_min`), and the requests come in the same
   order on every rank (each reads the same input file);
-- the engine broadcasts each step's sampled ids from rank 0 (`Engine(group=...)`), and one-prompt
-  generation agrees on its seed first (`agreed_seed`), so an unseeded sample cannot differ;
+- the sampled ids go out from rank 0 at every step (the engine's, whose group is its model's
+  tensor group, and `generate`'s), and one-prompt generation agrees on its seed first
+  (`agreed_seed`), so no rank's tokens can differ;
 - only rank 0 prints or writes the output file.
 The engine runs its plain path there (no CUDA graphs, no compiled pieces, no split-K kernels:
 they are not built for the row-parallel layers' all-reduce). `trireme serve` under torchrun keeps
@@ -31,16 +32,15 @@ import torch.distributed as dist
 
 from trireme.config import ModelConfig
 from trireme.parallel.context import ParallelContext, build_parallel_context
-from trireme.parallel.mesh import DistributedEnv, ParallelDims, ParallelMesh, init_distributed
+from trireme.parallel.mesh import DistributedEnv, ParallelDims, ParallelMesh
 
 
-def start_ranks(cfg: ModelConfig, device: torch.device) -> tuple[DistributedEnv, ParallelContext]:
-    """The process group from torchrun's variables and this rank's tensor-parallel context over
-    all ranks (collective; a one-line ConfigError if the model's heads, groups or features do
-    not divide among them). On CUDA each rank takes GPU LOCAL_RANK."""
-    env = init_distributed(device.type)
+def start_ranks(env: DistributedEnv, cfg: ModelConfig, device: torch.device) -> ParallelContext:
+    """This rank's tensor-parallel context over all ranks of `env` (init_distributed's: on CUDA
+    each rank has GPU LOCAL_RANK, `device`); collective; a one-line ConfigError if the model's
+    heads, groups or features do not divide among them."""
     mesh = ParallelMesh.build(ParallelDims(tensor=env.world_size), device.type)
-    return env, build_parallel_context(mesh, cfg, False, 0, rank_device(env, device))
+    return build_parallel_context(mesh, cfg, False, 0, device)
 
 
 def rank_device(env: DistributedEnv, device: torch.device) -> torch.device:
