@@ -13,6 +13,7 @@ import torch
 from test_train import read_metrics, tiny_cfg, toy_data  # noqa: F401  (toy_data is a fixture)
 
 from trireme.errors import ConfigError, TrainingError
+from trireme.inference.sample import print_sample
 from trireme.oom import write_memory_snapshot
 from trireme.train import train
 from trireme.trainer import Trainer
@@ -118,3 +119,16 @@ def test_start_lines_say_what_a_user_would_miss(toy_data, tmp_path, capsys):  # 
     assert "nothing to train: the checkpoint is at step 3 and train.steps = 2" in err
     assert "resuming with train.steps = 2 (saved with 3)" in err  # the schedule moves
     assert "warmup_steps" not in err  # nothing left to warm up
+
+
+def test_a_sample_prompt_longer_than_the_context_is_a_note(toy_data, tmp_path, capsys):  # noqa: F811
+    train(tiny_cfg(toy_data, tmp_path, "train.steps=1", "train.eval_interval=0",
+                   "train.sample_tokens=4", "train.sample_prompt=abcdefgh", "model.seq_length=8"),
+          on_finish=print_sample)  # returns: the run succeeded
+    assert "no sample: train.sample_prompt has 8 tokens" in capsys.readouterr().err
+
+
+def test_eval_steps_zero_with_evaluation_on_is_refused(toy_data, tmp_path):  # noqa: F811
+    with pytest.raises(ConfigError, match="train.eval_steps = 0 must be at least 1"):
+        tiny_cfg(toy_data, tmp_path, "train.eval_steps=0")
+    tiny_cfg(toy_data, tmp_path, "train.eval_steps=0", "train.eval_interval=0")  # off: fine

@@ -49,6 +49,9 @@ def _check_ranges(cfg: Config) -> None:
     if cfg.logging.straggler_factor < 0 or 0 < cfg.logging.straggler_factor <= 1:
         raise ConfigError(f"logging.straggler_factor = {cfg.logging.straggler_factor} must be > 1 "
                           "(e.g. 1.2), or 0 to turn the per-rank timing off")
+    if t.eval_interval and t.eval_steps < 1:
+        raise ConfigError(f"train.eval_steps = {t.eval_steps} must be at least 1 (batches per "
+                          "evaluation); train.eval_interval = 0 turns evaluation off")
     for name, v in [
         ("model.num_query_groups", m.num_query_groups),
         ("model.head_dim", m.head_dim),

@@ -46,6 +46,11 @@ def print_sample(trainer: Trainer) -> None:
         return
     tok = trainer.tokenizer
     prompt_ids = tok.encode(cfg.train.sample_prompt) or [tok.eod]
+    if len(prompt_ids) >= cfg.model.seq_length:  # no room for a token: a note, not a failed run
+        if trainer.is_main:
+            print(f"trireme: note: no sample: train.sample_prompt has {len(prompt_ids)} tokens "
+                  f"and model.seq_length is {cfg.model.seq_length}", file=sys.stderr, flush=True)
+        return
     if trainer.pipeline is not None:
         ids = sample_through_stages(trainer, prompt_ids)
     else:
