@@ -15,6 +15,7 @@ import pytest
 from distributed import run_ranks
 from serving import client, make_checkpoint, plain_request, stream_lines
 
+import trireme.inference.replicated as replicated
 from trireme.inference.cli import load_for_inference
 from trireme.inference.engine import Engine, EngineSettings
 from trireme.inference.sampling import SamplingParams
@@ -96,3 +97,19 @@ def test_serving_under_tensor_parallelism_answers_as_one_process(tmp_path):
     assert got["texts"] == expected
     assert got["streamed"] == expected[0] and got["after"] == expected[1]
     assert 'trireme_kv_blocks_used{model="ckpt"} 0' in got["metrics"]  # the one that left too
+
+
+def test_stopping_ends_the_requests_still_in_the_inbox(tmp_path, monkeypatch):
+    """A request submitted after the last step boundary is in no engine yet: a stop must end it
+    too (its handler waits for an output), and tell the other ranks once."""
+    sent = []
+    monkeypatch.setattr(replicated, "_send", lambda message, group, device: sent.append(message))
+    loaded = load_for_inference(str(make_checkpoint(tmp_path / "ckpt")), device="cpu")
+    leader = replicated.Leader(Engine(loaded.model, EngineSettings(**SETTINGS),
+                                      tokenizer=loaded.tokenizer))
+    outputs = []
+    leader.submit([5, 6, 7], SamplingParams(max_tokens=4), on_output=outputs.append)
+    leader.abort_all("cancelled")
+    leader.abort_all("cancelled")  # the drain's cut-off and the app's shutdown both stop it
+    assert [(o.finished, o.finish_reason) for o in outputs] == [(True, "cancelled")]
+    assert sent == [{"submit": [], "cancel": [], "stop": True}]

@@ -113,6 +113,11 @@ class Leader:
     def abort_all(self, reason: str) -> None:
         """End every request; at shutdown ("cancelled"), also tell the other ranks to stop (once,
         from the thread that stops the engine thread, after it ended)."""
+        if reason == "cancelled":  # stopping: the inbox's requests end too (not sent on)
+            with self.inbox_lock:
+                message, own = {**self.inbox, "stop": True}, self.own
+                self.inbox, self.own = {"submit": [], "cancel": []}, {}
+            _apply(self.engine, message, own)
         self.engine.abort_all(reason)
         if reason == "cancelled" and not self.stopped:
             self.stopped = True
