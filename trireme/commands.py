@@ -12,7 +12,7 @@ import torch
 from trireme.cli import split_overrides
 from trireme.config import AUTO_MICRO_BATCH, Config, load_config
 from trireme.errors import TriremeError
-from trireme.inference.batch import check_output, encodable, generate_file
+from trireme.inference.batch import check_output, generate_file
 from trireme.inference.cli import (
     add_engine_arguments,
     engine_from_args,
@@ -21,6 +21,7 @@ from trireme.inference.cli import (
 )
 from trireme.inference.sample import print_sample
 from trireme.inference.sampling import SamplingParams
+from trireme.inference.text import encodable
 from trireme.parallel.mesh import launched_rank, launched_world_size
 from trireme.plan.cli import fit_micro_batch, memory_check
 from trireme.train import train

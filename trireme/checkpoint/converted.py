@@ -92,11 +92,17 @@ def check_output_dir(output: Path) -> None:
 def _usual_modes(folder: Path) -> None:
     """Every file of `folder` readable as a new file would be (0666 less the umask): some writers
     create theirs 0600."""
-    mask = os.umask(0)
-    os.umask(mask)
+    mask = current_umask()
     for path in folder.rglob("*"):
         if path.is_file():
             path.chmod(0o666 & ~mask)
+
+
+def current_umask() -> int:
+    """The process's umask (read by setting it, then back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def copy_tokenizer_files(source: Path | None, target: Path) -> list[str]:

@@ -45,18 +45,22 @@ def newest_intact(root: Path, skip: Path | None = None) -> Path | None:
     return None
 
 
-def damaged(root: Path, path: Path, what: str) -> CheckpointError:
-    """The one-line error for resuming from a damaged checkpoint: what is wrong, and what the
-    newest intact checkpoint is (sha256 checked) and how to resume from it."""
+def damaged(root: Path, path: Path, what: str, reading_as: str = "") -> CheckpointError:
+    """The one-line error for a damaged checkpoint: what is wrong, and what the newest intact
+    checkpoint is (sha256 checked) and how to resume from it, or with `reading_as` (a reader's
+    flag, e.g. --checkpoint) how to read it."""
     intact = newest_intact(root, skip=path)
     if intact is None:
         hint = f"no intact checkpoint is left in {root}"
+    elif reading_as:
+        return CheckpointError(f"checkpoint {path} is damaged: {what}; give {intact} as "
+                               f"{reading_as} to read the newest intact one")
     else:
         step = int(STEP_RE.fullmatch(intact.name).group(1))
         hint = (f"the newest intact checkpoint is {intact.name}: resume from it with "
                 f"--checkpoint.resume_step=latest-intact (or ={step})")
-    return CheckpointError(f"checkpoint {path} is damaged: {what}; {hint}, or start fresh with "
-                           "--checkpoint.resume=never")
+    fresh = "" if reading_as else ", or start fresh with --checkpoint.resume=never"
+    return CheckpointError(f"checkpoint {path} is damaged: {what}; {hint}{fresh}")
 
 
 def _named_by_latest(root: Path) -> Path | None:
@@ -67,21 +71,22 @@ def _named_by_latest(root: Path) -> Path | None:
     return root / name if STEP_RE.fullmatch(name) else None
 
 
-def _latest(root: Path) -> list[Path]:
+def _latest(root: Path, reading_as: str = "") -> list[Path]:
     steps = sorted(directory.step_dirs(root))
     target = _named_by_latest(root) or (steps[-1][1] if steps else None)
     if target is None:
         return []  # nothing saved yet: a fresh start
     if not target.is_dir():
-        raise damaged(root, target, f"the directory is missing, but {root / LATEST_FILE} names it")
+        raise damaged(root, target, f"the directory is missing, but {root / LATEST_FILE} names it",
+                      reading_as)
     what = problem(target)
     if what is not None:
-        raise damaged(root, target, what)
+        raise damaged(root, target, what, reading_as)
     number = int(STEP_RE.fullmatch(target.name).group(1))
     for step, path in steps:  # a damaged step newer than `latest`: say so rather than skip it
         if step > number and (what := problem(path)) is not None:
             raise damaged(root, path, f"{what} (a step newer than {target.name}, which "
-                          f"{LATEST_FILE} names)")
+                          f"{LATEST_FILE} names)", reading_as)
     return [target]
 
 
@@ -124,14 +129,7 @@ def latest_to_read(root: str | Path, name: str) -> Path | None:
     `latest` names, as resuming picks it (None: there is none). If that one or a newer step
     directory is damaged, a one-line CheckpointError naming it and the newest intact step
     directory to give as `name` instead: an older checkpoint is never read silently."""
-    root = Path(root)
-    try:
-        found = _latest(root)
-    except CheckpointError as e:
-        intact = newest_intact(root)
-        hint = (f"give {intact} as {name} to read the newest intact one" if intact is not None
-                else f"no intact checkpoint is left in {root}")
-        raise CheckpointError(f"{str(e).split('; ')[0]}; {hint}") from None
+    found = _latest(Path(root), reading_as=name)
     return found[0] if found else None
 
 

@@ -21,10 +21,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from trireme.checkpoint.converted import current_umask
 from trireme.data.tokenizer_base import Tokenizer
 from trireme.errors import TriremeError
 from trireme.inference.engine import Engine
 from trireme.inference.sampling import SamplingParams
+from trireme.inference.text import encodable
 
 # field -> the JSON types it takes (bool is not a number here)
 FIELDS: dict[str, tuple[type, ...]] = {
@@ -90,16 +92,6 @@ def _parse(line: str, defaults: SamplingParams, engine: Engine, tokenizer: Token
     return item, ids, params
 
 
-def encodable(text: str) -> bool:
-    """Whether `text` is valid Unicode (JSON's escapes can carry a lone surrogate, "\\udfff",
-    which no tokenizer or file takes)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def check_output(output_path: str) -> None:
     """A TriremeError now, before any prompt runs, if `output_path` cannot be the output file."""
     target = Path(output_path)
@@ -136,10 +128,3 @@ def generate_file(input_path: str, output_path: str, engine: Engine, tokenizer: 
         Path(tmp).unlink(missing_ok=True)
         raise
     return len(items)
-
-
-def current_umask() -> int:
-    """The process's umask (read by setting it, then back)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask

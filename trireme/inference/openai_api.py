@@ -23,6 +23,7 @@ from trireme.errors import TriremeError
 from trireme.inference.chat import ROLES, ChatFormat
 from trireme.inference.image_parts import VISION_STOP, VisionInputs, image_url, vision_prompt
 from trireme.inference.sampling import SamplingParams
+from trireme.inference.text import encodable
 
 
 class ApiError(TriremeError):
@@ -90,11 +91,9 @@ def _refuse_unsupported(body: dict) -> None:
 def text_field(value: str, name: str) -> str:
     """`value` if it is text that can be encoded (JSON's escapes let a body carry a lone UTF-16
     surrogate, "\\ud800", which no tokenizer takes): else a 400 naming the field."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
+    if not encodable(value):
         raise ApiError(400, f"{name} holds invalid Unicode (a lone surrogate escape such as "
-                       "\\ud800)", name) from None
+                       "\\ud800)", name)
     return value
 
 

@@ -71,3 +71,13 @@ class TextStream:
         piece = self.text[self.sent : end]
         self.sent = end
         return piece
+
+
+def encodable(text: str) -> bool:
+    """Whether `text` is valid Unicode (JSON's escapes can carry a lone surrogate, "\\udfff",
+    which no tokenizer or file takes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
