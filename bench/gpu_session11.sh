@@ -6,6 +6,7 @@
 #   bash bench/gpu_session11.sh raw    # the raw qkv inputs (RoPE in the paged kernel), with
 #                                      # and without a split qkv, against the default
 #   bash bench/gpu_session11.sh chain  # the chained decode: determinism, error, step time
+#   bash bench/gpu_session11.sh fp8x3  # three pairs in one call (session 13)
 #   bash bench/gpu_session11.sh gpt2   # gpt2-124m at micro batch 32 (the preset's), 64, 16,
 #                                      # and compiled with max-autotune (model.compile_mode)
 #   (no machine was lent in session 11: none of these has run yet)
@@ -31,6 +32,11 @@ qkv)
     pair 1
     ;;
 fp8)
+    pair 2
+    pair 3
+    ;;
+fp8x3)  # session 13: three bf16 / fp8 pairs in one call (the 1.3x from three fresh runs each)
+    pair 1
     pair 2
     pair 3
     ;;
