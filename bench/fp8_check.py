@@ -158,7 +158,7 @@ def bench_block(args) -> dict:
 
     from trireme.config import load_config
     from trireme.models.block import Block
-    from trireme.ops.fp8 import convert_to_float8
+    from trireme.ops.fp8_training import convert_to_float8
     from trireme.ops.rope import RotaryEmbedding, rope_frequencies
     from trireme.parallel.context import ParallelContext
 

@@ -19,12 +19,12 @@ from trireme.ops.fp8 import (
     E5M2,
     Float8Linear,
     check_fp8_device,
-    convert_to_float8,
     dequantize,
     fp8_linear,
     fp8_scale,
     quantize,
 )
+from trireme.ops.fp8_training import convert_to_float8
 
 FP8_TOL = 0.08  # relative Frobenius error of an fp8 matmul (3 mantissa bits: 2^-4 per element)
 
@@ -282,7 +282,7 @@ def test_torchao_backend_matches_trireme():
     """model.fp8_backend = "torchao": the same layers swapped, the same parameters kept, and the
     same recipe, so the loss agrees with trireme's own fp8 linears (both emulated here)."""
     pytest.importorskip("torchao.float8")
-    from trireme.ops.fp8 import to_fp8_training
+    from trireme.ops.fp8_training import to_fp8_training
 
     ours, theirs = GPT(tiny_model_config()), GPT(tiny_model_config())
     params = list(theirs.parameters())
@@ -299,7 +299,7 @@ def test_torchao_backend_missing_is_a_clear_error(monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "torchao.float8", None)  # import fails as if not installed
-    from trireme.ops.fp8 import to_fp8_training
+    from trireme.ops.fp8_training import to_fp8_training
 
     with pytest.raises(ConfigError, match="needs the torchao package"):
         to_fp8_training(GPT(tiny_model_config()), "cpu", emulate=True, backend="torchao")

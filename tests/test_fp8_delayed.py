@@ -19,16 +19,8 @@ from trireme.config import FP8_LAYER_NAMES, load_config, validate
 from trireme.errors import ConfigError
 from trireme.models.gpt import GPT
 from trireme.ops import fp8_head, fused_cross_entropy
-from trireme.ops.fp8 import (
-    E4M3,
-    E5M2,
-    DelayedFloat8Linear,
-    Float8Linear,
-    convert_to_float8,
-    dequantize,
-    quantize,
-    start_fp8_step,
-)
+from trireme.ops.fp8 import E4M3, E5M2, Float8Linear, dequantize, quantize
+from trireme.ops.fp8_training import DelayedFloat8Linear, convert_to_float8, start_fp8_step
 from trireme.ops.fused_cross_entropy import fused_linear_cross_entropy
 
 

@@ -18,7 +18,7 @@ import torch
 
 from trireme.config import load_config
 from trireme.models.gpt import GPT
-from trireme.ops.fp8 import convert_to_float8
+from trireme.ops.fp8_training import convert_to_float8
 from trireme.plan.activations import fp8_weight_bytes, layer_bytes, shape_of
 
 

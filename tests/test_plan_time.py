@@ -17,7 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from trireme.config import load_config
-from trireme.ops.fp8 import DelayedFloat8Matmul, fp8_linear
+from trireme.ops.fp8 import fp8_linear
+from trireme.ops.fp8_training import DelayedFloat8Matmul
 from trireme.plan.activations import head_bytes, shape_of
 from trireme.plan.rates import load_rates
 from trireme.plan.time import FP8_AMAX_BYTES, FP8_EAGER_BYTES, FP8_TRANSPOSE_BYTES

@@ -47,7 +47,8 @@ from trireme.models.gpt import GPT
 from trireme.models.init import init_parameters
 from trireme.models.stages import StageSpec, bubble_fraction, check_pipeline, rank_stages
 from trireme.models.vision import check_freeze_patterns, freeze_parameters, num_image_tokens
-from trireme.ops.fp8 import fp8_targets, to_fp8_training
+from trireme.ops.fp8 import fp8_targets
+from trireme.ops.fp8_training import to_fp8_training
 from trireme.optim.optimizer import MixedPrecisionOptimizer
 from trireme.parallel.context import ParallelContext, build_parallel_context
 from trireme.parallel.context_parallel import MODES as CONTEXT_MODES

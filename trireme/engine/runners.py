@@ -37,7 +37,7 @@ from trireme.engine.data_parallel import BucketReducer, data_parallel_loss
 from trireme.engine.fsdp import GradientSyncSwitch
 from trireme.engine.pipeline import PipelineSchedule
 from trireme.engine.stragglers import RankTimes
-from trireme.ops.fp8 import start_fp8_step
+from trireme.ops.fp8_training import start_fp8_step
 from trireme.optim.optimizer import MixedPrecisionOptimizer
 from trireme.parallel.context_parallel import split_batch
 
