@@ -37,7 +37,7 @@ from trireme.engine.data_parallel import BucketReducer, data_parallel_loss
 from trireme.engine.fsdp import GradientSyncSwitch
 from trireme.engine.pipeline import PipelineSchedule
 from trireme.engine.stragglers import RankTimes
-from trireme.ops.fp8_training import start_fp8_step
+from trireme.ops.fp8_training import end_fp8_step, start_fp8_step
 from trireme.optim.optimizer import MixedPrecisionOptimizer
 from trireme.parallel.context_parallel import split_batch
 
@@ -120,6 +120,8 @@ class StepRunner:
         if self.grad_sync is not None:
             self.grad_sync()
         loss = data_parallel_loss(loss, self.dp_group, self.dp_size)
+        for chunk in self.chunks:  # fp8: the weights' casts are this step's, W changes now
+            end_fp8_step(chunk)
         result = self.optimizer.step(lr, loss)
         result["loss"] = loss
         moe = {name: stats for chunk in self.chunks for name, stats in chunk.after_step().items()}

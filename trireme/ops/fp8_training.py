@@ -31,8 +31,12 @@ pending amaxes into the history and recomputes the scales. Nothing reads them on
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from trireme.errors import ConfigError
 from trireme.ops.fp8 import (
@@ -66,22 +70,29 @@ class DelayedFloat8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None,
-                amax_sink: torch.Tensor, emulate: bool) -> torch.Tensor:
-        x_amax, w_amax = amax_by_rows(x), amax(weight)  # recorded, a side output of the cast
-        if scales is None:  # current scaling: the scale waits for the amax
-            x_scale, w_scale = scale_from_amax(x_amax, E4M3), scale_from_amax(w_amax, E4M3)
-        else:  # delayed: known before x exists
-            x_scale, w_scale = scales[0], scales[1]
+                amax_sink: torch.Tensor, emulate: bool, w_cast: torch.Tensor | None = None,
+                w_cast_t: torch.Tensor | None = None,
+                w_stats: torch.Tensor | None = None) -> torch.Tensor:
+        x_amax = amax_by_rows(x)  # recorded, a side output of the cast
+        x_scale = scale_from_amax(x_amax, E4M3) if scales is None else scales[0]
+        if w_cast is None:  # W cast here, every micro batch
+            w_amax = amax(weight)
+            w_scale = scale_from_amax(w_amax, E4M3) if scales is None else scales[1]
+            w_q, _ = quantize(weight, E4M3, w_scale)
+            w_back = w_q  # backward makes its column-major copy
+        else:  # cast once this step (cast_weight): q(W), q(W)^T and [amax, scale]
+            w_q, w_back, w_amax, w_scale = w_cast, w_cast_t, w_stats[0], w_stats[1]
         x_q, _ = quantize(x, E4M3, x_scale)
-        w_q, _ = quantize(weight, E4M3, w_scale)
-        ctx.save_for_backward(x_q, x_scale, w_q, w_scale, x_amax, w_amax, scales)
+        ctx.save_for_backward(x_q, x_scale, w_back, w_scale, x_amax, w_amax, scales)
         ctx.emulate, ctx.x_dtype, ctx.w_dtype = emulate, x.dtype, weight.dtype
+        ctx.transposed = w_cast is not None
         return scaled_matmul(x_q, x_scale, w_q.t(), w_scale, x.dtype, emulate,
                              fast_accum=True)  # [M, N]
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
-        x_q, x_scale, w_q, w_scale, x_amax, w_amax, scales = ctx.saved_tensors
+        x_q, x_scale, w_back, w_scale, x_amax, w_amax, scales = ctx.saved_tensors
+        w_q = w_back.t() if ctx.transposed else w_back  # [N, K], column-major when cast once
         g_amax = amax_by_rows(grad_y)
         g_scale = scale_from_amax(g_amax, E5M2) if scales is None else scales[2]
         g_q, _ = quantize(grad_y, E5M2, g_scale)
@@ -90,7 +101,32 @@ class DelayedFloat8Matmul(torch.autograd.Function):
             grad_x = scaled_matmul(g_q, g_scale, w_q, w_scale, ctx.x_dtype, ctx.emulate)
         if ctx.needs_input_grad[1]:  # dL/dW = g^T x: [N, M] @ [M, K]
             grad_w = scaled_matmul(g_q.t(), g_scale, x_q, x_scale, ctx.w_dtype, ctx.emulate)
-        return grad_x, grad_w, None, torch.stack([x_amax, w_amax, g_amax]), None
+        amaxes = torch.stack([x_amax, w_amax, g_amax])
+        return grad_x, grad_w, None, amaxes, None, None, None, None
+
+
+def cast_weight(weight: torch.Tensor, scale: torch.Tensor | None, out: torch.Tensor,
+                out_t: torch.Tensor, stats: torch.Tensor) -> None:
+    """W's e4m3 cast, once per optimizer step, into `out` ([N, K]), `out_t` (its transpose,
+    contiguous [K, N]: the column-major operand of the backward's dx = g W) and `stats`
+    ([amax(W), s]); s = `scale`, or from the amax when None (current scaling). The same
+    numbers as DelayedFloat8Matmul's cast of W in its forward (the plain path)."""
+    w_amax = amax(weight)
+    s = scale_from_amax(w_amax, E4M3) if scale is None else scale
+    q, _ = quantize(weight, E4M3, s)
+    out.copy_(q)
+    out_t.copy_(q.t())
+    stats.copy_(torch.stack([w_amax, s]))
+
+
+CAST_BUFFERS = ("weight_fp8", "weight_fp8_t", "weight_fp8_stats")
+
+
+@functools.cache
+def compiled_cast_weight() -> Callable:
+    """cast_weight through torch.compile (one pass over W on a GPU; shapes dynamic, so one
+    graph serves every linear, plus one for the first step's current scaling)."""
+    return torch.compile(cast_weight, dynamic=True, fullgraph=True)
 
 
 class DelayedFloat8Linear(Float8Linear):
@@ -100,7 +136,17 @@ class DelayedFloat8Linear(Float8Linear):
     x, W, g; column 0 the newest step), `amax_pending` [3] (this step's running max) and
     `scales` [3] (fp8_max / the history's max, what the casts use). `delayed_ready` is False
     until the first `start_step()` after a recorded step: until then the layer scales currently.
+
+    W is cast once per optimizer step (`start_step`, with `cache_weight`, the default) into
+    `weight_fp8`, its transpose `weight_fp8_t` and `weight_fp8_stats` ([amax, scale]), which every
+    micro batch of the step then reads: W does not change within a step, so these are the
+    numbers the plain path (`cache_weight = False`: cast in every forward) computes, bit for bit.
+    The cast is dropped (`drop_cast`) when the step ends, and when W's version counter says it
+    changed since (an eager forward, or the converted model's forward pre-hook, looks); a
+    DTensor weight (FSDP) is cast in every forward.
     """
+
+    cache_weight = True  # False: W cast in every forward (the plain path, for tests)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
                  dtype=None, *, emulate: bool = False, history: int = AMAX_HISTORY) -> None:
@@ -119,6 +165,10 @@ class DelayedFloat8Linear(Float8Linear):
         self._new_sink(device)
         self.delayed_ready = False  # scales from the history (else: current scaling)
         self.recorded = False  # a step has started since the buffers were made
+        for name in CAST_BUFFERS:  # made by the first cast_weight
+            self.register_buffer(name, None, persistent=False)
+        self.cast_ready = False  # weight_fp8 ... hold this step's W
+        self.cast_version = -1  # W's version counter when it was cast
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, emulate: bool = False,
@@ -142,6 +192,9 @@ class DelayedFloat8Linear(Float8Linear):
         sink = self._buffers["amax_sink"]
         if not sink.requires_grad or sink.dtype != torch.float32:
             self._new_sink(sink.device)
+        for name in CAST_BUFFERS:  # made again (fp8, on the new device) by the next cast
+            self._buffers[name] = None
+        self.cast_ready = False
         return self
 
     @torch.no_grad()
@@ -165,12 +218,46 @@ class DelayedFloat8Linear(Float8Linear):
             self.scales.copy_(torch.where(top > 0, new_scales, self.scales))
             self.delayed_ready = True
         self.recorded = True
+        self._cast_weight()
+
+    def _cast_weight(self) -> None:
+        """W's e4m3 cast for this step's micro batches (class docstring), with the scale they
+        would use: the history's, or W's own amax on the first step."""
+        weight = self.weight
+        if not self.cache_weight or isinstance(weight, DTensor) or weight.is_meta:
+            self.cast_ready = False
+            return
+        if self.weight_fp8 is None or self.weight_fp8.shape != weight.shape:
+            n, k = weight.shape
+            self.weight_fp8 = torch.empty(n, k, dtype=E4M3, device=weight.device)
+            self.weight_fp8_t = torch.empty(k, n, dtype=E4M3, device=weight.device)
+            self.weight_fp8_stats = torch.empty(2, dtype=torch.float32, device=weight.device)
+        cast = compiled_cast_weight() if weight.is_cuda else cast_weight
+        cast(weight.detach(), self.scales[1] if self.delayed_ready else None, self.weight_fp8,
+             self.weight_fp8_t, self.weight_fp8_stats)
+        self.cast_version, self.cast_ready = weight._version, True
+
+    def drop_cast(self) -> None:
+        """W is about to change (the optimizer step): forwards cast it themselves until the
+        next start_step."""
+        self.cast_ready = False
+
+    def check_cast(self) -> None:
+        """Drop the cast if W changed since it was made (its version counter moved)."""
+        if self.cast_ready and self.weight._version != self.cast_version:
+            self.cast_ready = False
 
     def _matmul(self, x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         scales = self.scales if self.delayed_ready else None
+        if self.cast_ready:  # a Python attribute: compiled code guards on it
+            return DelayedFloat8Matmul.apply(x2d, weight, scales, self.amax_sink, self.emulate,
+                                             self.weight_fp8, self.weight_fp8_t,
+                                             self.weight_fp8_stats)
         return DelayedFloat8Matmul.apply(x2d, weight, scales, self.amax_sink, self.emulate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():  # (compiled: the model's pre-hook has looked)
+            self.check_cast()
         return fp8_linear(x, self.weight, self.bias, self.emulate, self._matmul)
 
     def extra_repr(self) -> str:
@@ -178,10 +265,27 @@ class DelayedFloat8Linear(Float8Linear):
 
 
 def start_fp8_step(model: nn.Module) -> None:
-    """Roll every delayed-scaling layer's amax history (once per optimizer step)."""
+    """Roll every delayed-scaling layer's amax history and cast its weight (once per optimizer
+    step, before the step's first forward)."""
     for module in model.modules():
         if isinstance(module, DelayedFloat8Linear):
             module.start_step()
+
+
+def end_fp8_step(model: nn.Module) -> None:
+    """Drop every delayed-scaling layer's weight cast (before the optimizer step changes W)."""
+    for module in model.modules():
+        if isinstance(module, DelayedFloat8Linear):
+            module.drop_cast()
+
+
+def check_weight_casts(model: nn.Module, args) -> None:
+    """A forward pre-hook of a converted model: drop the weight casts of layers whose W changed
+    since (a loop that steps its optimizer without end_fp8_step; the compiled blocks cannot
+    read a version counter themselves)."""
+    for module in model.modules():
+        if isinstance(module, DelayedFloat8Linear):
+            module.check_cast()
 
 
 def to_fp8_training(model: nn.Module, device: torch.device | str, emulate: bool = False,
@@ -263,4 +367,6 @@ def convert_to_float8(model: nn.Module, emulate: bool = False,
             new = Float8Linear.from_linear(module, emulate)
         setattr(model.get_submodule(parent_name), attr, new)
         swapped.append(name)
+    if scaling == "delayed" and swapped:
+        model.register_forward_pre_hook(check_weight_casts)
     return swapped
