@@ -32,7 +32,7 @@ sys.path.insert(0, str(HERE.parent))
 POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "tables_ptr": "*i64",
             "lengths_ptr": "*i64", "out_ptr": "*bf16", "part_m_ptr": "*fp32",
             "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "k_new_ptr": "*bf16",
-            "v_new_ptr": "*bf16", "slots_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+            "v_new_ptr": "*bf16", "slots_ptr": "*i64"}
 DEFAULT = ["v1:1:64:4:0", "v1:1:128:8:0", "v2:1:64:4:0", "v2:2:32:4:0", "v2:4:32:8:0",
            "v2:8:16:8:0", "v2:1:64:4:1", "v2:2:32:4:1"]
 
@@ -49,9 +49,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with the fused store of the step's keys (the kernels' NEW)")
     p.add_argument("--early", action="store_true",
                    help="v2 with PDL and its first tile read before the wait (EARLY)")
-    p.add_argument("--raw", type=int, default=0, metavar="PLANES",
-                   help="v2 with --new: q, k_new, v_new as PLANES planes (fp32 when > 1) and "
-                        "RoPE applied as they load (the kernel's PARTS, ROPE)")
     p.add_argument("--out", default=str(HERE / "results" / "paged_kernel_static.json"))
     return p.parse_args(argv)
 
@@ -85,20 +82,14 @@ def compile_one(setting: str, args) -> dict:
     consts = dict(GROUPS=args.groups, GROUPS_POW2=max(16, triton.next_power_of_2(args.groups)),
                   D=args.head_size, BLOCK=args.block_size, TILE=tile, SPLITS=args.splits,
                   NEW=args.new)
-    if variant == "v1" and args.raw:
-        raise SystemExit(f"{setting}: --raw is v2's (v1 takes decode_inputs.prepared's tensors)")
     if variant == "v1":
         fn, heads = kernels._paged_decode_kernel, 1
         consts["HEADS_FIRST"] = False
     else:
         fn = kernels._paged_decode_v2_kernel
         consts.update(HEADS=heads, PREFETCH=prefetch == "1", PDL=args.early,
-                      PARTS=max(args.raw, 1), ROPE=args.raw > 0,
-                      EARLY=args.early and prefetch != "1")
-    pointers = dict(POINTERS)
-    if args.raw > 1 and variant == "v2":
-        pointers.update({n: "*fp32" for n in ("q_ptr", "k_new_ptr", "v_new_ptr")})
-    signature = {n: pointers.get(n) or ("constexpr" if n in consts else
+                      EARLY=args.early and prefetch != "1", LINE=64)  # bf16: 128-byte lines
+    signature = {n: POINTERS.get(n) or ("constexpr" if n in consts else
                                         "fp32" if n == "scale" else "i32") for n in fn.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
                if n.startswith("stride") or n.endswith("_ptr")}

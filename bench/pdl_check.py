@@ -5,8 +5,8 @@ every kernel is deterministic, so without a race the tokens are the same, every 
 
     python bench/pdl_check.py                   # on the GPU
     python bench/pdl_check.py --smoke           # a tiny model on the CPU (PDL never applies)
-    python bench/pdl_check.py --env TRIREME_DECODE_CHAIN --values 1,1   # another switch: here
-        # the chained decode twice (its semaphores: a race would not give the same tokens)
+    python bench/pdl_check.py --env TRIREME_PDL_PREFETCH --values 0,1   # another switch: here
+        # the early L2 prefetch off and on
 
 Prints the requests whose tokens differ; writes JSON (default bench/results/pdl_check.json).
 """

@@ -197,21 +197,3 @@ def compile_recorded_for_sm90(module, call) -> list:
         compiled.append(compile_for_sm90(jit, consts, types, options.get("num_warps", 4),
                                          options.get("num_stages", 3)))
     return compiled
-
-
-# Prepend to a script whose kernels round fp32 to bf16 (x.to(tl.bfloat16)) and whose result is
-# compared bit for bit: Triton 3.9's interpreter truncates such casts, where the GPU (cvt.rn) and
-# torch round to nearest even; this rounds as they do (finite values).
-BF16_ROUND = """
-import numpy as _np
-from triton.runtime import interpreter as _interp
-import triton.language as _tl
-_plain_cast = _interp.InterpreterBuilder.cast_impl
-def _cast_impl(self, src, dst_type):
-    if src.dtype.scalar == _tl.float32 and dst_type.scalar == _tl.bfloat16:
-        bits = src.data.astype(_np.float32).view(_np.uint32).astype(_np.uint64)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        return _interp.TensorHandle(bits.astype(_np.uint16), _tl.bfloat16)
-    return _plain_cast(self, src, dst_type)
-_interp.InterpreterBuilder.cast_impl = _cast_impl
-"""

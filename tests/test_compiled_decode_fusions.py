@@ -338,41 +338,36 @@ model = model_of(config(qk_norm=False))
 texts = prompts(5, seed=2, longest=12)
 params = [SamplingParams(max_tokens=3 + i % 4, greedy=True) for i in range(len(texts))]
 
-def tokens(compiled, raw=False):
+def tokens(compiled):
     engine = Engine(model, EngineSettings(block_size=4, max_running=4))
     if compiled:
         engine.graphs = EagerGraphs(model, engine.cache, 4, 4)
-        engine.cache.compiled_layer = compiled_layer("aot_eager", raw=raw)
+        engine.cache.compiled_layer = compiled_layer("aot_eager")
     with torch.no_grad():
         return [r.output_ids for r in engine.generate(texts, params)]
 
 want = tokens(False)  # eager: index_copy_, then the gather path
 real, layouts = paged.paged_decode_attention, []
-def through_kernel(q, k_pool, v_pool, tables, lengths, backend="auto", new=None, rope=None):
+def through_kernel(q, k_pool, v_pool, tables, lengths, backend="auto", new=None):
     if new is None:
         return real(q, k_pool, v_pool, tables, lengths, backend)
-    layouts.append([q.is_contiguous(), new[0].is_contiguous(), new[1].is_contiguous(),
-                    q.dim(), rope is not None])
-    return kernels.paged_decode_attention(q, k_pool, v_pool, tables, lengths, new=new,
-                                          rope=rope)
+    layouts.append([q.is_contiguous(), new[0].is_contiguous(), new[1].is_contiguous()])
+    return kernels.paged_decode_attention(q, k_pool, v_pool, tables, lengths, new=new)
 paged.paged_decode_attention = through_kernel
 got = tokens(True)
-raw = tokens(True, raw=True)  # the qkv output's plane and RoPE into the kernel
-print(json.dumps({"want": want, "got": got, "raw": raw, "layouts": layouts}))
+print(json.dumps({"want": want, "got": got, "layouts": layouts}))
 """
 
 
 def test_compiled_decode_steps_hand_the_kernel_views_and_give_the_eager_tokens():
     """The llama shape's compiled decode steps (graph buckets, aot_eager) with the fused kernel
     (through the interpreter): q, k, v reach it as strided views of the qkv output, and the
-    tokens are the eager engine's (index_copy_ + the gather path); so are they with the raw
-    qkv inputs (compiled_decode._project_raw: the kernel applies RoPE)."""
+    tokens are the eager engine's (index_copy_ + the gather path)."""
     pytest.importorskip("triton")
     script = ENGINE_SCRIPT.replace("TESTS", repr(str(Path(__file__).parent)))
     out = json.loads(run_in_interpreter(script).splitlines()[-1])
-    assert out["got"] == out["want"] and out["raw"] == out["want"], out
-    assert [False, False, False, 3, False] in out["layouts"], out
-    assert [False, False, False, 4, True] in out["layouts"], out  # raw: one plane, rotated
+    assert out["got"] == out["want"], out
+    assert out["layouts"] and [False, False, False] in out["layouts"], out
 
 
 @pytest.mark.slow  # cold Inductor C++ compiles of five pieces: ~20 s on two cores

@@ -86,17 +86,16 @@ def test_the_decode_step_kernels_compile_with_pdl(monkeypatch):
     x = torch.empty(64, 2048, dtype=BF16)
     q, pool = torch.empty(64, 32, 64, dtype=BF16), torch.empty(64 * 42, 16, 8, 64, dtype=BF16)
     tables, lengths = torch.zeros(64, 42, dtype=torch.long), torch.full((64,), 667)
-    qkv = torch.empty(4, 64, 48, 64)  # the compiled step's raw inputs: split qkv planes, RoPE
-    new = (qkv[:, :, 32:40], qkv[:, :, 40:], torch.zeros(64, dtype=torch.long))
-    rope = (torch.empty(64, 64), torch.empty(64, 64))
+    qkv = torch.empty(64, 48, 64, dtype=BF16)  # the compiled step's views of its qkv output
+    new = (qkv[:, 32:40], qkv[:, 40:], torch.zeros(64, dtype=torch.long))
     calls = {"skinny_gemm_triton": lambda: (
                  skinny_mm(x, torch.empty(16384, 2048, dtype=BF16), 1, 64, 128, 64, glu=True),
                  skinny_mm(torch.empty(64, 8192, dtype=BF16), torch.empty(2048, 8192, dtype=BF16),
                            4, 64, 128, 64, num_stages=5)),
              "paged_attention_triton": lambda: (
                  paged_decode_attention(q, pool, pool, tables, lengths, variant="v2"),
-                 paged_decode_attention(qkv[:, :, :32], pool, pool, tables, lengths,
-                                        variant="v2", new=new, rope=rope)),
+                 paged_decode_attention(qkv[:, :32], pool, pool, tables, lengths,
+                                        variant="v2", new=new)),
              "argmax_triton": lambda: greedy_and_finite(torch.empty(64, 128256, dtype=BF16),
                                                         programs=PROGRAMS_PER_SM * 132)}
     for name, call in calls.items():
@@ -132,30 +131,26 @@ def test_early_reads_are_l2_prefetches_before_the_wait(monkeypatch):
     """With $TRIREME_PDL_PREFETCH (trireme.ops.pdl.early_reads) the split-K GEMMs and the paged
     kernel prefetch into the L2, before griddepcontrol.wait, weight tiles and the first tile of
     pooled keys and values: no store, atomic or async copy comes before the wait (the paged
-    kernel loads its step inputs there: 64-bit loads; q and the new keys, bf16 / fp32, come
-    after; the GEMMs load nothing), and no more register spills than without it; without it,
+    kernel loads its step inputs there: 64-bit loads; q and the new keys, bf16, come after;
+    the GEMMs load nothing), and no more register spills than without it; without it,
     no prefetch. (Compiled this way, without the launch's alignment hints, the shipped paged
     kernel spills already, as it did before these changes.)"""
     import trireme.ops.paged_attention_triton as paged
     import trireme.ops.skinny_gemm_triton as gemm
 
     x = torch.empty(64, 2048, dtype=BF16)
-    residual = (x, torch.empty_like(x), torch.empty(32, 64), torch.zeros(128, dtype=torch.int32))
     q, pool = torch.empty(64, 32, 64, dtype=BF16), torch.empty(64 * 42, 16, 8, 64, dtype=BF16)
     tables, lengths = torch.zeros(64, 42, dtype=torch.long), torch.full((64,), 667)
-    qkv = torch.empty(4, 64, 48, 64)  # the raw inputs: split qkv planes, RoPE
-    new = (qkv[:, :, 32:40], qkv[:, :, 40:], torch.zeros(64, dtype=torch.long))
-    rope = (torch.empty(64, 64), torch.empty(64, 64))
-    norm = (torch.empty(32, 64), torch.empty(2048, dtype=BF16), 1e-5)
+    qkv = torch.empty(64, 48, 64, dtype=BF16)  # the decode step's views of its qkv output
+    new = (qkv[:, 32:40], qkv[:, 40:], torch.zeros(64, dtype=torch.long))
     calls = {gemm: lambda: (
                  gemm.skinny_mm(x, torch.empty(16384, 2048, dtype=BF16), 1, 64, 128, 64,
-                                glu=True, norm=norm),
-                 gemm.skinny_mm(x, torch.empty(2048, 2048, dtype=BF16), 4, 64, 128, 64,
-                                residual=residual)),
+                                glu=True),
+                 gemm.skinny_mm(x, torch.empty(2048, 2048, dtype=BF16), 4, 64, 128, 64)),
              paged: lambda: (
                  paged.paged_decode_attention(q, pool, pool, tables, lengths, variant="v2"),
-                 paged.paged_decode_attention(qkv[:, :, :32], pool, pool, tables, lengths,
-                                              variant="v2", new=new, rope=rope))}
+                 paged.paged_decode_attention(qkv[:, :32], pool, pool, tables, lengths,
+                                              variant="v2", new=new))}
     for module, call in calls.items():
         monkeypatch.setattr(module, "launch_pdl", lambda t: True)
         spills = {}

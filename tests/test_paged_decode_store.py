@@ -156,12 +156,11 @@ def tokens(graphs, compiled):
 
 want = tokens(False, False)  # index_copy_, then the gather path
 real, fused = paged.paged_decode_attention, []
-def through_kernel(q, k_pool, v_pool, tables, lengths, backend="auto", new=None, rope=None):
+def through_kernel(q, k_pool, v_pool, tables, lengths, backend="auto", new=None):
     if new is None:
         return real(q, k_pool, v_pool, tables, lengths, backend)
     fused.append(q.shape[0])  # the CPU dispatcher would gather: run the kernel as CUDA would
-    return kernels.paged_decode_attention(q, k_pool, v_pool, tables, lengths, new=new,
-                                          rope=rope)
+    return kernels.paged_decode_attention(q, k_pool, v_pool, tables, lengths, new=new)
 paged.paged_decode_attention = through_kernel
 got, calls = {}, {}
 for name, graphs, compiled in [("eager", False, False), ("graphs", True, False),
@@ -193,7 +192,7 @@ def test_a_failing_kernel_falls_back_and_still_stores(monkeypatch):
 
     calls = []
 
-    def failing(*args, new=None, rope=None):
+    def failing(*args, new=None):
         calls.append(new)
         raise RuntimeError("no kernel today")
 

@@ -88,9 +88,8 @@ def planned_launches():
         for tile, block_m in (skinny._by_rows(pair, 1), skinny._by_rows(pair, 64)):
             for swap, prefetch in ((False, False), (True, False), (tile.swap, True)):
                 yield (dict(BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-                            SWAP=swap, K=k, GLU=glu, PDL=prefetch, RESIDUAL=False,
-                            NORM=False, TILES=1, PREFETCH=prefetch), tile.num_warps,
-                       tile.num_stages)
+                            SWAP=swap, K=k, GLU=glu, PDL=prefetch, PREFETCH=prefetch),
+                       tile.num_warps, tile.num_stages)
 
 
 def test_every_planned_tile_compiles_for_sm90():
@@ -99,9 +98,7 @@ def test_every_planned_tile_compiles_for_sm90():
     pytest.importorskip("triton", reason="the kernel needs Triton")
     from trireme.ops.skinny_gemm_triton import _skinny_kernel
 
-    pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32", "r_ptr": "*bf16",
-                "new_ptr": "*bf16", "sumsq_ptr": "*fp32", "counters_ptr": "*i32",
-                "norm_ptr": "*bf16", "eps": "fp32"}
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32"}
     compiled = 0
     for consts, warps, stages in planned_launches():
         kernel = compile_for_sm90(_skinny_kernel, consts, pointers, warps, stages)

@@ -32,12 +32,6 @@ inputs, into an out-of-place copy of the whole pool plus a copy back, every laye
 121 ms steps on the H200 instead of ~2 ms.) The eager pieces run inside the CUDA graph capture
 (trireme.inference.graphs) like the compiled ones, so their launches cost nothing at replay.
 
-- With $TRIREME_DECODE_RAW_QKV=1 (opt-in until measured on the GPU) a block without QK-norm
-  hands the paged kernel its qkv projection raw: `_project_raw` is the GEMM alone, q, k, v
-  views of its planes (the split-K kernel's partial products, trireme.ops.skinny_gemm's
-  linear_planes, or the one product), and the kernel sums them, applies RoPE and rounds as it
-  loads them (trireme.ops.decode_inputs): no RoPE kernel, and a split qkv's sums fold into the
-  paged kernel. `attend` then takes the step's rope.
 - One compiled `pre`, `_project`, `post` and `post_norm` serve every block (they differ only in
   their weights, which are graph inputs), so a model's 16 layers share four graphs per batch
   size (layer 0: pre, post_norm; layers 1-14: _project, post_norm; layer 15: _project, post).
@@ -55,23 +49,13 @@ inputs, into an out-of-place copy of the whole pool plus a copy back, every laye
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
-from trireme.inference.chained_decode import ENV as CHAIN_ENV
-from trireme.inference.chained_decode import (
-    Squares,
-    chained_post,
-    normed_qkv,
-    post_plan,
-    qkv_views,
-)
 from trireme.models.paged import PagedCache, PagedKV, PagedStep
 from trireme.ops.rope import apply_rotary_heads
-from trireme.ops.skinny_gemm import linear_planes
 
 RECOMPILE_LIMIT = 64  # graphs compiled per process: batch buckets x dtypes x models x pieces
 
@@ -103,21 +87,6 @@ def _project(block: torch.nn.Module, name: str, h: torch.Tensor, rope: Any
         qk = apply_rotary_heads(qk, *rope)  # [T, H + n_kv, d], contiguous
     v = rows[:, (n_heads + n_kv) * d :].unflatten(1, (n_kv, d))  # [T, n_kv, d], a view
     return qk[:, :n_heads], qk[:, n_heads:], v
-
-
-def _pre_raw(block: torch.nn.Module, name: str, x: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """_project_raw of x's input norm."""
-    return _project_raw(block, name, getattr(block, f"{name}_norm")(x))
-
-
-def _project_raw(block: torch.nn.Module, name: str, h: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """h [1, T, h] -> q [S, T, n_heads, d], k, v [S, T, n_kv, d]: views of the qkv projection's
-    planes [S, T, (n_heads + 2 n_kv) d] (linear_planes), not summed, not rotated (the paged
-    kernel does both: trireme.ops.decode_inputs). Only without QK-norm."""
-    attention = getattr(block, name)
-    return qkv_views(attention, linear_planes(attention.qkv, h[0]))
 
 
 def _post(block: torch.nn.Module, x: torch.Tensor, y: torch.Tensor | None,
@@ -167,11 +136,10 @@ def pieces(block: torch.nn.Module, states: dict[str, Any]) -> list[Piece]:
 
 
 def _attend(block: torch.nn.Module, name: str, kv: PagedKV, q: torch.Tensor, k: torch.Tensor,
-            v: torch.Tensor, rope: Any = None) -> torch.Tensor:
+            v: torch.Tensor) -> torch.Tensor:
     """Eager: store k, v [T, n_kv, d] in the pools and attend q [T, n_heads, d] -> y [T, H, d]
-    (one launch of the paged kernel: PagedKV.attend_decode); with `rope` q, k, v are
-    _project_raw's planes, summed and rotated by the kernel."""
-    return kv.attend_decode(q, k, v, getattr(block, name).decode_backend, rope=rope)
+    (one launch of the paged kernel: PagedKV.attend_decode)."""
+    return kv.attend_decode(q, k, v, getattr(block, name).decode_backend)
 
 
 class Fusing(NamedTuple):
@@ -220,9 +188,9 @@ def run_pieces(block: torch.nn.Module, x: torch.Tensor, rope: Any, states: dict[
     for i, (kind, name, names) in enumerate(plan):
         carried, h = h, None  # a carried norm is only ever the very next piece's input
         if kind == "attend":
-            inputs = (pre(block, name, x, rope) if carried is None
-                      else fusing.project(block, name, carried, rope))
-            y = attend(block, name, states[name], *inputs)
+            q, k, v = (pre(block, name, x, rope) if carried is None
+                       else fusing.project(block, name, carried, rope))
+            y = attend(block, name, states[name], q, k, v)
         elif kind == "eager":
             normed = getattr(block, f"{name}_norm")(x)
             x = x + getattr(block, name)(normed, rope, states.get(name), 0)
@@ -241,74 +209,13 @@ def _limit_key() -> str:
     return "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
 
 
-RAW_ENV = "TRIREME_DECODE_RAW_QKV"  # "1": _project_raw for blocks without QK-norm
-
-
-def raw_qkv() -> bool:
-    """Whether $TRIREME_DECODE_RAW_QKV asks for the raw qkv inputs (module docstring)."""
-    return os.environ.get(RAW_ENV, "0") == "1"
-
-
-def _raw_pieces(backend: str, pre: Callable, project: Callable) -> tuple[Callable, Callable]:
-    """pre and project that hand the paged kernel raw planes and the rope (`_project_raw`) for
-    a block without QK-norm, else `pre` and `project` themselves (rotated q, k, v)."""
-    pre_raw, project_raw = (torch.compile(f, backend=backend, fullgraph=True)
-                            for f in (_pre_raw, _project_raw))
-
-    def raw_pre(block, name, x, rope):
-        if getattr(block, name).qk_norm:
-            return pre(block, name, x, rope)
-        return (*pre_raw(block, name, x), rope)
-
-    def raw_project(block, name, h, rope):
-        if getattr(block, name).qk_norm:
-            return project(block, name, h, rope)
-        return (*project_raw(block, name, h), rope)
-
-    return raw_pre, raw_project
-
-
-def chain() -> bool:
-    """Whether $TRIREME_DECODE_CHAIN asks for trireme.inference.chained_decode."""
-    return os.environ.get(CHAIN_ENV, "0") == "1"
-
-
-def _chained(pre: Callable, project: Callable, post: Callable, post_norm: Callable,
-             step: PagedStep) -> tuple[Callable, Fusing]:
-    """post and Fusing that take trireme.inference.chained_decode's kernels where a piece fits
-    them (its post hands on Squares), else the compiled pieces."""
-    def chain_post(block, x, y, attended, names):
-        plan = post_plan(block, x, y, attended, names)
-        if plan is None:
-            return post(block, x, y, attended, names)
-        return chained_post(block, x, y, attended, names, plan, step.counters)[0]
-
-    def chain_post_norm(block, x, y, attended, names, norm):
-        plan = post_plan(block, x, y, attended, names)
-        if plan is None:
-            return post_norm(block, x, y, attended, names, norm)
-        return chained_post(block, x, y, attended, names, plan, step.counters)
-
-    def chain_project(block, name, carried, rope):
-        if not isinstance(carried, Squares):
-            return project(block, name, carried, rope)
-        planes = normed_qkv(block, name, carried)
-        return pre(block, name, carried.x, rope) if planes is None else (*planes, rope)
-
-    return chain_post, Fusing(chain_project, chain_post_norm)
-
-
 @functools.cache
-def compiled_layer(backend: str = "inductor", raw: bool = False,
-                   chained: bool = False) -> Callable[..., tuple]:
+def compiled_layer(backend: str = "inductor") -> Callable[..., tuple]:
     """A decode-only step's block forward with compiled `_pre`, `_project`, `_post` and
     `_post_norm` (one set per backend per process: its compilations are shared by every engine
-    and layer); with `raw`, `_pre_raw` and `_project_raw` where they apply; `chained` (with
-    `raw`): trireme.inference.chained_decode's kernels where they fit."""
+    and layer)."""
     pre, project, post, post_norm = (torch.compile(f, backend=backend, fullgraph=True)
                                      for f in (_pre, _project, _post, _post_norm))
-    if raw:
-        pre, project = _raw_pieces(backend, pre, project)
     fusing = Fusing(project, post_norm)
 
     def run(block: torch.nn.Module, x: torch.Tensor, rope: Any, states: dict[str, Any],
@@ -320,11 +227,8 @@ def compiled_layer(backend: str = "inductor", raw: bool = False,
         Carry); `following`: the next block and its states in this step, or None (the
         module docstring)."""
         next_norm = first_attention_norm(*following) if following is not None else None
-        posting, fused = post, fusing
-        if chained:
-            posting, fused = _chained(pre, project, post, post_norm, step)
         with torch._dynamo.config.patch(**{_limit_key(): RECOMPILE_LIMIT}):
-            return run_pieces(block, x, rope, states, pre, _attend, posting, fused, h, next_norm)
+            return run_pieces(block, x, rope, states, pre, _attend, post, fusing, h, next_norm)
 
     return run
 
@@ -340,11 +244,6 @@ def unavailable() -> str | None:
     return None
 
 
-def compile_decode(cache: PagedCache, backend: str = "inductor", raw: bool | None = None,
-                   chained: bool | None = None) -> None:
-    """Run `cache`'s decode-only steps through the compiled pieces (`raw`: the raw qkv inputs,
-    module docstring; `chained`: trireme.inference.chained_decode, which implies `raw`; None:
-    as $TRIREME_DECODE_RAW_QKV and $TRIREME_DECODE_CHAIN say)."""
-    chained = chain() if chained is None else chained
-    raw = chained or (raw_qkv() if raw is None else raw)
-    cache.compiled_layer = compiled_layer(backend, raw, chained)
+def compile_decode(cache: PagedCache, backend: str = "inductor") -> None:
+    """Run `cache`'s decode-only steps through the compiled pieces."""
+    cache.compiled_layer = compiled_layer(backend)

@@ -39,7 +39,6 @@ import torch
 from trireme.errors import ConfigError
 from trireme.ops.attention import attention
 from trireme.ops.paged_attention import gather_blocks, paged_decode_attention
-from trireme.ops.skinny_fused import COUNTERS
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,6 @@ class PagedStep:
     decode_lengths: torch.Tensor | None = None  # [n_dec] long
     prefills: list[tuple[int, int, torch.Tensor, int]] = field(default_factory=list)
     requests: list[tuple[int, int, int, int]] = field(default_factory=list)
-    counters: torch.Tensor | None = None  # the cache's int32 semaphores (PagedCache.begin)
     decode_only: bool = field(init=False)  # every token a decode row: no prompt chunk
 
     def __post_init__(self) -> None:
@@ -99,18 +97,15 @@ class PagedKV:
         self.v_pool.view(-1, n_kv, d).index_copy_(0, step.slot_ids, v)
 
     def attend_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      backend: str = "auto", rope: Any = None) -> torch.Tensor:
+                      backend: str = "auto") -> torch.Tensor:
         """A decode-only step (step.decode_only): q [T, n_heads, d], k, v [T, n_kv, d] (any
         strides; views of the qkv output in the compiled decode step) -> y [T, n_heads, d].
         The paged kernel stores k, v at step.slot_ids as it attends (one
-        launch: trireme.ops.paged_attention's `new`); elsewhere this is `store`, then attend.
-        With `rope` (cos, sin) q, k, v may be planes [S, T, heads, d] and q, k unrotated
-        (trireme.ops.decode_inputs)."""
+        launch: trireme.ops.paged_attention's `new`); elsewhere this is `store`, then attend."""
         step = self.step
         assert step is not None, "PagedKV used outside a step (PagedCache.begin)"
         return paged_decode_attention(q, self.k_pool, self.v_pool, step.decode_tables,
-                                      step.decode_lengths, backend, new=(k, v, step.slot_ids),
-                                      rope=rope)
+                                      step.decode_lengths, backend, new=(k, v, step.slot_ids))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                backend: str = "auto") -> torch.Tensor:
@@ -166,7 +161,7 @@ class Carry:
     x itself and its block is `block`, else drops it; `begin` drops it too."""
 
     x: torch.Tensor  # [1, T, h]
-    h: Any  # [1, T, h]: block's first norm of x (or what stands for it: chained_decode.Squares)
+    h: torch.Tensor  # [1, T, h]: block's first norm of x
     block: torch.nn.Module
 
 
@@ -202,9 +197,6 @@ class PagedCache:
         self.carry: Carry | None = None  # within a decode step only (forward_layer)
         self.compiled_layer: Callable[..., tuple] | None = None
         self.compiled_prefill: Callable[..., torch.Tensor] | None = None
-        # zeros the chained decode kernels use as semaphores and leave at zero
-        # (trireme.ops.skinny_fused; one engine's steps run on one stream)
-        self.counters = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
 
     def states(self) -> list[PagedKV | SlotState]:
         return [s for layer in self.layers.values() for s in layer.values()]
@@ -212,7 +204,6 @@ class PagedCache:
     def begin(self, step: PagedStep) -> None:
         """Point every layer's state at this step's batch (and drop any carry)."""
         self.step = step
-        step.counters = self.counters
         self.carry = None
         for state in self.states():
             state.step = step

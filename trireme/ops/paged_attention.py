@@ -20,11 +20,6 @@ the [num_blocks * block_size, n_kv, d] view), exactly as
 
 which is what the gather path does. The kernel does both in its one launch (how, and why it
 cannot race with itself: trireme.ops.paged_attention_triton).
-
-With `new`, q, k_new and v_new may also come as the compiled decode step makes them
-(trireme.ops.decode_inputs): planes [S, r, heads, d] of a split qkv projection, summed and
-rounded to the pools' dtype, and with `rope` = (cos, sin [r, d]) q and k_new not yet rotated. The
-kernel sums and rotates as it loads; elsewhere decode_inputs.prepared does it first.
 """
 
 from __future__ import annotations
@@ -37,7 +32,6 @@ import torch
 
 from trireme.errors import ConfigError
 from trireme.ops.attention import padded_attention
-from trireme.ops.decode_inputs import Rope, check_rope, prepared
 
 NewKeys = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # k_new, v_new [r, n_kv, d], slots [r]
 
@@ -97,23 +91,16 @@ def store_new(k_pool: torch.Tensor, v_pool: torch.Tensor, new: NewKeys) -> None:
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            tables: torch.Tensor, lengths: torch.Tensor,
-                           backend: str = "auto", new: NewKeys | None = None,
-                           rope: Rope | None = None) -> torch.Tensor:
+                           backend: str = "auto", new: NewKeys | None = None) -> torch.Tensor:
     """The module docstring's attention; `backend` "reference" (or any forced SDPA kernel)
     takes the gather path. With `new` = (k_new, v_new, slots) this step's keys are stored
-    first (the kernel: as it attends; elsewhere store_new, then the gather path); q, k_new,
-    v_new as planes and `rope` (module docstring) only with `new`."""
-    raw = rope is not None or q.dim() == 4
-    if raw and new is None:
-        raise ValueError("paged_decode_attention: planes of q or `rope` come with `new`, this "
-                         "step's keys and values")
-    rope = check_rope(rope, q.shape[-3], q.shape[-1])
+    first (the kernel: as it attends; elsewhere store_new, then the gather path)."""
     if _fits_kernel(q, k_pool, backend):
         launch = _kernel()
         if launch is not None:
             try:
                 with torch.cuda.device(q.device):
-                    return launch(q, k_pool, v_pool, tables, lengths, new=new, rope=rope)
+                    return launch(q, k_pool, v_pool, tables, lengths, new=new)
             except ConfigError:  # a bad $TRIREME_PAGED_KERNEL: say so, do not fall back
                 raise
             except Exception as e:  # a Triton compile error: keep serving on the plain path
@@ -122,9 +109,6 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                 warnings.warn(f"the paged decode kernel failed ({type(e).__name__}: "
                               f"{str(e)[:200]}); gathering the KV blocks instead", stacklevel=2)
                 _FAILED.append(e)
-    if raw:
-        q, k_new, v_new = prepared(q, new[0], new[1], rope, k_pool.dtype)
-        new = (k_new, v_new, new[2])
     if new is not None:
         store_new(k_pool, v_pool, new)
     return paged_decode_reference(q, k_pool, v_pool, tables, lengths, backend)

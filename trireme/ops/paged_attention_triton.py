@@ -78,7 +78,6 @@ import triton
 import triton.language as tl
 
 from trireme.errors import ConfigError
-from trireme.ops.decode_inputs import Rope, check_rope, prepared
 from trireme.ops.pdl import early_reads, launch_pdl
 from trireme.ops.pdl_triton import enter, l2_prefetch
 
@@ -86,52 +85,16 @@ NewKeys = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # k_new, v_new [r, n_
 
 
 @triton.jit
-def _summed(at, plane, mask, PARTS: tl.constexpr, DTYPE: tl.constexpr):
-    """The values at `at` of PARTS planes `plane` elements apart, summed in order in fp32 and
-    rounded once to DTYPE (one plane: only cast; trireme.ops.decode_inputs.summed)."""
-    x = tl.load(at, mask=mask, other=0.0)
-    if PARTS > 1:
-        x = x.to(tl.float32)
-        for s in tl.static_range(1, PARTS):
-            x += tl.load(at + s * plane, mask=mask, other=0.0)
-    return x.to(DTYPE)
-
-
-@triton.jit
-def _source(ptr, at, cols, plane, mask, cos_at, sin_at, PARTS: tl.constexpr,
-            ROPE: tl.constexpr, D: tl.constexpr, DTYPE: tl.constexpr):
-    """q, k_new or v_new at offsets at + cols (cols the head's columns 0..D-1, broadcast
-    against `at`): its planes summed (_summed), then with ROPE rotated by the request's
-    cos, sin at cos_at + cols, sin_at + cols, x cos + rotate_half(x) sin in fp32, rounded to
-    DTYPE (trireme.ops.rope; rotate_half(x)[i] = -x[i + D/2] below D/2, x[i - D/2] above)."""
-    x = _summed(ptr + at + cols, plane, mask, PARTS, DTYPE)
-    if ROPE:
-        low = cols < D // 2
-        partner = _summed(ptr + at + tl.where(low, cols + D // 2, cols - D // 2), plane, mask,
-                          PARTS, DTYPE).to(tl.float32)
-        turned = tl.where(low, -partner, partner)
-        x = (x.to(tl.float32) * tl.load(cos_at + cols) + turned * tl.load(sin_at + cols)
-             ).to(DTYPE)
-    return x
-
-
-@triton.jit
 def _new_key(q, m, denom, acc, k_new_ptr, v_new_ptr, slots_ptr, k_ptr, v_ptr, b, heads, cols, j,
              first, end, length, scale, stride_knr, stride_knh, stride_vnr, stride_vnh,
-             stride_kb, stride_ks, stride_kh, cos_at, sin_at, plane_k, plane_v,
-             BLOCK: tl.constexpr, PARTS: tl.constexpr, ROPE: tl.constexpr, D: tl.constexpr):
+             stride_kb, stride_ks, stride_kh, BLOCK: tl.constexpr):
     """This step's key and value of request b, kv heads `heads` (h, or [HEADS, 1]) at columns
-    `cols` (d, or [1, D]; summed from PARTS planes and the key rotated with ROPE: _source):
-    chunk j == 0's program stores them into the pools' row slots[b]
+    `cols` (d, or [1, D]): chunk j == 0's program stores them into the pools' row slots[b]
     (block slot // BLOCK, offset slot % BLOCK), and the program whose chunk first..end-1 holds
     position length - 1 takes them into its online softmax (q [G, D] or [HEADS, G, D], m and
     denom [G] or [HEADS, G], acc as q) as one more key, s = q . k_new * scale in fp32."""
-    dtype = k_ptr.dtype.element_ty
-    every = cols < D  # (all true: _source's loads take a mask)
-    k = _source(k_new_ptr, b * stride_knr + heads * stride_knh, cols, plane_k, every, cos_at,
-                sin_at, PARTS, ROPE, D, dtype)  # [D] or [HEADS, D]
-    v = _source(v_new_ptr, b * stride_vnr + heads * stride_vnh, cols, plane_v, every, cos_at,
-                sin_at, PARTS, False, D, dtype)
+    k = tl.load(k_new_ptr + b * stride_knr + heads * stride_knh + cols)  # [D] or [HEADS, D]
+    v = tl.load(v_new_ptr + b * stride_vnr + heads * stride_vnh + cols)
     if j == 0:
         slot = tl.load(slots_ptr + b).to(tl.int64)
         row = (slot // BLOCK) * stride_kb + (slot % BLOCK) * stride_ks + heads * stride_kh
@@ -205,7 +168,7 @@ def _paged_decode_kernel(
         m, denom, acc = _new_key(q, m, denom, acc, k_new_ptr, v_new_ptr, slots_ptr, k_ptr,
                                  v_ptr, b, h, d, j, first, end, length, 1.0, stride_knr,
                                  stride_knh, stride_vnr, stride_vnh, stride_kb, stride_ks,
-                                 stride_kh, k_new_ptr, k_new_ptr, 0, 0, BLOCK, 1, False, D)
+                                 stride_kh, BLOCK)
     if SPLITS == 1:
         out = acc / denom[:, None]
         tl.store(out_ptr + b * stride_or + q_rows[:, None] * stride_oh + d[None, :],
@@ -313,20 +276,17 @@ def _paged_decode_v2_kernel(
     part_m_ptr, part_l_ptr, part_acc_ptr, k_new_ptr, v_new_ptr, slots_ptr,
     stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_tr, stride_or, stride_oh,
     stride_knr, stride_knh, stride_vnr, stride_vnh, scale, n_heads,
-    cos_ptr, sin_ptr, stride_cr, plane_q, plane_k, plane_v,
     GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
     BLOCK: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
-    NEW: tl.constexpr, PDL: tl.constexpr = False, PARTS: tl.constexpr = 1,
-    ROPE: tl.constexpr = False, EARLY: tl.constexpr = False, LINE: tl.constexpr = 64,
+    NEW: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
+    LINE: tl.constexpr = 64,
 ):
     """v2 (module docstring): program (b, c, j) serves kv heads c * HEADS .. + HEADS of request
     b (all their query heads) over chunk j; with PREFETCH the next tile's K, V loads are in
-    flight while this tile's math runs. q, k_new and v_new are summed from PARTS planes
-    (plane_q, plane_k, plane_v elements apart) and q, k_new rotated with ROPE (cos_ptr, sin_ptr
-    [r, D], row stride stride_cr) as they are loaded (_source). EARLY (with PDL, not PREFETCH):
-    the chunk's first tile of pooled keys and values is prefetched into the L2 before the wait
-    (_warm_tile; LINE: a 128-byte line's elements), after reading the step's lengths and
-    tables (trireme.ops.pdl: why that read is safe there)."""
+    flight while this tile's math runs. EARLY (with PDL, not PREFETCH): the chunk's first tile
+    of pooled keys and values is prefetched into the L2 before the wait (_warm_tile; LINE: a
+    128-byte line's elements), after reading the step's lengths and tables (trireme.ops.pdl:
+    why that read is safe there)."""
     if not EARLY:
         enter(PDL)  # first: as every PDL kernel without early reads
     b = tl.program_id(0)
@@ -350,11 +310,8 @@ def _paged_decode_v2_kernel(
         _warm_tile(k_ptr, v_ptr, kh * stride_kh, tables_ptr, b, stride_tr, first + t, pooled,
                    stride_kb, stride_ks, BLOCK, LINE, max(D // LINE, 1))
         enter(PDL)  # nothing before this reads what an earlier kernel of the step writes
-    cos_at = cos_ptr + b * stride_cr
-    sin_at = sin_ptr + b * stride_cr
-    q = _source(q_ptr, b * stride_qr + q_rows[:, :, None] * stride_qh, d[None, None, :], plane_q,
-                g_mask[:, :, None], cos_at, sin_at, PARTS, ROPE, D,
-                k_ptr.dtype.element_ty)  # [HEADS, G, D]
+    q = tl.load(q_ptr + b * stride_qr + q_rows[:, :, None] * stride_qh + d[None, None, :],
+                mask=g_mask[:, :, None], other=0.0).to(k_ptr.dtype.element_ty)  # [HEADS, G, D]
     m = tl.full([HEADS, GROUPS_POW2], float("-inf"), tl.float32)
     denom = tl.zeros([HEADS, GROUPS_POW2], tl.float32)
     acc = tl.zeros([HEADS, GROUPS_POW2, D], tl.float32)
@@ -371,8 +328,7 @@ def _paged_decode_v2_kernel(
         m, denom, acc = _new_key(q, m, denom, acc, k_new_ptr, v_new_ptr, slots_ptr, k_ptr,
                                  v_ptr, b, kh[:, None], d[None, :], j, first, end, length, scale,
                                  stride_knr, stride_knh, stride_vnr, stride_vnh, stride_kb,
-                                 stride_ks, stride_kh, cos_at, sin_at, plane_k, plane_v, BLOCK,
-                                 PARTS, ROPE, D)
+                                 stride_ks, stride_kh, BLOCK)
     if SPLITS == 1:
         out = acc / denom[:, :, None]
         tl.store(out_ptr + b * stride_or + q_rows[:, :, None] * stride_oh + d[None, None, :],
@@ -440,7 +396,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                            splits: int = 0, num_warps: int = 0, num_stages: int = 0,
                            heads_first: bool = False, variant: str = "",
                            heads: int = 0, prefetch: bool = False,
-                           new: NewKeys | None = None, rope: Rope | None = None) -> torch.Tensor:
+                           new: NewKeys | None = None) -> torch.Tensor:
     """[r, n_heads, d] (contiguous): each request's query heads over its first lengths[r] keys
     (q [r, n_heads, d], k_new, v_new: any row and head strides, read in place when the column
     stride is 1, as the compiled decode step's views of its qkv output); with `new`
@@ -451,11 +407,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     tune the launch (0: the variant's SHIPPED setting; the tile at least the block size);
     heads_first (the grid's order: a request's kv heads side by side) only v1's, `heads` (kv
     heads per program, a power of two dividing n_kv; 0: SHIPPED's if it divides n_kv, else 1)
-    and `prefetch` (the next tile's loads issued early, in registers) only v2's. With `new`, q,
-    k_new, v_new may be planes [S, r, heads, d] (fp32 for S > 1, else the pools' dtype) and
-    q, k_new unrotated with `rope` (cos, sin [r, d] fp32, unit column stride:
-    trireme.ops.decode_inputs): v2 sums and rotates them as it loads them, v1 after
-    decode_inputs.prepared. The output takes the pools' dtype."""
+    and `prefetch` (the next tile's loads issued early, in registers) only v2's."""
     kw = dict(tile=tile, splits=splits, num_warps=num_warps, num_stages=num_stages,
               heads_first=bool(heads_first), heads=heads, prefetch=bool(prefetch))
     if not variant:
@@ -478,39 +430,24 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     for key in ("tile", "splits"):
         if kw[key] & (kw[key] - 1):
             raise ConfigError(f"{key}={kw[key]} must be a power of two (or 0: the default)")
-    new = new_keys(new, q, k_pool, v_pool)
-    if rope is not None and new is None:
-        raise ValueError("paged_decode_attention: `rope` comes with `new`, this step's keys")
-    rope = check_rope(rope, q.shape[-3], q.shape[-1])  # [r, d] rows
-    if new is not None and (q.dim() == 4 or rope is not None) and variant == "v1":
-        q, k_new, v_new = prepared(q, new[0], new[1], rope, k_pool.dtype)
-        new, rope = (k_new, v_new, new[2]), None
     return _launch(q, k_pool, v_pool, tables, lengths, variant, **{**kw, "heads": heads},
-                   new=new, rope=rope)
+                   new=new_keys(new, q, k_pool, v_pool))
 
 
 def new_keys(new: NewKeys | None, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
              ) -> NewKeys | None:
-    """`new` checked against the pools (shape [r, n_kv, d], their dtype and device, slots [r];
-    or planes as q's: [S, r, n_kv, d], fp32 for S > 1), its keys and values with unit column
-    stride (the kernel's addressing)."""
+    """`new` checked against the pools (shape [r, n_kv, d], their dtype and device, slots [r]),
+    its keys and values with unit column stride (the kernel's addressing)."""
     if new is None:
-        if q.dim() != 3:
-            raise ValueError(f"q is {tuple(q.shape)}; without `new` it must be [r, heads, d]")
         return None
     k_new, v_new, slots = new
-    lead = tuple(q.shape[:-3])  # (S,) for planes
-    want = (*lead, q.shape[-3], *k_pool.shape[2:])
-    for name, t, pool in (("q", q, k_pool), ("k_new", k_new, k_pool), ("v_new", v_new, v_pool)):
-        dtype = torch.float32 if lead and lead[0] > 1 else pool.dtype
-        shape_ok = name == "q" or tuple(t.shape) == want
-        dtype_ok = t.dtype == dtype or (name == "q" and not lead)  # a 3-D q: cast on load
-        if q.dim() not in (3, 4) or not shape_ok or not dtype_ok or t.device != pool.device:
+    want = (q.shape[0], *k_pool.shape[2:])
+    for name, t, pool in (("k_new", k_new, k_pool), ("v_new", v_new, v_pool)):
+        if tuple(t.shape) != want or t.dtype != pool.dtype or t.device != pool.device:
             raise ValueError(f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}; the new keys "
-                             f"must be {want} {dtype} on {pool.device}, as the pools (q: "
-                             f"{(*lead, q.shape[-3])} rows)")
-    if tuple(slots.shape) != (q.shape[-3],):
-        raise ValueError(f"slots is {tuple(slots.shape)}; it must be [{q.shape[-3]}], one per "
+                             f"must be {want} {pool.dtype} on {pool.device}, as the pools")
+    if tuple(slots.shape) != (q.shape[0],):
+        raise ValueError(f"slots is {tuple(slots.shape)}; it must be [{q.shape[0]}], one per "
                          "request")
     k_new, v_new = (t if t.stride(-1) == 1 else t.contiguous() for t in (k_new, v_new))
     return k_new, v_new, slots
@@ -518,29 +455,26 @@ def new_keys(new: NewKeys | None, q: torch.Tensor, k_pool: torch.Tensor, v_pool:
 
 def _launch(q, k_pool, v_pool, tables, lengths, variant: str, tile: int, splits: int,
             num_warps: int, num_stages: int, heads_first: bool, heads: int,
-            prefetch: bool, new: NewKeys | None = None, rope: Rope | None = None
-            ) -> torch.Tensor:
-    """paged_decode_attention's launch, its settings (and `new`: new_keys) checked; q (and
-    new's k, v) planes [S, r, heads, d] or [r, heads, d], `rope` for v2 only."""
-    r, n_heads, d = q.shape[-3:]
-    parts = q.shape[0] if q.dim() == 4 else 1
+            prefetch: bool, new: NewKeys | None = None) -> torch.Tensor:
+    """paged_decode_attention's launch, its settings (and `new`: new_keys) checked."""
+    r, n_heads, d = q.shape
     n_kv = k_pool.shape[2]
     block = k_pool.shape[1]
     q = q if q.stride(-1) == 1 else q.contiguous()  # rows and heads by their strides
     k_new, v_new, slots = new if new is not None else (k_pool, v_pool, lengths)  # (unused)
-    out = k_pool.new_empty(r, n_heads, d)  # contiguous, whatever q's strides
+    out = q.new_empty(r, n_heads, d)  # contiguous, whatever q's strides
     groups = n_heads // n_kv
-    splits = splits or default_splits(out, n_kv // heads, tables.shape[1] * block, tile)
-    merged = [q.new_empty(0, dtype=torch.float32)] * 3  # unused with one split
+    splits = splits or default_splits(q, n_kv // heads, tables.shape[1] * block, tile)
+    parts = [q.new_empty(0, dtype=torch.float32)] * 3  # unused with one split
     if splits > 1:
-        merged = [q.new_empty(r, n_heads, splits, dtype=torch.float32),
-                  q.new_empty(r, n_heads, splits, dtype=torch.float32),
-                  q.new_empty(r, n_heads, splits, d, dtype=torch.float32)]
+        parts = [q.new_empty(r, n_heads, splits, dtype=torch.float32),
+                 q.new_empty(r, n_heads, splits, dtype=torch.float32),
+                 q.new_empty(r, n_heads, splits, d, dtype=torch.float32)]
     stages = {"num_stages": num_stages} if num_stages else {}
-    args = (q, k_pool, v_pool, tables, lengths, out, *merged, k_new, v_new, slots,
-            q.stride(-3), q.stride(-2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+    args = (q, k_pool, v_pool, tables, lengths, out, *parts, k_new, v_new, slots,
+            q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
             tables.stride(0), out.stride(0), out.stride(1),
-            *(k_new.stride()[-3:-1] + v_new.stride()[-3:-1] if new is not None else (0,) * 4),
+            *(k_new.stride()[:2] + v_new.stride()[:2] if new is not None else (0,) * 4),
             1.0 / math.sqrt(d), n_heads)
     consts = dict(GROUPS=groups, GROUPS_POW2=max(16, triton.next_power_of_2(groups)), D=d,
                   BLOCK=block, TILE=tile, SPLITS=splits, NEW=new is not None,
@@ -550,14 +484,10 @@ def _launch(q, k_pool, v_pool, tables, lengths, variant: str, tile: int, splits:
         grid = (n_kv, r, splits) if heads_first else (r, n_kv, splits)
         _paged_decode_kernel[grid](*args, HEADS_FIRST=bool(heads_first), **consts)
     else:
-        cos, sin = rope if rope is not None else (q, q)  # (unused without ROPE)
-        planes = [t.stride(0) if parts > 1 else 0 for t in (q, k_new, v_new)]
         _paged_decode_v2_kernel[(r, n_kv // heads, splits)](
-            *args, cos, sin, cos.stride(0) if rope is not None else 0, *planes, HEADS=heads,
-            PREFETCH=bool(prefetch), PDL=pdl, launch_pdl=pdl, PARTS=parts,
-            ROPE=rope is not None, EARLY=early_reads(q) and not prefetch,
-            LINE=128 // k_pool.element_size(), **consts)
+            *args, HEADS=heads, PREFETCH=bool(prefetch), PDL=pdl, launch_pdl=pdl,
+            EARLY=early_reads(q) and not prefetch, LINE=128 // k_pool.element_size(), **consts)
     if splits > 1:
-        _merge_splits_kernel[(r, n_heads)](*merged, out, out.stride(0), out.stride(1), D=d,
+        _merge_splits_kernel[(r, n_heads)](*parts, out, out.stride(0), out.stride(1), D=d,
                                            SPLITS=splits, num_warps=1, PDL=pdl, launch_pdl=pdl)
     return out

@@ -258,20 +258,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y.view(*x.shape[:-1], -1)
 
 
-def linear_planes(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """layer(x) for x [M, K] as planes [S, M, N] whose fp32 sum in order, rounded once to x's
-    dtype, is the product: the split-K kernel's partial products [splits, M, N] (fp32) when
-    `layer` is a SkinnyLinear without bias whose plan for x splits, else [1, M, N], the product
-    itself. Who sums them can fold the sum into its own kernel (the paged decode kernel:
-    trireme.ops.decode_inputs)."""
-    weight = layer.weight
-    if isinstance(layer, SkinnyLinear) and layer.bias is None:
-        splits = usable(x, weight)
-        if splits is not None and splits > 1:
-            return skinny_mm(x if x.stride(-1) == 1 else x.contiguous(), weight, splits)
-    return layer(x).unsqueeze(0)
-
-
 def skinny_swiglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                          fused: bool | None = None) -> torch.Tensor:
     """silu(gate) * up of h = F.linear(x, weight, bias) = [gate; up], x [..., K] -> [..., F]:

@@ -19,19 +19,6 @@ either way, and which is faster is the sweep's to say: bench/skinny_gemm.py). Ro
 are masked (read as 0, not written). GLU (SwiGLU's first layer, one split) multiplies x by the
 gate rows W[n] and the up rows W[N/2 + n] of its tile in two accumulators and writes
 silu(gate) * up, rounded once: the [M, N] product and the activation's kernel are never made.
-
-Two fusions take the decode step's residual adds and RMSNorms out of kernels of their own
-(trireme.ops.skinny_fused's skinny_residual and skinny_normed, with the torch references):
-
-- RESIDUAL (a split-K product y = x W^T that a residual stream r takes, r' = r + y): each
-  program, its partial stored, counts itself in on its tile's semaphore (an int32 that is 0
-  between launches); the tile's last program (all SPLITS partials then written and visible: a
-  CTA barrier, then an acquire-release atomic) sums the partials in order, rounds y once, writes
-  r' = r + y rounded, and the tile's per-row sum of r'^2 (fp32, one column per N tile), then
-  sets the semaphore back to 0. Deterministic: the sums' order never depends on timing.
-- NORM (a product of rmsnorm(x) = x rstd g, rstd = 1 / sqrt(mean(x^2) + eps), as Inductor's
-  RMSNorm computes it in fp32 and rounds once): rstd per row from those per-tile sums of
-  squares, x's tiles scaled by rstd and g as they are loaded, before the tensor cores.
 """
 
 from __future__ import annotations
@@ -44,9 +31,6 @@ import triton.language as tl
 
 from trireme.ops.pdl import early_reads, launch_pdl
 from trireme.ops.pdl_triton import enter, l2_prefetch
-
-Residual = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # r, new, sumsq, counters
-Norm = tuple[torch.Tensor, torch.Tensor, float]  # sumsq [tiles, M], g [K], eps
 
 
 @triton.jit
@@ -63,56 +47,16 @@ def _tile_dot(x, w, acc, SWAP: tl.constexpr):
     return acc
 
 
-@triton.jit
-def _finish(part_ptr, r_ptr, new_ptr, sumsq_ptr, counters_ptr, pid_n, pid_m, rows, cols, live,
-            m_rows, n_cols):
-    """RESIDUAL (module docstring): the tile's last program to arrive writes r + y and the
-    tile's per-row sum of its squares; the others return."""
-    tile = pid_m * tl.num_programs(0) + pid_n
-    splits = tl.num_programs(1)
-    tl.debug_barrier()  # every thread's partial stored before the release below
-    arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    if arrived == splits - 1:
-        at = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
-        plane = m_rows.to(tl.int64) * n_cols
-        total = tl.load(part_ptr + at, mask=live, other=0.0, cache_modifier=".cg")
-        for s in range(1, splits):
-            total += tl.load(part_ptr + s * plane + at, mask=live, other=0.0,
-                             cache_modifier=".cg")
-        dtype = new_ptr.dtype.element_ty
-        y = total.to(dtype).to(tl.float32)
-        x = (tl.load(r_ptr + at, mask=live, other=0.0).to(tl.float32) + y).to(dtype)
-        tl.store(new_ptr + at, x, mask=live)
-        square = x.to(tl.float32) * x.to(tl.float32)
-        tl.store(sumsq_ptr + pid_n.to(tl.int64) * m_rows + rows, tl.sum(square, axis=1),
-                 mask=rows < m_rows)
-        tl.atomic_xchg(counters_ptr + tile, 0)  # ready for the next launch
-
-
-@triton.jit
-def _row_rstd(sumsq_ptr, tiles, rows, m_rows, eps, K: tl.constexpr, TILES: tl.constexpr):
-    """NORM: [BM] 1 / sqrt(mean(x^2) + eps) per row from `tiles` per-tile sums [tiles, m_rows]."""
-    t = tl.arange(0, TILES)
-    live = (t[None, :] < tiles) & (rows[:, None] < m_rows)
-    sq = tl.load(sumsq_ptr + t[None, :].to(tl.int64) * m_rows + rows[:, None], mask=live,
-                 other=0.0)
-    return tl.rsqrt(tl.sum(sq, axis=1) / K + eps)
-
-
 @triton.jit(do_not_specialize=["m_rows"])
 def _skinny_kernel(x_ptr, w_ptr, out_ptr, m_rows, n_cols, k_chunk, x_row_stride,
-                   r_ptr, new_ptr, sumsq_ptr, counters_ptr, norm_ptr, tiles, eps,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SWAP: tl.constexpr, K: tl.constexpr, GLU: tl.constexpr,
-                   PDL: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
-                   NORM: tl.constexpr = False, TILES: tl.constexpr = 1,
-                   PREFETCH: tl.constexpr = False):
+                   PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     """out[s, m, n] (module docstring) for this program's BLOCK_M x BLOCK_N tile and chunk s;
-    with GLU (one chunk) silu(x W_gate^T) * (x W_up^T), W_up's rows n_cols below W_gate's;
-    with RESIDUAL then _finish; with NORM x's rows are normed as they are loaded (norm_ptr: g,
-    sumsq_ptr: `tiles` per-tile sums of squares, TILES a power of two >= tiles). PREFETCH
-    (with PDL; 2-byte weights, BLOCK_K >= 64): the first two weight tiles' 128-byte lines are
-    prefetched into the L2 before the wait, while the kernel before this one finishes."""
+    with GLU (one chunk) silu(x W_gate^T) * (x W_up^T), W_up's rows n_cols below W_gate's.
+    PREFETCH (with PDL; 2-byte weights, BLOCK_K >= 64): the first two weight tiles' 128-byte
+    lines are prefetched into the L2 before the wait, while the kernel before this one
+    finishes."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -136,15 +80,8 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, m_rows, n_cols, k_chunk, x_row_stride,
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = acc  # GLU's second accumulator (unused otherwise)
-    if NORM:
-        rstd = _row_rstd(sumsq_ptr, tiles, rows, m_rows, eps, K, TILES)[:, None]
-        g_at = norm_ptr + ks
     for _ in range(0, k_chunk, BLOCK_K):
         x = tl.load(x_at, mask=live, other=0.0)
-        if NORM:
-            g = tl.load(g_at).to(tl.float32)[None, :]
-            x = (x.to(tl.float32) * rstd * g).to(x_ptr.dtype.element_ty)
-            g_at += BLOCK_K
         acc = _tile_dot(x, tl.load(w_at), acc, SWAP)
         if GLU:
             up = _tile_dot(x, tl.load(w_at + up_rows), up, SWAP)
@@ -157,40 +94,15 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, m_rows, n_cols, k_chunk, x_row_stride,
     plane = split.to(tl.int64) * m_rows * n_cols
     out_at = out_ptr + plane + rows[:, None].to(tl.int64) * n_cols + cols[None, :]
     tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=live)
-    if RESIDUAL:
-        _finish(out_ptr, r_ptr, new_ptr, sumsq_ptr, counters_ptr, pid_n, pid_m, rows, cols, live,
-                m_rows, n_cols)
-
-
-def _check_residual(residual: Residual, m_rows: int, n_cols: int, block_n: int, splits: int,
-                    tiles: int) -> None:
-    """RESIDUAL's buffers as _finish addresses them, or a one-line ValueError."""
-    r, new, sumsq, counters = residual
-    ok = (splits > 1 and r.shape == new.shape == (m_rows, n_cols) and r.is_contiguous()
-          and new.is_contiguous() and new.dtype == r.dtype
-          and sumsq.shape == (n_cols // block_n, m_rows) and sumsq.dtype == torch.float32
-          and counters.dtype == torch.int32 and counters.numel() >= tiles
-          and counters.device == r.device)
-    if not ok:
-        raise ValueError(f"skinny_mm: a residual needs splits > 1, r and new contiguous "
-                         f"[{m_rows}, {n_cols}] of one dtype, sums [{n_cols // block_n}, "
-                         f"{m_rows}] fp32 and {tiles} int32 counters; got splits {splits}, r "
-                         f"{tuple(r.shape)}, new {tuple(new.shape)}, sums "
-                         f"{tuple(sumsq.shape)} {sumsq.dtype}, {counters.numel()} "
-                         f"{counters.dtype} counters")
 
 
 def skinny_mm(x: torch.Tensor, weight: torch.Tensor, splits: int, block_n: int, block_k: int,
               block_m: int = 16, swap: bool = False, num_warps: int = 4,
-              num_stages: int = 4, glu: bool = False, residual: Residual | None = None,
-              norm: Norm | None = None) -> torch.Tensor:
+              num_stages: int = 4, glu: bool = False) -> torch.Tensor:
     """part [splits, M, N] fp32 (splits > 1) or y [1, M, N] in x's dtype (splits == 1) for
     x [M, K], weight [N, K] (module docstring); with `glu` (splits 1) y [1, M, N / 2] =
     silu(x W_gate^T) * (x W_up^T) for weight = [W_gate; W_up], rounded once. The caller checks
-    the shapes divide: N (N / 2 with glu) % block_n == 0 and K % (splits * block_k) == 0.
-    `residual` (r [M, N], new [M, N], sumsq [N / block_n, M] fp32, counters int32 zeros, at
-    least N / block_n x M / block_m of them; splits > 1): RESIDUAL, writing new and sumsq;
-    `norm` (sumsq [tiles, M] fp32, g [K], eps): NORM, x taken as rmsnorm(x)."""
+    the shapes divide: N (N / 2 with glu) % block_n == 0 and K % (splits * block_k) == 0."""
     m_rows, k = x.shape
     n_cols = weight.shape[0] // 2 if glu else weight.shape[0]
     if (n_cols % block_n or k % (splits * block_k) or weight.shape[1] != k or x.stride(1) != 1
@@ -203,29 +115,13 @@ def skinny_mm(x: torch.Tensor, weight: torch.Tensor, splits: int, block_n: int, 
     if m_rows == 0:
         return out
     grid = (n_cols // block_n, splits, triton.cdiv(m_rows, block_m))
-    r, new, sumsq, counters = residual if residual is not None else (x,) * 4  # (unused)
-    sq, g, eps = norm if norm is not None else (x, x, 0.0)
-    if residual is not None and norm is not None:
-        raise ValueError("skinny_mm: a residual or a norm, not both")
-    if residual is not None:
-        _check_residual(residual, m_rows, n_cols, block_n, splits, grid[0] * grid[2])
-    if norm is not None and (g.numel() != k or sq.dim() != 2 or sq.shape[1] != m_rows
-                             or sq.dtype != torch.float32):
-        raise ValueError(f"skinny_mm: the norm needs g [{k}] and sums of squares [tiles, "
-                         f"{m_rows}] fp32; got g {tuple(g.shape)}, sums {tuple(sq.shape)} "
-                         f"{sq.dtype}")
     # Triton launches on the current device (the interpreter: the CPU)
     where = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
     pdl = launch_pdl(x)
     with where:
         _skinny_kernel[grid](x, weight, out, m_rows, n_cols, k // splits, x.stride(0),
-                             r, new, sumsq if residual is not None else sq, counters, g,
-                             sq.shape[0] if norm is not None else 0, eps,
                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap, K=k,
                              GLU=glu, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
-                             launch_pdl=pdl, RESIDUAL=residual is not None,
-                             NORM=norm is not None,
-                             TILES=triton.next_power_of_2(sq.shape[0]) if norm is not None
-                             else 1, PREFETCH=early_reads(x) and block_k >= 64
-                             and x.element_size() == 2)
+                             launch_pdl=pdl,
+                             PREFETCH=early_reads(x) and block_k >= 64 and x.element_size() == 2)
     return out
