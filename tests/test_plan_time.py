@@ -21,7 +21,12 @@ from trireme.ops.fp8 import fp8_linear
 from trireme.ops.fp8_training import DelayedFloat8Matmul
 from trireme.plan.activations import head_bytes, shape_of
 from trireme.plan.rates import load_rates
-from trireme.plan.time import FP8_AMAX_BYTES, FP8_EAGER_BYTES, FP8_TRANSPOSE_BYTES
+from trireme.plan.time import (
+    FP8_AMAX_BYTES,
+    FP8_EAGER_BYTES,
+    FP8_TRANSPOSE_BYTES,
+    FP8_WEIGHT_CAST_BYTES,
+)
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 TOLERANCE = 0.15
@@ -193,10 +198,11 @@ def _llama_fp8(compile: bool, **overrides):
 FOUR = '["qkv", "out", "fc1", "fc2"]'
 
 
-def test_delayed_scaling_saves_the_amax_reads_when_compiled():
-    """Compiled: delayed is predicted faster than current by exactly FP8_AMAX_BYTES per element
-    of every fp8 linear's x and g (counted here from the model's widths), at memory_tbps;
-    eager: the same time (the same ops)."""
+def test_delayed_scaling_saves_the_amax_reads_and_the_weight_casts():
+    """Delayed scaling against current, per step: compiled, FP8_AMAX_BYTES less per element of
+    every fp8 linear's x and g (counted here from the model's widths); eager, each micro batch's
+    cast and transposing copy of W less (EAGER and TRANSPOSE bytes per weight element); both
+    plus the one cast of W per step (FP8_WEIGHT_CAST_BYTES per element), all at the rates."""
     rates = load_rates("h200")
     step = {}
     for compile in (True, False):
@@ -205,12 +211,19 @@ def test_delayed_scaling_saves_the_amax_reads_when_compiled():
             step[compile, scaling] = BENCH.predict(cfg, rates)["step_s"]
     m = cfg.model
     q, kv, f = m.num_attention_heads * m.head_size, m.kv_heads * m.head_size, m.ffn_size
-    x = m.hidden_size + q + m.hidden_size + f  # inputs of qkv, out, fc1, fc2 per token
-    g = (q + 2 * kv) + m.hidden_size + 2 * f + m.hidden_size  # their outputs (SwiGLU fc1: 2F)
+    h = m.hidden_size
+    x = h + q + h + f  # inputs of qkv, out, fc1, fc2 per token
+    g = (q + 2 * kv) + h + 2 * f + h  # their outputs (SwiGLU fc1: 2F)
+    w = (h * (q + 2 * kv) + q * h + h * 2 * f + f * h) * m.num_layers  # their weights
     tokens = cfg.train.global_batch_size * m.seq_length
-    saved = FP8_AMAX_BYTES * (x + g) * tokens * m.num_layers / (rates.memory_tbps * 1e12)
-    assert step[True, "current"] - step[True, "delayed"] == pytest.approx(saved, rel=1e-9)
-    assert step[False, "current"] == step[False, "delayed"]
+    micro = cfg.train.global_batch_size // cfg.train.micro_batch_size
+    mem, transpose = rates.memory_tbps * 1e12, rates.transpose_tbps * 1e12
+    once = FP8_WEIGHT_CAST_BYTES * w / mem
+    saved = FP8_AMAX_BYTES * (x + g) * tokens * m.num_layers / mem
+    assert step[True, "current"] - step[True, "delayed"] == pytest.approx(saved - once, rel=1e-9)
+    eager_w = micro * w * (FP8_EAGER_BYTES / mem + FP8_TRANSPOSE_BYTES / transpose)
+    assert step[False, "current"] - step[False, "delayed"] == pytest.approx(eager_w - once,
+                                                                          rel=1e-9)
 
 
 def test_fp8_output_layer_moves_the_head_flops_to_the_fp8_rate():

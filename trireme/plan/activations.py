@@ -18,8 +18,11 @@ tests/test_plan.py):
                GeLU       norm + h + fc1 (F) + fc2's input (F)
     full                  the block's input only (h); the backward reruns one block at a time
     fp8 linears           eager: keep their input in fp8 (1 byte instead of e) and their weight
-                          in fp8 (1 byte per weight, per micro batch in flight); out's input is
-                          kept twice (the kernel's bf16 output for the attention backward, + q)
+                          in fp8 (1 byte per weight, per micro batch in flight; none with
+                          delayed scaling, which casts W once per step and keeps q(W) and its
+                          transpose for the step: trireme.plan.memory's static "fp8_casts");
+                          out's input is kept twice (the kernel's bf16 output for the attention
+                          backward, + q)
                           compiled: quantizing is pointwise once the amax is known (a kept
                           scalar), so the partitioner recomputes q(t) in the backward from what
                           it keeps anyway: qkv's and fc1's inputs from the norms' inputs and
@@ -166,8 +169,23 @@ def layer_bytes(cfg: Config, s: Shape, symbols: str, mode: str) -> float:
 
 def fp8_weight_bytes(cfg: Config, s: Shape, symbols: str) -> float:
     """fp8: the quantized weights each fp8 linear keeps per micro batch (1 byte each; none when
-    compiled: recomputed from the parameters in the backward)."""
-    if not s.fp8 or s.compiled:
+    compiled: recomputed from the parameters in the backward; none when cast once per step)."""
+    if s.compiled or fp8_cast_once(cfg, s):
+        return 0.0
+    return fp8_weight_elements(cfg, s, symbols)
+
+
+def fp8_cast_once(cfg: Config, s: Shape) -> bool:
+    """Whether the fp8 linears cast their weights once per optimizer step and keep q(W) and its
+    transpose (trireme.ops.fp8_training: delayed scaling; not FSDP's sharded weights)."""
+    m = cfg.model
+    return (s.fp8 and m.fp8_backend == "trireme" and m.fp8_scaling_mode() == "delayed"
+            and cfg.parallel.data_parallel_mode != "fsdp")
+
+
+def fp8_weight_elements(cfg: Config, s: Shape, symbols: str) -> float:
+    """The weight elements of the fp8 linears of layers `symbols`."""
+    if not s.fp8:
         return 0.0
     layers = set(cfg.model.fp8_layer_names())
     sizes = {"qkv": s.h * (s.q + 2 * s.k), "out": s.q * s.h,

@@ -4,10 +4,11 @@ For each pipeline rank (the worst one is reported), in bytes:
 
     static       parameters (4 fp32, 2 bf16 / fp16 / fp8) + main gradients (4: fp32 flat buffer,
                  or fp32 `.grad`) + fp32 master weights (4, low precision only) + AdamW's two
-                 moments (8). The distributed optimizer divides masters and moments by the
-                 data x context degree (routed experts: by the expert-data degree); FSDP divides
-                 parameters, gradients and moments by DP (gradients stay whole while micro
-                 batches accumulate, M > 1).
+                 moments (8); fp8 with delayed scaling: q(W) and its transpose of every fp8
+                 linear (2 per weight element, cast once per step). The distributed
+                 optimizer divides masters and moments by the data x context degree (routed
+                 experts: by the expert-data degree); FSDP divides parameters, gradients and
+                 moments by DP (gradients stay whole while micro batches accumulate, M > 1).
     activations  per micro batch in flight: every layer's kept bytes (trireme.plan.activations)
                  x tokens, the head on the last stage; 1F1B keeps up to P - p micro batches on
                  pipeline rank p (counted by walking trireme.engine.schedules.one_f_one_b, so the
@@ -40,7 +41,9 @@ from trireme.config import Config
 from trireme.engine.schedules import FORWARD, one_f_one_b
 from trireme.models.stages import StageSpec, rank_stages
 from trireme.plan.activations import (
+    fp8_cast_once,
     fp8_weight_bytes,
+    fp8_weight_elements,
     head_bytes,
     layer_bytes,
     shape_of,
@@ -221,19 +224,27 @@ def rank_params(cfg: Config, deg: Degrees, rank: int) -> RankParams:
     return params
 
 
+def rank_fp8_weights(cfg: Config, s, stages: list[StageSpec]) -> float:
+    """The weight elements of the fp8 linears in `stages` (a pipeline rank's chunks)."""
+    symbols = layer_symbols(cfg.model)
+    return sum(fp8_weight_elements(cfg, s, symbols[i]) for st in stages for i in st.layers)
+
+
 def rank_memory(cfg: Config, deg: Degrees, rank: int, rates: Rates) -> MemoryEstimate:
     """The predicted peak of pipeline rank `rank`: the larger of the backward's start (every
     activation in flight) and the optimizer step (module docstring)."""
     stages = stages_of(cfg, rank)
     params = rank_params(cfg, deg, rank)
     static = static_bytes(cfg, deg, params, rates)
+    s = shape_of(cfg, rates.norm_fused, rates.gpu)
+    if fp8_cast_once(cfg, s):
+        static["fp8_casts"] = 2 * rank_fp8_weights(cfg, s, stages)
     mb, seq = cfg.train.micro_batch_size, cfg.model.seq_length
     tokens = mb * seq // deg.context
     num_micro = micro_batches(cfg, deg)
     mode = recompute_mode(cfg)
     per_chunk = [chunk_activation_bytes(cfg, rates, st, tokens, mode) for st in stages]
     acts = in_flight_peak(per_chunk, rank, deg, num_micro)
-    s = shape_of(cfg, rates.norm_fused, rates.gpu)
     if deg.pipeline > 1:
         acts += 2 * s.e * s.h * tokens  # received activations / gradients waiting
     head = 0.0
@@ -248,7 +259,8 @@ def rank_memory(cfg: Config, deg: Degrees, rank: int, rates: Rates) -> MemoryEst
     grads_at_peak = 4 * params.largest if lazy else static["gradients"]
     data = 16 * num_micro * mb * seq  # token ids and labels of the step (int64)
     comm = _comm_bytes(cfg, deg, params)
-    backward = static["parameters"] + static["optimizer"] + grads_at_peak + acts + transient
+    backward = (static["parameters"] + static["optimizer"] + static.get("fp8_casts", 0.0)
+                + grads_at_peak + acts + transient)
     step = sum(static.values()) + optimizer_step_bytes(cfg, deg, params, rates)
     if backward >= step:
         parts = dict(static, gradients=grads_at_peak, activations=acts, transients=transient)

@@ -59,6 +59,9 @@ then, per step:
                  of the parameters under the distributed optimizer; FSDP: gathers per micro
                  batch): what does not fit under the last micro batch's backward is exposed
     optimizer    OPTIMIZER_BYTES per parameter of this rank's shard, over the memory bandwidth
+    fp8 casts    delayed scaling casts each fp8 weight once per step: FP8_WEIGHT_CAST_BYTES per
+                 weight element (bf16 read, q(W) and its transpose written), over the memory
+                 bandwidth
     overhead     rates.step_overhead_s, and rates.micro_batch_overhead_s per micro batch (kernel
                  launches and host work: what makes small micro batches slower)
 
@@ -76,13 +79,20 @@ from dataclasses import dataclass
 from trireme.config import Config
 from trireme.metrics import flops_per_token
 from trireme.models.stages import sublayer_flops
-from trireme.plan.activations import fp8_head_runs, fp8_weight_bytes, layer_bytes, shape_of
-from trireme.plan.memory import Degrees, micro_batches, stages_of
+from trireme.plan.activations import (
+    fp8_cast_once,
+    fp8_head_runs,
+    fp8_weight_bytes,
+    layer_bytes,
+    shape_of,
+)
+from trireme.plan.memory import Degrees, micro_batches, rank_fp8_weights, stages_of
 from trireme.plan.params import layer_symbols
 from trireme.plan.rates import Rates
 
 ELEMENTWISE_PASSES = {True: 5.0, False: 16.0}  # compiled blocks / eager
 OPTIMIZER_BYTES = 64.0
+FP8_WEIGHT_CAST_BYTES = 4.0  # delayed scaling, once per step: bf16 W read, q(W) and q(W)^T
 FP8_CAST_BYTES = 12.0  # compiled, current scaling: per element of x and g (fits the profile)
 FP8_AMAX_BYTES = 2.0  # current scaling's amax read of a bf16 tensor before its cast
 FP8_HEAD_CAST_BYTES = 2.0 + 2 + 1  # compiled fp8 head, x and W: amax read, cast read + write
@@ -263,6 +273,9 @@ def estimate_time(cfg: Config, world: int, rates: Rates, per_node: int = 8,
     if p.distributed_optimizer or p.data_parallel_mode == "fsdp":
         shard /= max(deg.data_context, 1)
     parts["optimizer"] = OPTIMIZER_BYTES * shard / (rates.memory_tbps * 1e12)
+    if fp8_cast_once(cfg, s := shape_of(cfg, rates.norm_fused, rates.gpu)):
+        weights = max(rank_fp8_weights(cfg, s, stages_of(cfg, r)) for r in range(deg.pipeline))
+        parts["fp8_casts"] = FP8_WEIGHT_CAST_BYTES * weights / (rates.memory_tbps * 1e12)
     parts["overhead"] = rates.step_overhead_s
     step = sum(parts.values())
     tokens = cfg.train.global_batch_size * m.seq_length
