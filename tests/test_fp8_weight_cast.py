@@ -12,7 +12,7 @@ from test_train import toy_data  # noqa: F401  (a fixture)
 
 from trireme.models.gpt import GPT
 from trireme.ops import fp8_training
-from trireme.ops.fp8 import E4M3, quantize
+from trireme.ops.fp8 import E4M3, _column_major, quantize
 from trireme.ops.fp8_training import (
     DelayedFloat8Linear,
     cast_weight,
@@ -41,7 +41,7 @@ def layers(model):
     return [m for m in model.modules() if isinstance(m, DelayedFloat8Linear)]
 
 
-def train_steps(model, steps=3, micro_batches=2, end=True):
+def train_steps(model, steps=3, micro_batches=2, end=True, ids=IDS):
     """Steps as the step runner takes them: start, the micro batches' forwards (all first, as
     a pipeline's warm-up), their backwards, end, an AdamW update. The losses of each step."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -49,7 +49,7 @@ def train_steps(model, steps=3, micro_batches=2, end=True):
     for _ in range(steps):
         start_fp8_step(model)
         opt.zero_grad()
-        losses = [model(i[:, :-1], i[:, 1:]) / micro_batches for i in IDS.chunk(micro_batches)]
+        losses = [model(i[:, :-1], i[:, 1:]) / micro_batches for i in ids.chunk(micro_batches)]
         for loss in reversed(losses):
             loss.backward()
         out.append(torch.stack(losses).sum().detach())
@@ -81,6 +81,8 @@ def test_cast_once_per_step_equals_casting_in_every_forward(recompute):
     assert torch.equal(fc1.weight_fp8.float(), q.float())
     assert torch.equal(fc1.weight_fp8_t.float(), q.t().float())
     assert torch.equal(fc1.weight_fp8_stats, torch.stack([fc1.weight.abs().max().float(), scale]))
+    # the backward's column-major operand is the transpose's view: _scaled_mm takes it uncopied
+    assert _column_major(fc1.weight_fp8_t.t()).data_ptr() == fc1.weight_fp8_t.data_ptr()
     end_fp8_step(cached)
     assert not fc1.cast_ready
 
@@ -149,7 +151,9 @@ def test_the_compiled_cast_traces_whole_and_matches():
 
 def test_trainer_runs_cast_once_as_the_plain_path(toy_data, tmp_path, monkeypatch):  # noqa: F811
     """`trireme train` with fp8 (emulated, delayed, micro batches accumulated, evaluation
-    between steps): the same losses with the weights cast once per step as in every forward."""
+    between steps): the same losses with the weights cast once per step as in every forward;
+    the step runner casts each layer's W once a step and drops the cast before each optimizer
+    step (counted: the layers' own guards would otherwise hide a missing drop)."""
     from test_train import tiny_cfg
 
     from trireme.train import train
@@ -162,6 +166,50 @@ def test_trainer_runs_cast_once_as_the_plain_path(toy_data, tmp_path, monkeypatc
         lines = (tmp_path / name / "run" / "metrics.jsonl").read_text().splitlines()
         return [(r.get("loss"), r.get("eval_loss")) for r in map(json.loads, lines)]
 
+    calls = {"cast": 0, "drop": 0}
+    real_cast, real_drop = fp8_training.cast_weight, DelayedFloat8Linear.drop_cast
+
+    def counted_cast(*args):
+        calls["cast"] += 1
+        return real_cast(*args)
+
+    def counted_drop(layer):
+        calls["drop"] += 1
+        return real_drop(layer)
+
+    monkeypatch.setattr(fp8_training, "cast_weight", counted_cast)
+    monkeypatch.setattr(DelayedFloat8Linear, "drop_cast", counted_drop)
     cached = run("cached")
+    assert calls == {"cast": 6 * 8, "drop": 6 * 8}  # 6 steps x 8 fp8 linears
     monkeypatch.setattr(DelayedFloat8Linear, "cache_weight", False)
     assert run("plain") == cached
+
+
+fp8_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="needs a GPU with fp8 tensor cores (compute capability >= 8.9)")
+
+
+@fp8_gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_on_the_gpu_the_cast_gives_the_plain_path_numbers(compiled):
+    """`_scaled_mm` with the cast operands (and the cast through Inductor when compiled)
+    against casting in every forward: three steps of two micro batches, bf16 on the GPU."""
+    def model(cache):
+        torch.manual_seed(0)
+        m = GPT(tiny_model_config()).cuda().bfloat16()
+        convert_to_float8(m, scaling="delayed", history=4, compile_cast=compiled)
+        for layer in layers(m):
+            layer.cache_weight = cache
+        if compiled:
+            for block in m.layers.values():
+                block.compile(fullgraph=True)
+        return m
+
+    torch._dynamo.reset()
+    ids = IDS.cuda().repeat(4, 1)  # 16 sequences: token counts that _scaled_mm takes
+    plain, cached = model(False), model(True)
+    ref, got = train_steps(plain, ids=ids), train_steps(cached, ids=ids)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=0)  # the same ops, maybe not the
+    for p, q in zip(plain.parameters(), cached.parameters(), strict=True):  # same kernels
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)

@@ -365,7 +365,7 @@ def build_model(
         m = cfg.model
         targets = fp8_targets(m.fp8_layer_names())
         swapped = to_fp8_training(model, device, m.fp8_emulate, m.fp8_backend, targets,
-                                  m.fp8_scaling_mode(), m.fp8_amax_history)
+                                  m.fp8_scaling_mode(), m.fp8_amax_history, m.compile)
         if not swapped and model.layers and targets:
             warnings.warn("model.precision = 'fp8' converted no layer (in/out features must be "
                           "multiples of 16): this model trains in bf16", stacklevel=2)

@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from weakref import ref
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from trireme.errors import ConfigError
 from trireme.ops.fp8 import (
@@ -139,14 +139,18 @@ class DelayedFloat8Linear(Float8Linear):
 
     W is cast once per optimizer step (`start_step`, with `cache_weight`, the default) into
     `weight_fp8`, its transpose `weight_fp8_t` and `weight_fp8_stats` ([amax, scale]), which every
-    micro batch of the step then reads: W does not change within a step, so these are the
-    numbers the plain path (`cache_weight = False`: cast in every forward) computes, bit for bit.
-    The cast is dropped (`drop_cast`) when the step ends, and when W's version counter says it
-    changed since (an eager forward, or the converted model's forward pre-hook, looks); a
-    DTensor weight (FSDP) is cast in every forward.
+    training micro batch of the step then reads: W does not change within a step, so these are
+    the numbers the plain path (`cache_weight = False`: cast in every forward) computes, in the
+    same ops (compiled with `compile_cast`). Whoever changes W calls `end_fp8_step` first (the
+    step runner does, before the optimizer step). As a guard for loops that do not, evaluation
+    (eval mode or no grad) always casts in its forward, and a training forward drops the cast
+    when W was replaced or its version counter moved (an eager forward, or the converted
+    model's forward pre-hook, looks; a fused optimizer or a write through `.data` does not move
+    it).
     """
 
     cache_weight = True  # False: W cast in every forward (the plain path, for tests)
+    compile_cast = False  # the step's cast through torch.compile on a GPU (model.compile)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
                  dtype=None, *, emulate: bool = False, history: int = AMAX_HISTORY) -> None:
@@ -169,6 +173,7 @@ class DelayedFloat8Linear(Float8Linear):
             self.register_buffer(name, None, persistent=False)
         self.cast_ready = False  # weight_fp8 ... hold this step's W
         self.cast_version = -1  # W's version counter when it was cast
+        self.cast_of = None  # a weak reference to the W cast
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, emulate: bool = False,
@@ -224,7 +229,7 @@ class DelayedFloat8Linear(Float8Linear):
         """W's e4m3 cast for this step's micro batches (class docstring), with the scale they
         would use: the history's, or W's own amax on the first step."""
         weight = self.weight
-        if not self.cache_weight or isinstance(weight, DTensor) or weight.is_meta:
+        if not self.cache_weight or weight.is_meta:
             self.cast_ready = False
             return
         if self.weight_fp8 is None or self.weight_fp8.shape != weight.shape:
@@ -232,10 +237,10 @@ class DelayedFloat8Linear(Float8Linear):
             self.weight_fp8 = torch.empty(n, k, dtype=E4M3, device=weight.device)
             self.weight_fp8_t = torch.empty(k, n, dtype=E4M3, device=weight.device)
             self.weight_fp8_stats = torch.empty(2, dtype=torch.float32, device=weight.device)
-        cast = compiled_cast_weight() if weight.is_cuda else cast_weight
+        cast = compiled_cast_weight() if self.compile_cast and weight.is_cuda else cast_weight
         cast(weight.detach(), self.scales[1] if self.delayed_ready else None, self.weight_fp8,
              self.weight_fp8_t, self.weight_fp8_stats)
-        self.cast_version, self.cast_ready = weight._version, True
+        self.cast_version, self.cast_of, self.cast_ready = weight._version, ref(weight), True
 
     def drop_cast(self) -> None:
         """W is about to change (the optimizer step): forwards cast it themselves until the
@@ -243,13 +248,14 @@ class DelayedFloat8Linear(Float8Linear):
         self.cast_ready = False
 
     def check_cast(self) -> None:
-        """Drop the cast if W changed since it was made (its version counter moved)."""
-        if self.cast_ready and self.weight._version != self.cast_version:
+        """Drop the cast if W was replaced or changed in place (its version counter moved)."""
+        if self.cast_ready and (self.cast_of() is not self.weight
+                                or self.weight._version != self.cast_version):
             self.cast_ready = False
 
     def _matmul(self, x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         scales = self.scales if self.delayed_ready else None
-        if self.cast_ready:  # a Python attribute: compiled code guards on it
+        if self.cast_ready and self.training and torch.is_grad_enabled():  # (guarded on)
             return DelayedFloat8Matmul.apply(x2d, weight, scales, self.amax_sink, self.emulate,
                                              self.weight_fp8, self.weight_fp8_t,
                                              self.weight_fp8_stats)
@@ -279,6 +285,7 @@ def end_fp8_step(model: nn.Module) -> None:
             module.drop_cast()
 
 
+@torch.compiler.disable  # (reads version counters: not traceable)
 def check_weight_casts(model: nn.Module, args) -> None:
     """A forward pre-hook of a converted model: drop the weight casts of layers whose W changed
     since (a loop that steps its optimizer without end_fp8_step; the compiled blocks cannot
@@ -291,11 +298,12 @@ def check_weight_casts(model: nn.Module, args) -> None:
 def to_fp8_training(model: nn.Module, device: torch.device | str, emulate: bool = False,
                     backend: str = "trireme",
                     targets: tuple[str, ...] = FP8_LINEARS, scaling: str = "current",
-                    history: int = AMAX_HISTORY) -> list[str]:
+                    history: int = AMAX_HISTORY, compile_cast: bool = False) -> list[str]:
     """What `model.precision = "fp8"` does to a built model: check the device, then swap the
     transformer blocks' linears named by `targets` (default all of FP8_LINEARS) for fp8 ones from
     `backend` ("trireme": this file; "torchao": torchao.float8, tensorwise current scaling).
-    `scaling` "delayed" (trireme only) gives DelayedFloat8Linear with `history` steps of amax.
+    `scaling` "delayed" (trireme only) gives DelayedFloat8Linear with `history` steps of amax,
+    casting its weight once a step through torch.compile with `compile_cast` (on a GPU).
     Returns the names swapped."""
     check_fp8_device(device, emulate)
     if scaling not in SCALINGS:
@@ -305,7 +313,7 @@ def to_fp8_training(model: nn.Module, device: torch.device | str, emulate: bool 
             raise ConfigError("model.fp8_scaling = 'delayed' needs model.fp8_backend = "
                               "'trireme' (torchao's is current scaling)")
         return convert_with_torchao(model, emulate, targets)
-    return convert_to_float8(model, emulate, targets, scaling, history)
+    return convert_to_float8(model, emulate, targets, scaling, history, compile_cast)
 
 
 def _fp8_candidate(name: str, module: nn.Module, targets: tuple[str, ...]) -> bool:
@@ -341,9 +349,9 @@ def convert_with_torchao(model: nn.Module, emulate: bool = False,
 
 def convert_to_float8(model: nn.Module, emulate: bool = False,
                       targets: tuple[str, ...] = FP8_LINEARS, scaling: str = "current",
-                      history: int = AMAX_HISTORY) -> list[str]:
+                      history: int = AMAX_HISTORY, compile_cast: bool = False) -> list[str]:
     """Swap the linears whose names end with one of `targets` for Float8Linear (scaling
-    "current") or DelayedFloat8Linear ("delayed", `history` steps), in place.
+    "current") or DelayedFloat8Linear ("delayed", `history` steps, `compile_cast`), in place.
 
     Returns the names swapped. A layer with in or out features not a multiple of 16 stays as it
     is (bf16). Raises ConfigError on a tensor-parallel layer (not supported yet).
@@ -363,6 +371,7 @@ def convert_to_float8(model: nn.Module, emulate: bool = False,
         parent_name, _, attr = name.rpartition(".")
         if scaling == "delayed":
             new = DelayedFloat8Linear.from_linear(module, emulate, history)
+            new.compile_cast = compile_cast
         else:
             new = Float8Linear.from_linear(module, emulate)
         setattr(model.get_submodule(parent_name), attr, new)

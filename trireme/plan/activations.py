@@ -177,10 +177,9 @@ def fp8_weight_bytes(cfg: Config, s: Shape, symbols: str) -> float:
 
 def fp8_cast_once(cfg: Config, s: Shape) -> bool:
     """Whether the fp8 linears cast their weights once per optimizer step and keep q(W) and its
-    transpose (trireme.ops.fp8_training: delayed scaling; not FSDP's sharded weights)."""
+    transpose (trireme.ops.fp8_training: delayed scaling, trireme's fp8 linears)."""
     m = cfg.model
-    return (s.fp8 and m.fp8_backend == "trireme" and m.fp8_scaling_mode() == "delayed"
-            and cfg.parallel.data_parallel_mode != "fsdp")
+    return s.fp8 and m.fp8_backend == "trireme" and m.fp8_scaling_mode() == "delayed"
 
 
 def fp8_weight_elements(cfg: Config, s: Shape, symbols: str) -> float:

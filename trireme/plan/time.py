@@ -59,9 +59,7 @@ then, per step:
                  of the parameters under the distributed optimizer; FSDP: gathers per micro
                  batch): what does not fit under the last micro batch's backward is exposed
     optimizer    OPTIMIZER_BYTES per parameter of this rank's shard, over the memory bandwidth
-    fp8 casts    delayed scaling casts each fp8 weight once per step: FP8_WEIGHT_CAST_BYTES per
-                 weight element (bf16 read, q(W) and its transpose written), over the memory
-                 bandwidth
+    fp8 casts    delayed scaling casts each fp8 weight once per step (weight_cast_seconds)
     overhead     rates.step_overhead_s, and rates.micro_batch_overhead_s per micro batch (kernel
                  launches and host work: what makes small micro batches slower)
 
@@ -92,7 +90,9 @@ from trireme.plan.rates import Rates
 
 ELEMENTWISE_PASSES = {True: 5.0, False: 16.0}  # compiled blocks / eager
 OPTIMIZER_BYTES = 64.0
-FP8_WEIGHT_CAST_BYTES = 4.0  # delayed scaling, once per step: bf16 W read, q(W) and q(W)^T
+# delayed scaling, once per step, compiled: W read for its amax, read again to cast, q(W) and
+# q(W)^T written (the per-micro-batch casts it replaces were inside the fitted FP8_CAST_BYTES)
+FP8_WEIGHT_CAST_BYTES = 6.0
 FP8_CAST_BYTES = 12.0  # compiled, current scaling: per element of x and g (fits the profile)
 FP8_AMAX_BYTES = 2.0  # current scaling's amax read of a bf16 tensor before its cast
 FP8_HEAD_CAST_BYTES = 2.0 + 2 + 1  # compiled fp8 head, x and W: amax read, cast read + write
@@ -161,6 +161,17 @@ def fp8_seconds(cfg: Config, s, symbols: str, tokens: float, rates: Rates) -> tu
     forward = FP8_EAGER_BYTES * (x + w) / bw_mem
     backward = FP8_EAGER_BYTES * g / bw_mem + FP8_TRANSPOSE_BYTES * (x + w + g) / bw_t
     return forward, backward
+
+
+def weight_cast_seconds(s, weights: float, rates: Rates) -> float:
+    """The once-per-step cast of `weights` fp8 weight elements (delayed scaling): compiled,
+    FP8_WEIGHT_CAST_BYTES each; eager, what an eager cast of x costs per element (module
+    docstring: fp8)."""
+    bw_mem = rates.memory_tbps * 1e12
+    if s.compiled:
+        return FP8_WEIGHT_CAST_BYTES * weights / bw_mem
+    bw_t = (rates.transpose_tbps or rates.memory_tbps) * 1e12
+    return FP8_EAGER_BYTES * weights / bw_mem + FP8_TRANSPOSE_BYTES * weights / bw_t
 
 
 def micro_batch_seconds(cfg: Config, deg: Degrees, rank: int, rates: Rates,
@@ -275,7 +286,7 @@ def estimate_time(cfg: Config, world: int, rates: Rates, per_node: int = 8,
     parts["optimizer"] = OPTIMIZER_BYTES * shard / (rates.memory_tbps * 1e12)
     if fp8_cast_once(cfg, s := shape_of(cfg, rates.norm_fused, rates.gpu)):
         weights = max(rank_fp8_weights(cfg, s, stages_of(cfg, r)) for r in range(deg.pipeline))
-        parts["fp8_casts"] = FP8_WEIGHT_CAST_BYTES * weights / (rates.memory_tbps * 1e12)
+        parts["fp8_casts"] = weight_cast_seconds(s, weights, rates)
     parts["overhead"] = rates.step_overhead_s
     step = sum(parts.values())
     tokens = cfg.train.global_batch_size * m.seq_length
