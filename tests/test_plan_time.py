@@ -20,12 +20,15 @@ from trireme.config import load_config
 from trireme.ops.fp8 import fp8_linear
 from trireme.ops.fp8_training import DelayedFloat8Matmul
 from trireme.plan.activations import head_bytes, shape_of
+from trireme.plan.memory import Degrees
+from trireme.plan.params import layer_symbols
 from trireme.plan.rates import load_rates
 from trireme.plan.time import (
     FP8_AMAX_BYTES,
     FP8_EAGER_BYTES,
     FP8_TRANSPOSE_BYTES,
     FP8_WEIGHT_CAST_BYTES,
+    layer_seconds,
 )
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
@@ -254,3 +257,27 @@ def test_fp8_output_layer_moves_the_head_flops_to_the_fp8_rate():
     auto, four = _llama_fp8(True, **fce), _llama_fp8(True, **fce, **{"model.fp8_layers": FOUR})
     assert BENCH.predict(auto, cpu)["step_s"] == BENCH.predict(four, cpu)["step_s"]
     assert BENCH.predict(auto, rates)["step_s"] < BENCH.predict(four, rates)["step_s"]
+
+
+@pytest.mark.parametrize("preset, layers", [("llama3-1b", '["qkv"]'), ("llama3-1b", FOUR),
+                                            ("mixtral-8x7b", FOUR)])
+def test_only_the_fp8_linears_run_at_the_fp8_rate(preset, layers):
+    """A layer's matmul time: its fp8 linears' FLOPs (model.fp8_layers; never the routed
+    experts) at the fp8 rate, the rest at bf16's; bf16 is all at bf16's."""
+    rates = load_rates("h200")
+    fp8 = load_config(preset, {"data.mock": True, "model.precision": "fp8",
+                               "model.fp8_layers": layers, "model.vocab_size": 32000})
+    bf16 = load_config(preset, {"data.mock": True, "model.precision": "bf16",
+                                "model.vocab_size": 32000})
+    deg, tokens = Degrees.of(fp8, 1), 4096.0
+    kind = layer_symbols(fp8.model)[-1]
+    m = fp8.model
+    q, kv, f = m.num_attention_heads * m.head_size, m.kv_heads * m.head_size, m.ffn_size
+    sizes = {"qkv": m.hidden_size * (q + 2 * kv), "out": q * m.hidden_size,
+             "fc1": m.hidden_size * 2 * f, "fc2": f * m.hidden_size}
+    names = [n for n in json.loads(layers) if n in sizes and (n in ("qkv", "out") or "-" in kind)]
+    fast = 3 * tokens * 2 * sum(sizes[n] for n in names)  # forward + backward FLOPs
+    plain = layer_seconds(bf16, deg, kind, tokens, rates, 8)["matmul"]
+    got = layer_seconds(fp8, deg, kind, tokens, rates, 8)["matmul"]
+    r8, r16 = (rates.matmul_tflops[k] * 1e12 for k in ("fp8", "bf16"))
+    assert got == pytest.approx(plain - fast / r16 + fast / r8, rel=1e-9)

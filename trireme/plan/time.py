@@ -133,18 +133,22 @@ def _layer_matmul_flops(cfg: Config, symbols: str, tensor: int) -> tuple[float, 
     return lin, core
 
 
-def _fp8_elements(cfg: Config, s, symbols: str) -> tuple[float, float]:
-    """Per token: (the inputs, the output gradients) the fp8 linears of a layer quantize."""
+def _fp8_linears(cfg: Config, s, symbols: str) -> list[tuple[int, int]]:
+    """(inputs, outputs) of each fp8 linear of a layer (model.fp8_layers; never the experts)."""
     layers = set(cfg.model.fp8_layer_names())
     sizes = {"qkv": (s.h, s.q + 2 * s.k), "out": (s.q, s.h),
              "fc1": (s.h, s.ffn * (2 if s.swiglu else 1)), "fc2": (s.ffn, s.h)}
-    inputs, grads = 0.0, 0.0
+    found = []
     for sym in symbols:
         names = ("qkv", "out") if sym == "*" else ("fc1", "fc2") if sym == "-" else ()
-        for n in names:
-            if n in layers:
-                inputs, grads = inputs + sizes[n][0], grads + sizes[n][1]
-    return inputs, grads
+        found += [sizes[n] for n in names if n in layers]
+    return found
+
+
+def _fp8_elements(cfg: Config, s, symbols: str) -> tuple[float, float]:
+    """Per token: (the inputs, the output gradients) the fp8 linears of a layer quantize."""
+    linears = _fp8_linears(cfg, s, symbols)
+    return float(sum(i for i, _ in linears)), float(sum(o for _, o in linears))
 
 
 def fp8_seconds(cfg: Config, s, symbols: str, tokens: float, rates: Rates) -> tuple[float, float]:
@@ -221,9 +225,12 @@ def layer_seconds(cfg: Config, deg: Degrees, kind: str, tokens: float, rates: Ra
     m, t = cfg.model, cfg.train
     s = shape_of(cfg, rates.norm_fused, rates.gpu)
     bw_mem = rates.memory_tbps * 1e12
+    bf16_rate = rates.matmul_tflops["bf16"] * 1e12
     mm_rate = rates.matmul_tflops.get(m.precision, rates.matmul_tflops["bf16"]) * 1e12
     lin, core = _layer_matmul_flops(cfg, kind, deg.tensor)
-    mm = 3 * lin * tokens / mm_rate
+    # fp8: only the fp8 linears at the fp8 rate (the experts, Mamba's and unnamed linears: bf16)
+    fast = sum(2 * i * o for i, o in _fp8_linears(cfg, s, kind)) if s.fp8 else 0.0
+    mm = 3 * tokens * (fast / mm_rate + (lin - fast) / (bf16_rate if s.fp8 else mm_rate))
     att_f = core * tokens / (rates.attention_tflops["forward"] * 1e12)
     att_b = 2 * core * tokens / (rates.attention_tflops["backward"] * 1e12)
     # ring context parallelism: its blocks run on the same kernels at the same rate (95-104% of
