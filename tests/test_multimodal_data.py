@@ -15,8 +15,10 @@ from trireme.data.multimodal import (
     IMAGES_SUFFIX,
     MultimodalDataset,
     MultimodalSource,
+    conversation_prompt_ids,
     image_prompt_ids,
     preprocess_multimodal,
+    sample_sequences,
 )
 from trireme.data.shapes import _tokenizer_json
 from trireme.data.tokenizer import load_tokenizer
@@ -160,3 +162,23 @@ def test_preprocess_command_one_line_error(tmp_path, tok):
     assert r.returncode == 2
     assert "d.jsonl:1: image" in r.stderr and "nope.png" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_without_a_marker_the_image_opens_the_first_prompt(tok):
+    """As LLaVA's data has it ("USER: <image>\\n..."): a conversation with no <image> marker
+    trains, and a question without one is asked, with the image right after "USER:" (the
+    shapes corpus puts its marker there); a text-only prompt places no image."""
+    image = tok.token_id("<image>")
+    record = {"conversations": [{"from": "human", "value": "what is in the image ?"},
+                                {"from": "gpt", "value": "a red circle"}]}
+    marked = {"conversations": [{"from": "human", "value": "<image>\nwhat is in the image ?"},
+                                {"from": "gpt", "value": "a red circle"}]}
+    assert sample_sequences(record, tok, image) == sample_sequences(marked, tok, image)
+    user = tok.encode("USER: ")
+    first = sample_sequences(record, tok, image)[0]
+    assert first[:len(user) + 1] == [*user, image]
+    asked = image_prompt_ids(tok, "what is in the image ?", image, 4)
+    assert asked[:len(user) + 4] == [*user, *[image] * 4]
+    text_only = conversation_prompt_ids(tok, ["what is in the image ?"], image, 4, image=False)
+    assert image not in text_only and text_only == tok.encode(
+        "USER: what is in the image ?\nASSISTANT:")

@@ -163,7 +163,9 @@ def test_chat_with_images_equals_trireme_generate(vlm_checkpoint, image_files, c
             answers = list(pool.map(ask, jobs))
         for (question, path), answer in zip(jobs, answers):
             expected = cli_generate_image(vlm_checkpoint, path, question, capsys)
-            framed = f"USER: {question.replace('<image>', '')}\nASSISTANT:"
+            # without a marker the image opens the question, as LLaVA's data has it
+            framed = (f"USER: {question.replace('<image>', '')}\nASSISTANT:"
+                      if "<image>" in question else f"USER: \n{question}\nASSISTANT:")
             assert framed + answer.choices[0].message.content == expected, question
             assert answer.usage.prompt_tokens == len(framed.encode()) + 16  # + the image's
             chunks = list(ask((question, path), stream=True))
@@ -256,3 +258,18 @@ def test_a_vision_answer_stops_at_the_next_user_turn(vlm_checkpoint, image_files
     parsed = parse_chat(body, loaded.tokenizer, chat_format(loaded), loaded.cfg.model.seq_length,
                         vision)
     assert set(parsed.params.stop) == {"x", "\nUSER:"}  # the framing's turns: "USER: ...\n"
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--prompt", "<image> what is <image> here?", "--image", "IMG"], "--prompt: one image"),
+    (["--prompt", "<image> what is here?"], "marker but there is no --image"),
+])
+def test_generate_image_prompt_errors_are_one_line(vlm_checkpoint, image_files, capsys, args,
+                                                   match):
+    """As the server answers the same with a 400: two markers, or a marker and no image."""
+    args = [str(image_files[0]) if a == "IMG" else a for a in args]
+    capsys.readouterr()
+    code = trireme_main(["generate", "--checkpoint", str(vlm_checkpoint), *args,
+                         "--max-new-tokens", "3", "--greedy", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and match in err and "Traceback" not in err, err

@@ -8,7 +8,8 @@ Input, one JSON object per line (docs/data.md, "Multimodal samples"):
 
 (`role` / `content` and `user` / `assistant` work as well.) Relative image paths are read from the
 JSONL file's folder. A conversation renders as "USER: {question}\\nASSISTANT:" prompts and
-" {answer}" responses; the image goes where the text says `<image>` (or before the first prompt).
+" {answer}" responses; the image goes where the text says `<image>` (or, as in LLaVA, at the
+start of the first prompt: "USER: <image>\n{prompt}").
 
 Output for prefix P:
 - P.bin / P.idx: one document per sample, its sequences alternating prompt, response, prompt,
@@ -87,9 +88,11 @@ def _turns(record: dict) -> list[tuple[str, str]]:
     return out
 
 
-def sample_sequences(record: dict, tokenizer: Tokenizer, image_id: int) -> list[list[int]]:
-    """The sequences of one sample: prompt, response, prompt, ... (module docstring). ValueError
-    (a line problem) for a bad record."""
+def sample_sequences(record: dict, tokenizer: Tokenizer, image_id: int,
+                     image: bool = True) -> list[list[int]]:
+    """The sequences of one sample: prompt, response, prompt, ... (module docstring); without
+    `image` (a text-only prompt) no image is placed. ValueError (a line problem) for a bad
+    record."""
     if "text" in record:
         if not isinstance(record["text"], str):
             raise ValueError("'text' must be a string")
@@ -111,8 +114,9 @@ def sample_sequences(record: dict, tokenizer: Tokenizer, image_id: int) -> list[
         sequences.append(ids)
     if images > 1:
         raise ValueError(f"one image per sample: {IMAGE_TOKEN} appears {images} times")
-    if images == 0:
-        sequences[0] = [image_id] + sequences[0]
+    if images == 0 and image:  # LLaVA's convention: the image opens the first user turn
+        sequences[0], _ = _encode_with_image(
+            tokenizer, f"USER: {IMAGE_TOKEN}\n{turns[0][1]}\nASSISTANT:", image_id)
     return sequences
 
 
@@ -316,7 +320,8 @@ def multimodal_datasets(prefix: str, *, seq_length: int, seed: int, split: str,
 def image_prompt_ids(tokenizer: Tokenizer, question: str, image_id: int,
                      image_tokens: int) -> list[int]:
     """The ids of a one-image prompt as training saw it ("USER: {question}\\nASSISTANT:", the
-    image at its <image> marker or first), the placeholder expanded to `image_tokens` copies."""
+    image at its <image> marker or opening the question), the placeholder expanded to
+    `image_tokens` copies."""
     return conversation_prompt_ids(tokenizer, [question], image_id, image_tokens)
 
 
@@ -324,15 +329,15 @@ def conversation_prompt_ids(tokenizer: Tokenizer, turns: list[str], image_id: in
                             image_tokens: int, image: bool = True) -> list[int]:
     """The ids of a conversation to continue, framed as training saw it: `turns` alternate user,
     assistant, ..., user; "USER: {q}\\nASSISTANT: {a}\\nUSER: ...\\nASSISTANT:". With `image`, the
-    one image sits at the <image> marker (or before the first turn), expanded to `image_tokens`
+    one image sits at the <image> marker (or opens the first turn), expanded to `image_tokens`
     placeholder ids; without, the text must have no marker. ValueError for more markers."""
     roles = ["human" if i % 2 == 0 else "gpt" for i in range(len(turns) + 1)]
     record = {"conversations": [{"from": role, "value": text}
                                 for role, text in zip(roles, [*turns, ""])]}
-    sequences = sample_sequences(record, tokenizer, image_id)[:-1]  # no (empty) answer
+    sequences = sample_sequences(record, tokenizer, image_id, image)[:-1]  # no (empty) answer
     ids = [t for sequence in sequences for t in sequence]
     if not image:
         if any(IMAGE_TOKEN in text for text in turns):
             raise ValueError(f"the text has an {IMAGE_TOKEN} marker but there is no image")
-        return ids[1:]  # sample_sequences put the image first
+        return ids
     return [t for i in ids for t in ([i] * image_tokens if i == image_id else [i])]

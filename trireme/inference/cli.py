@@ -14,7 +14,7 @@ from trireme.checkpoint.store import load_checkpoint
 from trireme.checkpoint.tokenizer_copy import tokenizer_for
 from trireme.config import Config, config_from_toml
 from trireme.data.images import load_image, pixels
-from trireme.data.multimodal import image_prompt_ids, image_token_id
+from trireme.data.multimodal import IMAGE_TOKEN, image_prompt_ids, image_token_id
 from trireme.data.tokenizer import Tokenizer, load_tokenizer
 from trireme.errors import CheckpointError, ConfigError
 from trireme.inference.engine import DECODE_GEMMS, Engine, EngineSettings
@@ -115,15 +115,20 @@ def _generate_one(loaded: LoadedModel, prompt: str, *, max_new_tokens: int, temp
     tok, cfg, model = loaded.tokenizer, loaded.cfg, loaded.model
     seed = agreed_seed(seed, model.ctx.group("tensor"), model.embedding.weight.device)
     ids, images = tok.encode(prompt) or [tok.eod], None
+    if cfg.model.vision_layers and not image and IMAGE_TOKEN in prompt:
+        raise ConfigError(f"--prompt has an {IMAGE_TOKEN} marker but there is no --image")
     if image:
         if not cfg.model.vision_layers:
             raise ConfigError(f"--image: the model in {loaded.path} has no vision encoder "
                               "(model.vision_layers = 0)")
         image_id = cfg.model.image_token_id
-        ids = image_prompt_ids(tok, prompt, image_id, num_image_tokens(cfg.model))
+        try:
+            ids = image_prompt_ids(tok, prompt, image_id, num_image_tokens(cfg.model))
+        except ValueError as e:  # e.g. two markers
+            raise ConfigError(f"--prompt: {e}") from e
         images = pixels(load_image(image, cfg.model.vision_image_size, "--image: ")[None])
         images = images.to(model.embedding.weight.device, model.embedding.weight.dtype)
-    if len(ids) + max_new_tokens > cfg.model.seq_length and loaded.is_main:
+    if len(ids) < cfg.model.seq_length < len(ids) + max_new_tokens and loaded.is_main:
         print(f"trireme: note: the prompt ({len(ids)} tokens) + --max-new-tokens {max_new_tokens}"
               f" is past the model's context ({cfg.model.seq_length}): the text stops there",
               file=sys.stderr)
