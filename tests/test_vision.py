@@ -102,6 +102,11 @@ def test_freeze_patterns_and_their_errors():
     names = [n for n, _ in model.named_parameters()]
     with pytest.raises(ConfigError, match="'visoin.\\*' matches no parameter"):
         check_freeze_patterns(names, ["visoin.*"])
+    for everything in (["*"], ["vision.*", "projector.*", "layers.*", "embedding.*", "final_*",
+                                "output.*"]):
+        with pytest.raises(ConfigError, match="freezes every parameter"):
+            check_freeze_patterns(names, everything)
+    check_freeze_patterns(names, ["vision.*", "layers.*"])  # leaves the projector: fine
 
 
 def test_sequence_or_context_parallel_vision_is_a_one_line_error():

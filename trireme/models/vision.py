@@ -226,8 +226,12 @@ def freeze_parameters(model: nn.Module, patterns: list[str]) -> list[str]:
 
 
 def check_freeze_patterns(names: list[str], patterns: list[str]) -> None:
-    """One-line ConfigError for a model.freeze pattern that matches no parameter of the model."""
+    """One-line ConfigError for a model.freeze pattern that matches no parameter of the model,
+    or patterns that leave nothing to train."""
     for pattern in patterns:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
             raise ConfigError(f"model.freeze pattern {pattern!r} matches no parameter; names look "
                               f"like {names[0]!r} (see `trireme inspect` or docs/multimodal.md)")
+    if all(any(fnmatch.fnmatchcase(name, p) for p in patterns) for name in names):
+        raise ConfigError(f"model.freeze = {patterns} freezes every parameter: nothing would "
+                          "train; name only the parts to keep fixed (e.g. [\"vision.*\"])")
