@@ -150,6 +150,10 @@ def test_image_tokens_must_fit_the_sequence(tmp_path, tok):
                            False)
     with pytest.raises(DataError, match="raise seq_length"):
         ds.sample(0)
+    other = MultimodalDataset(source, np.arange(2), 40, 0, tok.token_id("<image>") + 1, 4,
+                              tok.eod, False)  # another image id: no placeholder at all
+    with pytest.raises(DataError, match="holds no image placeholder .* another tokenizer"):
+        other.sample(0)
 
 
 def test_preprocess_command_one_line_error(tmp_path, tok):

@@ -279,6 +279,10 @@ class MultimodalDataset:
             flags.append(keep)
         row, keep = np.concatenate(ids), np.concatenate(flags)
         size = self.seq_length + 1
+        if not np.any(row == self.image_id):
+            raise DataError(f"{self.source.prefix}: sample {doc} holds no image placeholder "
+                            f"(id {self.image_id}): the data was tokenized with another tokenizer"
+                            " than data.tokenizer, or model.image_token_id is not its <image>")
         if np.count_nonzero(row[: self.seq_length] == self.image_id) != self.image_tokens:
             raise DataError(f"{self.source.prefix}: sample {doc} does not fit its "
                             f"{self.image_tokens} image tokens in model.seq_length = "
