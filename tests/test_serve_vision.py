@@ -263,6 +263,7 @@ def test_a_vision_answer_stops_at_the_next_user_turn(vlm_checkpoint, image_files
 @pytest.mark.parametrize("args, match", [
     (["--prompt", "<image> what is <image> here?", "--image", "IMG"], "--prompt: one image"),
     (["--prompt", "<image> what is here?"], "marker but there is no --image"),
+    (["--prompt", "what?", "--image", "/no/such.png"], "not a file); check the path\n"),
 ])
 def test_generate_image_prompt_errors_are_one_line(vlm_checkpoint, image_files, capsys, args,
                                                    match):

@@ -34,13 +34,14 @@ def _pillow():
     return Image
 
 
-def load_image(path: str | os.PathLike[str], size: int, where: str = "") -> np.ndarray:
+def load_image(path: str | os.PathLike[str], size: int, where: str = "",
+               hint: str = "") -> np.ndarray:
     """uint8 [size, size, 3]: the image at `path`, padded to a square and resized (module doc).
-    `where` (e.g. "data.jsonl:12: ") starts the error messages."""
+    `where` (e.g. "data.jsonl:12: ") starts the error messages, `hint` ends a "not found"."""
     path = str(path)
     if not os.path.isfile(path):
-        raise DataError(f"{where}image {path!r} not found; check the path (relative paths are "
-                        "read from the folder of the JSONL file)")
+        raise DataError(f"{where}image {path!r} not found (or not a file); check the path"
+                        + (f" ({hint})" if hint else ""))
     return _square(_decode(path, f"{where}image {path!r}"), size)
 
 
@@ -69,7 +70,9 @@ def _decode(source, what: str, max_pixels: int = 0, formats: tuple[str, ...] | N
         raise DataError(f"{what} is too large to decode safely ({e}); downscale it first"
                         ) from None
     except (OSError, SyntaxError, ValueError) as e:  # UnidentifiedImageError is an OSError
-        raise DataError(f"{what} is not a readable image ({e}); replace or remove it") from None
+        reason = "unknown format" if isinstance(e, image_module.UnidentifiedImageError) else e
+        raise DataError(f"{what} is not a readable image ({reason}); replace or remove it"
+                        ) from None
 
 
 def _square(image, size: int) -> np.ndarray:

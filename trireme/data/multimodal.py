@@ -50,6 +50,7 @@ from trireme.data.tokenizer_base import Tokenizer
 from trireme.errors import DataError
 
 IMAGE_TOKEN = "<image>"
+RELATIVE_HINT = "relative paths are read from the folder of the JSONL file"
 IMAGES_SUFFIX = ".images.npy"
 USER, ASSISTANT = ("human", "user"), ("gpt", "assistant")
 
@@ -175,7 +176,8 @@ def preprocess_multimodal(inputs: list[str], output_prefix: str, tokenizer: Toke
                         try:
                             record = _parse(raw, where)
                             sequences = sample_sequences(record, tokenizer, image_id)
-                            image = load_image(folder / record["image"], image_size, where)
+                            image = load_image(folder / record["image"], image_size, where,
+                                               RELATIVE_HINT)
                         except (ValueError, DataError) as e:
                             if not skip_bad_lines:
                                 text = str(e) if isinstance(e, DataError) else f"{where}{e}"
