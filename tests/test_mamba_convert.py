@@ -5,13 +5,14 @@ prompt with the same greedy tokens."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.converted import assert_exports_back, assert_generate_matches_hf, trireme_model
-from trireme.checkpoint.convert import convert
+from trireme.checkpoint.convert import convert, read_trireme, write_trireme
 from trireme.checkpoint.convert_hf import write_hf
 from trireme.checkpoint.converted import Converted
 from trireme.checkpoint.store import load_checkpoint
@@ -87,6 +88,42 @@ def test_hf_mamba2_and_nemotron_h_both_ways_same_logits(tmp_path: Path, capsys,
         assert_close(model(ids), want)
 
     assert_exports_back(tmp_path, hf, ids, want, assert_close)
+
+
+def test_tied_hybrid_exports_to_nemotron_h_with_its_head_and_reads_back_tied(
+        tmp_path: Path) -> None:
+    """NemotronHForCausalLM never ties lm_head to the embedding: a tied trireme hybrid is written
+    with lm_head.weight (a copy) and tie_word_embeddings false, not left to a random init."""
+    make_hf("nemotron-h", tmp_path / "hf")
+    convert("hf", "trireme", tmp_path / "hf", tmp_path / "untied")
+    conv = read_trireme(tmp_path / "untied")
+    conv.model.tie_embeddings = True
+    del conv.state["output.weight"]
+    write_trireme(conv, tmp_path / "tri", torch.float32)
+    model = trireme_model(tmp_path / "tri")
+    ids = torch.randint(0, VOCAB, (2, 21), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids)
+    assert want.std() > 0.1
+
+    convert("trireme", "hf", tmp_path / "tri", tmp_path / "back")
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config["model_type"] == "nemotron_h" and config["tie_word_embeddings"] is False
+    hf, info = transformers.NemotronHForCausalLM.from_pretrained(
+        tmp_path / "back", dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    with torch.no_grad():
+        assert_close(hf.eval()(ids).logits, want)
+        assert torch.equal(hf.lm_head.weight, hf.get_input_embeddings().weight)
+
+    convert("hf", "trireme", tmp_path / "back", tmp_path / "again")  # equal tensors: tied again
+    again = trireme_model(tmp_path / "again")
+    assert again.cfg.tie_embeddings
+    ours, theirs = model.state_dict(), again.state_dict()
+    assert sorted(ours) == sorted(theirs)
+    assert all(torch.equal(ours[n], theirs[n]) for n in ours)
+    with torch.no_grad():
+        assert torch.equal(again(ids), want)
 
 
 @pytest.mark.parametrize("name", ["groups-2", "nemotron-h"])

@@ -47,6 +47,7 @@ from trireme.checkpoint.hf_mamba import (
     nemotron_h_entries,
     nemotron_h_hf_config,
     nemotron_h_model_config,
+    nemotron_h_with_head,
 )
 from trireme.checkpoint.hf_moe import (
     ARCHITECTURES,
@@ -227,7 +228,7 @@ def _hf_config(cfg: ModelConfig, kind: str, biases: Biases, dtype: torch.dtype) 
               "torch_dtype": _DTYPE_NAMES[dtype], "bos_token_id": None, "eos_token_id": None}
     if kind in MAMBA_TYPES:
         family = mamba2_hf_config(cfg) if kind == "mamba2" else nemotron_h_hf_config(cfg)
-        return {**family, **common}
+        return {**common, **family}  # nemotron_h's tie_word_embeddings is always false
     if kind == "gpt2":
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
                 "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers,
@@ -433,6 +434,11 @@ def read_hf(folder: Path) -> Converted:
         cfg, table, notes = hf_model_config(untied(hf), True)
         notes = [*notes, "config.json ties the embeddings, but lm_head.weight differs from the "
                  "input embedding: kept as an untied output layer, as transformers loads it"]
+    elif (kind == "nemotron_h" and not cfg.tie_embeddings and "lm_head.weight" in tensors
+          and not distinct_head(tensors, table)):
+        cfg, table, notes = hf_model_config({**hf, "tie_word_embeddings": True}, True)
+        notes = [*notes, "lm_head.weight equals the input embedding (how trireme writes a tied "
+                 "model: NemotronHForCausalLM never ties): read back as tied embeddings"]
     expected = their_shapes(table, cfg)
     missing = [n for n in expected if n not in tensors]
     mismatched = [f"{n}: {tuple(tensors[n].shape)} vs {expected[n]}" for n in expected
@@ -478,6 +484,8 @@ def write_hf(
         table, config = _llava_export(cfg, kind, biases, dtype, table)
         kind = "llava"
     tensors = export_state(table, conv.state, cfg)
+    if kind == "nemotron_h":
+        tensors = nemotron_h_with_head(tensors)
     if kind == "llava":  # names as transformers saves them; CLIP's unused post_layernorm
         tensors = {written_name(n): t for n, t in tensors.items()}
         w = cfg.vision_hidden_size

@@ -9,7 +9,7 @@ Every layer is one Mamba-2 mixer after an RMSNorm, which is trireme's `M` sublay
     backbone.layers.i.mixer.{in_proj, conv1d, dt_bias, A_log, D, norm, out_proj}
                                               -> layers.i.mamba.{the same names}
     backbone.norm_f.weight                    -> final_norm.weight
-    lm_head.weight                            -> output.weight (absent when tied)
+    lm_head.weight                            -> output.weight (Mamba-2: absent when tied)
 
 The tensors have the same layout on both sides (in_proj rows [z; x; B; C; dt], the
 convolution over [x; B; C], the gated norm per group of d_in / n_groups channels), so every entry
@@ -21,11 +21,17 @@ linear_attention (a Mamba-2 mixer, the names above), full_attention (q/k/v/o_pro
 embedding: trireme's position_embedding = "none"), mlp (up_proj, down_proj with squared ReLU:
 activation = "relu2"); trireme's pattern spells the same sequence (M, *, -), so HF block i is
 sublayer i of the pattern, wherever it lands in trireme's layers. Its Mamba mixers clamp the step
-size at time_step_min (mamba_dt_limit_min). The MoE blocks (latent projections, a shared expert,
-a corrected sigmoid router) and the multi-token-prediction layers have no trireme counterpart.
+size at time_step_min (mamba_dt_limit_min). NemotronHForCausalLM never ties its lm_head to the
+embedding (its `_tied_weights_keys` is empty, whatever tie_word_embeddings says; Mamba2ForCausalLM
+does tie), so a tied model is written with lm_head.weight a copy of the embedding and
+tie_word_embeddings false, and such a file (the two tensors equal) reads back tied. The MoE
+blocks (latent projections, a shared expert, a corrected sigmoid router) and the
+multi-token-prediction layers have no trireme counterpart.
 """
 
 from __future__ import annotations
+
+from torch import Tensor
 
 from trireme.checkpoint.hf_table import Entry
 from trireme.config import ModelConfig
@@ -229,7 +235,16 @@ def nemotron_h_hf_config(cfg: ModelConfig) -> dict:
         "chunk_size": cfg.mamba_chunk_size, "time_step_min": cfg.mamba_dt_min,
         "time_step_max": cfg.mamba_dt_max, "time_step_floor": cfg.mamba_dt_init_floor,
         "residual_in_fp32": False, "num_nextn_predict_layers": 0, "pad_token_id": None,
+        "tie_word_embeddings": False,  # transformers never ties it: lm_head.weight is written
     }
+
+
+def nemotron_h_with_head(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The tensors of a NemotronHForCausalLM with lm_head.weight: a tied model's is a copy of the
+    embedding, since transformers would leave a missing one newly initialised (it never ties)."""
+    if "lm_head.weight" in tensors:
+        return tensors
+    return {**tensors, "lm_head.weight": tensors["backbone.embeddings.weight"].clone()}
 
 
 def mamba_family(cfg: ModelConfig) -> str:
