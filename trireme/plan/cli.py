@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from trireme.config import Config, load_config
@@ -29,7 +30,7 @@ def _row(i: str, p: Prediction) -> str:
             f"{p.memory_gib:>8.1f} {p.tokens_per_s:>11,.0f} {100 * p.mfu:>5.1f}%  {p.reason()}")
 
 
-def format_plan(plan: Plan, top: int, gpus: int, rates: Rates) -> str:
+def format_plan(plan: Plan, top: int, gpus: int, rates: Rates, per_node: int = 8) -> str:
     head = (f"{'':>5} {'layout':<34} {'recompute':<9} {'mb':>3} {'GiB/GPU':>8} "
             f"{'tokens/s':>11} {'MFU':>6}  why")
     lines = [f"trireme plan: {gpus} x {rates.name} ({rates.memory_gib:.0f} GiB each); "
@@ -39,13 +40,43 @@ def format_plan(plan: Plan, top: int, gpus: int, rates: Rates) -> str:
                  ("" if g.fits else "  (does not fit)"))
     for i, p in enumerate(plan.candidates[:top], 1):
         lines.append(_row(str(i), p))
+    if not plan.candidates:
+        lines += _nothing_fits(plan, gpus, rates, per_node)
     return "\n".join(lines)
+
+
+def _nothing_fits(plan: Plan, gpus: int, rates: Rates, per_node: int) -> list[str]:
+    """When no layout fits: the least-memory layout the planner found (a row) and one line of
+    what to change, from what was already predicted."""
+    s = plan.smallest
+    if s is None:
+        return [f"no layout of this config is valid on {gpus} GPUs (the trainer refuses every "
+                "one; the given line says why for the config as given)"]
+    room = rates.memory_gib - rates.context_gib
+    tried = ("it already recomputes every layer (full) at micro batch 1"
+             if s.layout.recompute == "full" and s.layout.micro_batch_size == 1 else
+             "recompute none / selective / full and micro batches down to 1 were all tried")
+    # Memory per GPU falls at most in proportion to the GPUs (activations and replicated state
+    # do not shard): a lower bound, rounded up to whole nodes.
+    need = math.ceil(gpus * s.memory_gib / room)
+    if need > per_node:
+        need = math.ceil(need / per_node) * per_node
+    largest = max(s.memory_parts.items(), key=lambda kv: kv[1])[0] if s.memory_parts else ""
+    other = ("; or a shorter sequence (--model.seq_length)" if largest == "activations" else
+             "; or a smaller model")
+    return [_row("least", s) + "  (does not fit)",
+            f"nothing fits: the least memory of the {plan.considered} valid layouts is "
+            f"{s.memory_gib:.1f} GiB/GPU (above) against {room:.1f} GiB per {rates.name} "
+            f"({rates.memory_gib:.1f} less {rates.context_gib:.1f} for the CUDA context); "
+            f"{tried}, so: more GPUs (at least about {need} if memory per GPU fell in "
+            f"proportion){other}"]
 
 
 def plan_json(plan: Plan, top: int) -> dict:
     return {"given": plan.given.to_dict(),
             "candidates": [p.to_dict() for p in plan.candidates[:top]],
-            "considered": plan.considered}
+            "considered": plan.considered,
+            "smallest": plan.smallest.to_dict() if plan.smallest is not None else None}
 
 
 def plan_main(argv: list[str]) -> int:
@@ -70,17 +101,41 @@ def plan_main(argv: list[str]) -> int:
     if args.gpus < 1 or args.gpus_per_node < 1:
         raise ConfigError(f"--gpus = {args.gpus} and --gpus-per-node = {args.gpus_per_node} "
                           "must be at least 1")
+    if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
+        # torchrun starts the same number of processes on every node, and the planner places
+        # ranks node by node (a group within --gpus-per-node ranks is priced at NVLink speed)
+        raise ConfigError(f"--gpus = {args.gpus} is not a whole number of nodes of "
+                          f"--gpus-per-node = {args.gpus_per_node}")
+    if args.top < 1:
+        raise ConfigError(f"--top = {args.top}: the number of layouts to show must be at least 1")
     cfg = load_config(args.config, overrides)
-    if cfg.model.vocab_size == 0:
-        raise ConfigError("model.vocab_size = 0: the planner needs the vocabulary size; set "
-                          "--model.vocab_size")
+    resolve_vocab_size(cfg)
     rates = load_rates(args.gpu)
     plan = make_plan(cfg, args.gpus, args.gpus_per_node, rates)
     if args.json:
         print(json.dumps(plan_json(plan, args.top), indent=2))
     else:
-        print(format_plan(plan, args.top, args.gpus, rates))
+        print(format_plan(plan, args.top, args.gpus, rates, args.gpus_per_node))
     return 0
+
+
+def resolve_vocab_size(cfg: Config) -> None:
+    """model.vocab_size = 0 takes the tokenizer's size, as training does (trainer.resolve_data),
+    where that is known without opening the data: data.tokenizer ('bytes', 'null:N' or a file:
+    loaded), else the embedded corpus (no data.path, not mock, no vision: its tokenizer is
+    trained to data.embedded_vocab_size ids). Otherwise a one-line error."""
+    m, d = cfg.model, cfg.data
+    if m.vocab_size:
+        return
+    if d.tokenizer:
+        from trireme.data.tokenizer import load_tokenizer  # only here: imports `tokenizers`
+
+        m.vocab_size = load_tokenizer(d.tokenizer).vocab_size
+    elif not d.path and not d.mock and not m.vision_layers:
+        m.vocab_size = d.embedded_vocab_size
+    else:
+        raise ConfigError("model.vocab_size = 0: the planner needs the vocabulary size; set "
+                          "--model.vocab_size or --data.tokenizer")
 
 
 def _overrides(rest: list[str]) -> list[str]:

@@ -3,6 +3,8 @@
     plan = make_plan(cfg, gpus=8, per_node=8, rates=load_rates("h200"))
     plan.given          the config as given (a Prediction; `error` set if the trainer refuses it)
     plan.candidates     every valid layout that fits, fastest first (predicted tokens/s)
+    plan.smallest       the valid layout predicted to need the least memory, fitting or not
+                        (None when no layout is valid): what to report when nothing fits
 
 A layout fits when its predicted peak (allocator overhead included) plus the CUDA context is
 within the device's memory (`fits`).
@@ -56,6 +58,7 @@ class Plan:
     given: Prediction
     candidates: list[Prediction]
     considered: int
+    smallest: Prediction | None = None
 
 
 def predict(cfg: Config, world: int, rates: Rates, per_node: int = 8) -> Prediction:
@@ -83,14 +86,16 @@ def predict_given(cfg: Config, world: int, rates: Rates, per_node: int = 8) -> P
 def make_plan(cfg: Config, gpus: int, per_node: int, rates: Rates) -> Plan:
     """The given config's prediction and every fitting layout, fastest first."""
     given = predict_given(cfg, gpus, rates, per_node)
-    fitting, considered = [], 0
+    fitting, considered, smallest = [], 0, None
     for _layout, laid in valid_layouts(cfg, gpus, per_node):
         considered += 1
         pred = predict(laid, gpus, rates, per_node)
         if pred.fits:
             fitting.append(pred)
+        if smallest is None or pred.memory_gib < smallest.memory_gib:
+            smallest = pred
     fitting.sort(key=lambda p: (-p.tokens_per_s, p.memory_gib))
-    return Plan(given, fitting, considered)
+    return Plan(given, fitting, considered, smallest)
 
 
 def best_micro_batch(cfg: Config, world: int, rates: Rates, fraction: float = 0.85,

@@ -1,0 +1,81 @@
+"""`trireme plan`'s command line: what it prints when nothing fits, and its one-line refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trireme.cli import main
+from trireme.config import load_config
+from trireme.data.tokenizer import load_tokenizer
+from trireme.errors import ConfigError
+from trireme.plan.cli import plan_main, resolve_vocab_size
+
+
+def test_nothing_fits_names_the_least_memory_layout_and_a_hint(capsys):
+    # llama3-8b's state alone (~16 B/param) is more than one 80 GB GPU
+    assert plan_main(["--config", "llama3-8b", "--gpus", "1", "--gpu", "h100"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "valid layouts, 0 fit" in lines[0]
+    least = next(line for line in lines if line.startswith("least "))
+    assert "full" in least and "(does not fit)" in least
+    note = lines[-1]
+    assert note.startswith("nothing fits: the least memory of the ")
+    assert "GiB/GPU" in note and "GiB per h100" in note and "more GPUs (at least about " in note
+    gib = float(note.split(" GiB/GPU")[0].rsplit(" ", 1)[1])
+    assert gib > 79 and f"{gib:.1f}" in least
+    needed = int(note.split("at least about ")[1].split(" ")[0])
+    assert needed >= 2
+
+    assert plan_main(["--config", "llama3-8b", "--gpus", "1", "--gpu", "h100", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["candidates"] == [] and not out["smallest"]["fits"]
+    assert out["smallest"]["memory_gib"] == pytest.approx(gib, abs=0.06)
+
+
+def test_a_plan_that_fits_prints_no_least_row(capsys):
+    assert plan_main(["--config", "tiny", "--model.vocab_size=1000", "--gpu", "cpu",
+                      "--top", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4 and lines[-1].startswith("    1 ")
+    assert not any(line.startswith(("least", "nothing fits")) for line in lines)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--top", "0"], "--top = 0: the number of layouts to show must be at least 1"),
+    (["--top", "-1"], "--top = -1: the number of layouts to show must be at least 1"),
+    (["--gpus", "8", "--gpus-per-node", "3"],
+     "--gpus = 8 is not a whole number of nodes of --gpus-per-node = 3"),
+])
+def test_refusals_are_one_line_errors_with_exit_2(capsys, argv, message):
+    assert main(["plan", "--config", "tiny", "--model.vocab_size=1000", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"trireme: error: {message}\n"
+
+
+def test_fewer_gpus_than_a_node_and_whole_nodes_are_accepted():
+    for gpus, per_node in ((2, 3), (6, 3), (16, 8)):
+        assert plan_main(["--config", "tiny", "--model.vocab_size=1000", "--gpu", "cpu",
+                          "--gpus", str(gpus), "--gpus-per-node", str(per_node),
+                          "--json"]) == 0
+
+
+def test_vocabulary_is_resolved_as_training_resolves_it(capsys):
+    cfg = load_config("moe-tiny", [])
+    assert cfg.model.vocab_size == 0 and not cfg.data.path
+    resolve_vocab_size(cfg)  # the embedded corpus's tokenizer
+    assert cfg.model.vocab_size == cfg.data.embedded_vocab_size == 4096
+    cfg = load_config("moe-tiny", ["data.embedded_vocab_size=2048"])
+    resolve_vocab_size(cfg)
+    assert cfg.model.vocab_size == 2048
+    cfg = load_config("moe-tiny", ["data.tokenizer=null:1000"])  # a tokenizer wins
+    resolve_vocab_size(cfg)
+    assert cfg.model.vocab_size == load_tokenizer("null:1000").vocab_size  # 1000 + end of doc
+    cfg = load_config("moe-tiny", ["data.mock=true"])  # training refuses this too
+    with pytest.raises(ConfigError, match="model.vocab_size = 0.*--data.tokenizer"):
+        resolve_vocab_size(cfg)
+
+    assert plan_main(["--config", "moe-tiny", "--gpus", "2", "--gpu", "cpu", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["candidates"]
