@@ -14,6 +14,7 @@ import math
 import sys
 
 from trireme.config import Config, load_config
+from trireme.data.tokenizer import load_tokenizer
 from trireme.errors import ConfigError
 from trireme.plan.calibrate import calibrate
 from trireme.plan.planner import Plan, Prediction, best_micro_batch, make_plan, predict_given
@@ -128,8 +129,6 @@ def resolve_vocab_size(cfg: Config) -> None:
     if m.vocab_size:
         return
     if d.tokenizer:
-        from trireme.data.tokenizer import load_tokenizer  # only here: imports `tokenizers`
-
         m.vocab_size = load_tokenizer(d.tokenizer).vocab_size
     elif not d.path and not d.mock and not m.vision_layers:
         m.vocab_size = d.embedded_vocab_size
