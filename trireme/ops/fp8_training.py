@@ -1,9 +1,10 @@
 """FP8 training with delayed scaling, and the conversion of a model's linears to fp8.
 
-The fp8 matmul itself (quantize, `_scaled_mm`, the emulated reference, current scaling) is
-trireme.ops.fp8; this file adds:
+The fp8 matmul itself (quantize, `_scaled_mm`, the emulated reference, current scaling, where
+each tensor's scale comes from its own amax) is trireme.ops.fp8. This file adds delayed scaling,
+the weights cast once per optimizer step, and `to_fp8_training` / `convert_to_float8`.
 
-"delayed" scaling (DelayedFloat8Linear, model.fp8_scaling) takes each scale from the past instead:
+"delayed" scaling (DelayedFloat8Linear, model.fp8_scaling) takes each scale from the past:
 
     s_t(step n) = fp8_max / max(history_t)       history_t: amax(|t|) of the last H steps
     amax_t(step n) = max over step n's micro batches of amax(|t|)   recorded while casting
@@ -27,6 +28,7 @@ pending amaxes into the history and recomputes the scales. Nothing reads them on
   history as 0, and a tensor whose whole history is 0 keeps its last scale.
 - Under torch.compile the switch from the first step's current scaling to delayed scaling is
   a Python attribute, so it compiles twice (once per mode), then never again.
+- W is cast once per optimizer step, not in every micro batch (DelayedFloat8Linear's docstring).
 """
 
 from __future__ import annotations
@@ -124,8 +126,9 @@ CAST_BUFFERS = ("weight_fp8", "weight_fp8_t", "weight_fp8_stats")
 
 @functools.cache
 def compiled_cast_weight() -> Callable:
-    """cast_weight through torch.compile (one pass over W on a GPU; shapes dynamic, so one
-    graph serves every linear, plus one for the first step's current scaling)."""
+    """cast_weight through torch.compile (on a GPU: W read for its amax, then once more to write
+    q(W) and its transpose; shapes dynamic, so one graph serves every linear, plus one for the
+    first step's current scaling)."""
     return torch.compile(cast_weight, dynamic=True, fullgraph=True)
 
 
