@@ -184,16 +184,20 @@ def fp8_cast_once(cfg: Config, s: Shape) -> bool:
 
 def fp8_weight_elements(cfg: Config, s: Shape, symbols: str) -> float:
     """The weight elements of the fp8 linears of layers `symbols`."""
-    if not s.fp8:
-        return 0.0
+    return float(sum(i * o for i, o in fp8_linears(cfg, s, symbols))) if s.fp8 else 0.0
+
+
+def fp8_linears(cfg: Config, s: Shape, symbols: str) -> list[tuple[int, int]]:
+    """(inputs, outputs) of each fp8 linear of layers `symbols` (model.fp8_layers; never the
+    routed experts)."""
     layers = set(cfg.model.fp8_layer_names())
-    sizes = {"qkv": s.h * (s.q + 2 * s.k), "out": s.q * s.h,
-             "fc1": s.h * s.ffn * (2 if s.swiglu else 1), "fc2": s.ffn * s.h}
-    total = 0.0
+    sizes = {"qkv": (s.h, s.q + 2 * s.k), "out": (s.q, s.h),
+             "fc1": (s.h, s.ffn * (2 if s.swiglu else 1)), "fc2": (s.ffn, s.h)}
+    found = []
     for symbol in symbols:
         names = ("qkv", "out") if symbol == "*" else ("fc1", "fc2") if symbol == "-" else ()
-        total += sum(sizes[n] for n in names if n in layers)
-    return total
+        found += [sizes[n] for n in names if n in layers]
+    return found
 
 
 def fp8_head_runs(cfg: Config, s: Shape) -> bool:

@@ -80,7 +80,9 @@ from trireme.models.stages import sublayer_flops
 from trireme.plan.activations import (
     fp8_cast_once,
     fp8_head_runs,
+    fp8_linears,
     fp8_weight_bytes,
+    fp8_weight_elements,
     layer_bytes,
     shape_of,
 )
@@ -133,21 +135,9 @@ def _layer_matmul_flops(cfg: Config, symbols: str, tensor: int) -> tuple[float, 
     return lin, core
 
 
-def _fp8_linears(cfg: Config, s, symbols: str) -> list[tuple[int, int]]:
-    """(inputs, outputs) of each fp8 linear of a layer (model.fp8_layers; never the experts)."""
-    layers = set(cfg.model.fp8_layer_names())
-    sizes = {"qkv": (s.h, s.q + 2 * s.k), "out": (s.q, s.h),
-             "fc1": (s.h, s.ffn * (2 if s.swiglu else 1)), "fc2": (s.ffn, s.h)}
-    found = []
-    for sym in symbols:
-        names = ("qkv", "out") if sym == "*" else ("fc1", "fc2") if sym == "-" else ()
-        found += [sizes[n] for n in names if n in layers]
-    return found
-
-
 def _fp8_elements(cfg: Config, s, symbols: str) -> tuple[float, float]:
     """Per token: (the inputs, the output gradients) the fp8 linears of a layer quantize."""
-    linears = _fp8_linears(cfg, s, symbols)
+    linears = fp8_linears(cfg, s, symbols)
     return float(sum(i for i, _ in linears)), float(sum(o for _, o in linears))
 
 
@@ -229,7 +219,7 @@ def layer_seconds(cfg: Config, deg: Degrees, kind: str, tokens: float, rates: Ra
     mm_rate = rates.matmul_tflops.get(m.precision, rates.matmul_tflops["bf16"]) * 1e12
     lin, core = _layer_matmul_flops(cfg, kind, deg.tensor)
     # fp8: only the fp8 linears at the fp8 rate (the experts, Mamba's and unnamed linears: bf16)
-    fast = sum(2 * i * o for i, o in _fp8_linears(cfg, s, kind)) if s.fp8 else 0.0
+    fast = 2 * fp8_weight_elements(cfg, s, kind)
     mm = 3 * tokens * (fast / mm_rate + (lin - fast) / (bf16_rate if s.fp8 else mm_rate))
     att_f = core * tokens / (rates.attention_tflops["forward"] * 1e12)
     att_b = 2 * core * tokens / (rates.attention_tflops["backward"] * 1e12)
