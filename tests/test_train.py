@@ -1,8 +1,12 @@
 """End-to-end training on CPU: loss falls, metrics are written, resume continues the same curve."""
 
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -95,6 +99,51 @@ def test_resume_continues_the_same_curve(toy_data, tmp_path, fmt):
     assert got == ref, (got, ref)
 
 
+def test_resume_after_a_kill_keeps_each_step_once_in_metrics(toy_data, tmp_path, capfd):
+    """A run killed after logging steps it never saved: the resumed run moves those rows aside
+    (never deletes them) and metrics.jsonl holds each step once, with the uninterrupted losses."""
+    full = tiny_cfg(toy_data, tmp_path / "full", "train.steps=8", "train.eval_interval=0")
+    train(full)
+    ref = [r["loss"] for r in read_metrics(tmp_path / "full" / "run")]
+
+    ckpt, run = tmp_path / "ckpt", tmp_path / "part" / "run"
+    first = tiny_cfg(toy_data, tmp_path / "part", "train.steps=6", "train.eval_interval=0",
+                     f"checkpoint.dir={ckpt}", "checkpoint.interval=4")
+    train(first)
+    shutil.rmtree(ckpt / "step_0000006")  # as if killed before step 6's checkpoint
+    (ckpt / "latest").write_text("step_0000004\n")
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 7, "lo')  # and mid-write of a row
+    capfd.readouterr()
+    second = tiny_cfg(toy_data, tmp_path / "part", "train.steps=8", "train.eval_interval=0",
+                      f"checkpoint.dir={ckpt}", "checkpoint.interval=4")
+    train(second)
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert [r["loss"] for r in rows] == ref
+    aside = list(run.glob("metrics.after-4.*.jsonl"))
+    assert len(aside) == 1
+    lines = aside[0].read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines[:2]] == [5, 6]
+    assert lines[2] == '{"step": 7, "lo'
+    assert f"moved to {aside[0].name}" in capfd.readouterr().err
+
+
+def test_stop_signal_during_the_end_of_run_work_is_not_a_failure(toy_data, tmp_path, capfd):
+    """SIGTERM after the last step (while the sample is printed): that work is cut short and
+    train() returns; the run had finished."""
+    def slow_sample(trainer):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+        raise AssertionError("the signal did not cut the sample short")
+
+    before = signal.getsignal(signal.SIGTERM)
+    trainer = train(tiny_cfg(toy_data, tmp_path, "train.steps=2"), on_finish=slow_sample)
+    assert trainer.state.step == 2
+    assert "SIGTERM after the last step" in capfd.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_low_precision_trains(toy_data, tmp_path, precision):
     cfg = tiny_cfg(toy_data, tmp_path, f"model.precision={precision}", "train.steps=20",
@@ -151,9 +200,6 @@ def test_build_model_on_device_equals_plain_construction():
 def test_sigterm_saves_and_stops_cleanly(toy_data, tmp_path):
     """SIGTERM during training: the current step finishes, a checkpoint is saved, exit status 0,
     and a new run resumes from that step."""
-    import signal
-    import time
-
     ckpt, run = tmp_path / "ckpt", tmp_path / "run"
     args = [sys.executable, "-m", "trireme", "train", f"--data.path={toy_data}",
             "--data.tokenizer=bytes", f"--run.dir={run}", f"--checkpoint.dir={ckpt}",

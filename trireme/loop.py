@@ -10,6 +10,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -22,7 +24,8 @@ from trireme.health import RunHealth
 from trireme.metrics import MetricsLogger, WandbRun
 from trireme.oom import out_of_memory
 from trireme.optim.schedules import lr_at
-from trireme.trainer import Trainer, log_line, now, step_metrics, write_run_config
+from trireme.run_files import write_run_config
+from trireme.trainer import Trainer, log_line, now, step_metrics
 from trireme.words import count_of
 
 
@@ -82,15 +85,16 @@ class RunOutput:
     @classmethod
     def open(cls, trainer: Trainer) -> RunOutput:
         cfg = trainer.cfg
-        fresh = trainer.state.step == 0  # nothing resumed: a new metrics.jsonl
-        run_dir = write_run_config(cfg, fresh) if trainer.is_main else cfg.run_dir
+        resumed = trainer.state.step  # 0: nothing resumed, a new metrics.jsonl
+        run_dir = write_run_config(cfg, resumed) if trainer.is_main else cfg.run_dir
         logger = None
         if trainer.is_main:
             wandb = None
             if cfg.logging.wandb_project:
                 wandb = WandbRun(cfg.logging.wandb_project, cfg.run.name, cfg.logging.wandb_mode,
                                  Path(run_dir), cfg.to_dict())
-            logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, wandb=wandb)
+            logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, wandb=wandb,
+                                   resumed_step=resumed)
         run = cls(trainer, logger, make_progress(trainer, cfg.train.steps, trainer.state.step))
         num_parameters = sum(chunk.num_parameters() for chunk in trainer.chunks)
         cpu = trainer.device.type == "cpu"
@@ -271,6 +275,30 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+
+
+class StopSignal(Exception):
+    """SIGTERM / SIGINT while `stop_signals_raise` is in force."""
+
+
+@contextmanager
+def stop_signals_raise() -> Iterator[None]:
+    """Within the block, SIGTERM / SIGINT raise StopSignal (for work after the last step, e.g.
+    the end-of-run sample, which nothing is lost by cutting short); the handlers before are
+    restored after. In threads other than the main one, nothing is installed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(signum: int, frame) -> None:
+        raise StopSignal(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def layout_note(trainer: Trainer) -> str:

@@ -186,11 +186,12 @@ class MetricsLogger:
     Values may be Python numbers, strings or scalar tensors; non-finite numbers are written as null
     (JSON has no NaN). Numbers also go to TensorBoard under `<run_dir>/tb` (x axis: the record's
     `step`) when `tensorboard` is true and the package is installed. Only one process (rank 0)
-    should log. The file is opened for appending, so a resumed run continues it.
+    should log. The file is opened for appending, so a resumed run continues it; TensorBoard's
+    events after `resumed_step` (of a run killed before it saved them) are purged.
     """
 
     def __init__(self, run_dir: str | Path, tensorboard: bool = True,
-                 wandb: WandbRun | None = None) -> None:
+                 wandb: WandbRun | None = None, resumed_step: int = 0) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
@@ -205,7 +206,8 @@ class MetricsLogger:
                       "not installed: metrics go to metrics.jsonl only (pip install tensorboard, "
                       "or --logging.tensorboard=false)", file=sys.stderr)
             else:
-                self._writer = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+                self._writer = SummaryWriter(log_dir=str(self.run_dir / "tb"),
+                                             purge_step=resumed_step + 1 if resumed_step else None)
 
     def log(self, record: dict[str, Any]) -> None:
         plain = {key: _plain(value) for key, value in record.items()}

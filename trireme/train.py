@@ -9,11 +9,12 @@ instead of a backend traceback after the default 10 to 30 minutes.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 from trireme.config import Config
 from trireme.errors import TriremeError
-from trireme.loop import run_loop
+from trireme.loop import StopSignal, run_loop, stop_signals_raise
 from trireme.parallel.watchdog import Watchdog
 from trireme.trainer import Trainer, build_trainer
 
@@ -21,12 +22,13 @@ from trireme.trainer import Trainer, build_trainer
 def train(cfg: Config, on_finish: Callable[[Trainer], None] | None = None) -> Trainer:
     """Run training as the config says; returns the trainer (model, optimizer, state) at the end.
 
-    `on_finish(trainer)` runs after the last step unless a stop signal ended the run early."""
+    `on_finish(trainer)` runs after the last step unless a stop signal ended the run early; a
+    stop signal during it cuts it short and `train` returns normally."""
     trainer = build_trainer(cfg)
     watchdog = start_watchdog(trainer)
     try:
         if run_loop(trainer) and on_finish is not None:
-            on_finish(trainer)
+            finish(trainer, on_finish)
     except TriremeError as e:
         if watchdog is not None:
             watchdog.post_error(str(e))  # the survivors' report quotes it
@@ -41,6 +43,18 @@ def train(cfg: Config, on_finish: Callable[[Trainer], None] | None = None) -> Tr
             watchdog.close()
         trainer.env.close()  # destroys the process group if build_trainer started it
     return trainer
+
+
+def finish(trainer: Trainer, on_finish: Callable[[Trainer], None]) -> None:
+    """`on_finish` after the last step; a stop signal meanwhile cuts it short (the run is
+    complete and saved, so the process still ends with status 0)."""
+    try:
+        with stop_signals_raise():
+            on_finish(trainer)
+    except StopSignal as e:
+        if trainer.is_main:
+            print(f"trireme: {e} after the last step: the end-of-run work (the sample) was cut "
+                  "short; training had finished", file=sys.stderr, flush=True)
 
 
 def start_watchdog(trainer: Trainer) -> Watchdog | None:

@@ -16,7 +16,6 @@ import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -61,6 +60,7 @@ from trireme.parallel.mesh import (
     launched_world_size,
 )
 from trireme.parallel.tensor import check_tensor_parallel
+from trireme.run_files import check_run_dir
 from trireme.words import count_of
 
 
@@ -516,60 +516,3 @@ def moe_metrics(layers: dict[str, dict[str, torch.Tensor]]) -> dict:
 
 def now() -> float:
     return time.perf_counter()
-
-
-def check_run_dir(cfg: Config) -> None:
-    """A one-line error now, not after training, if nothing can be written in run.dir."""
-    probe = cfg.run_dir / f".probe-{os.getpid()}"
-    try:
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"run.dir {str(cfg.run_dir)!r} is not writable ({e.strerror or e}); "
-                          "give a directory you can write with --run.dir") from None
-
-
-def write_run_config(cfg: Config, fresh: bool = False) -> Path:
-    """<run.dir>/config.toml (written whole, then renamed); a one-line error if it cannot be.
-    `fresh` (a run that resumed nothing): an earlier run's metrics.jsonl and config.toml there
-    are kept aside first (set_aside), so that metrics.jsonl holds one run, as config.toml
-    describes it."""
-    run_dir = cfg.run_dir
-    try:
-        if fresh:
-            set_aside(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = run_dir / ".config.toml.tmp"
-        tmp.write_text(cfg.to_toml())
-        os.replace(tmp, run_dir / "config.toml")
-    except OSError as e:
-        raise ConfigError(f"run.dir {str(run_dir)!r} is not writable ({e.strerror or e}); give "
-                          "a directory you can write with --run.dir") from None
-    return run_dir
-
-
-def free_name(path: Path, suffix: str) -> Path:
-    """metrics.jsonl -> metrics.<suffix>.jsonl; tb -> tb.<suffix>."""
-    return path.with_name(f"{path.stem}.{suffix}{path.suffix}")
-
-
-def set_aside(run_dir: Path) -> None:
-    """Rename an earlier run's metrics.jsonl, config.toml and tb/ in `run_dir` to
-    metrics.<time>.jsonl, config.<time>.toml and tb.<time> (a counter after the time if those
-    are taken; nothing is deleted), and say so."""
-    metrics = run_dir / "metrics.jsonl"
-    if not metrics.is_file() or metrics.stat().st_size == 0:
-        return
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(metrics.stat().st_mtime))
-    paths = [p for p in (metrics, run_dir / "config.toml", run_dir / "tb") if p.exists()]
-    suffix, n = stamp, 1
-    while any(free_name(p, suffix).exists() for p in paths):  # never over an earlier one
-        n += 1
-        suffix = f"{stamp}-{n}"
-    moved = []
-    for path in paths:
-        os.replace(path, free_name(path, suffix))
-        moved.append(free_name(path, suffix).name)
-    print(f"trireme: {run_dir} held an earlier run's metrics (this run starts fresh): kept as "
-          f"{', '.join(moved)}", file=sys.stderr)
