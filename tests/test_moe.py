@@ -227,6 +227,20 @@ def test_a_moe_model_trains_and_logs_its_routing(toy_data, tmp_path):  # noqa: F
     per_layer = last["moe_layers"]
     assert set(per_layer["layers.1.moe"]) == {"aux_loss", "seq_aux_loss", "z_loss", "imbalance"}
     assert sum(v["aux_loss"] for v in per_layer.values()) == pytest.approx(last["moe_aux_loss"])
+    assert "moe_dropped" not in last  # dropless: nothing to report
+
+
+def test_capacity_dropping_logs_the_dropped_share(toy_data, tmp_path):  # noqa: F811
+    """At capacity factor 0.5 each of 4 experts keeps at most ceil(0.5 * 128 * 2 / 4) = 32 of a
+    micro batch's 256 assignments: at least half are dropped, and the log says how many."""
+    cfg = tiny_cfg(toy_data, tmp_path, "model.layer_pattern=*E*E", "model.moe_num_experts=4",
+                   "model.moe_top_k=2", "model.moe_ffn_hidden_size=64",
+                   "model.moe_capacity_factor=0.5", "train.steps=3", "train.eval_interval=0")
+    train(cfg)
+    last = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()][-1]
+    per_layer = [v["dropped"] for v in last["moe_layers"].values()]
+    assert all(0.5 <= d < 1.0 for d in per_layer), per_layer
+    assert last["moe_dropped"] == pytest.approx(sum(per_layer) / 2)
 
 
 def moe_tiny(data, run_dir, *extra):

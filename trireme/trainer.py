@@ -503,13 +503,17 @@ def step_metrics(trainer: Trainer, results: list[dict], lr: float, seconds: floa
 
 def moe_metrics(layers: dict[str, dict[str, torch.Tensor]]) -> dict:
     """The routing of the last micro batch: each balancing loss summed over this rank's MoE
-    sublayers, each sublayer's tokens-per-expert imbalance (max / mean load), and per sublayer
-    all of them (`moe_layers`)."""
+    sublayers, each sublayer's tokens-per-expert imbalance (max / mean load), with a capacity
+    the share of assignments dropped (mean over the sublayers), and per sublayer all of them
+    (`moe_layers`)."""
     values = {name: {k: float(v) for k, v in stats.items()} for name, stats in layers.items()}
     out = {f"moe_{k}": sum(v[k] for v in values.values())
            for k in ("aux_loss", "seq_aux_loss", "z_loss")}
     out["moe_imbalance"] = {name: v["imbalance"] for name, v in values.items()}
     out["moe_imbalance_max"] = max(out["moe_imbalance"].values())
+    dropped = [v["dropped"] for v in values.values() if "dropped" in v]
+    if dropped:
+        out["moe_dropped"] = sum(dropped) / len(dropped)
     out["moe_layers"] = values
     return out
 

@@ -113,6 +113,7 @@ class MoE(nn.Module):
         self.register_buffer("loss_scale", torch.ones(()), persistent=False)
         self.balance_group = ctx.group("data_context")
         self.last: dict[str, Tensor] = {}
+        self.dropped: float | None = None  # with a capacity: the last forward's dropped share
 
     def _apply(self, fn, recurse: bool = True):
         # a model cast to bf16 keeps the selection bias in fp32: its small steps (the bias
@@ -196,6 +197,8 @@ class MoE(nn.Module):
         cfg = self.cfg
         order, counts = dispatch_order(experts, weights, self.num_experts, capacity,
                                        cfg.moe_drop_policy)
+        # (the capacity's boolean index already read the kept count back)
+        self.dropped = 1.0 - order.numel() / max(experts.numel(), 1) if capacity else None
         if self.shard.size > 1 and cfg.moe_dispatcher == "allgather":
             chosen = torch.full_like(experts, -1).flatten()
             chosen[order] = experts.flatten()[order]  # dropped assignments: -1
@@ -241,6 +244,8 @@ class MoE(nn.Module):
         counts = counts.detach()
         self.last = {**{k: v.detach() for k, v in losses.items()},
                      "imbalance": counts.max() / counts.mean()}
+        if self.dropped is not None:
+            self.last["dropped"] = torch.tensor(self.dropped)
         return attach_aux_loss(y, total, self.loss_scale)
 
     @torch.no_grad()
