@@ -63,10 +63,14 @@ def test_expert_parallel_composes_with_tensor_and_pipeline(toy_data, tmp_path): 
     optimizer and DDP) on four ranks, losses and gradient norms."""
     train(moe_tiny(toy_data, tmp_path / "ref", "train.steps=4"))
     run_ranks(_layouts, 4, tmp_path, toy_data, str(tmp_path), FOUR_RANKS)
+    sublayers = set(losses(tmp_path / "ref", "moe_layers")[-1])
+    assert sublayers == {"layers.1.moe", "layers.2.moe", "layers.3.moe"}
     for name in FOUR_RANKS:
         assert_same(losses(tmp_path / name), losses(tmp_path / "ref"), f"MoE {name}")
         assert_same(losses(tmp_path / name, "grad_norm"), losses(tmp_path / "ref", "grad_norm"),
                     f"MoE {name} gradient norm")
+        # every stage's MoE sublayers are logged, not only the first stage's
+        assert set(losses(tmp_path / name, "moe_layers")[-1]) == sublayers, name
 
 
 def _save_ep2(rank: int, world: int, data: str, root: str, ckpt: list) -> None:

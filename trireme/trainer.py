@@ -496,12 +496,25 @@ def step_metrics(trainer: Trainer, results: list[dict], lr: float, seconds: floa
         trainer.runner.times.take()
     if cfg.model.precision == "fp16":
         record["loss_scale"] = float(last["loss_scale"])
-    if "moe" in last:
-        record.update(moe_metrics(last["moe"]))
+    moe = last.get("moe", {})
+    if p.pipeline > 1 and "E" in cfg.model.layer_pattern:
+        moe = moe_of_all_stages(trainer, moe)
+    if moe:
+        record.update(moe_metrics(moe))
     return record
 
 
-def moe_metrics(layers: dict[str, dict[str, torch.Tensor]]) -> dict:
+def moe_of_all_stages(trainer: Trainer, moe: dict[str, dict[str, torch.Tensor]]) -> dict:
+    """Under pipeline parallelism each stage holds its own MoE sublayers: the routing numbers
+    of all of them, gathered over this rank's pipeline group (one small all_gather_object at a
+    log step, where the ranks have synchronized anyway)."""
+    mine = {name: {k: float(v) for k, v in stats.items()} for name, stats in moe.items()}
+    stages: list[dict] = [{} for _ in range(trainer.mesh.size("pipeline"))]
+    torch.distributed.all_gather_object(stages, mine, group=trainer.mesh.group("pipeline"))
+    return {name: stats for stage in stages for name, stats in stage.items()}
+
+
+def moe_metrics(layers: dict[str, dict[str, torch.Tensor | float]]) -> dict:
     """The routing of the last micro batch: each balancing loss summed over this rank's MoE
     sublayers, each sublayer's tokens-per-expert imbalance (max / mean load), with a capacity
     the share of assignments dropped (mean over the sublayers), and per sublayer all of them
