@@ -21,15 +21,18 @@ import pytest
 import torch
 from distributed import run_ranks
 
+from trireme.checkpoint import format as fmt
+from trireme.checkpoint import sharded
 from trireme.checkpoint.model_state import model_from_state
 from trireme.checkpoint.store import load_checkpoint, save_checkpoint
 from trireme.commands import generate_main
-from trireme.config import Config, ModelConfig
+from trireme.config import Config, ModelConfig, load_config
 from trireme.errors import ConfigError
 from trireme.inference.cli import generate_from_checkpoint, load_for_inference
 from trireme.inference.engine import EngineSettings
 from trireme.models.cache import InferenceCache
 from trireme.models.gpt import GPT
+from trireme.train import train
 
 LINES = [
     {"prompt": "def main(", "max_tokens": 12, "greedy": True},
@@ -111,6 +114,48 @@ def test_generate_under_tensor_parallelism_writes_what_one_process_writes(tmp_pa
     assert len(one) == len(LINES) and tp == one
     assert sum(json.loads(line)["completion_tokens"] for line in one) > 20
     assert (tmp_path / "tp.txt").read_text() == text and len(text) > len("def f(x):")
+
+
+def _slices_only(rank: int, world_size: int, ckpt: str) -> None:
+    """Each rank reads only its slices: reading a whole model is made to fail while the ranks
+    load; the shards then equal those cut from the whole model, tensor for tensor."""
+    whole = (sharded.load_full_tensors, fmt.read_model)
+    sharded.load_full_tensors = fmt.read_model = _no_whole_reads
+    try:
+        loaded = load_for_inference(ckpt, tokenizer="bytes", device="cpu")
+    finally:
+        sharded.load_full_tensors, fmt.read_model = whole
+    cut = model_from_state(loaded.cfg.model, load_checkpoint(ckpt).model, "cpu", torch.float32,
+                           loaded.model.ctx)
+    got, want = loaded.model.state_dict(), cut.state_dict()
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    vocab = loaded.model.embedding.weight
+    assert vocab.shape[0] * world_size > loaded.cfg.model.padded_vocab_size  # TP padding rows
+    assert loaded.model.tp.size == world_size
+
+
+def _no_whole_reads(*args, **kwargs):
+    raise AssertionError("a tensor-parallel rank read the whole model")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt_name", ["gathered", "sharded"])
+def test_tensor_parallel_ranks_read_only_their_slices(tmp_path, fmt_name):
+    if fmt_name == "gathered":
+        ckpt = checkpoint(tmp_path, MODELS["gqa"])
+    else:
+        ckpt = str(tmp_path / "ckpt")
+        train(load_config("tiny", [
+            "data.mock=true", "model.vocab_size=257", "model.make_vocab_size_divisible_by=8",
+            "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
+            "model.num_query_groups=2", "model.ffn_hidden_size=64", "model.seq_length=16",
+            "train.steps=2", "train.global_batch_size=2", "train.micro_batch_size=2",
+            "train.eval_interval=0", "train.sample_tokens=0", "logging.progress=false",
+            "logging.tensorboard=false", f"run.dir={tmp_path / 'run'}",
+            f"checkpoint.dir={ckpt}", "checkpoint.format=sharded"]))
+    run_ranks(_slices_only, 2, tmp_path, ckpt)
 
 
 def test_tensor_parallel_engines_refuse_what_they_cannot_run():

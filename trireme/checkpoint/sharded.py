@@ -317,10 +317,30 @@ def is_sharded(path: Path) -> bool:
         return False
 
 
-def check_shapes(entries: dict[str, Entry], metadata, path: Path, model_cfg) -> None:
-    """Every key this model needs is in the checkpoint, with this model's global shape, and the
-    checkpoint holds no model tensor that this model (all stages of it) lacks."""
-    stored = metadata.state_dict_metadata
+def stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Key -> global shape of every tensor of the sharded checkpoint at `path` (its .metadata)."""
+    metadata = load_dcp_metadata(path / DCP_METADATA, tensors_only=True)
+    return {k: tuple(md.size) for k, md in metadata.state_dict_metadata.items()}
+
+
+def read_pieces(path: Path, entries: dict[str, Entry], group=None, no_dist: bool = True
+                ) -> None:
+    """Read into every piece of `entries` its part of the stored chunks (collective over
+    `group` unless `no_dist`)."""
+    try:
+        dcp.load(entries, storage_reader=SafeReader(path), planner=PieceLoadPlanner(),
+                 process_group=group, no_dist=no_dist)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"could not load the sharded checkpoint {path}: {reason(e)}") from e
+
+
+def check_shapes(entries: dict[str, Entry], stored: dict[str, tuple[int, ...]], path: Path,
+                 model_cfg) -> None:
+    """Every key this model needs is in the checkpoint (`stored`: key -> global shape), with
+    this model's global shape, and the checkpoint holds no model tensor that this model (all
+    stages of it) lacks."""
     expected = expected_shapes(model_cfg)
     unexpected = sorted(k for k in stored if k.startswith("model/") and k[6:] not in expected)
     if unexpected:
@@ -334,8 +354,8 @@ def check_shapes(entries: dict[str, Entry], metadata, path: Path, model_cfg) -> 
             f"{path} has no {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} "
             f"({len(missing)} missing); the checkpoint was saved from a different model"
             f"{ANOTHER_MODEL}")
-    wrong = [f"{k} {tuple(stored[k].size)} (this model {e.shape})" for k, e in entries.items()
-             if tuple(stored[k].size) != tuple(e.shape)]
+    wrong = [f"{k} {stored[k]} (this model {e.shape})" for k, e in entries.items()
+             if stored[k] != tuple(e.shape)]
     if wrong:
         raise CheckpointError(f"{path}: shapes differ from the config's model: "
                               f"{'; '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}"
@@ -425,18 +445,10 @@ def load(trainer, path: Path, group) -> None:
     opt = trainer.optimizer
     _prepare_optimizer(opt, scalars)
     entries = _master_source(state_entries(trainer, scalars["moments"]), opt, scalars["masters"])
-    metadata = load_dcp_metadata(path / DCP_METADATA, tensors_only=True)
-    check_shapes(entries, metadata, path, trainer.cfg.model)
+    check_shapes(entries, stored_shapes(path), path, trainer.cfg.model)
     with torch.no_grad():
         _zero_vocab_tables(trainer)
-        try:
-            dcp.load(entries, storage_reader=SafeReader(path), planner=PieceLoadPlanner(),
-                     process_group=group, no_dist=trainer.env.world_size == 1)
-        except CheckpointError:
-            raise
-        except (Exception, CheckpointException) as e:
-            raise CheckpointError(
-                f"could not load the sharded checkpoint {path}: {reason(e)}") from e
+        read_pieces(path, entries, group, no_dist=trainer.env.world_size == 1)
         _finish_optimizer(opt, opt.low_precision)
     trainer.state.step = int(saved["step"])
     trainer.state.consumed_samples = int(saved["consumed_samples"])

@@ -155,15 +155,10 @@ def save_checkpoint(
 # Load
 
 
-def load_checkpoint(path: str | Path, *, verify: bool = True, name: str = "checkpoint.dir",
-                    model_only: bool = False) -> Checkpoint:
-    """Load a checkpoint from a step directory, or from a root (then its latest checkpoint).
-
-    Reads only safetensors and JSON; nothing in the checkpoint is executed. With `verify`, every
-    file's sha256 is checked against meta.json (one extra read); sizes are always checked.
-    `model_only` (inference, conversion): the optimizer's tensors are not read ({}).
-    `name` is what the user gave the path as (a config key or a flag), for the errors.
-    """
+def resolve_checkpoint(path: str | Path, name: str = "checkpoint.dir") -> Path:
+    """The step directory that `path` (a step directory, or a root: its latest checkpoint, as
+    resuming picks it) names; one-line errors for a missing path, a Hugging Face directory or
+    a root with no complete checkpoint. `name` is what the user gave the path as."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist; check {name}")
@@ -185,6 +180,27 @@ def load_checkpoint(path: str | Path, *, verify: bool = True, name: str = "check
                 f"check {name} or give a step_* directory"
             )
         path = found
+    return path
+
+
+def read_config_toml(path: Path) -> str:
+    """The text of a step directory's config.toml."""
+    try:
+        return (path / CONFIG_FILE).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path / CONFIG_FILE} is unreadable ({e})") from None
+
+
+def load_checkpoint(path: str | Path, *, verify: bool = True, name: str = "checkpoint.dir",
+                    model_only: bool = False) -> Checkpoint:
+    """Load a checkpoint from a step directory, or from a root (then its latest checkpoint).
+
+    Reads only safetensors and JSON; nothing in the checkpoint is executed. With `verify`, every
+    file's sha256 is checked against meta.json (one extra read); sizes are always checked.
+    `model_only` (inference, conversion): the optimizer's tensors are not read ({}).
+    `name` is what the user gave the path as (a config key or a flag), for the errors.
+    """
+    path = resolve_checkpoint(path, name)
     meta = directory.check_complete(path)
     if meta.get("checkpoint_format") == sharded.FORMAT_NAME:  # every rank's shards
         return sharded.load_checkpoint(path, meta, verify, model_only)
@@ -198,9 +214,5 @@ def load_checkpoint(path: str | Path, *, verify: bool = True, name: str = "check
                                path / OPTIMIZER_JSON)
     rng_tensors, _ = fmt.read_safetensors(path / RNG_FILE)
     trainer = fmt.decode(fmt.read_json(path / TRAINER_JSON), rng_tensors, path / TRAINER_JSON)
-    try:
-        config_toml = (path / CONFIG_FILE).read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path / CONFIG_FILE} is unreadable ({e})") from None
     return Checkpoint(step=int(meta["step"]), model=model, optimizer=optimizer, trainer=trainer,
-                      config_toml=config_toml, path=path, meta=meta)
+                      config_toml=read_config_toml(path), path=path, meta=meta)

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from trireme.checkpoint.model_state import model_from_state, without_optional_kernels
-from trireme.checkpoint.store import load_checkpoint
+from trireme.checkpoint.rank_load import model_from_checkpoint
+from trireme.checkpoint.store import load_checkpoint, read_config_toml, resolve_checkpoint
 from trireme.checkpoint.tokenizer_copy import tokenizer_for
 from trireme.config import Config, config_from_toml
 from trireme.data.images import load_image, pixels
@@ -52,10 +53,13 @@ def load_for_inference(checkpoint: str, tokenizer: str = "", device: str = "auto
     """Build the model of `checkpoint` on `device` (no random init) with its tokenizer; under
     torchrun with several processes, this rank's tensor-parallel shard of it
     (trireme.inference.tensor_parallel; collective: every rank calls it)."""
-    ckpt = load_checkpoint(checkpoint, name="--checkpoint", model_only=True)
-    cfg = config_from_toml(ckpt.config_toml, f"{ckpt.path}/config.toml")
+    # under torchrun each rank reads only its slices (rank_load.py), not the whole model
+    ranks = launched_world_size() > 1
+    path = resolve_checkpoint(checkpoint, "--checkpoint")
+    ckpt = None if ranks else load_checkpoint(path, name="--checkpoint", model_only=True)
+    cfg = config_from_toml(read_config_toml(path), f"{path}/config.toml")
     cfg.model = without_optional_kernels(cfg.model)  # fa4 / liger: training speed, not needed
-    tok_spec = tokenizer_for(ckpt.path, cfg.data.tokenizer, tokenizer)
+    tok_spec = tokenizer_for(path, cfg.data.tokenizer, tokenizer)
     tok = load_tokenizer(tok_spec, name="--tokenizer" if tokenizer else "data.tokenizer")
     dev = pick_device(device)
     dtype = DTYPES[cfg.model.precision]
@@ -70,17 +74,18 @@ def load_for_inference(checkpoint: str, tokenizer: str = "", device: str = "auto
         dev = rank_device(env, dev)
     try:
         ctx = start_ranks(env, cfg.model, dev) if env.world_size > 1 else None
-        model = model_from_state(cfg.model, ckpt.model, dev, dtype, ctx).eval()
+        model = (model_from_checkpoint(cfg.model, path, dev, dtype, ctx) if ckpt is None
+                 else model_from_state(cfg.model, ckpt.model, dev, dtype)).eval()
         bad = first_non_finite(model)
         if any_rank(bad is not None, model.ctx.group("tensor"), dev):  # every rank stops
             where = repr(bad) if bad is not None else "a parameter on another rank"
-            raise CheckpointError(f"checkpoint {ckpt.path} holds non-finite weights ({where} "
+            raise CheckpointError(f"checkpoint {path} holds non-finite weights ({where} "
                                   "has a NaN or inf): the run diverged before it was saved; "
                                   "use an earlier checkpoint")
     except BaseException:
         env.close()  # the process group this load started, if any
         raise
-    return LoadedModel(model, tok, cfg, Path(ckpt.path), tok_spec, env)
+    return LoadedModel(model, tok, cfg, path, tok_spec, env)
 
 
 def generate_from_checkpoint(
