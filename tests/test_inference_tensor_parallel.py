@@ -69,7 +69,7 @@ def run_generate(ckpt: str, tmp_path, output: str) -> str:
     """Both ways of `trireme generate`: the file's completions to `output`, and one prompt's
     text (returned)."""
     args = ["--checkpoint", ckpt, "--device", "cpu", "--max-running", "3",
-            "--max-batch-tokens", "24"]
+            "--max-batch-tokens", "24", "--seed", "7"]  # the shared generator's seed
     with contextlib.redirect_stdout(io.StringIO()):
         assert generate_main([*args, "--input", str(tmp_path / "prompts.jsonl"),
                               "--output", str(tmp_path / output)]) == 0
@@ -175,6 +175,24 @@ def test_one_process_keeps_every_head(tmp_path):
     assert torch.isfinite(loaded.model.embedding.weight).all()
 
 
+def test_unseeded_sampling_differs_from_start_to_start(tmp_path):
+    """Without --seed the engine's shared generator starts from a fresh seed each run (as one
+    `trireme generate --prompt` run samples differently from the next); --seed repeats."""
+    ckpt = checkpoint(tmp_path, MODELS["gqa"])
+    (tmp_path / "one.jsonl").write_text(json.dumps(LINES[2]) + "\n")  # no seed of its own
+
+    def completion(*extra: str) -> str:
+        out = tmp_path / "out.jsonl"
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert generate_main(["--checkpoint", ckpt, "--device", "cpu", "--input",
+                                  str(tmp_path / "one.jsonl"), "--output", str(out),
+                                  *extra]) == 0
+        return json.loads(out.read_text())["text"]
+
+    assert completion("--seed", "3") == completion("--seed", "3")
+    assert len({completion(), completion(), completion()}) == 3
+
+
 @pytest.mark.slow
 def test_torchrun_generate_writes_and_prints_once(tmp_path):
     """The command as a user runs it: torchrun starts the group, rank 0 alone writes the file and
@@ -183,7 +201,7 @@ def test_torchrun_generate_writes_and_prints_once(tmp_path):
     text = run_generate(ckpt, tmp_path, "one.jsonl")
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
               "--nproc_per_node=2", "-m", "trireme", "generate", "--checkpoint", ckpt,
-              "--device", "cpu", "--max-running", "3", "--max-batch-tokens", "24"]
+              "--device", "cpu", "--max-running", "3", "--max-batch-tokens", "24", "--seed", "7"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     files = subprocess.run([*launch, "--input", str(tmp_path / "prompts.jsonl"), "--output",
                             str(tmp_path / "tp.jsonl")], capture_output=True, text=True,

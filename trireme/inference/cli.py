@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,11 +190,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        "(F.linear always; docs/serving.md)")
 
 
+def shared_seed(loaded: LoadedModel, seed: int | None) -> int:
+    """The seed of the engine's shared generator (sampling without a request seed): `seed`, or
+    without one a fresh one at each start, as one `trireme generate` run samples differently
+    from the next (under tensor parallelism drawn once and shared by the ranks)."""
+    if seed is not None:
+        return seed
+    device = loaded.model.embedding.weight.device
+    drawn = agreed_seed(None, loaded.model.ctx.group("tensor"), device)
+    return drawn if drawn is not None else int.from_bytes(os.urandom(7), "little")
+
+
 def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> Engine:
     settings = EngineSettings(
         block_size=args.block_size, num_blocks=args.num_blocks, max_memory_gib=args.max_memory,
         max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
-        max_queue=args.max_queue, seed=args.seed if args.seed is not None else 0,
+        max_queue=args.max_queue, seed=shared_seed(loaded, args.seed),
         cuda_graphs=AUTO_ON_OFF[args.cuda_graphs],
         compile_decode=AUTO_ON_OFF[args.compile_decode],
         compile_prefill=args.compile_prefill == "on", decode_gemm=args.decode_gemm,

@@ -52,7 +52,9 @@ def serve_parser() -> argparse.ArgumentParser:
                         "(default: the checkpoint folder's name)")
     parser.add_argument("--tokenizer", default="", help="override the checkpoint's tokenizer")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--seed", type=int, default=None, help="seed of unseeded sampling")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the sampling of requests without a seed (default: a "
+                        "fresh one at each start)")
     parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                         help="largest request body accepted (413 beyond)")
     parser.add_argument("--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS,
