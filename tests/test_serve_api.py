@@ -307,3 +307,36 @@ def test_request_bodies_parse_to_prompts_and_settings():
                 {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}):
         with pytest.raises(ApiError):
             parse_chat(bad, tok, chat, context=64)
+
+
+def test_fields_that_would_be_silently_ignored_are_refused():
+    """An unknown field (min_p, repetition_penalty, a typo), a completions field sent to chat or
+    the other way, and chat features a plain-text model cannot honour: a 400 naming the field,
+    never a 200 whose answer ignored it. Fields that change nothing are accepted."""
+    tok, chat = load_tokenizer("bytes"), ChatFormat(None)
+    messages = [{"role": "user", "content": "hi"}]
+    completion_cases = [({"min_p": 0.1}, "min_p"), ({"repetition_penalty": 1.1},
+                        "repetition_penalty"), ({"max_completion_tokens": 5},
+                        "max_completion_tokens"), ({"messages": messages}, "messages"),
+                        ({"temprature": 0.5}, "temprature"), ({"model": 123}, "model"),
+                        ({"stream_options": {"include_usage": True}}, "stream_options"),
+                        ({"stream": True, "stream_options": {"include_usage": "yes"}},
+                         "include_usage")]
+    for fields, param in completion_cases:
+        with pytest.raises(ApiError) as caught:
+            parse_completion({"prompt": "a", **fields}, tok)
+        assert (caught.value.status, caught.value.param) == (400, param), fields
+    chat_cases = [({"tool_choice": "required"}, "tool_choice"),
+                  ({"tool_choice": {"type": "function", "function": {"name": "f"}}},
+                   "tool_choice"), ({"function_call": {"name": "f"}}, "function_call"),
+                  ({"modalities": ["text", "audio"]}, "modalities"),
+                  ({"audio": {"voice": "alloy"}}, "audio"), ({"prompt": "a"}, "prompt"),
+                  ({"min_tokens": 3}, "min_tokens"), ({"reasoning_effort": "low"},
+                                                      "reasoning_effort")]
+    for fields, param in chat_cases:
+        with pytest.raises(ApiError) as caught:
+            parse_chat({"messages": messages, **fields}, tok, chat, context=64)
+        assert (caught.value.status, caught.value.param) == (400, param), fields
+    harmless = {"user": "u1", "store": False, "metadata": {"k": "v"}, "tool_choice": "none",
+                "parallel_tool_calls": True, "modalities": ["text"], "model": "tiny"}
+    assert parse_chat({"messages": messages, **harmless}, tok, chat, context=64).prompt_ids

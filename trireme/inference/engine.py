@@ -55,7 +55,13 @@ from trireme.ops.skinny_gemm import use_skinny_linears
 
 
 class RequestError(TriremeError):
-    """A request the engine cannot take (an HTTP 400)."""
+    """A request the engine cannot take (an HTTP 400); `param` names the request field at
+    fault and `code` is the OpenAI error code, where there is one."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None
+                 ) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 class QueueFull(TriremeError):
@@ -284,13 +290,15 @@ class Engine:
     def check_prompt(self, prompt_ids: list[int]) -> None:
         """Raise RequestError if the prompt cannot run (empty, too long, ids out of range)."""
         if not prompt_ids:
-            raise RequestError("the prompt has no tokens")
+            raise RequestError("the prompt has no tokens", "prompt")
         limit = self.cfg.seq_length
         if len(prompt_ids) >= limit:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens but the model's context "
-                               f"is {limit} (prompt + at least 1 new token); shorten the prompt")
+                               f"is {limit} (prompt + at least 1 new token); shorten the prompt",
+                               "prompt", "context_length_exceeded")
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.cfg.vocab_size:
-            raise RequestError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
+            raise RequestError(f"prompt token ids must be in [0, {self.cfg.vocab_size})",
+                               "prompt")
 
     def room(self, prompt_tokens: int) -> int:
         """New tokens a request with a prompt this long can get at most: what the context and
@@ -341,7 +349,7 @@ class Engine:
         if need > self.allocator.usable:
             raise RequestError(f"the request needs {need} KV blocks ({max_len} tokens) but the "
                                f"cache has {self.allocator.usable}; lower max_tokens or give the "
-                               "server more --max-memory")
+                               "server more --max-memory", "max_tokens")
         return request
 
     def _request_images(self, prompt_ids: list[int], images: torch.Tensor | None
@@ -352,7 +360,7 @@ class Engine:
             return None
         cfg = self.cfg
         if not cfg.vision_layers:
-            raise RequestError("this model takes no images (model.vision_layers = 0)")
+            raise RequestError("this model takes no images (model.vision_layers = 0)", "messages")
         size = cfg.vision_image_size
         if images.dim() != 4 or tuple(images.shape[1:]) != (3, size, size):
             raise RequestError(f"images must be [k, 3, {size}, {size}], got {list(images.shape)}")

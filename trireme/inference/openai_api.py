@@ -1,13 +1,17 @@
 """The OpenAI API's request bodies and answers, without the HTTP: parsing with checks that name
 the field, and the JSON of completions, chat completions and their streamed chunks.
 
-Accepted (besides `model`, which is not checked against the served name, and fields this server
-ignores such as `user`): prompt (a string, token ids, or a list of one of either), messages
-(content a string or a list of text and, for a vision model, image_url parts: image_parts),
-max_tokens / max_completion_tokens, temperature (0: greedy), top_p, seed, stop (a string or a
-list), stream, stream_options.include_usage; extensions top_k and ignore_eos. Refused with a 400:
-n, best_of != 1, echo, logprobs, suffix, logit_bias, nonzero presence / frequency penalties,
-tools / functions, a response_format other than text.
+Accepted (besides `model`, a string not checked against the served name, and fields that do not
+change the answer: user, store, metadata, service_tier, parallel_tool_calls): prompt (a string,
+token ids, or a list of one of either), messages (content a string or a list of text and, for a
+vision model, image_url parts: image_parts), max_tokens (and for chat max_completion_tokens),
+temperature (0: greedy), top_p, seed, stop (a string or a list), stream,
+stream_options.include_usage (with stream); extensions top_k and ignore_eos. Refused with a 400
+naming the field: n, best_of != 1, echo, logprobs, suffix, logit_bias, nonzero presence /
+frequency penalties, tools / functions, a tool_choice / function_call other than "none" or
+"auto", modalities other than text, audio, prediction, reasoning_effort, web_search_options, a
+response_format other than text, and any field not named here (as OpenAI answers an unknown one:
+a setting this server would otherwise silently not apply, e.g. min_p or repetition_penalty).
 """
 
 from __future__ import annotations
@@ -64,6 +68,38 @@ def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) 
         want = "number" if kinds == NUMBER else " or ".join(TYPE_NAMES[k] for k in kinds)
         raise ApiError(400, f"{name} must be of type {want}, not {type(value).__name__}", name)
     return value
+
+
+SAMPLING_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
+                   "stream_options", "top_k", "ignore_eos", "n", "best_of", "echo", "logprobs",
+                   "top_logprobs", "suffix", "logit_bias", "presence_penalty",
+                   "frequency_penalty", "response_format", "tools", "functions", "user", "store",
+                   "metadata", "service_tier"}
+COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt"}
+CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "tool_choice",
+                                 "function_call", "parallel_tool_calls", "modalities", "audio",
+                                 "prediction", "reasoning_effort", "web_search_options"}
+
+
+def _refuse_unknown(body: dict, known: set[str], endpoint: str) -> None:
+    unknown = sorted(k for k in body if k not in known)
+    if unknown:
+        raise ApiError(400, f"unrecognized request argument supplied to {endpoint}: "
+                       f"{unknown[0]} (this server does not apply it)", unknown[0])
+    _field(body, "model", (str,))
+
+
+def _refuse_chat_features(body: dict) -> None:
+    """Chat fields that would change the answer, which a plain-text model here cannot honour."""
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none", "auto"):
+            raise ApiError(400, f"{name} must be \"none\" or \"auto\": this server calls no "
+                           "tools", name)
+    if body.get("modalities") not in (None, ["text"]):
+        raise ApiError(400, "modalities: only [\"text\"] is supported here", "modalities")
+    for name in ("audio", "prediction", "reasoning_effort", "web_search_options"):
+        if body.get(name) is not None:
+            raise ApiError(400, f"{name} is not supported by this server", name)
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -136,6 +172,9 @@ def sampling_from(body: dict, default_max_tokens: int, max_tokens_name: str = "m
 def _stream_flags(body: dict) -> tuple[bool, bool]:
     stream = _field(body, "stream", (bool,), False)
     options = _field(body, "stream_options", (dict,), {})
+    if options and not stream:
+        raise ApiError(400, "stream_options is only allowed when stream is true",
+                       "stream_options")
     return stream, bool(_field(options, "include_usage", (bool,), False))
 
 
@@ -143,6 +182,7 @@ def parse_completion(body: Any, tokenizer) -> ParsedRequest:
     """POST /v1/completions' body -> prompt ids and settings (ApiError 400 if malformed)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    _refuse_unknown(body, COMPLETION_FIELDS, "/v1/completions")
     if "prompt" not in body:
         raise ApiError(400, "prompt is required", "prompt")
     prompt = body["prompt"]
@@ -166,6 +206,8 @@ def parse_chat(body: Any, tokenizer, chat: ChatFormat, context: int,
     model (`vision`), the prompt of trireme.inference.image_parts and the images' pixels."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    _refuse_unknown(body, CHAT_FIELDS, "/v1/chat/completions")
+    _refuse_chat_features(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", "messages")

@@ -87,7 +87,7 @@ class Leader:
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_output=None,
                request_id: str | None = None, images: torch.Tensor | None = None) -> Request:
         if images is not None:
-            raise RequestError("images are not served under tensor parallelism yet")
+            raise RequestError("images are not served under tensor parallelism yet", "messages")
         request = self.engine.new_request(prompt_ids, params, on_output, request_id)
         with self.inbox_lock:
             with self.engine.lock:

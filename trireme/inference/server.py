@@ -175,8 +175,7 @@ class OpenAIServer:
         except QueueFull as e:
             raise ApiError(429, str(e), code="queue_full", kind="rate_limit_error") from None
         except RequestError as e:
-            code = "context_length_exceeded" if "context" in str(e) else None
-            raise ApiError(400, str(e), "prompt" if code else None, code) from None
+            raise ApiError(400, str(e), e.param, e.code) from None
         return submitted.request_id, queue
 
     async def answer(self, request: Request, parsed: ParsedRequest, shape: Answer) -> Response:
