@@ -139,8 +139,9 @@ def test_stop_strings(server):
 def test_bad_input_gets_openai_errors(server):
     url, _ = server
     api = client(url)
-    with pytest.raises(openai.AuthenticationError):
+    with pytest.raises(openai.AuthenticationError) as denied:
         client(url, key="wrong").completions.create(model="tiny", prompt="a", max_tokens=2)
+    assert denied.value.response.headers["www-authenticate"] == "Bearer"
     assert plain_request(f"{url}/v1/models")[0] == 401  # no key at all
     assert [m.id for m in api.models.list()] == ["tiny"]
     bad_fields = [dict(max_tokens="5"), dict(max_tokens=0), dict(max_tokens=-3),

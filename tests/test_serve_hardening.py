@@ -133,6 +133,45 @@ def test_a_drain_that_runs_out_answers_what_is_left(checkpoint, monkeypatch):
     assert queued["status"] == 503 and json.loads(queued["text"])["error"]["type"] == "server_error"
 
 
+def test_server_options_out_of_range_are_one_line_errors(checkpoint, capsys):
+    """Checked before the model loads: a port outside 0-65535, a body limit or image size of
+    0, a negative drain time."""
+    for flags, words in [(["--port", "99999"], "--port 99999"), (["--port", "-1"], "--port -1"),
+                         (["--max-body-bytes", "0"], "--max-body-bytes 0"),
+                         (["--drain-timeout", "-1"], "--drain-timeout -1.0"),
+                         (["--max-image-pixels", "0"], "--max-image-pixels 0")]:
+        assert trireme_main(["serve", "--checkpoint", str(checkpoint), *flags]) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, err
+
+
+def test_a_second_signal_ends_the_drain_with_answers(checkpoint, monkeypatch):
+    """Ctrl-C twice: the second signal ends the running request at once with the 503 JSON (not
+    a cancelled task's plain-text 500), long before the drain would have run out."""
+    with live_server(checkpoint, drain_s=30, max_running=1) as (url, engine, server):
+        slow_steps(monkeypatch, engine, 0.05)  # 200 tokens: ~10 s
+        body = {"prompt": "a", "max_tokens": 200, "ignore_eos": True}
+        answer = {}
+
+        def ask() -> None:
+            answer["status"], answer["text"] = plain_request(f"{url}/v1/completions", "POST",
+                                                             body)
+
+        asking = threading.Thread(target=ask)
+        asking.start()
+        deadline = time.monotonic() + 10
+        while engine.counters["generation_tokens"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        started = time.monotonic()
+        server.handle_exit(2, None)  # SIGINT
+        time.sleep(0.2)
+        server.handle_exit(2, None)  # and again
+        asking.join(10)
+        assert time.monotonic() - started < 5
+    assert answer["status"] == 503, answer
+    assert json.loads(answer["text"])["error"]["type"] == "server_error"
+
+
 def test_parsing_refuses_what_sampling_cannot_take():
     tok = load_tokenizer("bytes")
     for bad in ({"prompt": "a", "n": True}, {"prompt": "a", "echo": 0},

@@ -155,10 +155,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The serving engine's options (`trireme serve`, `trireme generate --input`)."""
     group = parser.add_argument_group("engine (continuous batching, paged KV cache)")
     group.add_argument("--max-memory", type=float, default=0.0, metavar="GIB",
-                       help="GiB for the KV block pool (default: 90%% of free GPU memory; on "
+                       help="GiB for the KV block pool (default 0: 90%% of free GPU memory; on "
                        "the CPU enough for --max-running full contexts, up to 1 GiB)")
     group.add_argument("--num-blocks", type=int, default=0,
-                       help="KV blocks in the pool (overrides --max-memory)")
+                       help="KV blocks in the pool (overrides --max-memory; default 0: sized "
+                       "by --max-memory)")
     group.add_argument("--block-size", type=int, default=16, help="positions per KV block")
     group.add_argument("--max-running", type=int, default=64,
                        help="requests decoded together at most")

@@ -77,11 +77,23 @@ def chat_format(loaded: LoadedModel) -> ChatFormat:
                       "bos_token"), eos_token=eos)
 
 
-def serve_main(argv: list[str]) -> int:
-    args = serve_parser().parse_args(argv)
+def check_server_args(args: argparse.Namespace) -> None:
+    """One-line errors for the server's own options, before the model loads."""
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port} is not a port number (0-65535; 0: any free one)")
     if args.max_image_pixels <= 0:
         raise ConfigError(f"--max-image-pixels {args.max_image_pixels} must be > 0 (default "
                           f"{MAX_IMAGE_PIXELS}, 4096 x 4096)")
+    if args.max_body_bytes <= 0:
+        raise ConfigError(f"--max-body-bytes {args.max_body_bytes} must be > 0 (default "
+                          "4194304, 4 MiB)")
+    if not args.drain_timeout >= 0:  # (NaN too)
+        raise ConfigError(f"--drain-timeout {args.drain_timeout} must be >= 0 seconds")
+
+
+def serve_main(argv: list[str]) -> int:
+    args = serve_parser().parse_args(argv)
+    check_server_args(args)
     try:
         import uvicorn
 

@@ -56,7 +56,8 @@ class ServerSettings:
 
 
 def error_response(error: ApiError) -> JSONResponse:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 429 else None
+    headers = ({"Retry-After": str(RETRY_AFTER_S)} if error.status == 429 else
+               {"WWW-Authenticate": "Bearer"} if error.status == 401 else None)
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
@@ -277,12 +278,15 @@ async def read_json(request: Request, limit: int):
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, which on SIGTERM / SIGINT also ends the engine's requests
     DRAIN_MARGIN_S before its graceful shutdown gives up (`drain_s`): each then gets an answer
-    (a 503, or a stream's error event and [DONE]) rather than a cancelled task."""
+    (a 503, or a stream's error event and [DONE]) rather than a cancelled task. A second
+    signal ends them at once, with the same answers, and the drain completes; only a third
+    is uvicorn's forced exit (tasks cancelled, connections cut)."""
 
     def __init__(self, config: uvicorn.Config, runner: EngineThread, drain_s: float) -> None:
         super().__init__(config)
         self.runner, self.drain_s = runner, drain_s
         self.drain_timer: threading.Timer | None = None
+        self.cut_short = False
 
     def run(self, sockets=None) -> None:
         try:
@@ -292,9 +296,14 @@ class DrainingServer(uvicorn.Server):
                 self.drain_timer.cancel()
 
     def handle_exit(self, sig, frame) -> None:
-        if self.drain_timer is None:
+        if self.drain_timer is None:  # the first signal: drain
             cutoff = max(self.drain_s - DRAIN_MARGIN_S, self.drain_s / 2)
             self.drain_timer = threading.Timer(cutoff, self.runner.shutdown)
             self.drain_timer.daemon = True
             self.drain_timer.start()
+        elif not self.cut_short:  # the second: end the requests now (off the event loop,
+            self.cut_short = True  # which must stay free to send their answers)
+            self.drain_timer.cancel()
+            threading.Thread(target=self.runner.shutdown, daemon=True).start()
+            return
         super().handle_exit(sig, frame)
