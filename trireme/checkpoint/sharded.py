@@ -435,21 +435,33 @@ def verify_digests(path: Path, meta: dict[str, Any], group=None, world: int = 1,
                                     f"match {directory.META_FILE}")
 
 
-def load(trainer, path: Path, group) -> None:
-    """Load a sharded checkpoint into the trainer's model, optimizer and state (collective)."""
+def load(trainer, path: Path, group, weights_only: bool = False) -> None:
+    """Load a sharded checkpoint into the trainer's model, optimizer and state (collective).
+    `weights_only` (checkpoint.init_from): the weights alone (from the fp32 masters where the
+    checkpoint holds them); the optimizer's moments, the step and the RNG stay fresh."""
     meta = directory.check_complete(path)
     world = trainer.env.world_size
     verify_digests(path, meta, group, world, dist.get_rank() if world > 1 else 0)
     saved = fmt.read_json(path / directory.TRAINER_JSON)
     scalars = saved["optimizer"]
     opt = trainer.optimizer
-    _prepare_optimizer(opt, scalars)
-    entries = _master_source(state_entries(trainer, scalars["moments"]), opt, scalars["masters"])
-    check_shapes(entries, stored_shapes(path), path, trainer.cfg.model)
+    stored = stored_shapes(path)
+    masters = scalars["masters"]
+    if weights_only:
+        # the stored masters only if they cover every parameter trained here (a run with
+        # another freeze list has others): else the masters come from the weights
+        masters = masters and all(f"optimizer/master/{n}" in stored for n in opt.names)
+    else:
+        _prepare_optimizer(opt, scalars)
+    entries = state_entries(trainer, scalars["moments"] and not weights_only)
+    entries = _master_source(entries, opt, masters)
+    check_shapes(entries, stored, path, trainer.cfg.model)
     with torch.no_grad():
         _zero_vocab_tables(trainer)
         read_pieces(path, entries, group, no_dist=trainer.env.world_size == 1)
         _finish_optimizer(opt, opt.low_precision)
+    if weights_only:
+        return
     trainer.state.step = int(saved["step"])
     trainer.state.consumed_samples = int(saved["consumed_samples"])
     same_layout = saved["layout"] == layout_of(trainer)

@@ -22,6 +22,7 @@ from trireme.checkpoint.store import (
     capture_rng_state,
     load_checkpoint,
     load_model_state,
+    resolve_checkpoint,
     restore_rng_state,
     save_checkpoint,
 )
@@ -75,14 +76,51 @@ def maybe_resume(trainer: Trainer, saver: Saver | None = None) -> None:
     format; resume.py says which and never skips a damaged one silently). A sharded load runs
     its collectives on `saver`'s gloo group (made here if no saver is given)."""
     cfg = trainer.cfg
-    if not cfg.checkpoint.dir or cfg.checkpoint.resume == "never":
+    path = None
+    if cfg.checkpoint.dir and cfg.checkpoint.resume != "never":
+        check_root(Path(cfg.checkpoint.dir))
+        path = load_chosen(trainer, cfg.checkpoint.resume_step, saver)
+    if path is None and cfg.checkpoint.init_from:
+        start_from(trainer, cfg.checkpoint.init_from, saver)
         return
-    path = load_chosen(trainer, cfg.checkpoint.resume_step, saver)
     if path is not None and trainer.is_main:
         print(f"trireme: resumed from {path} at step {trainer.state.step}", file=sys.stderr)
+        if cfg.checkpoint.init_from:
+            print(f"trireme: note: checkpoint.init_from is not read: {cfg.checkpoint.dir} has "
+                  "this run's own checkpoints", file=sys.stderr)
         if trainer.state.step >= cfg.train.steps:
             print(f"trireme: nothing to train: the checkpoint is at step {trainer.state.step} "
                   f"and train.steps = {cfg.train.steps} (raise it to train on)", file=sys.stderr)
+
+
+def check_root(root: Path) -> None:
+    """checkpoint.dir must be a root of step directories (or empty, or not there yet): a step
+    directory itself, or a Hugging Face model folder, would otherwise be taken for an empty
+    root, train from random weights and save into it."""
+    if (root / directory.META_FILE).is_file():
+        raise CheckpointError(
+            f"checkpoint.dir {root} is one checkpoint (a step directory), not a root of them: "
+            f"give {root.parent} to resume it, or start a new run from its weights with "
+            f"--checkpoint.init_from={root} and a new checkpoint.dir")
+    if (root / "config.json").is_file() and not any(directory.step_dirs(root)):
+        raise CheckpointError(
+            f"checkpoint.dir {root} holds a Hugging Face model (config.json), not trireme "
+            f"checkpoints: convert it (trireme convert --from hf --to trireme --input {root} "
+            "--output NEW_DIR), then start from it with --checkpoint.init_from=NEW_DIR")
+
+
+def start_from(trainer: Trainer, source: str, saver: Saver | None) -> None:
+    """checkpoint.init_from: the weights of `source` (a root: its latest checkpoint; or a step
+    directory), at step 0 with a fresh optimizer; model settings checked as a resume checks
+    them. Said on rank 0."""
+    path = resolve_checkpoint(source, "checkpoint.init_from")
+    try:
+        _load(trainer, path, saver, weights_only=True)
+    except CheckpointDamageError as e:
+        raise CheckpointError(f"checkpoint.init_from {path} is damaged: {e.problem}") from None
+    if trainer.is_main:
+        print(f"trireme: starting from the weights of {path} (step 0, a fresh optimizer)",
+              file=sys.stderr)
 
 
 def load_latest(trainer: Trainer, saver: Saver | None = None) -> Path | None:
@@ -119,13 +157,14 @@ def load_chosen(trainer: Trainer, choice: str | int, saver: Saver | None) -> Pat
     return None
 
 
-def _load(trainer: Trainer, path: Path, saver: Saver | None) -> None:
+def _load(trainer: Trainer, path: Path, saver: Saver | None, weights_only: bool = False
+          ) -> None:
     if sharded.is_sharded(path):
         # a gloo group: DCP's small collectives on CPU, whatever the training's backend
         group = (saver or Saver(trainer, save_gathered)).group()
-        sharded.load(trainer, path, group)
+        sharded.load(trainer, path, group, weights_only)
     else:
-        _load_gathered(trainer, path)
+        _load_gathered(trainer, path, weights_only)
     check_model(trainer, path)  # after the load, whose errors name the tensors whose shapes differ
 
 
@@ -168,9 +207,9 @@ def note_schedule_changes(trainer: Trainer, saved: Config) -> None:
               "follows these from here", file=sys.stderr)
 
 
-def _load_gathered(trainer: Trainer, path: Path) -> None:
+def _load_gathered(trainer: Trainer, path: Path, weights_only: bool = False) -> None:
     """Load a gathered checkpoint: each pipeline stage takes the global names it holds, each
-    tensor-parallel rank its slices."""
+    tensor-parallel rank its slices. `weights_only`: as sharded.load's."""
     ckpt = load_checkpoint(path)
     chunks = trainer.chunks
     for chunk in chunks:
@@ -181,7 +220,15 @@ def _load_gathered(trainer: Trainer, path: Path) -> None:
             load_model_state(chunk, gathered.local_tensors(state, chunk))
         except CheckpointError as e:  # another model's checkpoint: say which, and the ways on
             raise CheckpointError(f"{path}: {e}{sharded.ANOTHER_MODEL}") from None
-    trainer.optimizer.load_state_dict(gathered.local_optimizer_state(ckpt.optimizer, chunks))
+    state = ckpt.optimizer
+    if weights_only:  # no moments, step 0; the masters as sharded.load takes them
+        masters = state.get("master") or {}
+        if not all(n in masters for n in trainer.optimizer.names):
+            masters = {}
+        state = {"exp_avg": {}, "exp_avg_sq": {}, "step": 0, "master": masters}
+    trainer.optimizer.load_state_dict(gathered.local_optimizer_state(state, chunks))
+    if weights_only:
+        return
     trainer.state.step = int(ckpt.trainer["step"])
     trainer.state.consumed_samples = int(ckpt.trainer["consumed_samples"])
     restore_rng_state(ckpt.trainer["rng"])

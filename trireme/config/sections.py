@@ -228,6 +228,10 @@ class CheckpointConfig:
         "run stops and names the damage and the newest intact step. latest-intact: the newest "
         "intact checkpoint, naming every damaged one it skips. N (an integer): step_N exactly."
     )
+    init_from: str = doc(
+        "", "A checkpoint (a root: its latest; or a step directory) whose weights start this "
+        "run when dir holds no checkpoint to resume (fine-tuning): step 0, a fresh optimizer, "
+        "this run's schedule and data order. Once the run has saved, it resumes from dir.")
     keep_last: int = doc(0, "Keep only this many most recent checkpoints; 0 keeps all.")
     check_model: bool = doc(
         True, "Refuse to resume a checkpoint saved with other model settings that change what "

@@ -172,6 +172,11 @@ def preset_names() -> list[str]:
 
 def resolve_preset(name_or_path: str) -> Path:
     p = Path(name_or_path)
+    if p.is_dir() and (p / "config.toml").is_file():  # a checkpoint's step directory
+        return p / "config.toml"
+    if p.is_dir():
+        raise ConfigError(f"--config {name_or_path!r} is a directory: give a preset name or a "
+                          ".toml file (a checkpoint's config is its step_*/config.toml)")
     if p.suffix == ".toml" or p.exists():
         if not p.is_file():
             raise ConfigError(f"config file {name_or_path!r} does not exist")
