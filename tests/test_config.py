@@ -76,6 +76,8 @@ def test_unknown_key_suggests_closest():
         load_config("tiny", ["train.stepz=3"])
     with pytest.raises(ConfigError, match="did you mean 'model.hidden_size'"):
         load_config("tiny", ["model.hiden_size=3"])
+    with pytest.raises(ConfigError, match="did you mean 'optimizer.lr'"):  # the same key
+        load_config("tiny", ["train.lr=1e-3"])  # in another section, before close spellings
     with pytest.raises(ConfigError, match="unknown config section"):
         load_config("tiny", ["modle.hidden_size=3"])
     with pytest.raises(ConfigError, match="unknown preset"):

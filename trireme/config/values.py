@@ -148,10 +148,13 @@ def set_value(cfg: Config, dotted_key: str, value: Any) -> None:
         )
     types_ = _field_types(section)
     if key not in types_:
+        elsewhere = [f"{s}.{key}" for s in _SECTION_TYPES if key in _field_types(s)]
         all_keys = [f"{section}.{k}" for k in types_] + [
             f"{s}.{k}" for s in _SECTION_TYPES for k in _field_types(s)
         ]
-        raise ConfigError(f"unknown config key {dotted_key!r}{_suggest(dotted_key, all_keys)}")
+        hint = (f" (did you mean {elsewhere[0]!r}?)" if elsewhere
+                else _suggest(dotted_key, all_keys))  # the same key in another section first
+        raise ConfigError(f"unknown config key {dotted_key!r}{hint}")
     setattr(getattr(cfg, section), key, _coerce(dotted_key, value, types_[key]))
 
 
