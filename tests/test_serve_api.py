@@ -25,13 +25,13 @@ from serving import (
 )
 
 from trireme.cli import main as trireme_main
-from trireme.data.tokenizer import load_tokenizer
-from trireme.inference.chat import (
+from trireme.data.chat import (
     ChatFormat,
     find_chat_template,
     find_special_token,
     plain_chat_prompt,
 )
+from trireme.data.tokenizer import load_tokenizer
 from trireme.inference.openai_api import ApiError, parse_chat, parse_completion
 
 REPO = Path(__file__).resolve().parents[1]

@@ -20,8 +20,8 @@ import torch
 from serving import client, live_server, make_checkpoint, plain_request, stream_lines
 
 from trireme.cli import main as trireme_main
+from trireme.data.chat import ChatFormat
 from trireme.data.tokenizer import load_tokenizer
-from trireme.inference.chat import ChatFormat
 from trireme.inference.openai_api import ApiError, parse_chat, parse_completion
 from trireme.inference.runner import RATE_WINDOW_S, EngineThread
 from trireme.inference.sampling import SamplingParams, request_generator, sample_rows

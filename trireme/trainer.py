@@ -23,6 +23,7 @@ from trireme.config import AUTO_MICRO_BATCH, Config, validate
 from trireme.cpu_threads import set_cpu_threads
 from trireme.data.batch import Batch, BatchOptions, get_micro_batch
 from trireme.data.cache import index_cache_dir
+from trireme.data.conversations import chat_datasets, is_chat
 from trireme.data.corpus import default_corpus
 from trireme.data.gpt_dataset import GPTDataset
 from trireme.data.multimodal import (
@@ -327,6 +328,8 @@ def build_datasets(cfg: Config, sources: DataSources) -> tuple[GPTDataset, GPTDa
     d = cfg.data
     if cfg.model.vision_layers:
         return build_multimodal_datasets(cfg, sources)
+    if any(is_chat(source.prefix) for source in sources.datasets):
+        return build_chat_datasets(cfg, sources)
     options = BatchOptions(sources.eod, d.eod_mask_loss, d.reset_position_ids,
                            d.reset_attention_mask)
     return build_split_datasets(
@@ -335,6 +338,28 @@ def build_datasets(cfg: Config, sources: DataSources) -> tuple[GPTDataset, GPTDa
         mock_vocab_size=cfg.model.vocab_size, want_valid=bool(cfg.train.eval_interval),
         log_samples=cfg.train.steps * cfg.train.global_batch_size,
     )
+
+
+def build_chat_datasets(cfg: Config, sources: DataSources):
+    """Train and validation datasets of conversations (trireme.data.conversations); a note on
+    rank 0 of how many are cut at the sequence length."""
+    d = cfg.data
+    if len(sources.datasets) != 1:
+        raise ConfigError(f"data.path = {d.path!r} blends a chat dataset (trireme preprocess "
+                          "--chat) with others: chat data trains alone for now")
+    if sources.eod < 0:
+        raise ConfigError("chat data needs data.tokenizer: its end-of-document id pads the "
+                          "samples")
+    train, valid = chat_datasets(
+        sources.datasets[0].prefix, seq_length=cfg.model.seq_length, seed=cfg.train.seed,
+        split=d.split, eod=sources.eod, mask_prompt=d.mask_prompt,
+        want_valid=bool(cfg.train.eval_interval))
+    cut = train.too_long()
+    if cut and launched_rank() == 0:
+        print(f"trireme: note: {cut} of {len(train)} training conversations are longer than "
+              f"model.seq_length + 1 = {cfg.model.seq_length + 1} tokens and are cut there",
+              file=sys.stderr)
+    return train, valid
 
 
 def build_multimodal_datasets(cfg: Config, sources: DataSources):

@@ -92,7 +92,8 @@ class DataConfig:
         False, "Tokens attend only within their own document (a dense mask: slower)."
     )
     mask_prompt: bool = doc(
-        False, "Multimodal data: no loss on the prompt (user turns), only on the responses; "
+        True, "Conversation data (trireme preprocess --chat or --images): no loss on the "
+        "prompts (system and user turns, the template's framing), only on the responses; "
         "image placeholders never have a loss."
     )
 

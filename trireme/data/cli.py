@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from trireme.data.conversations import chat_format_for, preprocess_chat
 from trireme.data.indexed import IndexedDataset, check_writable
 from trireme.data.jsonl import Piece, parse_lines, read_blocks
 from trireme.data.multimodal import preprocess_multimodal
@@ -55,7 +56,21 @@ def preprocess_main(argv: list[str]) -> int:
                         "P.bin/.idx and P.images.npy (docs/data.md, 'Multimodal samples')")
     parser.add_argument("--image-size", type=int, default=224, metavar="S",
                         help="with --images: resize every image to S x S (model.vision_image_size)")
+    parser.add_argument("--chat", action="store_true",
+                        help="chat JSONL ({messages} or {conversations}) for fine-tuning: write "
+                        "P.bin/.idx and P.chat.json, the prompts marked to have no loss "
+                        "(docs/data.md, 'Chat data')")
+    parser.add_argument("--chat-template", default="auto", metavar="T",
+                        help="with --chat: auto (the tokenizer folder's chat template, else "
+                        "plain), plain (what trireme serve uses without one), or a .jinja file")
     args = parser.parse_args(argv)
+    if args.chat:
+        tokenizer = load_tokenizer(args.tokenizer, name="--tokenizer")
+        chat = chat_format_for(args.tokenizer, args.chat_template)
+        report = preprocess_chat(args.input, args.output_prefix, tokenizer, chat,
+                                 args.skip_bad_lines)
+        print(f"{report.summary(args.output_prefix)} (chat template: {chat.source})")
+        return 0
     if args.images:
         if args.image_size < 1:
             raise ConfigError(f"--image-size {args.image_size} must be at least 1")

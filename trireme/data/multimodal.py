@@ -33,9 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from trireme.data.batch import Batch
+from trireme.data.conversations import ConversationDataset
 from trireme.data.gpt_dataset import split_documents
 from trireme.data.images import load_image, pixels
 from trireme.data.indexed import (
@@ -242,67 +241,36 @@ class MultimodalSource:
         return self.indexed.num_documents
 
 
-class MultimodalDataset:
-    """Samples (one document each, shuffled per epoch by `seed`) as Batches with images.
-
-    `get_batch(indices)` depends only on (seed, indices), so a resumed run continues the order.
-    """
+class MultimodalDataset(ConversationDataset):
+    """Samples (one document each, shuffled per epoch by `seed`) as Batches with images: a
+    conversation dataset (trireme.data.conversations) whose placeholder id expands to the
+    model's image tokens, which never have a loss."""
 
     def __init__(self, source: MultimodalSource, documents: np.ndarray, seq_length: int,
                  seed: int, image_id: int, image_tokens: int, eod: int, mask_prompt: bool,
                  name: str = "multimodal") -> None:
-        self.source, self.documents = source, np.asarray(documents, dtype=np.int64)
-        self.seq_length, self.seed = seq_length, seed
-        self.image_id, self.image_tokens, self.eod = image_id, image_tokens, eod
-        self.mask_prompt, self.name = mask_prompt, name
-        self._orders: dict[int, np.ndarray] = {}
+        super().__init__(source.indexed, documents, seq_length, seed, eod, mask_prompt, name,
+                         source.prefix)
+        self.source, self.image_id, self.image_tokens = source, image_id, image_tokens
 
-    def __len__(self) -> int:
-        return len(self.documents)
+    def tokens_of(self, sequence: int) -> tuple[np.ndarray, np.ndarray]:
+        tokens = np.asarray(self.indexed[sequence], dtype=np.int64)
+        is_image = tokens == self.image_id
+        tokens = np.repeat(tokens, np.where(is_image, self.image_tokens, 1))  # expanded
+        return tokens, tokens != self.image_id
 
-    def document(self, index: int) -> int:
-        """The document of sample `index`: epoch index // n in a shuffled order of its own."""
-        epoch, k = divmod(int(index), len(self.documents))
-        if epoch not in self._orders:
-            rng = np.random.default_rng([self.seed, epoch])
-            self._orders = {epoch: rng.permutation(len(self.documents))}  # keep one epoch
-        return int(self.documents[self._orders[epoch][k]])
-
-    def sample(self, doc: int) -> tuple[np.ndarray, np.ndarray]:
-        """(ids int64 [seq_length + 1], loss flags bool [seq_length + 1]) of document `doc`."""
-        first, end = self.source.indexed.document_indices[doc: doc + 2]
-        ids, flags = [], []
-        for k, seq in enumerate(range(int(first), int(end))):
-            tokens = np.asarray(self.source.indexed[seq], dtype=np.int64)
-            is_image = tokens == self.image_id
-            tokens = np.repeat(tokens, np.where(is_image, self.image_tokens, 1))  # expanded
-            keep = ~(tokens == self.image_id) & (k % 2 == 1 or not self.mask_prompt)
-            ids.append(tokens)
-            flags.append(keep)
-        row, keep = np.concatenate(ids), np.concatenate(flags)
-        size = self.seq_length + 1
+    def check(self, doc: int, row: np.ndarray) -> None:
         if not np.any(row == self.image_id):
-            raise DataError(f"{self.source.prefix}: sample {doc} holds no image placeholder "
+            raise DataError(f"{self.prefix}: sample {doc} holds no image placeholder "
                             f"(id {self.image_id}): the data was tokenized with another tokenizer"
                             " than data.tokenizer, or model.image_token_id is not its <image>")
         if np.count_nonzero(row[: self.seq_length] == self.image_id) != self.image_tokens:
-            raise DataError(f"{self.source.prefix}: sample {doc} does not fit its "
+            raise DataError(f"{self.prefix}: sample {doc} does not fit its "
                             f"{self.image_tokens} image tokens in model.seq_length = "
                             f"{self.seq_length}; raise seq_length or shorten the prompt")
-        out_ids, out_keep = np.full(size, self.eod, np.int64), np.zeros(size, bool)
-        n = min(len(row), size)
-        out_ids[:n], out_keep[:n] = row[:n], keep[:n]
-        return out_ids, out_keep
 
-    def get_batch(self, indices: np.ndarray) -> Batch:
-        """A Batch of the samples at `indices`: tokens, labels, loss mask, images [b, 3, S, S]."""
-        docs = [self.document(i) for i in indices]
-        rows = [self.sample(d) for d in docs]
-        ids = torch.from_numpy(np.stack([r for r, _ in rows]))  # [b, s + 1]
-        keep = torch.from_numpy(np.stack([k for _, k in rows]))
-        images = pixels(self.source.images[np.asarray(docs)])  # [b, 3, S, S]
-        return Batch(ids[:, :-1].contiguous(), ids[:, 1:].contiguous(),
-                     keep[:, 1:].to(torch.float32), images=images)
+    def extra(self, docs: list[int]) -> dict:
+        return {"images": pixels(self.source.images[np.asarray(docs)])}  # [b, 3, S, S]
 
 
 def multimodal_datasets(prefix: str, *, seq_length: int, seed: int, split: str,

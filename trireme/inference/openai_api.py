@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
+from trireme.data.chat import ROLES, ChatFormat
 from trireme.errors import TriremeError
-from trireme.inference.chat import ROLES, ChatFormat
 from trireme.inference.image_parts import VISION_STOP, VisionInputs, image_url, vision_prompt
 from trireme.inference.sampling import SamplingParams
 from trireme.inference.text import encodable

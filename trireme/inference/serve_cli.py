@@ -15,8 +15,8 @@ import socket
 import sys
 from pathlib import Path
 
+from trireme.data.chat import ChatFormat, find_chat_template, find_special_token
 from trireme.errors import ConfigError, TriremeError
-from trireme.inference.chat import ChatFormat, find_chat_template, find_special_token
 from trireme.inference.cli import (
     LoadedModel,
     add_engine_arguments,
@@ -66,7 +66,7 @@ def serve_parser() -> argparse.ArgumentParser:
 
 
 def chat_format(loaded: LoadedModel) -> ChatFormat:
-    """The checkpoint's chat template (trireme.inference.chat), else the plain one."""
+    """The checkpoint's chat template (trireme.data.chat), else the plain one."""
     spec = Path(loaded.tokenizer_spec.split(":", 1)[-1])
     folders = [spec if spec.is_dir() else spec.parent, loaded.path, loaded.path.parent]
     tok = loaded.tokenizer

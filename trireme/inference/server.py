@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from trireme.inference.chat import ChatFormat
+from trireme.data.chat import ChatFormat
 from trireme.inference.engine import QueueFull, RequestError
 from trireme.inference.image_parts import MAX_IMAGE_PIXELS, VisionInputs
 from trireme.inference.openai_api import (

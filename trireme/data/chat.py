@@ -1,5 +1,5 @@
-"""Chat messages to a prompt: the tokenizer's chat template when the checkpoint has one, else a
-plain one.
+"""Chat messages to text: the tokenizer's chat template when there is one, else a plain one; the
+prompt `trireme serve` continues, and the segments a chat dataset trains on (`chat_segments`).
 
 The template is looked for as "chat_template" in a tokenizer_config.json (or a
 chat_template.jinja file) in the tokenizer's folder or the checkpoint's folder (and its parent,
@@ -65,9 +65,10 @@ def find_special_token(folders: list[Path], name: str) -> str:
     return ""
 
 
-def plain_chat_prompt(messages: list[dict[str, str]]) -> str:
+def plain_chat_prompt(messages: list[dict[str, str]], add_generation_prompt: bool = True
+                      ) -> str:
     lines = [f"{m['role']}: {m['content']}\n" for m in messages]
-    return "".join(lines) + "assistant:"
+    return "".join(lines) + ("assistant:" if add_generation_prompt else "")
 
 
 class ChatFormat:
@@ -90,11 +91,12 @@ class ChatFormat:
         # a model tuned on the template ends its turn with the eos token: its text ends the answer
         self.stop = (eos_token,) if self.template is not None and eos_token else ()
 
-    def render(self, messages: list[dict[str, str]]) -> str:
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if self.template is None:
-            return plain_chat_prompt(messages)
+            return plain_chat_prompt(messages, add_generation_prompt)
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True,
+            return self.template.render(messages=messages,
+                                        add_generation_prompt=add_generation_prompt,
                                         bos_token=self.bos_token, eos_token=self.eos_token)
         except TriremeError:
             raise
@@ -104,3 +106,32 @@ class ChatFormat:
 
 def _raise(message: str) -> None:
     raise TriremeError(str(message))
+
+
+def chat_segments(chat: ChatFormat, messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
+    """The text of a conversation as (text, trained) segments: the assistant messages trained,
+    everything else (system, user, tool turns, the template's framing) not; messages after the
+    last assistant one are left out. The segments joined are what `render` writes for the
+    conversation, and each prompt segment ends where `render` of the messages before an
+    assistant turn ends, so a model trained on them continues a served prompt the same way.
+
+    The plain template: "role: content\n" lines; an assistant turn's segment is " content\n"
+    after the prompt's "assistant:" (the caller ends the last one with the end-of-document id
+    instead of its newline). A template: rendered turn by turn, each render must extend the
+    one before (ValueError otherwise: e.g. a template that rewrites earlier turns)."""
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError("the conversation has no assistant message to train on")
+    if messages[0]["role"] == "assistant":
+        raise ValueError("the conversation starts with an assistant message (no prompt)")
+    segments, done = [], ""
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = chat.render(messages[:i], add_generation_prompt=True)
+        full = chat.render(messages[: i + 1], add_generation_prompt=False)
+        if not prompt.startswith(done) or not full.startswith(prompt):
+            raise ValueError(f"the chat template does not render message {i} as a continuation "
+                             "of the ones before (preprocess with --chat-template plain)")
+        segments += [(prompt[len(done):], False), (full[len(prompt):], True)]
+        done = full
+    return segments

@@ -1,0 +1,158 @@
+"""Chat fine-tuning data (trireme.data.conversations): conversations rendered as `trireme serve`
+renders them, the assistant's words the only ones with a loss, and a run that trains on them."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from trireme.cli import main as trireme_main
+from trireme.config import load_config
+from trireme.data.chat import ChatFormat, chat_segments
+from trireme.data.conversations import ConversationDataset, chat_datasets, is_chat
+from trireme.data.tokenizer import load_tokenizer
+from trireme.train import train
+
+TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHATS = [
+    {"messages": [{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "Hi"},
+                  {"role": "assistant", "content": "Hello."}]},
+    {"conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"},
+                       {"from": "human", "value": "and 3+3?"}, {"from": "gpt", "value": "6"}]},
+]
+
+
+def write_jsonl(path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def preprocess(tmp_path, records, *flags: str) -> str:
+    prefix = str(tmp_path / "chat")
+    code = trireme_main(["preprocess", "--chat", "--input", write_jsonl(tmp_path / "in.jsonl",
+                         records), "--output-prefix", prefix, "--tokenizer", "bytes", *flags])
+    assert code == 0
+    return prefix
+
+
+def trained_text(ds: ConversationDataset, doc: int, tok) -> tuple[str, str]:
+    """(the sample's whole text, the text of the tokens that have a loss) of one document."""
+    ids, keep = ds.sample(doc)
+    eod = tok.eod
+    return (tok.decode([i for i in ids if i != eod]),
+            tok.decode([i if i != eod else ord("$") for i in ids[keep]]))
+
+
+@pytest.mark.parametrize("template", ["plain", "jinja"])
+def test_only_the_answers_have_a_loss_and_prompts_are_what_serve_sends(tmp_path, template):
+    tok = load_tokenizer("bytes")
+    flags = []
+    if template == "jinja":
+        (tmp_path / "t.jinja").write_text(TEMPLATE)
+        flags = ["--chat-template", str(tmp_path / "t.jinja")]
+    prefix = preprocess(tmp_path, CHATS, *flags)
+    assert is_chat(prefix)
+    train_ds, _ = chat_datasets(prefix, seq_length=96, seed=0, split="100,0,0", eod=tok.eod,
+                                mask_prompt=True, want_valid=False)
+    whole, trained = trained_text(train_ds, 0, tok)
+    chat = ChatFormat(TEMPLATE if template == "jinja" else None)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    served = chat.render(messages)  # what trireme serve continues
+    assert whole.startswith(served)
+    if template == "plain":
+        assert whole == served + " Hello." and trained == " Hello.$"  # the eod ends the answer
+        assert trained_text(train_ds, 1, tok)[1] == " 4\n 6$"
+    else:
+        assert whole == served + "Hello.<|end|>" and trained == "Hello.<|end|>"
+        assert trained_text(train_ds, 1, tok)[1] == "4<|end|>6<|end|>"
+    unmasked = ConversationDataset(train_ds.indexed, train_ds.documents, 96, 0, tok.eod, False)
+    ids, keep = unmasked.sample(0)
+    assert keep.sum() == len(whole.encode()) + (template == "plain")  # all but the padding
+
+
+def test_segments_join_to_the_render_and_bad_conversations_are_refused():
+    plain = ChatFormat(None)
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    segments = chat_segments(plain, messages)
+    assert [t for _, t in segments] == [False, True, False, True]
+    assert "".join(s for s, _ in segments) == plain.render(messages, add_generation_prompt=False)
+    for bad in ([{"role": "user", "content": "a"}],
+                [{"role": "assistant", "content": "b"}, {"role": "user", "content": "a"}]):
+        with pytest.raises(ValueError):
+            chat_segments(plain, bad)
+    rewriting = ChatFormat("{{ messages | length }}:{% for m in messages %}{{ m.content }}"
+                           "{% endfor %}")  # changes what it wrote before at each turn
+    with pytest.raises(ValueError, match="--chat-template plain"):
+        chat_segments(rewriting, messages)
+
+
+def test_bad_lines_name_file_and_line(tmp_path, capsys):
+    source = write_jsonl(tmp_path / "in.jsonl", [CHATS[0], {"messages": [
+        {"role": "robot", "content": "x"}]}])
+    code = trireme_main(["preprocess", "--chat", "--input", source, "--output-prefix",
+                         str(tmp_path / "out"), "--tokenizer", "bytes"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{source}:2: message 0" in err and err.count("\n") == 1
+    assert not list(tmp_path.glob("out*"))  # nothing half-written
+    code = trireme_main(["preprocess", "--chat", "--input", source, "--output-prefix",
+                         str(tmp_path / "out"), "--tokenizer", "bytes", "--skip-bad-lines"])
+    assert code == 0 and "wrote 1 conversations" in capsys.readouterr().out
+
+
+def test_a_run_fine_tunes_on_chat_data(tmp_path, capsys):
+    records = [{"messages": [{"role": "user", "content": f"say {w}"},
+                             {"role": "assistant", "content": f"{w} {w} {w}"}]}
+               for w in ("cat", "dog", "sun", "sea", "red", "tea", "owl", "ink")] * 4
+    prefix = preprocess(tmp_path, records)
+    cfg = load_config("tiny", [
+        f"data.path={prefix}", "data.tokenizer=bytes", f"run.dir={tmp_path}/run",
+        "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
+        "model.seq_length=24", "train.global_batch_size=8", "train.micro_batch_size=4",
+        "train.steps=30", "train.log_interval=5", "train.eval_interval=0",
+        "train.sample_tokens=0", "logging.progress=false", "logging.tensorboard=false",
+        "schedule.warmup_steps=2", "optimizer.lr=1e-2"])
+    train(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert rows[-1]["loss"] < 0.5 * rows[0]["loss"]
+    assert "training conversations are longer than model.seq_length + 1 = 25" in \
+        capsys.readouterr().err  # "user: say cat\nassistant: cat cat cat" + eod: 37 tokens
+    train_ds, _ = chat_datasets(prefix, seq_length=8, seed=0, split="100,0,0", eod=256,
+                                mask_prompt=True, want_valid=False)
+    assert train_ds.too_long() == 32 and np.all([len(train_ds.sample(d)[0]) == 9
+                                                 for d in range(3)])
+
+
+def test_a_tokenizers_own_template_and_special_tokens(tmp_path):
+    """--chat-template auto takes tokenizer_config.json's template; its special tokens in the
+    rendered text become their single ids, and the end-of-turn token is trained."""
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator(["hello there, how are you? fine thanks"] * 20,
+                           trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    hf.save(str(folder / "tokenizer.json"))
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "eos_token": "<|im_end|>"}))
+    prefix = str(tmp_path / "chat")
+    assert trireme_main(["preprocess", "--chat", "--input", write_jsonl(
+        tmp_path / "in.jsonl", CHATS), "--output-prefix", prefix, "--tokenizer",
+        str(folder / "tokenizer.json")]) == 0
+    tok = load_tokenizer(str(folder / "tokenizer.json"))
+    ds, _ = chat_datasets(prefix, seq_length=64, seed=0, split="100,0,0", eod=tok.eod,
+                          mask_prompt=True, want_valid=False)
+    ids, keep = ds.sample(0)
+    start, end = hf.token_to_id("<|im_start|>"), hf.token_to_id("<|im_end|>")
+    assert list(ids[:1]) == [start] and np.count_nonzero(ids == start) == 3
+    assert tok.decode(ids[keep]) == "Hello.<|im_end|>\n" and end in ids[keep]

@@ -1,0 +1,271 @@
+"""Chat fine-tuning data: conversations in, an indexed dataset of prompt / response sequences out,
+and the padded samples training reads (with no loss on the prompts).
+
+Input, one JSON object per line (docs/data.md, "Chat data"):
+
+    {"messages": [{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+    {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]}
+
+(OpenAI's roles, or ShareGPT's: human / user, gpt / assistant, system.) Each conversation is
+rendered with the tokenizer's chat template (tokenizer_config.json's `chat_template` or a
+chat_template.jinja beside the tokenizer) or the plain template `trireme serve` uses without one
+(trireme.data.chat), cut into segments (`chat_segments`): what the assistant says is trained,
+the rest is the prompt. With the plain template the last answer ends with the end-of-document id,
+which is where a served answer stops.
+
+Output for prefix P: P.bin / P.idx, one document per conversation whose sequences alternate
+prompt, response, prompt, response, ...; and P.chat.json (written last), which marks the prefix
+as chat data and records the template. Training (`ConversationDataset`) puts one conversation in
+each sample, padded to seq_length + 1 with the end-of-document id (no loss there), cut at
+seq_length + 1 if longer; with data.mask_prompt (the default) only the responses have a loss.
+Bad lines stop with one line naming file and line, unless --skip-bad-lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from trireme.data.batch import Batch
+from trireme.data.chat import (
+    ROLES,
+    ChatFormat,
+    chat_segments,
+    find_chat_template,
+    find_special_token,
+)
+from trireme.data.gpt_dataset import split_documents
+from trireme.data.indexed import (
+    IndexedDataset,
+    IndexedDatasetWriter,
+    best_dtype,
+    check_writable,
+    temporary_path,
+)
+from trireme.data.jsonl import MALFORMED, NOT_OBJECT, json_problem
+from trireme.data.tokenizer_base import Tokenizer
+from trireme.errors import DataError, TriremeError
+
+CHAT_SUFFIX = ".chat.json"
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}
+
+
+class ConversationDataset:
+    """Samples (one document each, shuffled per epoch by `seed`) as padded Batches: documents
+    of alternating prompt / response sequences, the prompts without a loss if `mask_prompt`.
+
+    `get_batch(indices)` depends only on (seed, indices), so a resumed run continues the order.
+    Subclasses change what a sequence's tokens are (`tokens_of`), check a sample (`check`) and
+    add to a batch (`extra`): trireme.data.multimodal's images."""
+
+    def __init__(self, indexed: IndexedDataset, documents: np.ndarray, seq_length: int,
+                 seed: int, eod: int, mask_prompt: bool, name: str = "chat",
+                 prefix: str = "") -> None:
+        self.indexed, self.documents = indexed, np.asarray(documents, dtype=np.int64)
+        self.seq_length, self.seed, self.eod = seq_length, seed, eod
+        self.mask_prompt, self.name, self.prefix = mask_prompt, name, prefix
+        self._orders: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self.documents)
+
+    def document(self, index: int) -> int:
+        """The document of sample `index`: epoch index // n in a shuffled order of its own."""
+        epoch, k = divmod(int(index), len(self.documents))
+        if epoch not in self._orders:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._orders = {epoch: rng.permutation(len(self.documents))}  # keep one epoch
+        return int(self.documents[self._orders[epoch][k]])
+
+    def tokens_of(self, sequence: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids int64, trainable bool) of one stored sequence."""
+        tokens = np.asarray(self.indexed[sequence], dtype=np.int64)
+        return tokens, np.ones(len(tokens), bool)
+
+    def check(self, doc: int, row: np.ndarray) -> None:
+        """Raise DataError if the sample cannot train (nothing to check here)."""
+
+    def sample(self, doc: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids int64 [seq_length + 1], loss flags bool [seq_length + 1]) of document `doc`."""
+        first, end = self.indexed.document_indices[doc: doc + 2]
+        ids, flags = [], []
+        for k, seq in enumerate(range(int(first), int(end))):
+            tokens, trainable = self.tokens_of(seq)
+            ids.append(tokens)
+            flags.append(trainable & (k % 2 == 1 or not self.mask_prompt))
+        row, keep = np.concatenate(ids), np.concatenate(flags)
+        self.check(doc, row)
+        size = self.seq_length + 1
+        out_ids, out_keep = np.full(size, self.eod, np.int64), np.zeros(size, bool)
+        n = min(len(row), size)
+        out_ids[:n], out_keep[:n] = row[:n], keep[:n]
+        return out_ids, out_keep
+
+    def extra(self, docs: list[int]) -> dict:
+        """More fields of the Batch of these documents (none here)."""
+        return {}
+
+    def get_batch(self, indices: np.ndarray) -> Batch:
+        """A Batch of the samples at `indices`: tokens, labels and the loss mask."""
+        docs = [self.document(i) for i in indices]
+        rows = [self.sample(d) for d in docs]
+        ids = torch.from_numpy(np.stack([r for r, _ in rows]))  # [b, s + 1]
+        keep = torch.from_numpy(np.stack([k for _, k in rows]))
+        return Batch(ids[:, :-1].contiguous(), ids[:, 1:].contiguous(),
+                     keep[:, 1:].to(torch.float32), **self.extra(docs))
+
+    def too_long(self) -> int:
+        """How many of this dataset's conversations are cut (longer than seq_length + 1)."""
+        starts = self.indexed.document_indices
+        ends = np.cumsum(np.asarray(self.indexed.sequence_lengths, dtype=np.int64))
+        totals = np.concatenate([[0], ends])[starts[1:]] - np.concatenate([[0], ends])[starts[:-1]]
+        return int(np.count_nonzero(totals[self.documents] > self.seq_length + 1))
+
+
+# --------------------------------------------------------------------------------------------
+# Preprocessing
+
+
+def is_chat(prefix: str) -> bool:
+    return os.path.isfile(prefix + CHAT_SUFFIX)
+
+
+def chat_format_for(tokenizer_spec: str, choice: str) -> ChatFormat:
+    """--chat-template: "plain"; "auto" (the tokenizer folder's template, else plain); or a
+    path to a Jinja file. bos / eos tokens from the tokenizer folder's tokenizer_config.json."""
+    folder = Path(tokenizer_spec.split(":", 1)[-1])
+    folders = [folder if folder.is_dir() else folder.parent]
+    if choice == "plain":
+        return ChatFormat(None)
+    if choice == "auto":
+        template = find_chat_template(folders)
+    else:
+        try:
+            template = Path(choice).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise DataError(f"--chat-template {choice!r} cannot be read ({e})") from None
+    return ChatFormat(template, bos_token=find_special_token(folders, "bos_token"),
+                      eos_token=find_special_token(folders, "eos_token"))
+
+
+def conversation_messages(record: dict) -> list[dict[str, str]]:
+    """A record's messages as [{"role", "content"}] (OpenAI's `messages`, or ShareGPT's
+    `conversations` of {"from", "value"}). ValueError for a bad record."""
+    if "messages" in record:
+        turns, role_key, text_key = record["messages"], "role", "content"
+    else:
+        turns, role_key, text_key = record.get("conversations"), "from", "value"
+    if not isinstance(turns, list) or not turns:
+        raise ValueError("missing key 'messages' (a list of {role, content}) or 'conversations'")
+    out = []
+    for i, turn in enumerate(turns):
+        role = turn.get(role_key) if isinstance(turn, dict) else None
+        role = SHAREGPT_ROLES.get(role, role)
+        text = turn.get(text_key) if isinstance(turn, dict) else None
+        if role not in ROLES or not isinstance(text, str):
+            raise ValueError(f"message {i} must be {{{role_key!r}: one of {', '.join(ROLES)}, "
+                             f"{text_key!r}: text}}")
+        out.append({"role": role, "content": text})
+    return out
+
+
+def conversation_sequences(record: dict, tokenizer: Tokenizer, chat: ChatFormat
+                           ) -> list[list[int]]:
+    """Token ids of one conversation: prompt, response, prompt, response, ... (module
+    docstring). ValueError for a bad record."""
+    segments = chat_segments(chat, conversation_messages(record))
+    sequences = [tokenizer.encode(text) for text, _ in segments]
+    if chat.template is None:  # the plain template: the last answer ends with the eod id
+        sequences[-1] = tokenizer.encode(segments[-1][0].removesuffix("\n")) + [tokenizer.eod]
+    if not all(sequences[1::2]):
+        raise ValueError("an assistant message is empty")
+    return sequences
+
+
+def _parse(raw: bytes) -> dict:
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"invalid UTF-8 (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{MALFORMED} ({json_problem(e)})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{NOT_OBJECT} ({type(record).__name__})")
+    return record
+
+
+@dataclass
+class ChatReport:
+    conversations: int = 0
+    tokens: int = 0
+    trained: int = 0
+    skipped: Counter = field(default_factory=Counter)
+
+    def summary(self, prefix: str) -> str:
+        skipped = sum(self.skipped.values())
+        note = f", skipped {skipped} bad lines ({dict(self.skipped)})" if skipped else ""
+        return (f"wrote {self.conversations} conversations ({self.tokens} tokens, "
+                f"{self.trained} of them in responses) to {prefix}.bin/.idx{note}")
+
+
+def _records(inputs: list[str]):
+    """(where, raw line) of every non-blank line of the JSONL inputs."""
+    for path in inputs:
+        if not os.path.isfile(path):
+            raise DataError(f"input file {path!r} not found")
+        with open(path, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                if raw.strip():
+                    yield f"{path}:{number}: ", raw
+
+
+def preprocess_chat(inputs: list[str], output_prefix: str, tokenizer: Tokenizer,
+                    chat: ChatFormat, skip_bad_lines: bool = False) -> ChatReport:
+    """JSONL conversations -> output_prefix.bin/.idx + .chat.json (module docstring)."""
+    check_writable(output_prefix, "--output-prefix")
+    report = ChatReport()
+    with IndexedDatasetWriter(output_prefix, best_dtype(tokenizer.vocab_size)) as writer:
+        for where, raw in _records(inputs):
+            try:
+                sequences = conversation_sequences(_parse(raw), tokenizer, chat)
+            except (ValueError, TriremeError) as e:  # the record's, or the template's refusal
+                if not skip_bad_lines:
+                    raise DataError(f"{where}{e}; fix the line or pass --skip-bad-lines"
+                                    ) from None
+                report.skipped[str(e).split(" (")[0]] += 1
+                continue
+            writer.add_document(np.concatenate(sequences), [len(s) for s in sequences])
+            report.conversations += 1
+            report.tokens += sum(len(s) for s in sequences)
+            report.trained += sum(len(s) for s in sequences[1::2])
+        if report.conversations == 0:
+            raise DataError(f"preprocess --chat: no conversations in {', '.join(inputs)}")
+    marker = {"kind": "chat", "template": chat.source, "conversations": report.conversations}
+    temp = temporary_path(output_prefix + CHAT_SUFFIX)
+    Path(temp).write_text(json.dumps(marker) + "\n")
+    os.replace(temp, output_prefix + CHAT_SUFFIX)
+    return report
+
+
+def chat_datasets(prefix: str, *, seq_length: int, seed: int, split: str, eod: int,
+                  mask_prompt: bool, want_valid: bool
+                  ) -> tuple[ConversationDataset, ConversationDataset | None]:
+    """(train, valid or None) datasets of one chat prefix, its documents cut by `split`."""
+    indexed = IndexedDataset(prefix)
+    train_ids, valid_ids, _ = split_documents(indexed.num_documents, split)
+    if not len(train_ids):
+        raise DataError(f"data.split = {split!r} leaves {prefix} without training samples")
+
+    def dataset(ids: np.ndarray, name: str, offset: int) -> ConversationDataset:
+        return ConversationDataset(indexed, ids, seq_length, seed + offset, eod, mask_prompt,
+                                   name, prefix)
+
+    valid = dataset(valid_ids, "valid", 1) if want_valid and len(valid_ids) else None
+    return dataset(train_ids, "train", 0), valid
