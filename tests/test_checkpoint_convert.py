@@ -430,10 +430,10 @@ def test_tokenizer_travels_and_generate_works(tmp_path: Path) -> None:
     train_bpe(["def f(x):\n    return x + 1\n"] * 50, 320, hf / "tokenizer.json")
     (hf / "generation_config.json").write_text("{}")
     convert("hf", "trireme", hf, tmp_path / "tri")
-    copied = (tmp_path / "tri" / "tokenizer.json").read_bytes()
+    copied = (tmp_path / "tri" / "tokenizer" / "tokenizer.json").read_bytes()
     assert copied == (hf / "tokenizer.json").read_bytes()
     cfg = config_from_toml(load_checkpoint(tmp_path / "tri").config_toml)
-    assert cfg.data.tokenizer == str((tmp_path / "tri" / "tokenizer.json").resolve())
+    assert cfg.data.tokenizer == str((tmp_path / "tri" / "tokenizer" / "tokenizer.json").resolve())
     text = generate_from_checkpoint(str(tmp_path / "tri"), "def ", max_new_tokens=4, greedy=True,
                                     device="cpu")
     assert text.startswith("def ")

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trireme.checkpoint.tokenizer_copy import moved_copy
 from trireme.config import AUTO_MICRO_BATCH, Config, validate
 from trireme.cpu_threads import set_cpu_threads
 from trireme.data.batch import Batch, BatchOptions, get_micro_batch
@@ -304,6 +305,9 @@ def resolve_data(cfg: Config) -> tuple[DataSources, Tokenizer | None]:
         cfg.data.tokenizer = cfg.data.tokenizer or str(tok_path)
     # checks the files before anything else
     sources = DataSources() if cfg.data.mock else open_sources(cfg.data.path)
+    # a converted checkpoint that moved: its tokenizer/ copy, not the path its config.toml names
+    ckpt = cfg.checkpoint
+    cfg.data.tokenizer = moved_copy(cfg.data.tokenizer, ckpt.dir, ckpt.init_from)
     tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
     cfg.data.tokenizer = absolute_spec(cfg.data.tokenizer)  # saved configs work from anywhere
     sources.eod = tokenizer.eod if tokenizer is not None else -1

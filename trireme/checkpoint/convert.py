@@ -26,12 +26,17 @@ from trireme.checkpoint.converted import (
     atomic_output_dir,
     cast_state,
     check_output_dir,
-    copy_tokenizer_files,
+    holds_tokenizer,
 )
 from trireme.checkpoint.finite import first_nonfinite
 from trireme.checkpoint.model_state import check_state
 from trireme.checkpoint.store import load_checkpoint, save_checkpoint
-from trireme.checkpoint.tokenizer_copy import kept_copy
+from trireme.checkpoint.tokenizer_copy import (
+    TOKENIZER_DIR,
+    copy_converted,
+    kept_copy,
+    named_folder,
+)
 from trireme.config import Config, config_from_toml, validate
 from trireme.errors import CheckpointError, ConfigError
 
@@ -71,10 +76,8 @@ def read_trireme(path: Path) -> Converted:
     """A trireme checkpoint (root or step directory) as a `Converted`."""
     ckpt = load_checkpoint(path, name="--input", model_only=True)  # weights are what converts
     cfg = config_from_toml(ckpt.config_toml, f"{ckpt.path}/config.toml")
-    tokenizer_dir = kept_copy(ckpt.path)  # the run's own copy first (tokenizer_copy.py)
-    if tokenizer_dir is None and cfg.data.tokenizer not in ("", "bytes"):
-        spec = Path(cfg.data.tokenizer)
-        tokenizer_dir = spec if spec.is_dir() else spec.parent
+    # the copy kept beside it first (a run's or a conversion's: tokenizer_copy.py)
+    tokenizer_dir = kept_copy(ckpt.path) or named_folder(cfg.data.tokenizer)
     trainer = ckpt.trainer if isinstance(ckpt.trainer, dict) else {}
     return Converted(
         model=cfg.model, state=dict(ckpt.model), source=f"trireme {ckpt.path}", step=ckpt.step,
@@ -89,16 +92,16 @@ def write_trireme(conv: Converted, output: Path, dtype: torch.dtype) -> Path:
     The checkpoint holds the model (cast to `dtype`), a fresh optimizer state, trainer state
     {step, consumed_samples}, and a full resolved config.toml whose [model] describes the weights
     and whose model.precision follows `dtype`. Tokenizer files found beside the source are copied
-    into `output`, and data.tokenizer points at the copied tokenizer.json.
+    into output/tokenizer, where a checkpoint keeps its tokenizer (tokenizer_copy.py: found there
+    after the output moves), and data.tokenizer points at the copied tokenizer.json.
     """
     cfg = Config()
     cfg.model = conv.model
     cfg.model.precision = PRECISION[dtype]  # type: ignore[assignment]
     cfg.run.name = output.name
     with atomic_output_dir(output) as tmp:
-        copied = copy_tokenizer_files(conv.tokenizer_dir, tmp)
-        if "tokenizer.json" in copied:
-            cfg.data.tokenizer = str(output.resolve() / "tokenizer.json")
+        if "tokenizer.json" in copy_converted(conv.tokenizer_dir, tmp):
+            cfg.data.tokenizer = str(output.resolve() / TOKENIZER_DIR / "tokenizer.json")
         validate(cfg, need_vocab=True)
         trainer = {"step": conv.step, "consumed_samples": conv.consumed_samples, "rng": {},
                    "converted_from": conv.source}
@@ -106,6 +109,13 @@ def write_trireme(conv: Converted, output: Path, dtype: torch.dtype) -> Path:
                                    optimizer=dict(FRESH_OPTIMIZER), trainer=trainer,
                                    config_toml=cfg.to_toml())
     return output / step_dir.name
+
+
+def no_tokenizer_note(looked_in: Path | None, output: Path) -> str:
+    """What an export without a tokenizer says (AutoTokenizer cannot load from it)."""
+    where = f"{looked_in} holds none" if looked_in is not None else "the input names none"
+    return (f"no tokenizer to carry along ({where}): {output} gets no tokenizer.json; copy "
+            "the model's tokenizer files (tokenizer.json, tokenizer_config.json, ...) into it")
 
 
 # --------------------------------------------------------------------------------------------
@@ -152,6 +162,8 @@ def convert(
     if target_kind == "trireme" and conv.model.seq_length > 8192:
         conv.notes.append(f"model.seq_length = {conv.model.seq_length} (the context the source "
                           "supports) is also the training sample length: override it to train")
+    if target_kind == "hf" and not holds_tokenizer(conv.tokenizer_dir):
+        conv.notes.append(no_tokenizer_note(conv.tokenizer_dir, output))
     if step is not None:
         conv.step = step
     torch_dtype = resolve_dtype(dtype, conv.state)

@@ -20,11 +20,15 @@ from torch import Tensor
 from trireme.config import ModelConfig
 from trireme.errors import CheckpointError
 
-# Files of a Hugging Face tokenizer (and generation defaults) carried along by conversions.
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-    "vocab.json", "merges.txt", "generation_config.json",
+# The files of a Hugging Face tokenizer folder that conversions and a run's tokenizer copy
+# (tokenizer_copy.py) carry along: the tokenizer itself, then what says its special tokens, chat
+# template and generation defaults (without these AutoTokenizer loads no eos_token).
+TOKENIZER_MODEL_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt")
+TOKENIZER_METADATA_FILES = (
+    "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "chat_template.jinja", "chat_template.json", "generation_config.json",
 )
+TOKENIZER_FILES = TOKENIZER_MODEL_FILES + TOKENIZER_METADATA_FILES
 
 
 @dataclass
@@ -105,13 +109,23 @@ def current_umask() -> int:
     return mask
 
 
+def tokenizer_files_in(folder: Path | None) -> list[str]:
+    """The TOKENIZER_FILES that `folder` holds (none for None or a missing folder)."""
+    if folder is None or not folder.is_dir():
+        return []
+    return [name for name in TOKENIZER_FILES if (folder / name).is_file()]
+
+
+def holds_tokenizer(folder: Path | None) -> bool:
+    """Whether `folder` holds a tokenizer itself (not only what describes one)."""
+    return any(name in TOKENIZER_MODEL_FILES for name in tokenizer_files_in(folder))
+
+
 def copy_tokenizer_files(source: Path | None, target: Path) -> list[str]:
     """Copy the TOKENIZER_FILES found in `source` into `target`; returns the names copied."""
-    if source is None or not source.is_dir():
+    if source is None:
         return []
-    copied = []
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            shutil.copyfile(source / name, target / name)
-            copied.append(name)
+    copied = tokenizer_files_in(source)
+    for name in copied:
+        shutil.copyfile(source / name, target / name)
     return copied

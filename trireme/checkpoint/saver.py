@@ -33,9 +33,9 @@ class Saver:
             raise ConfigError("checkpoint.async_save = true needs checkpoint.format = 'sharded'")
         if c.dir and (trainer.is_main or c.format == "sharded"):  # the ranks that will write
             directory.check_writable(Path(c.dir))
-        if c.dir and trainer.is_main:  # generate finds it there (tokenizer_copy.py)
-            keep_tokenizer(Path(c.dir), trainer.cfg.data.tokenizer)
         self.trainer = trainer
+        # copied at the first save, so a run that fails its start-up checks writes nothing there
+        self._tokenizer_kept = not (c.dir and trainer.is_main)
         self.save_gathered = save_gathered
         self._group = None
         self._thread: threading.Thread | None = None
@@ -54,6 +54,9 @@ class Saver:
         """Save now (blocking), or start a background save; returns the path when it is known."""
         self.wait()
         trainer, c = self.trainer, self.trainer.cfg.checkpoint
+        if not self._tokenizer_kept:  # generate and convert find it there (tokenizer_copy.py)
+            keep_tokenizer(Path(c.dir), trainer.cfg.data.tokenizer)
+            self._tokenizer_kept = True
         if c.format == "gathered":
             self.last_path = self.save_gathered(trainer)
             return self.last_path

@@ -1,0 +1,162 @@
+"""A Hugging Face model fine-tuned with trireme and exported back keeps its whole tokenizer:
+the run's tokenizer/ copy carries tokenizer_config.json and the files beside it, a converted
+checkpoint keeps its tokenizer where it is found after a move, an export without one says so,
+and a run that fails its start-up checks writes no copy.
+
+Everything through the command line (`trireme.cli.main`), on tiny random models: 2 layers,
+hidden 32, 2 steps.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from trireme.checkpoint.tokenizer_copy import TOKENIZER_DIR, keep_tokenizer
+from trireme.cli import main
+from trireme.data.indexed import IndexedDatasetWriter
+from trireme.data.tokenizer import load_tokenizer, train_bpe
+
+transformers = pytest.importorskip("transformers")
+
+TEXTS = ["def add(a, b):\n    return a + b\n", "class Point:\n    x: int = 0\n"] * 20
+CHAT = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+VOCAB = 320
+TRAIN = ["--train.steps=2", "--train.global_batch_size=2", "--train.micro_batch_size=2",
+         "--train.eval_interval=0", "--train.sample_tokens=0", "--train.device=cpu",
+         "--logging.progress=false", "--logging.tensorboard=false"]
+
+
+def hf_tokenizer(folder: Path) -> None:
+    """A byte-level BPE saved as transformers saves one, with its own begin / end tokens (known
+    only from tokenizer_config.json), a chat template and generation defaults."""
+    train_bpe(TEXTS, 300, folder / "bpe.json")
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(folder / "bpe.json"), bos_token="<|begin|>", eos_token="<|end|>")
+    fast.chat_template = CHAT
+    fast.save_pretrained(folder)
+    (folder / "bpe.json").unlink()
+    transformers.GenerationConfig(bos_token_id=fast.bos_token_id,
+                                  eos_token_id=fast.eos_token_id).save_pretrained(folder)
+
+
+def hf_model(folder: Path, with_tokenizer: bool = True) -> Path:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    if with_tokenizer:
+        hf_tokenizer(folder)
+    return folder
+
+
+def token_data(prefix: Path) -> Path:
+    writer = IndexedDatasetWriter(str(prefix), np.uint16)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        writer.add_document(rng.integers(1, 300, size=80).tolist())
+    writer.finalize()
+    return prefix
+
+
+def convert(source: str, target: str, src: Path, out: Path) -> None:
+    assert main(["convert", "--from", source, "--to", target, "--input", str(src),
+                 "--output", str(out)]) == 0
+
+
+def fine_tune(converted: Path, data: Path, into: Path | None = None, *extra: str) -> int:
+    """Fine-tune the converted checkpoint as docs/checkpoints.md shows: from its weights into a
+    checkpoint.dir of its own (`into`), or in place (None)."""
+    where = [f"--checkpoint.init_from={converted}", f"--checkpoint.dir={into}"] if into else [
+        f"--checkpoint.dir={converted}"]
+    return main(["train", "--config", str(converted / "step_0000000" / "config.toml"), *where,
+                 f"--data.path={data}", f"--run.dir={data.parent / 'run'}", *TRAIN, *extra])
+
+
+def check_tokenizer(folder: Path) -> None:
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    assert (tok.bos_token, tok.eos_token) == ("<|begin|>", "<|end|>")
+    assert tok.chat_template == CHAT
+    assert (folder / "generation_config.json").is_file()
+
+
+def test_an_export_after_fine_tuning_keeps_the_tokenizer_metadata(tmp_path: Path) -> None:
+    convert("hf", "trireme", hf_model(tmp_path / "hf"), tmp_path / "conv")
+    data = token_data(tmp_path / "data")
+    assert fine_tune(tmp_path / "conv", data, tmp_path / "ft") == 0
+    convert("trireme", "hf", tmp_path / "ft", tmp_path / "out")
+    check_tokenizer(tmp_path / "out")
+    assert fine_tune(tmp_path / "conv", data) == 0  # in place
+    convert("trireme", "hf", tmp_path / "conv", tmp_path / "out_in_place")
+    check_tokenizer(tmp_path / "out_in_place")
+
+
+def test_a_runs_copy_carries_the_files_beside_its_tokenizer(tmp_path: Path) -> None:
+    hf_tokenizer(tmp_path / "hf")
+    copy = keep_tokenizer(tmp_path / "ckpt", str(tmp_path / "hf"))
+    beside = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    assert sorted(p.name for p in copy.iterdir()) == beside
+    check_tokenizer(copy)
+    # a file under another name: nothing beside it is taken for its own
+    (tmp_path / "hf" / "tokenizer.json").rename(tmp_path / "hf" / "mine.json")
+    copy = keep_tokenizer(tmp_path / "other", str(tmp_path / "hf" / "mine.json"))
+    assert [p.name for p in copy.iterdir()] == ["tokenizer.json"]
+    # GPT-2 files beside a tokenizer.json: the copy still loads them, not the tokenizer.json
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    load_tokenizer(str(tmp_path / "other" / TOKENIZER_DIR))._tok.model.save(str(gpt2))
+    train_bpe(TEXTS[:2], 280, gpt2 / "tokenizer.json")
+    (gpt2 / "tokenizer_config.json").write_text("{}")
+    copy = keep_tokenizer(tmp_path / "third", str(gpt2 / "vocab.json"))
+    assert sorted(p.name for p in copy.iterdir()) == [
+        "merges.txt", "tokenizer_config.json", "vocab.json"]
+
+
+def test_a_moved_converted_checkpoint_keeps_its_tokenizer(tmp_path: Path, capsys) -> None:
+    hf = hf_model(tmp_path / "hf")
+    convert("hf", "trireme", hf, tmp_path / "tmpconv")
+    (tmp_path / "tmpconv").rename(tmp_path / "moved")
+    moved = tmp_path / "moved"
+    convert("trireme", "hf", moved, tmp_path / "out")
+    check_tokenizer(tmp_path / "out")
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(moved), "--prompt", "def ", "--greedy",
+                 "--max-new-tokens", "3", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+    data = token_data(tmp_path / "data")
+    assert fine_tune(moved, data, tmp_path / "ft") == 0  # the copy found at its new place
+    convert("trireme", "hf", tmp_path / "ft", tmp_path / "out_ft")
+    check_tokenizer(tmp_path / "out_ft")
+    assert fine_tune(moved, data) == 0
+    assert str(moved / TOKENIZER_DIR) in (moved / "step_0000002" / "config.toml").read_text()
+
+
+def test_an_export_without_a_tokenizer_says_so(tmp_path: Path, capsys) -> None:
+    convert("hf", "trireme", hf_model(tmp_path / "hf", with_tokenizer=False), tmp_path / "ckpt")
+    capsys.readouterr()
+    convert("trireme", "hf", tmp_path / "ckpt", tmp_path / "out")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no tokenizer to carry along" in err[0]
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_a_run_that_fails_its_start_up_checks_writes_no_tokenizer_copy(tmp_path: Path) -> None:
+    """A checkpoint of another shape stops the resume: checkpoint.dir is left as it was."""
+    hf_tokenizer(tmp_path / "hf")
+    data = token_data(tmp_path / "data")
+    model = ["--model.num_layers=2", "--model.num_attention_heads=2",
+             "--model.num_query_groups=1", f"--model.vocab_size={VOCAB}", "--model.seq_length=16",
+             f"--data.path={data}", f"--checkpoint.dir={tmp_path / 'ckpt'}",
+             f"--run.dir={tmp_path / 'run'}", *TRAIN]
+    assert main(["train", "--config", "tiny", "--data.tokenizer=bytes",
+                 "--model.hidden_size=32", *model]) == 0
+    before = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert TOKENIZER_DIR not in before  # bytes: nothing to copy
+    assert main(["train", "--config", "tiny", f"--data.tokenizer={tmp_path / 'hf'}",
+                 "--model.hidden_size=64", *model]) == 2
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == before
