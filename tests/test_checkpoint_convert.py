@@ -133,8 +133,8 @@ def test_hf_round_trip(tmp_path: Path, kind: str) -> None:
     original, back = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "back"))
     assert sorted(back) == sorted(original)
     assert all(torch.equal(back[n], original[n]) for n in original)  # fp32: bit-identical
-    if kind == "mistral":
-        assert any("sliding" in note for note in conv.notes)
+    if kind == "mistral":  # its window (4096) is beyond the context (64): nothing to say
+        assert not any("sliding" in note for note in conv.notes)
 
 
 def test_hf_sharded_in_and_out_and_dtype(tmp_path: Path) -> None:

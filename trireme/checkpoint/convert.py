@@ -72,15 +72,17 @@ def resolve_dtype(name: str, state: dict[str, Tensor]) -> torch.dtype:
 # trireme checkpoints as a source and a target
 
 
-def read_trireme(path: Path) -> Converted:
-    """A trireme checkpoint (root or step directory) as a `Converted`."""
-    ckpt = load_checkpoint(path, name="--input", model_only=True)  # weights are what converts
+def read_trireme(path: Path, masters: bool = False) -> Converted:
+    """A trireme checkpoint (root or step directory) as a `Converted`; with `masters` (an fp32
+    export), the fp32 master weights of a bf16 / fp16 run in place of its rounded parameters."""
+    ckpt = load_checkpoint(path, name="--input", model_only=not masters)  # weights convert
+    state = {**ckpt.model, **ckpt.optimizer.get("master", {})}
     cfg = config_from_toml(ckpt.config_toml, f"{ckpt.path}/config.toml")
     # the copy kept beside it first (a run's or a conversion's: tokenizer_copy.py)
     tokenizer_dir = kept_copy(ckpt.path) or named_folder(cfg.data.tokenizer)
     trainer = ckpt.trainer if isinstance(ckpt.trainer, dict) else {}
     return Converted(
-        model=cfg.model, state=dict(ckpt.model), source=f"trireme {ckpt.path}", step=ckpt.step,
+        model=cfg.model, state=state, source=f"trireme {ckpt.path}", step=ckpt.step,
         consumed_samples=int(trainer.get("consumed_samples", 0) or 0),
         tokenizer_dir=tokenizer_dir,
     )
@@ -122,7 +124,8 @@ def no_tokenizer_note(looked_in: Path | None, output: Path) -> str:
 # The one entry point
 
 
-def read_any(kind: str, path: Path, *, vocab_size: int = 0) -> Converted:
+def read_any(kind: str, path: Path, *, vocab_size: int = 0, masters: bool = False
+             ) -> Converted:
     if not path.exists():
         raise CheckpointError(f"input {path} does not exist")
     if kind == "hf":
@@ -130,7 +133,7 @@ def read_any(kind: str, path: Path, *, vocab_size: int = 0) -> Converted:
     if kind == "megatron":
         return read_megatron(path, vocab_size=vocab_size)
     if kind == "trireme":
-        return read_trireme(path)
+        return read_trireme(path, masters)
     raise ConfigError(f"--from {kind!r} is not one of: {', '.join(FORMATS_IN)}")
 
 
@@ -153,7 +156,8 @@ def convert(
         raise ConfigError(f"--to {target_kind!r} is not one of: {', '.join(FORMATS_OUT)}")
     output = Path(output_path)
     check_output_dir(output)
-    conv = read_any(source_kind, Path(input_path), vocab_size=vocab_size)
+    conv = read_any(source_kind, Path(input_path), vocab_size=vocab_size,
+                    masters=dtype == "fp32")  # wider than a bf16 / fp16 run's parameters
     check_state(conv.model, conv.state, conv.source)
     bad = first_nonfinite(conv.state.items())
     if bad is not None:

@@ -9,9 +9,15 @@ One table per family lists, for each trireme tensor, the Hugging Face tensors it
 (hf_table.py). Reading runs the table forwards, writing backwards, so the two directions cannot
 drift apart. Both sides use the "rotate half" RoPE pairing, so q and k need no permutation.
 
-A bias that Hugging Face's architecture lacks but trireme's single `bias` switch implies (Qwen2 has
-q/k/v biases only) is filled with zeros on the way in, which changes nothing; on the way out the
+Biases map onto two switches: `qkv_bias` (the q/k/v projections alone: Qwen2) and `bias` (every
+linear). A bias that Hugging Face's architecture lacks but `bias` implies (Llama's attention_bias
+without mlp_bias) is filled with zeros on the way in, which changes nothing; on the way out the
 architecture is picked so that no non-zero tensor is dropped.
+
+What trireme does not model is either refused or, where the converted model is still exact within
+limits, said in a note: a sliding attention window caps the context (model.seq_length) at the
+window. The context the source supports is kept in model.max_position_embeddings, which the export
+writes back however long the model was fine-tuned at.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from trireme.checkpoint import directory
 from trireme.checkpoint.converted import (
     Converted,
     atomic_output_dir,
@@ -147,10 +154,62 @@ def _gpt2_table(cfg: ModelConfig) -> list[Entry]:
 
 
 Biases = tuple[bool, bool, bool]  # q/k/v, output projection, MLP
+QWEN_MAX_WINDOW_LAYERS = 28  # transformers' default max_window_layers (Qwen2, Qwen3)
+
+
+def _rope_settings(hf: dict, kind: str) -> tuple[float, dict]:
+    """RoPE's theta and scaling as transformers 5 reads config.json: a legacy rope_scaling that is
+    not null replaces rope_parameters whole (theta then from rope_theta beside it, or the
+    family's default)."""
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    default_theta = 1e6 if kind == "mixtral" else 10000.0
+    return float(rope.get("rope_theta", hf.get("rope_theta", default_theta))), rope
+
+
+def _sliding_layers(hf: dict, kind: str) -> tuple[int, list[int]]:
+    """The attention window and the layers that use it, as transformers reads config.json:
+    Mistral and Mixtral slide in every layer when sliding_window is set; the Qwen families only
+    with use_sliding_window, Qwen2 / Qwen3 in the layers layer_types names sliding_attention
+    (without layer_types: from max_window_layers on). (0, []) when no layer slides."""
+    window, n = hf.get("sliding_window") or 0, hf["num_hidden_layers"]
+    if not window or kind == "llama":
+        return 0, []
+    if kind in ("mistral", "mixtral"):
+        return window, list(range(n))
+    if not hf.get("use_sliding_window"):
+        return 0, []
+    if kind not in ("qwen2", "qwen3"):
+        return window, list(range(n))
+    first = hf.get("max_window_layers", QWEN_MAX_WINDOW_LAYERS)
+    types = hf.get("layer_types") or [
+        "sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    return window, [i for i, t in enumerate(types) if t == "sliding_attention"]
+
+
+def _context(hf: dict, kind: str) -> tuple[int, list[str]]:
+    """The context to convert at (max_position_embeddings) and its note: capped at a sliding
+    attention window that is shorter, as trireme has none; within the window full attention
+    computes the same."""
+    context = hf.get("max_position_embeddings", 2048)
+    window, sliding = _sliding_layers(hf, kind)
+    if not sliding or window >= context:
+        return context, []
+    n = hf["num_hidden_layers"]
+    where = "every layer" if len(sliding) == n else f"{len(sliding)} of {n} layers"
+    return window, [f"sliding-window attention ({window} tokens, {where}) is not modelled: the "
+                    f"context (model.seq_length, max_position_embeddings) is capped at {window} "
+                    f"instead of {context}, where full attention computes the same"]
+
+
+def _bias_switches(biases: Biases) -> dict[str, bool]:
+    """model.bias (every linear) and model.qkv_bias (q/k/v alone: Qwen2) for Hugging Face's
+    (q/k/v, output projection, MLP) biases."""
+    qkv, out, mlp = biases
+    return {"bias": out or mlp, "qkv_bias": qkv and not (out or mlp)}
 
 
 def _llama_model_config(hf: dict, has_lm_head: bool) -> tuple[ModelConfig, Biases, list[str]]:
-    kind, notes = hf["model_type"], []
+    kind = hf["model_type"]
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(
             f"config.json: hidden_act {hf['hidden_act']!r} is not supported (only silu)"
@@ -159,18 +218,13 @@ def _llama_model_config(hf: dict, has_lm_head: bool) -> tuple[ModelConfig, Biase
         raise CheckpointError("config.json: partial rotary embeddings are not supported")
     h, heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or h // heads
-    rope = hf.get("rope_parameters") or {}
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    scaling = rope if "rope_type" in rope else (hf.get("rope_scaling") or {})
+    theta, scaling = _rope_settings(hf, kind)
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise CheckpointError(
             f"config.json: rope scaling {rope_type!r} is not supported (none or llama3)"
         )
-    window = hf.get("sliding_window")
-    if window and (kind in ("mistral", "mixtral") or hf.get("use_sliding_window")):
-        notes.append(f"the sliding attention window ({window}) is not modelled: logits agree for "
-                     f"sequences up to {window} tokens")
+    context, notes = _context(hf, kind)
     attention_bias = bool(hf.get("attention_bias", False))
     biases = {  # (qkv, out, mlp)
         "llama": (attention_bias, attention_bias, bool(hf.get("mlp_bias", False))),
@@ -185,10 +239,10 @@ def _llama_model_config(hf: dict, has_lm_head: bool) -> tuple[ModelConfig, Biase
         num_query_groups=hf.get("num_key_value_heads") or heads,
         head_dim=0 if head_dim * heads == h else head_dim,
         ffn_hidden_size=hf["intermediate_size"], vocab_size=hf["vocab_size"],
-        seq_length=hf.get("max_position_embeddings", 2048), position_embedding="rope",
-        rope_theta=float(theta), normalization="rmsnorm",
+        seq_length=context, max_position_embeddings=context, position_embedding="rope",
+        rope_theta=theta, normalization="rmsnorm",
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), activation="swiglu",
-        qk_norm=kind in ("qwen3", "qwen3_moe"), bias=any(biases),
+        qk_norm=kind in ("qwen3", "qwen3_moe"), **_bias_switches(biases),
         tie_embeddings=bool(hf.get("tie_word_embeddings", not has_lm_head)),
         **(moe_fields(hf, kind) if kind in MOE_TYPES else {}),
     )
@@ -242,7 +296,7 @@ def _hf_config(cfg: ModelConfig, kind: str, biases: Biases, dtype: torch.dtype) 
            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
            "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_size, "hidden_act": "silu",
-           "max_position_embeddings": cfg.seq_length, "rms_norm_eps": cfg.norm_eps,
+           "max_position_embeddings": exported_context(cfg), "rms_norm_eps": cfg.norm_eps,
            "rope_theta": cfg.rope_theta, "rope_scaling": None, "attention_dropout": cfg.dropout,
            **common}
     if kind == "llama":
@@ -260,13 +314,20 @@ def _hf_config(cfg: ModelConfig, kind: str, biases: Biases, dtype: torch.dtype) 
     return out
 
 
+def exported_context(cfg: ModelConfig) -> int:
+    """max_position_embeddings on export: the context the model supports (kept from the source
+    in model.max_position_embeddings), or the length it was trained at if that is longer."""
+    return max(cfg.max_position_embeddings, cfg.seq_length)
+
+
 def _choose_architecture(cfg: ModelConfig, state: dict[str, Tensor]) -> tuple[str, Biases]:
     """The Hugging Face architecture (and its bias switches) that holds this model exactly."""
     shape = (cfg.position_embedding, cfg.normalization, cfg.activation)
+    attention_bias = cfg.bias or cfg.qkv_bias  # Qwen3's covers q/k/v and o (o's zero if absent)
     if "M" in cfg.layer_pattern:
         return mamba_family(cfg), (cfg.bias, cfg.bias, False)
     if shape == ("rope", "rmsnorm", "swiglu") and "E" in cfg.layer_pattern:
-        return choose_moe_architecture(cfg), (cfg.bias, cfg.bias, False)
+        return choose_moe_architecture(cfg), (attention_bias, attention_bias, False)
     if shape == ("learned", "layernorm", "gelu") and not cfg.qk_norm:
         heads = cfg.num_attention_heads
         if cfg.kv_heads != heads or cfg.head_size * heads != cfg.hidden_size:
@@ -286,7 +347,9 @@ def _choose_architecture(cfg: ModelConfig, state: dict[str, Tensor]) -> tuple[st
         if mlp_bias:
             raise CheckpointError("QK-norm with MLP biases has no Hugging Face architecture (Qwen3 "
                                   "has no MLP biases)")
-        return "qwen3", (cfg.bias, cfg.bias, False)
+        return "qwen3", (attention_bias, attention_bias, False)
+    if cfg.qkv_bias and not cfg.bias:  # q/k/v biases alone
+        return "qwen2", (True, False, False)
     if not cfg.bias:
         return "llama", (False, False, False)
     if not out_bias and not mlp_bias:
@@ -416,9 +479,18 @@ def hf_model_config(hf: dict, has_lm_head: bool) -> tuple[ModelConfig, list[Entr
     )
 
 
+def _read_config(folder: Path) -> dict:
+    """config.json; a trireme checkpoint given instead is named as such."""
+    trireme = (folder / directory.META_FILE).is_file() or bool(directory.step_dirs(folder))
+    if trireme and not (folder / "config.json").is_file():
+        raise CheckpointError(f"{folder / 'config.json'} is missing (a trireme checkpoint? use "
+                              "--from trireme)")
+    return read_json_file(folder / "config.json")
+
+
 def read_hf(folder: Path) -> Converted:
     """A Hugging Face folder as a `Converted` model (shapes checked against config.json)."""
-    hf = read_json_file(folder / "config.json")
+    hf = _read_config(folder)
     kind = hf.get("model_type")
     tensors = read_hf_tensors(folder)
     if kind == "llava":
@@ -524,14 +596,45 @@ def _llava_export(cfg: ModelConfig, kind: str, biases: Biases, dtype: torch.dtyp
 
 def _special_tokens(tokenizer_dir: Path | None) -> dict:
     """eos_token_id from the tokenizer carried along (its end-of-text token), so that HF's
-    generate stops there; {} without a readable tokenizer."""
+    generate stops there, and bos_token_id where a beginning token is named (_bos_token) and the
+    tokenizer has it; {} without a readable tokenizer."""
     if tokenizer_dir is None or not (tokenizer_dir / "tokenizer.json").is_file():
         return {}
     try:
-        eod = load_tokenizer(str(tokenizer_dir / "tokenizer.json")).eod
+        tokenizer = load_tokenizer(str(tokenizer_dir / "tokenizer.json"))
     except TriremeError:
         return {}
-    return {"eos_token_id": eod} if eod >= 0 else {}
+    out = {"eos_token_id": tokenizer.eod} if tokenizer.eod >= 0 else {}
+    bos = _bos_token(tokenizer_dir)
+    bos_id = tokenizer.token_id(bos) if bos else None
+    return {**out, "bos_token_id": bos_id} if bos_id is not None else out
+
+
+def _bos_token(tokenizer_dir: Path) -> str | None:
+    """The beginning-of-sequence token: tokenizer_config.json's bos_token, else the special
+    token that tokenizer.json's template puts first (Llama 3's <|begin_of_text|>)."""
+    config = _json_or_empty(tokenizer_dir / "tokenizer_config.json")
+    bos = config.get("bos_token")
+    if isinstance(bos, dict):  # an AddedToken written out
+        bos = bos.get("content")
+    if isinstance(bos, str) and bos:
+        return bos
+    processor = _json_or_empty(tokenizer_dir / "tokenizer.json").get("post_processor") or {}
+    for template in [processor, *(processor.get("processors") or [])]:
+        first = ((template.get("single") or [{}])[0] if isinstance(template, dict) else {})
+        special = first.get("SpecialToken") if isinstance(first, dict) else None
+        if isinstance(special, dict) and isinstance(special.get("id"), str):
+            return special["id"]
+    return None
+
+
+def _json_or_empty(path: Path) -> dict:
+    """A JSON object file, or {} where it is absent or unreadable (optional metadata)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _shard(tensors: dict[str, Tensor], shard_bytes: int) -> list[dict[str, Tensor]]:

@@ -82,7 +82,7 @@ def choose_moe_architecture(cfg: ModelConfig) -> str:
         return "qwen3_moe"
     not_mixtral = [what for what, present in (
         ("softmax router without renormalization", cfg.moe_router != "topk_softmax"),
-        ("dense layers", "*-" in symbols), ("biases", cfg.bias)) if present]
+        ("dense layers", "*-" in symbols), ("biases", cfg.bias or cfg.qkv_bias)) if present]
     if not_mixtral:
         raise CheckpointError(f"Mixtral has no {', '.join(not_mixtral)}, and a model without "
                               "QK-norm is no Qwen3-MoE: no Hugging Face architecture holds it")

@@ -55,6 +55,7 @@ def _check_ranges(cfg: Config) -> None:
     for name, v in [
         ("model.num_query_groups", m.num_query_groups),
         ("model.head_dim", m.head_dim),
+        ("model.max_position_embeddings", m.max_position_embeddings),
         ("model.ffn_hidden_size", m.ffn_hidden_size),
         ("model.vocab_size", m.vocab_size),
         ("train.steps", t.steps),
@@ -102,6 +103,10 @@ def _check_model(cfg: Config, need_vocab: bool) -> None:
         )
     if m.position_embedding == "rope" and m.head_size % 2:
         raise ConfigError(f"rotary embeddings need an even head size, got {m.head_size}")
+    if m.position_embedding == "learned" and m.max_position_embeddings not in (0, m.seq_length):
+        raise ConfigError(f"model.max_position_embeddings = {m.max_position_embeddings} with "
+                          f"learned positions: the table holds model.seq_length = {m.seq_length} "
+                          "positions; set it to 0")
     unknown = sorted(set(m.kernels) - set(KERNEL_NAMES))
     if unknown:
         raise ConfigError(f"model.kernels has unknown kernel(s) {unknown}; choose from "

@@ -66,13 +66,13 @@ def parse_layer_pattern(pattern: str, num_layers: int) -> list[str]:
 # values refuses (checkpoint.check_model). Each entry is a ModelConfig field or property, read
 # resolved (0 = "derived" fields through their properties), and a feature's settings count
 # only where the model has the feature. Speed and training settings (precision, kernels,
-# compile, dropout, init, loss coefficients, seq_length, MoE capacity and dispatch) and the
-# vocabulary size (new tokens within the padding are a fine-tuning step; other sizes fail the
-# shape check) are free to change between runs.
+# compile, dropout, init, loss coefficients, seq_length, max_position_embeddings, MoE capacity
+# and dispatch) and the vocabulary size (new tokens within the padding are a fine-tuning step;
+# other sizes fail the shape check) are free to change between runs.
 MODEL_IDENTITY = (
     "num_layers", "hidden_size", "num_attention_heads", "kv_heads", "head_size", "ffn_size",
     "layer_symbols", "position_embedding", "normalization", "norm_eps", "activation", "qk_norm",
-    "bias", "tie_embeddings",
+    "bias", "qkv_bias", "tie_embeddings",
 )
 ROPE_IDENTITY = ("rope_theta", "rope_scaling")
 ROPE_SCALING_IDENTITY = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
@@ -139,6 +139,12 @@ class ModelConfig:
         "entries never take part in the loss or in sampling."
     )
     seq_length: int = doc(256, "Tokens per training sample (context length).")
+    max_position_embeddings: int = doc(
+        0, "The context the model supports, if longer than seq_length: a converted Hugging Face "
+        "model's max_position_embeddings, written back on export (the larger of the two), so "
+        "fine-tuning at a shorter seq_length keeps it. 0: seq_length. Rotary (or no) positions "
+        "only: a learned position table holds exactly seq_length positions."
+    )
     position_embedding: Literal["rope", "learned", "none"] = doc(
         "rope", "rope: rotary embeddings in attention (Llama); learned: an absolute table (GPT-2); "
         "none: no position information (Nemotron-H: its Mamba layers see the order)."
@@ -164,6 +170,10 @@ class ModelConfig:
     )
     qk_norm: bool = doc(False, "Normalize queries and keys per head before attention.")
     bias: bool = doc(False, "Biases in the linear layers (GPT-2 has them, Llama not).")
+    qkv_bias: bool = doc(
+        False, "Biases on the attention's q/k/v projections only, as Qwen2 (bias = true has them "
+        "too, with every other linear's)."
+    )
     tie_embeddings: bool = doc(False, "Share the input embedding with the output layer.")
     dropout: float = doc(0.0, "Dropout on attention probabilities and residual branches.")
     init_std: float = doc(0.02, "Standard deviation of the normal initialization.")

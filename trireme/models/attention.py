@@ -56,8 +56,8 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv_parts = (("q", n_heads * d), ("k", n_kv * d), ("v", n_kv * d))  # full rows
-        self.qkv = column_linear(cfg.hidden_size, [(n_heads, d), (n_kv, d), (n_kv, d)], cfg.bias,
-                                 ctx.tensor)
+        self.qkv = column_linear(cfg.hidden_size, [(n_heads, d), (n_kv, d), (n_kv, d)],
+                                 cfg.bias or cfg.qkv_bias, ctx.tensor)
         self.out = row_linear(n_heads * d, cfg.hidden_size, cfg.bias, ctx.tensor)
         if cfg.qk_norm:  # RMSNorm over each head's d features, shared by all heads
             self.q_norm = RMSNorm(self.head_size, cfg.norm_eps)

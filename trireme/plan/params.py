@@ -59,7 +59,8 @@ def _norm(cfg: ModelConfig) -> int:
 def attention_params(cfg: ModelConfig, tensor: int) -> int:
     h, d = cfg.hidden_size, cfg.head_size
     heads, kv = cfg.num_attention_heads // tensor, max(cfg.kv_heads // tensor, 1)
-    qkv = h * (heads + 2 * kv) * d + ((heads + 2 * kv) * d if cfg.bias else 0)
+    qkv_rows = (heads + 2 * kv) * d
+    qkv = h * qkv_rows + (qkv_rows if cfg.bias or cfg.qkv_bias else 0)
     out = heads * d * h + (h if cfg.bias else 0)
     return qkv + out + (2 * d if cfg.qk_norm else 0)
 
