@@ -189,7 +189,8 @@ def conversation_sequences(record: dict, tokenizer: Tokenizer, chat: ChatFormat
     return sequences
 
 
-def _parse(raw: bytes) -> dict:
+def parse_record(raw: bytes) -> dict:
+    """One JSONL line as a JSON object; ValueError (a line problem) otherwise."""
     try:
         record = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -234,7 +235,7 @@ def preprocess_chat(inputs: list[str], output_prefix: str, tokenizer: Tokenizer,
     with IndexedDatasetWriter(output_prefix, best_dtype(tokenizer.vocab_size)) as writer:
         for where, raw in _records(inputs):
             try:
-                sequences = conversation_sequences(_parse(raw), tokenizer, chat)
+                sequences = conversation_sequences(parse_record(raw), tokenizer, chat)
             except (ValueError, TriremeError) as e:  # the record's, or the template's refusal
                 if not skip_bad_lines:
                     raise DataError(f"{where}{e}; fix the line or pass --skip-bad-lines"

@@ -25,7 +25,6 @@ Bad input stops with one line naming file and line (or image), unless --skip-bad
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections import Counter
@@ -34,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trireme.data.conversations import ConversationDataset
+from trireme.data.conversations import ConversationDataset, parse_record
 from trireme.data.gpt_dataset import split_documents
 from trireme.data.images import load_image, pixels
 from trireme.data.indexed import (
@@ -44,7 +43,6 @@ from trireme.data.indexed import (
     check_writable,
     temporary_path,
 )
-from trireme.data.jsonl import MALFORMED, NOT_OBJECT, json_problem
 from trireme.data.tokenizer_base import Tokenizer
 from trireme.errors import DataError
 
@@ -140,14 +138,7 @@ def _reason(message: str) -> str:
 
 
 def _parse(raw: bytes, where: str) -> dict:
-    try:
-        record = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise ValueError(f"invalid UTF-8 (byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{MALFORMED} ({json_problem(e)})") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"{NOT_OBJECT} ({type(record).__name__})")
+    record = parse_record(raw)
     if not isinstance(record.get("image"), str):
         raise ValueError("missing key 'image' (a path string)")
     return record
