@@ -66,7 +66,7 @@ def test_only_the_answers_have_a_loss_and_prompts_are_what_serve_sends(tmp_path,
     assert whole.startswith(served)
     if template == "plain":
         assert whole == served + " Hello." and trained == " Hello.$"  # the eod ends the answer
-        assert trained_text(train_ds, 1, tok)[1] == " 4\n 6$"
+        assert trained_text(train_ds, 1, tok)[1] == " 4$ 6$"  # every answer ends with eod
     else:
         assert whole == served + "Hello.<|end|>" and trained == "Hello.<|end|>"
         assert trained_text(train_ds, 1, tok)[1] == "4<|end|>6<|end|>"
@@ -90,6 +90,47 @@ def test_segments_join_to_the_render_and_bad_conversations_are_refused():
                            "{% endfor %}")  # changes what it wrote before at each turn
     with pytest.raises(ValueError, match="--chat-template plain"):
         chat_segments(rewriting, messages)
+
+
+def test_message_shapes_and_inputs(tmp_path, capsys):
+    """Text parts are joined as serve joins them; an empty answer, a compressed or Parquet
+    input and a template that does not compile are one-line errors; loop controls work."""
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                       {"type": "text", "text": "b"}]},
+                          {"role": "assistant", "content": "c"}]}
+    prefix = preprocess(tmp_path, [parts])
+    tok = load_tokenizer("bytes")
+    ds, _ = chat_datasets(prefix, seq_length=32, seed=0, split="100,0,0", eod=tok.eod,
+                          mask_prompt=True, want_valid=False)
+    assert trained_text(ds, 0, tok)[0] == "user: ab\nassistant: c"
+    empty = {"messages": [{"role": "user", "content": "a"},
+                          {"role": "assistant", "content": "  "}]}
+    bad_inputs = [(write_jsonl(tmp_path / "e.jsonl", [empty]), "an assistant message, is empty"),
+                  (str(tmp_path / "x.jsonl.gz"), "reads plain JSONL"),
+                  (str(tmp_path / "x.parquet"), "reads plain JSONL")]
+    for source, words in bad_inputs:
+        code = trireme_main(["preprocess", "--chat", "--input", source, "--output-prefix",
+                             str(tmp_path / "bad"), "--tokenizer", "bytes"])
+        err = capsys.readouterr().err
+        assert code == 2 and words in err and err.count("\n") == 1, err
+    (tmp_path / "gen.jinja").write_text("{% generation %}x{% endgeneration %}")
+    code = trireme_main(["preprocess", "--chat", "--input", write_jsonl(tmp_path / "g.jsonl",
+                         CHATS), "--output-prefix", str(tmp_path / "g"), "--tokenizer", "bytes",
+                         "--chat-template", str(tmp_path / "gen.jinja")])
+    err = capsys.readouterr().err
+    assert code == 2 and "does not compile" in err and err.count("\n") == 1
+    looping = ChatFormat("{% for m in messages %}{% if m.role == 'system' %}{% continue %}"
+                         "{% endif %}{{ m.content }}{% endfor %}{{ strftime_now('%Y') }}")
+    assert looping.render(CHATS[0]["messages"]).startswith("HiHello.2")
+
+
+def test_conversations_that_train_nothing_are_counted(tmp_path):
+    long_prompt = {"messages": [{"role": "user", "content": "x" * 40},
+                                {"role": "assistant", "content": "y"}]}
+    prefix = preprocess(tmp_path, [long_prompt, CHATS[0]])
+    ds, _ = chat_datasets(prefix, seq_length=38, seed=0, split="100,0,0", eod=256,
+                          mask_prompt=True, want_valid=False)  # prompts of 57 and 36 tokens
+    assert ds.untrained() == 1 and ds.too_long() == 2
 
 
 def test_bad_lines_name_file_and_line(tmp_path, capsys):
@@ -120,8 +161,8 @@ def test_a_run_fine_tunes_on_chat_data(tmp_path, capsys):
     train(cfg)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert rows[-1]["loss"] < 0.5 * rows[0]["loss"]
-    assert "training conversations are longer than model.seq_length + 1 = 25" in \
-        capsys.readouterr().err  # "user: say cat\nassistant: cat cat cat" + eod: 37 tokens
+    assert "are longer than model.seq_length + 1 = 25 tokens" in capsys.readouterr().err
+    # ("user: say cat\nassistant: cat cat cat" + eod: 37 tokens)
     train_ds, _ = chat_datasets(prefix, seq_length=8, seed=0, split="100,0,0", eod=256,
                                 mask_prompt=True, want_valid=False)
     assert train_ds.too_long() == 32 and np.all([len(train_ds.sample(d)[0]) == 9

@@ -84,6 +84,10 @@ def test_checkpoint_dir_must_be_a_root(toy_data, tmp_path):  # noqa: F811
     with pytest.raises(CheckpointError, match="checkpoint.init_from"):
         train(tiny_cfg(toy_data, tmp_path / "d", "train.steps=1",
                        f"checkpoint.init_from={tmp_path / 'missing'}"))
+    with pytest.raises(CheckpointError, match="needs the model settings .* --config") as caught:
+        train(tiny_cfg(toy_data, tmp_path / "e", "train.steps=1", "model.num_layers=3",
+                       f"checkpoint.init_from={tmp_path / 'ckpt'}"))
+    assert "resume=never" not in str(caught.value) and "\n" not in str(caught.value)
 
 
 def test_config_may_name_a_step_directory(toy_data, tmp_path):  # noqa: F811

@@ -22,9 +22,12 @@ from serving import client, live_server, make_checkpoint, plain_request, stream_
 from trireme.cli import main as trireme_main
 from trireme.data.chat import ChatFormat
 from trireme.data.tokenizer import load_tokenizer
+from trireme.errors import ConfigError
+from trireme.inference.cli import load_for_inference
 from trireme.inference.openai_api import ApiError, parse_chat, parse_completion
 from trireme.inference.runner import RATE_WINDOW_S, EngineThread
 from trireme.inference.sampling import SamplingParams, request_generator, sample_rows
+from trireme.inference.serve_cli import chat_format
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -131,6 +134,17 @@ def test_a_drain_that_runs_out_answers_what_is_left(checkpoint, monkeypatch):
     assert first.startswith("data: {") and rest[-1] == "data: [DONE]"
     assert json.loads(rest[-2][6:])["error"]["message"].startswith("the server stopped")
     assert queued["status"] == 503 and json.loads(queued["text"])["error"]["type"] == "server_error"
+
+
+def test_chat_template_choice(checkpoint, tmp_path):
+    """--chat-template: plain, or a file, as the chat data was preprocessed with."""
+    loaded = load_for_inference(str(checkpoint), device="cpu")
+    messages = [{"role": "user", "content": "hi"}]
+    assert chat_format(loaded, "plain").render(messages) == "user: hi\nassistant:"
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    assert chat_format(loaded, str(tmp_path / "t.jinja")).render(messages) == "[hi]"
+    with pytest.raises(ConfigError, match="cannot be read"):
+        chat_format(loaded, str(tmp_path / "missing.jinja"))
 
 
 def test_server_options_out_of_range_are_one_line_errors(checkpoint, capsys):

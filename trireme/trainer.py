@@ -358,12 +358,25 @@ def build_chat_datasets(cfg: Config, sources: DataSources):
         sources.datasets[0].prefix, seq_length=cfg.model.seq_length, seed=cfg.train.seed,
         split=d.split, eod=sources.eod, mask_prompt=d.mask_prompt,
         want_valid=bool(cfg.train.eval_interval))
-    cut = train.too_long()
-    if cut and launched_rank() == 0:
-        print(f"trireme: note: {cut} of {len(train)} training conversations are longer than "
-              f"model.seq_length + 1 = {cfg.model.seq_length + 1} tokens and are cut there",
-              file=sys.stderr)
+    if launched_rank() == 0:
+        print(chat_data_note(train, valid, d.split, cfg.model.seq_length), file=sys.stderr)
     return train, valid
+
+
+def chat_data_note(train, valid, split: str, seq_length: int) -> str:
+    """How many conversations train and validate (data.split), how many are cut at the
+    sample length, and a warning for those with no trained token left."""
+    held = f", {len(valid)} validate" if valid is not None else ""
+    text = f"trireme: chat data: {len(train)} conversations train{held} (data.split = {split})"
+    cut, empty = train.too_long(), train.untrained()
+    if cut:
+        text += (f"; {cut} are longer than model.seq_length + 1 = {seq_length + 1} tokens and "
+                 "are cut there")
+    if empty:
+        text += (f"\ntrireme: warning: {empty} training conversations have no answer token "
+                 f"within model.seq_length = {seq_length} (their first prompt fills it): they "
+                 "train nothing; raise model.seq_length or shorten them")
+    return text
 
 
 def build_multimodal_datasets(cfg: Config, sources: DataSources):

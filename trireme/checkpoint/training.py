@@ -118,6 +118,10 @@ def start_from(trainer: Trainer, source: str, saver: Saver | None) -> None:
         _load(trainer, path, saver, weights_only=True)
     except CheckpointDamageError as e:
         raise CheckpointError(f"checkpoint.init_from {path} is damaged: {e.problem}") from None
+    except CheckpointError as e:  # another model: the way on is this model's settings
+        text = str(e).replace(sharded.ANOTHER_MODEL, "")
+        raise CheckpointError(f"{text}; checkpoint.init_from needs the model settings it was "
+                              f"saved with: --config {path}") from None
     if trainer.is_main:
         print(f"trireme: starting from the weights of {path} (step 0, a fresh optimizer)",
               file=sys.stderr)

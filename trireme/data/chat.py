@@ -22,6 +22,7 @@ one line per message, "role: content", ending with "assistant:" for the model to
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 
 from trireme.errors import ConfigError, TriremeError
@@ -83,9 +84,15 @@ class ChatFormat:
             except ImportError:
                 raise ConfigError("the checkpoint's tokenizer has a chat template, which needs "
                                   "jinja2: pip install jinja2") from None
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
             env.globals["raise_exception"] = _raise
-            self.template = env.from_string(template)
+            env.globals["strftime_now"] = _strftime_now  # as Hugging Face renders templates
+            try:
+                self.template = env.from_string(template)
+            except Exception as e:  # jinja2's TemplateSyntaxError, e.g. an unknown tag
+                raise ConfigError(f"the chat template does not compile ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0]})") from None
             self.source = "tokenizer"
         self.bos_token, self.eos_token = bos_token, eos_token
         # a model tuned on the template ends its turn with the eos token: its text ends the answer
@@ -102,6 +109,10 @@ class ChatFormat:
             raise
         except Exception as e:  # the template's own checks (roles, order) fail this way
             raise TriremeError(f"the chat template refused these messages: {e}") from None
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
 
 
 def _raise(message: str) -> None:

@@ -11,8 +11,8 @@ Input, one JSON object per line (docs/data.md, "Chat data"):
 rendered with the tokenizer's chat template (tokenizer_config.json's `chat_template` or a
 chat_template.jinja beside the tokenizer) or the plain template `trireme serve` uses without one
 (trireme.data.chat), cut into segments (`chat_segments`): what the assistant says is trained,
-the rest is the prompt. With the plain template the last answer ends with the end-of-document id,
-which is where a served answer stops.
+the rest is the prompt. With the plain template every answer ends with the end-of-document id
+(for its newline), which is where a served answer stops.
 
 Output for prefix P: P.bin / P.idx, one document per conversation whose sequences alternate
 prompt, response, prompt, response, ...; and P.chat.json (written last), which marks the prefix
@@ -121,6 +121,15 @@ class ConversationDataset:
         return Batch(ids[:, :-1].contiguous(), ids[:, 1:].contiguous(),
                      keep[:, 1:].to(torch.float32), **self.extra(docs))
 
+    def untrained(self) -> int:
+        """How many of this dataset's conversations have no trained token within seq_length
+        + 1 (with mask_prompt: a first prompt that fills the sample)."""
+        if not self.mask_prompt:
+            return 0
+        firsts = np.asarray(self.indexed.sequence_lengths)[
+            self.indexed.document_indices[:-1][self.documents]]
+        return int(np.count_nonzero(firsts > self.seq_length))
+
     def too_long(self) -> int:
         """How many of this dataset's conversations are cut (longer than seq_length + 1)."""
         starts = self.indexed.document_indices
@@ -168,12 +177,24 @@ def conversation_messages(record: dict) -> list[dict[str, str]]:
     for i, turn in enumerate(turns):
         role = turn.get(role_key) if isinstance(turn, dict) else None
         role = SHAREGPT_ROLES.get(role, role)
-        text = turn.get(text_key) if isinstance(turn, dict) else None
+        text = _text(turn.get(text_key) if isinstance(turn, dict) else None)
         if role not in ROLES or not isinstance(text, str):
             raise ValueError(f"message {i} must be {{{role_key!r}: one of {', '.join(ROLES)}, "
-                             f"{text_key!r}: text}}")
+                             f"{text_key!r}: text (or a list of text parts)}}")
+        if role == "assistant" and not text.strip():
+            raise ValueError(f"message {i}, an assistant message, is empty")
         out.append({"role": role, "content": text})
     return out
+
+
+def _text(content) -> str | None:
+    """A message's text: a string, or OpenAI's list of {"type": "text", "text": ...} parts
+    joined; None for anything else."""
+    if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content):
+        return "".join(p["text"] for p in content)
+    return content if isinstance(content, str) else None
 
 
 def conversation_sequences(record: dict, tokenizer: Tokenizer, chat: ChatFormat
@@ -181,12 +202,10 @@ def conversation_sequences(record: dict, tokenizer: Tokenizer, chat: ChatFormat
     """Token ids of one conversation: prompt, response, prompt, response, ... (module
     docstring). ValueError for a bad record."""
     segments = chat_segments(chat, conversation_messages(record))
-    sequences = [tokenizer.encode(text) for text, _ in segments]
-    if chat.template is None:  # the plain template: the last answer ends with the eod id
-        sequences[-1] = tokenizer.encode(segments[-1][0].removesuffix("\n")) + [tokenizer.eod]
-    if not all(sequences[1::2]):
-        raise ValueError("an assistant message is empty")
-    return sequences
+    if chat.template is None:  # the plain template: each answer ends with the eod id
+        return [tokenizer.encode(text.removesuffix("\n")) + [tokenizer.eod] if trained
+                else tokenizer.encode(text) for text, trained in segments]
+    return [tokenizer.encode(text) for text, _ in segments]
 
 
 def parse_record(raw: bytes) -> dict:
@@ -219,6 +238,9 @@ class ChatReport:
 def _records(inputs: list[str]):
     """(where, raw line) of every non-blank line of the JSONL inputs."""
     for path in inputs:
+        if os.path.isdir(path) or path.endswith((".gz", ".zst", ".parquet")):
+            raise DataError(f"--chat reads plain JSONL files; {path!r} is not one (decompress "
+                            "it, or write the conversations out as .jsonl)")
         if not os.path.isfile(path):
             raise DataError(f"input file {path!r} not found")
         with open(path, "rb") as f:

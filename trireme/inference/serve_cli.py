@@ -59,22 +59,36 @@ def serve_parser() -> argparse.ArgumentParser:
                         help="largest request body accepted (413 beyond)")
     parser.add_argument("--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS,
                         help="a vision model's largest image, width x height (400 beyond)")
+    parser.add_argument("--chat-template", default="auto", metavar="T",
+                        help="auto (the tokenizer's or checkpoint's chat template, else plain), "
+                        "plain, or a .jinja file: as the chat data was preprocessed with")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds running requests get to finish after SIGTERM")
     add_engine_arguments(parser)
     return parser
 
 
-def chat_format(loaded: LoadedModel) -> ChatFormat:
-    """The checkpoint's chat template (trireme.data.chat), else the plain one."""
+def chat_format(loaded: LoadedModel, choice: str = "auto") -> ChatFormat:
+    """--chat-template: the checkpoint's chat template (trireme.data.chat), else the plain one
+    ("auto"); "plain"; or a Jinja file."""
     spec = Path(loaded.tokenizer_spec.split(":", 1)[-1])
     folders = [spec if spec.is_dir() else spec.parent, loaded.path, loaded.path.parent]
     tok = loaded.tokenizer
     eos = find_special_token(folders, "eos_token")
     if not eos and loaded.tokenizer_spec not in ("bytes", ""):
         eos = tok.decode([tok.eod])
-    return ChatFormat(find_chat_template(folders), bos_token=find_special_token(folders,
-                      "bos_token"), eos_token=eos)
+    if choice == "plain":
+        return ChatFormat(None)
+    template = find_chat_template(folders) if choice == "auto" else read_template(choice)
+    return ChatFormat(template, bos_token=find_special_token(folders, "bos_token"),
+                      eos_token=eos)
+
+
+def read_template(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--chat-template {path!r} cannot be read ({e})") from None
 
 
 def check_server_args(args: argparse.Namespace) -> None:
@@ -108,7 +122,7 @@ def serve_main(argv: list[str]) -> int:
     name = args.model_name or Path(args.checkpoint).resolve().name
     settings = ServerSettings(name, args.api_key, args.max_body_bytes, args.max_image_pixels)
     runner = EngineThread(Leader(engine) if engine.group is not None else engine)
-    app = build_app(runner, chat_format(loaded), settings)
+    app = build_app(runner, chat_format(loaded, args.chat_template), settings)
     if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"trireme: warning: listening on {args.host} with no --api-key: anyone who can "
               "reach this port can use the model", file=sys.stderr, flush=True)
