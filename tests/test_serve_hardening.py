@@ -293,3 +293,26 @@ def models_status(url: str, key: bytes) -> int:
     status = conn.getresponse().status
     conn.close()
     return status
+
+
+def test_generation_config_end_ids_stop_a_request(tmp_path, capsys):
+    """generation_config.json's eos_token_id list (Llama 3's end of text and end of turn) ends
+    a request as the tokenizer's eod does."""
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "a", "max_tokens": 6,
+                                                  "greedy": True, "ignore_eos": False}) + "\n")
+
+    def run() -> dict:
+        out = tmp_path / "out.jsonl"
+        assert trireme_main(["generate", "--checkpoint", str(ckpt), "--device", "cpu",
+                             "--input", str(tmp_path / "p.jsonl"), "--output", str(out)]) == 0
+        capsys.readouterr()
+        return json.loads(out.read_text())
+
+    free = run()
+    assert free["completion_tokens"] == 6 and free["finish_reason"] == "length"
+    loaded = load_for_inference(str(ckpt), device="cpu")
+    second = loaded.tokenizer.encode(free["text"])[1]  # (bytes: one id per byte)
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [5000, second]}))
+    stopped = run()
+    assert stopped["finish_reason"] == "stop" and stopped["completion_tokens"] == 2

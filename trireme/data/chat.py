@@ -66,6 +66,23 @@ def find_special_token(folders: list[Path], name: str) -> str:
     return ""
 
 
+def generation_eos_ids(folders: list[Path]) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id (an id or a list: e.g. Llama 3's end of text and
+    end of turn) from the first folder that has the file, else ()."""
+    for folder in folders:
+        config = folder / "generation_config.json"
+        if config.is_file():
+            try:
+                ids = json.loads(config.read_text(encoding="utf-8")).get("eos_token_id")
+            except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
+                return ()
+            ids = [ids] if isinstance(ids, int) else ids
+            if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
+                return tuple(ids)
+            return ()
+    return ()
+
+
 def plain_chat_prompt(messages: list[dict[str, str]], add_generation_prompt: bool = True
                       ) -> str:
     lines = [f"{m['role']}: {m['content']}\n" for m in messages]

@@ -15,6 +15,7 @@ from trireme.checkpoint.rank_load import model_from_checkpoint
 from trireme.checkpoint.store import load_checkpoint, read_config_toml, resolve_checkpoint
 from trireme.checkpoint.tokenizer_copy import tokenizer_for
 from trireme.config import Config, config_from_toml
+from trireme.data.chat import generation_eos_ids
 from trireme.data.images import load_image, pixels
 from trireme.data.multimodal import IMAGE_TOKEN, image_prompt_ids, image_token_id
 from trireme.data.tokenizer import Tokenizer, load_tokenizer
@@ -202,6 +203,13 @@ def shared_seed(loaded: LoadedModel, seed: int | None) -> int:
     return drawn if drawn is not None else int.from_bytes(os.urandom(7), "little")
 
 
+def tokenizer_folders(loaded: LoadedModel) -> list[Path]:
+    """Where a checkpoint's tokenizer files may sit: beside the tokenizer in use, the checkpoint,
+    its root (chat templates, special tokens, generation_config.json)."""
+    spec = Path(loaded.tokenizer_spec.split(":", 1)[-1])
+    return [spec if spec.is_dir() else spec.parent, loaded.path, loaded.path.parent]
+
+
 def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> Engine:
     settings = EngineSettings(
         block_size=args.block_size, num_blocks=args.num_blocks, max_memory_gib=args.max_memory,
@@ -211,4 +219,6 @@ def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> Engine:
         compile_decode=AUTO_ON_OFF[args.compile_decode],
         compile_prefill=args.compile_prefill == "on", decode_gemm=args.decode_gemm,
         overlap=AUTO_ON_OFF[args.overlap])
-    return Engine(loaded.model, settings, tokenizer=loaded.tokenizer)
+    stop_ids = generation_eos_ids(tokenizer_folders(loaded))  # e.g. Llama 3's end of turn
+    stop_ids = tuple(i for i in stop_ids if 0 <= i < loaded.cfg.model.vocab_size)
+    return Engine(loaded.model, settings, tokenizer=loaded.tokenizer, stop_ids=stop_ids)

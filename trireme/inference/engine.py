@@ -172,12 +172,14 @@ class Ahead:
 
 class Engine:
     """Continuous batching for one model (module docstring). `tokenizer` turns outputs into
-    text and enables stop strings; `eos_id` ends a request (default: the tokenizer's eod)."""
+    text and enables stop strings; `eos_id` ends a request (default: the tokenizer's eod), and
+    so does any of `stop_ids` (e.g. generation_config.json's end-of-turn ids)."""
 
     prefill_backend = "inductor"  # torch.compile's, for compile_prefill
 
     def __init__(self, model: GPT, settings: EngineSettings | None = None, *,
-                 tokenizer: Tokenizer | None = None, eos_id: int | None = None) -> None:
+                 tokenizer: Tokenizer | None = None, eos_id: int | None = None,
+                 stop_ids: tuple[int, ...] = ()) -> None:
         settings = settings or EngineSettings()
         settings.check()
         self.group = model.ctx.group("tensor")  # tensor-parallel: the ranks that step together
@@ -191,6 +193,7 @@ class Engine:
         self.use_decode_gemm(settings.decode_gemm)
         self.tokenizer = tokenizer
         self.eos_id = eos_id if eos_id is not None else (tokenizer.eod if tokenizer else None)
+        self.stop_ids = frozenset(stop_ids) | ({self.eos_id} if self.eos_id is not None else set())
         probe = PagedCache(model, PagedLayout(1, settings.block_size), 1, torch.device("meta"),
                            self.dtype)  # bytes of one block, allocating nothing
         num_blocks = pool_blocks(
@@ -571,7 +574,7 @@ class Engine:
         reason = None
         if not finite:
             reason = "error"  # the model's logits were NaN / inf: nothing sensible to sample
-        elif token == self.eos_id and not request.params.ignore_eos:
+        elif token in self.stop_ids and not request.params.ignore_eos:
             reason = "stop"
         elif request.text is not None:
             request.text.add(token)

@@ -22,6 +22,7 @@ from trireme.inference.cli import (
     add_engine_arguments,
     engine_from_args,
     load_for_inference,
+    tokenizer_folders,
 )
 from trireme.inference.engine import Engine
 from trireme.inference.image_parts import MAX_IMAGE_PIXELS
@@ -71,8 +72,7 @@ def serve_parser() -> argparse.ArgumentParser:
 def chat_format(loaded: LoadedModel, choice: str = "auto") -> ChatFormat:
     """--chat-template: the checkpoint's chat template (trireme.data.chat), else the plain one
     ("auto"); "plain"; or a Jinja file."""
-    spec = Path(loaded.tokenizer_spec.split(":", 1)[-1])
-    folders = [spec if spec.is_dir() else spec.parent, loaded.path, loaded.path.parent]
+    folders = tokenizer_folders(loaded)
     tok = loaded.tokenizer
     eos = find_special_token(folders, "eos_token")
     if not eos and loaded.tokenizer_spec not in ("bytes", ""):
