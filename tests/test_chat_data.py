@@ -197,3 +197,38 @@ def test_a_tokenizers_own_template_and_special_tokens(tmp_path):
     start, end = hf.token_to_id("<|im_start|>"), hf.token_to_id("<|im_end|>")
     assert list(ids[:1]) == [start] and np.count_nonzero(ids == start) == 3
     assert tok.decode(ids[keep]) == "Hello.<|im_end|>\n" and end in ids[keep]
+
+
+def test_prompts_are_the_ids_serve_sends_with_a_space_marking_tokenizer(tmp_path):
+    """A SentencePiece-style tokenizer marks the start of every text it encodes: encoded piece
+    by piece, each answer would start with an extra marker. The whole conversation is encoded
+    once and cut, so every prompt's ids are those of serve's prompt for those messages."""
+    hf = Tokenizer(models.BPE(unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    hf.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    hf.train_from_iterator(["the capital of france is paris and two plus two is four"] * 20,
+                           trainers.BpeTrainer(vocab_size=120, special_tokens=[
+                               "<unk>", "</s>", "[INST]", "[/INST]"]))
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    hf.save(str(folder / "tokenizer.json"))
+    template = ("{% for m in messages %}{% if m.role == 'user' %}[INST] {{ m.content }} [/INST]"
+                "{% else %}{{ m.content }}</s>{% endif %}{% endfor %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    messages = [{"role": "user", "content": "capital of france"},
+                {"role": "assistant", "content": "paris"},
+                {"role": "user", "content": "two plus two"},
+                {"role": "assistant", "content": "four"}]
+    prefix = str(tmp_path / "chat")
+    assert trireme_main(["preprocess", "--chat", "--input", write_jsonl(
+        tmp_path / "in.jsonl", [{"messages": messages}]), "--output-prefix", prefix,
+        "--tokenizer", str(folder / "tokenizer.json")]) == 0
+    tok = load_tokenizer(str(folder / "tokenizer.json"))
+    chat = ChatFormat(template)
+    ds, _ = chat_datasets(prefix, seq_length=64, seed=0, split="100,0,0", eod=tok.eod,
+                          mask_prompt=True, want_valid=False)
+    first, end = ds.indexed.document_indices[0:2]
+    sequences = [list(ds.indexed[i]) for i in range(int(first), int(end))]
+    for k, i in enumerate((1, 3)):  # the prompts before each answer, as serve encodes them
+        assert sum(sequences[: 2 * k + 1], []) == tok.encode(chat.render(messages[:i]))
+    assert sum(sequences, []) == tok.encode(chat.render(messages, add_generation_prompt=False))

@@ -205,7 +205,25 @@ def conversation_sequences(record: dict, tokenizer: Tokenizer, chat: ChatFormat
     if chat.template is None:  # the plain template: each answer ends with the eod id
         return [tokenizer.encode(text.removesuffix("\n")) + [tokenizer.eod] if trained
                 else tokenizer.encode(text) for text, trained in segments]
-    return [tokenizer.encode(text) for text, _ in segments]
+    return cut_at_segments(tokenizer, [text for text, _ in segments])
+
+
+def cut_at_segments(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
+    """The ids of the whole text ("".join(texts)), tokenized once as serve tokenizes a prompt,
+    cut where each segment ends: at the length of the ids of the text up to there, where they
+    are a prefix of the whole's (always for byte-level BPE, and for a tokenizer that marks only
+    the start of a text), else where they stop agreeing (a token across the boundary goes with
+    the next segment). So a prompt's ids are exactly those serve sends for it."""
+    whole = tokenizer.encode("".join(texts))
+    cuts, end = [0], 0
+    for i in range(1, len(texts)):
+        end += len(texts[i - 1])
+        prefix = tokenizer.encode("".join(texts)[:end])
+        agree = next((k for k, (a, b) in enumerate(zip(prefix, whole)) if a != b),
+                     min(len(prefix), len(whole)))
+        cuts.append(max(agree, cuts[-1]))
+    cuts.append(len(whole))
+    return [whole[a:b] for a, b in zip(cuts, cuts[1:])]
 
 
 def parse_record(raw: bytes) -> dict:
