@@ -14,6 +14,7 @@ from trireme.config import load_config
 from trireme.data.chat import ChatFormat, chat_segments
 from trireme.data.conversations import ConversationDataset, chat_datasets, is_chat
 from trireme.data.tokenizer import load_tokenizer
+from trireme.inference.openai_api import parse_chat
 from trireme.train import train
 
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
@@ -232,3 +233,20 @@ def test_prompts_are_the_ids_serve_sends_with_a_space_marking_tokenizer(tmp_path
     for k, i in enumerate((1, 3)):  # the prompts before each answer, as serve encodes them
         assert sum(sequences[: 2 * k + 1], []) == tok.encode(chat.render(messages[:i]))
     assert sum(sequences, []) == tok.encode(chat.render(messages, add_generation_prompt=False))
+
+
+def test_plain_multi_turn_prompts_are_what_serve_sends(tmp_path):
+    """With the plain template each trained answer ends with eod, and serve builds the history
+    the same way: the ids before the second answer are serve's prompt for those messages."""
+    tok = load_tokenizer("bytes")
+    messages = CHATS[1]["conversations"]
+    prefix = preprocess(tmp_path, [CHATS[1]])
+    ds, _ = chat_datasets(prefix, seq_length=64, seed=0, split="100,0,0", eod=tok.eod,
+                          mask_prompt=True, want_valid=False)
+    first, end = ds.indexed.document_indices[0:2]
+    sequences = [list(ds.indexed[i]) for i in range(int(first), int(end))]
+    roles = {"human": "user", "gpt": "assistant"}
+    as_messages = [{"role": roles[m["from"]], "content": m["value"]} for m in messages[:3]]
+    served = parse_chat({"messages": as_messages}, tok, ChatFormat(None), context=64)
+    assert served.prompt_ids == sequences[0] + sequences[1] + sequences[2]
+    assert sequences[1][-1] == tok.eod

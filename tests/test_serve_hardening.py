@@ -280,7 +280,9 @@ def test_a_non_ascii_api_key_and_a_tool_calling_turn(checkpoint):
                     {"role": "user", "content": "and?"}]
         tok = load_tokenizer("bytes")
         parsed = parse_chat({"messages": messages}, tok, ChatFormat(None), context=64)
-        assert tok.decode(parsed.prompt_ids) == "user: hi\nassistant: \nuser: and?\nassistant:"
+        # (the plain template: an earlier answer ends with eod, as chat data trains it)
+        assert tok.decode(parsed.prompt_ids) == "user: hi\nassistant: user: and?\nassistant:"
+        assert tok.eod in parsed.prompt_ids
 
 
 def models_status(url: str, key: bytes) -> int:

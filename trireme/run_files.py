@@ -116,8 +116,9 @@ def rewind_metrics(run_dir: Path, step: int) -> None:
         return
     aside = free_name(metrics, free_suffix([metrics], f"after-{step}.{mtime_stamp(metrics)}"))
     aside.write_text("".join(beyond), encoding="utf-8")
-    tmp = run_dir / ".metrics.jsonl.tmp"
-    tmp.write_text("".join(kept), encoding="utf-8")
+    tmp = run_dir / ".metrics.jsonl.tmp"  # (each kept row ends its line: rows go after it)
+    tmp.write_text("".join(line if line.endswith("\n") else line + "\n" for line in kept),
+                   encoding="utf-8")
     os.replace(tmp, metrics)
     print(f"trireme: metrics.jsonl had {len(beyond)} rows past step {step}, the checkpoint "
           f"resumed from (logged before the last run stopped without saving them): moved to "

@@ -46,8 +46,11 @@ def train(cfg: Config, on_finish: Callable[[Trainer], None] | None = None) -> Tr
 
 
 def finish(trainer: Trainer, on_finish: Callable[[Trainer], None]) -> None:
-    """`on_finish` after the last step; a stop signal meanwhile cuts it short (the run is
-    complete and saved, so the process still ends with status 0)."""
+    """`on_finish` after the last step; in one process a stop signal meanwhile cuts it short
+    (the run is complete and saved, so the process still ends with status 0)."""
+    if trainer.env.world_size > 1:  # ranks in a collective: a signal on one would strand
+        on_finish(trainer)             # the others, so they finish the sample together
+        return
     try:
         with stop_signals_raise():
             on_finish(trainer)

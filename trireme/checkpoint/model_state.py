@@ -135,8 +135,10 @@ def model_from_state(cfg: ModelConfig, state: dict[str, Tensor], device: torch.d
                      dtype: torch.dtype | None = None, ctx: ParallelContext | None = None
                      ) -> GPT:
     """`GPT(cfg)` holding `state`, built without a random init: the modules are made on the meta
-    device, their storage allocated on `device` (fp32, uninitialized), every tensor filled from
-    `state` (`load_model_state`, strict: nothing is left uninitialized), then cast to `dtype`.
+    device and cast to `dtype` there (tensors a model keeps in fp32, such as MoE's selection
+    bias, stay so and get the stored values exactly), their storage allocated on `device`
+    (uninitialized), every tensor filled from `state` (`load_model_state`, strict: nothing is
+    left uninitialized).
     With a tensor-parallel `ctx`, `state` is the full model (any checkpoint: they are stored in
     the single-process form) and this rank keeps its slice (trireme.checkpoint.gathered).
 
@@ -145,11 +147,11 @@ def model_from_state(cfg: ModelConfig, state: dict[str, Tensor], device: torch.d
     equal a fully initialized model's."""
     with torch.device("meta"):
         model = GPT(cfg, seed=None, ctx=ctx)
+    if dtype is not None:  # before the values: tensors kept in fp32 (MoE's selection bias)
+        model.to(dtype=dtype)  # then take theirs unrounded
     model.to_empty(device=device)
     if model.tp is not None:
         state = fit_vocab_rows(state, model.padded_vocab_size)  # this degree's padding
         state = shard_full(state, parameter_shardings(model))
     load_model_state(model, state)
-    if dtype is not None:
-        model.to(dtype=dtype)
     return model

@@ -77,6 +77,8 @@ def maybe_resume(trainer: Trainer, saver: Saver | None = None) -> None:
     its collectives on `saver`'s gloo group (made here if no saver is given)."""
     cfg = trainer.cfg
     path = None
+    if cfg.checkpoint.init_from and cfg.checkpoint.dir:
+        check_own_root(Path(cfg.checkpoint.dir), Path(cfg.checkpoint.init_from))
     if cfg.checkpoint.dir and cfg.checkpoint.resume != "never":
         check_root(Path(cfg.checkpoint.dir))
         path = load_chosen(trainer, cfg.checkpoint.resume_step, saver)
@@ -91,6 +93,17 @@ def maybe_resume(trainer: Trainer, saver: Saver | None = None) -> None:
         if trainer.state.step >= cfg.train.steps:
             print(f"trireme: nothing to train: the checkpoint is at step {trainer.state.step} "
                   f"and train.steps = {cfg.train.steps} (raise it to train on)", file=sys.stderr)
+
+
+def check_own_root(root: Path, source: Path) -> None:
+    """A run started from checkpoint.init_from saves into a root of its own: the source's root
+    (e.g. carried in by --config of one of its step directories) would be resumed instead, and
+    written into."""
+    source = source.resolve()
+    if source == root.resolve() or root.resolve() in source.parents:
+        raise CheckpointError(
+            f"checkpoint.dir {root} holds checkpoint.init_from {source}: a run started from a "
+            "checkpoint needs a checkpoint.dir of its own (--checkpoint.dir=NEW_DIR)")
 
 
 def check_root(root: Path) -> None:

@@ -66,6 +66,16 @@ def find_special_token(folders: list[Path], name: str) -> str:
     return ""
 
 
+def template_eos(folders: list[Path], tokenizer, spec: str) -> str:
+    """The eos_token a template renders (and serving stops at): tokenizer_config.json's, else,
+    for a real tokenizer (not bytes), the text of its end-of-document id. Preprocessing and
+    serving both take it from here, so trained answers end as served ones stop."""
+    eos = find_special_token(folders, "eos_token")
+    if not eos and spec not in ("bytes", ""):
+        eos = tokenizer.decode([tokenizer.eod])
+    return eos
+
+
 def generation_eos_ids(folders: list[Path]) -> tuple[int, ...]:
     """generation_config.json's eos_token_id (an id or a list: e.g. Llama 3's end of text and
     end of turn) from the first folder that has the file, else ()."""

@@ -66,7 +66,7 @@ def preprocess_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.chat:
         tokenizer = load_tokenizer(args.tokenizer, name="--tokenizer")
-        chat = chat_format_for(args.tokenizer, args.chat_template)
+        chat = chat_format_for(args.tokenizer, args.chat_template, tokenizer)
         report = preprocess_chat(args.input, args.output_prefix, tokenizer, chat,
                                  args.skip_bad_lines)
         print(f"{report.summary(args.output_prefix)} (chat template: {chat.source})")

@@ -40,6 +40,7 @@ from trireme.data.chat import (
     chat_segments,
     find_chat_template,
     find_special_token,
+    template_eos,
 )
 from trireme.data.gpt_dataset import split_documents
 from trireme.data.indexed import (
@@ -146,9 +147,10 @@ def is_chat(prefix: str) -> bool:
     return os.path.isfile(prefix + CHAT_SUFFIX)
 
 
-def chat_format_for(tokenizer_spec: str, choice: str) -> ChatFormat:
+def chat_format_for(tokenizer_spec: str, choice: str, tokenizer: Tokenizer) -> ChatFormat:
     """--chat-template: "plain"; "auto" (the tokenizer folder's template, else plain); or a
-    path to a Jinja file. bos / eos tokens from the tokenizer folder's tokenizer_config.json."""
+    path to a Jinja file. bos / eos tokens from the tokenizer folder's tokenizer_config.json
+    (the eos as serve takes it: template_eos)."""
     folder = Path(tokenizer_spec.split(":", 1)[-1])
     folders = [folder if folder.is_dir() else folder.parent]
     if choice == "plain":
@@ -161,7 +163,7 @@ def chat_format_for(tokenizer_spec: str, choice: str) -> ChatFormat:
         except (OSError, UnicodeDecodeError) as e:
             raise DataError(f"--chat-template {choice!r} cannot be read ({e})") from None
     return ChatFormat(template, bos_token=find_special_token(folders, "bos_token"),
-                      eos_token=find_special_token(folders, "eos_token"))
+                      eos_token=template_eos(folders, tokenizer, tokenizer_spec))
 
 
 def conversation_messages(record: dict) -> list[dict[str, str]]:
@@ -206,6 +208,21 @@ def conversation_sequences(record: dict, tokenizer: Tokenizer, chat: ChatFormat
         return [tokenizer.encode(text.removesuffix("\n")) + [tokenizer.eod] if trained
                 else tokenizer.encode(text) for text, trained in segments]
     return cut_at_segments(tokenizer, [text for text, _ in segments])
+
+
+def plain_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """The plain template's prompt for `messages` as chat data trains it: each earlier answer
+    " content" ends with the end-of-document id (not its newline), and the lines since then are
+    encoded together, ending with "assistant:" (what `trireme serve` sends without a template)."""
+    ids, lines = [], ""
+    for message in messages:
+        if message["role"] == "assistant":
+            ids += tokenizer.encode(lines + "assistant:")
+            ids += tokenizer.encode(f" {message['content']}") + [tokenizer.eod]
+            lines = ""
+        else:
+            lines += f"{message['role']}: {message['content']}\n"
+    return ids + tokenizer.encode(lines + "assistant:")
 
 
 def cut_at_segments(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:

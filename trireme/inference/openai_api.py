@@ -2,7 +2,8 @@
 the field, and the JSON of completions, chat completions and their streamed chunks.
 
 Accepted (besides `model`, a string not checked against the served name, and fields that do not
-change the answer: user, store, metadata, service_tier, parallel_tool_calls): prompt (a string,
+change the answer: user, store, metadata, service_tier, prompt_cache_key, safety_identifier,
+parallel_tool_calls, top_logprobs 0): prompt (a string,
 token ids, or a list of one of either), messages (content a string or a list of text and, for a
 vision model, image_url parts: image_parts), max_tokens (and for chat max_completion_tokens),
 temperature (0: greedy), top_p, seed, stop (a string or a list), stream,
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from trireme.data.chat import ROLES, ChatFormat
+from trireme.data.conversations import plain_prompt_ids
 from trireme.errors import TriremeError
 from trireme.inference.image_parts import VISION_STOP, VisionInputs, image_url, vision_prompt
 from trireme.inference.sampling import SamplingParams
@@ -74,7 +76,7 @@ SAMPLING_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop"
                    "stream_options", "top_k", "ignore_eos", "n", "best_of", "echo", "logprobs",
                    "top_logprobs", "suffix", "logit_bias", "presence_penalty",
                    "frequency_penalty", "response_format", "tools", "functions", "user", "store",
-                   "metadata", "service_tier"}
+                   "metadata", "service_tier", "prompt_cache_key", "safety_identifier"}
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt"}
 CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "tool_choice",
                                  "function_call", "parallel_tool_calls", "modalities", "audio",
@@ -107,8 +109,9 @@ def _refuse_unsupported(body: dict) -> None:
         if _field(body, name, (int,), 1) != 1:
             raise ApiError(400, f"{name} must be 1: this server returns one choice", name)
     for name in ("echo", "logprobs", "top_logprobs", "suffix", "logit_bias"):
-        value = body.get(name)  # absent, null, false or {}: not asked for (0 is no false)
-        if not (value is None or value is False or isinstance(value, dict) and not value):
+        value = body.get(name)  # absent, null, false or {}: not asked for (logprobs 0 asks)
+        asked = not (value is None or value is False or isinstance(value, dict) and not value)
+        if asked and not (name == "top_logprobs" and value == 0):  # no alternatives: none
             raise ApiError(400, f"{name} is not supported by this server", name)
     for name in ("tools", "functions"):  # a model here cannot call them: say so
         if body.get(name):
@@ -238,12 +241,15 @@ def parse_chat(body: Any, tokenizer, chat: ChatFormat, context: int,
 
 def _prompt(plain: list[dict[str, str]], urls: list[str], tokenizer, chat: ChatFormat,
             vision: VisionInputs | None) -> tuple[list[int], torch.Tensor | None]:
-    """Prompt ids (and pixels) of checked messages: the chat template, or a vision model's
-    conversation framing (trireme.inference.image_parts)."""
+    """Prompt ids (and pixels) of checked messages: the chat template, the plain one as chat
+    data trains it (trireme.data.conversations), or a vision model's conversation framing
+    (trireme.inference.image_parts)."""
     try:
         if vision is not None:
             return vision_prompt([(m["role"], m["content"]) for m in plain], urls, tokenizer,
                                  vision)
+        if chat.template is None:  # earlier answers end with eod, as chat data trains them
+            return plain_prompt_ids(tokenizer, plain), None
         return tokenizer.encode(chat.render(plain)) or [tokenizer.eod], None
     except TriremeError as e:
         raise ApiError(400, str(e), "messages") from None

@@ -15,7 +15,7 @@ import socket
 import sys
 from pathlib import Path
 
-from trireme.data.chat import ChatFormat, find_chat_template, find_special_token
+from trireme.data.chat import ChatFormat, find_chat_template, find_special_token, template_eos
 from trireme.errors import ConfigError, TriremeError
 from trireme.inference.cli import (
     LoadedModel,
@@ -73,10 +73,7 @@ def chat_format(loaded: LoadedModel, choice: str = "auto") -> ChatFormat:
     """--chat-template: the checkpoint's chat template (trireme.data.chat), else the plain one
     ("auto"); "plain"; or a Jinja file."""
     folders = tokenizer_folders(loaded)
-    tok = loaded.tokenizer
-    eos = find_special_token(folders, "eos_token")
-    if not eos and loaded.tokenizer_spec not in ("bytes", ""):
-        eos = tok.decode([tok.eod])
+    eos = template_eos(folders, loaded.tokenizer, loaded.tokenizer_spec)
     if choice == "plain":
         return ChatFormat(None)
     template = find_chat_template(folders) if choice == "auto" else read_template(choice)
