@@ -5,10 +5,13 @@ root of checkpoints, never a step directory or a Hugging Face folder taken for a
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+from distributed import run_ranks
 from test_train import tiny_cfg, toy_data  # noqa: F401  (a fixture)
+from test_train_parallel import assert_same, losses
 
 from trireme.checkpoint.training import maybe_resume
 from trireme.config import load_config
@@ -114,3 +117,35 @@ def test_a_source_with_another_freeze_list(toy_data, tmp_path, fmt):  # noqa: F8
         assert torch.equal(p, want[name]), name
     for name, master in trainer.optimizer.masters.items():
         assert torch.equal(master, want[name].float()), name
+
+
+def _fsdp_from(rank: int, world: int, data: str, root: str, source: str) -> None:
+    train(tiny_cfg(data, Path(root) / "fsdp", "train.steps=2", "train.eval_interval=0",
+                   "parallel.data_parallel_mode=fsdp",
+                   f"checkpoint.init_from={source}"))
+
+
+@pytest.mark.slow
+def test_fsdp_starts_from_a_gathered_checkpoint(toy_data, tmp_path):  # noqa: F811
+    """A converted checkpoint is gathered: under FSDP each rank reads its shards' rows of it,
+    and two FSDP ranks log the losses of one process started from it."""
+    train(tiny_cfg(toy_data, tmp_path / "a", "train.steps=2", "train.eval_interval=0",
+                   "checkpoint.format=gathered", f"checkpoint.dir={tmp_path / 'src'}"))
+    train(tiny_cfg(toy_data, tmp_path / "one", "train.steps=2", "train.eval_interval=0",
+                   f"checkpoint.init_from={tmp_path / 'src'}"))
+    run_ranks(_fsdp_from, 2, tmp_path, toy_data, str(tmp_path), str(tmp_path / "src"))
+    assert_same(losses(tmp_path / "fsdp" / "run"), losses(tmp_path / "one" / "run"),
+                "FSDP from a gathered checkpoint")
+
+
+def test_a_run_may_not_save_into_its_sources_root(toy_data, tmp_path):  # noqa: F811
+    """--config of a step directory brings the source's checkpoint.dir along: starting from
+    that source would resume it and write into it; it is a one-line error instead."""
+    train(tiny_cfg(toy_data, tmp_path / "a", "train.steps=1", "train.eval_interval=0",
+                   f"checkpoint.dir={tmp_path / 'src'}"))
+    with pytest.raises(CheckpointError, match="needs a checkpoint.dir of its own"):
+        train(tiny_cfg(toy_data, tmp_path / "b", "train.steps=2",
+                       f"checkpoint.dir={tmp_path / 'src'}",
+                       f"checkpoint.init_from={tmp_path / 'src' / 'step_0000001'}"))
+    assert sorted(p.name for p in (tmp_path / "src").iterdir() if p.is_dir()) == [
+        "step_0000001"]

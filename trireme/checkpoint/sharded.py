@@ -407,7 +407,7 @@ def _master_source(entries: dict[str, Entry], opt, stored: bool) -> dict[str, En
     return entries
 
 
-def _zero_vocab_tables(trainer) -> None:
+def zero_vocab_tables(trainer) -> None:
     """Rows of the vocabulary tables that no stored chunk covers (the extra tensor-parallel
     padding) must be zero, as in the gathered format."""
     for chunk in trainer.chunks:
@@ -457,7 +457,7 @@ def load(trainer, path: Path, group, weights_only: bool = False) -> None:
     entries = _master_source(entries, opt, masters)
     check_shapes(entries, stored, path, trainer.cfg.model)
     with torch.no_grad():
-        _zero_vocab_tables(trainer)
+        zero_vocab_tables(trainer)
         read_pieces(path, entries, group, no_dist=trainer.env.world_size == 1)
         _finish_optimizer(opt, opt.low_precision)
     if weights_only:

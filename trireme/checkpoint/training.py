@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trireme.checkpoint import directory, gathered, resume, sharded
+from trireme.checkpoint import directory, gathered, rank_load, resume, sharded
 from trireme.checkpoint.saver import Saver
 from trireme.checkpoint.store import (
     capture_rng_state,
@@ -185,6 +185,20 @@ def _load(trainer: Trainer, path: Path, saver: Saver | None, weights_only: bool 
     check_model(trainer, path)  # after the load, whose errors name the tensors whose shapes differ
 
 
+def _weights_into_shards(trainer: Trainer, path: Path) -> None:
+    """FSDP (checkpoint.init_from of a gathered checkpoint, e.g. a converted one): each rank
+    reads its shards' rows straight from model.safetensors (rank_load.read_slices); the masters
+    follow the weights."""
+    entries = {k: e for k, e in sharded.state_entries(trainer, False).items()
+               if k.startswith("model/")}
+    sharded.check_shapes(entries, rank_load.safetensors_shapes(path), path, trainer.cfg.model)
+    with torch.no_grad():
+        sharded.zero_vocab_tables(trainer)
+        rank_load.read_slices(path / directory.MODEL_FILE, entries)
+        trainer.optimizer.sync_master_from_params()
+        trainer.optimizer.sync_params_from_master()
+
+
 def check_model(trainer: Trainer, path: Path) -> None:
     """Refuse (checkpoint.check_model; else warn) a checkpoint whose config.toml describes a
     model that computes something else with the same weights (config.model_differences):
@@ -227,6 +241,9 @@ def note_schedule_changes(trainer: Trainer, saved: Config) -> None:
 def _load_gathered(trainer: Trainer, path: Path, weights_only: bool = False) -> None:
     """Load a gathered checkpoint: each pipeline stage takes the global names it holds, each
     tensor-parallel rank its slices. `weights_only`: as sharded.load's."""
+    if weights_only and trainer.cfg.parallel.data_parallel_mode == "fsdp":
+        _weights_into_shards(trainer, path)
+        return
     ckpt = load_checkpoint(path)
     chunks = trainer.chunks
     for chunk in chunks:
