@@ -206,8 +206,14 @@ def shared_seed(loaded: LoadedModel, seed: int | None) -> int:
 def tokenizer_folders(loaded: LoadedModel) -> list[Path]:
     """Where a checkpoint's tokenizer files may sit: beside the tokenizer in use, the checkpoint,
     its root (chat templates, special tokens, generation_config.json)."""
-    spec = Path(loaded.tokenizer_spec.split(":", 1)[-1])
-    return [spec if spec.is_dir() else spec.parent, loaded.path, loaded.path.parent]
+    folders = []
+    if loaded.tokenizer_spec not in ("", "bytes") and not loaded.tokenizer_spec.startswith(
+            "null:"):
+        spec = Path(loaded.tokenizer_spec.split(":", 1)[-1])
+        folders.append(spec if spec.is_dir() else spec.parent)
+    if loaded.path is not None:
+        folders += [loaded.path, loaded.path.parent]
+    return folders
 
 
 def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> Engine:
@@ -220,5 +226,5 @@ def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> Engine:
         compile_prefill=args.compile_prefill == "on", decode_gemm=args.decode_gemm,
         overlap=AUTO_ON_OFF[args.overlap])
     stop_ids = generation_eos_ids(tokenizer_folders(loaded))  # e.g. Llama 3's end of turn
-    stop_ids = tuple(i for i in stop_ids if 0 <= i < loaded.cfg.model.vocab_size)
+    stop_ids = tuple(i for i in stop_ids if 0 <= i < loaded.model.cfg.vocab_size)
     return Engine(loaded.model, settings, tokenizer=loaded.tokenizer, stop_ids=stop_ids)
