@@ -21,20 +21,20 @@ from safetensors import SafetensorError, safe_open
 
 from trireme.checkpoint import directory
 from trireme.checkpoint import format as fmt
-from trireme.checkpoint.gathered import VOCAB_TABLES
-from trireme.checkpoint.pieces import Entry, tensor_pieces
+from trireme.checkpoint.pieces import Entry
 from trireme.checkpoint.sharded import (
     check_shapes,
     is_sharded,
+    model_entries,
     read_pieces,
     stored_shapes,
     verify_digests,
+    zero_vocab_tables,
 )
 from trireme.config import ModelConfig
 from trireme.errors import CheckpointError
 from trireme.models.gpt import GPT
 from trireme.parallel.context import ParallelContext
-from trireme.parallel.sharding import parameter_shardings
 
 
 def model_from_checkpoint(cfg: ModelConfig, path: Path, device: torch.device,
@@ -50,32 +50,16 @@ def model_from_checkpoint(cfg: ModelConfig, path: Path, device: torch.device,
         model = GPT(cfg, seed=None, ctx=ctx)
     model.to(dtype=dtype)
     model.to_empty(device=device)
-    entries = model_entries(model, stored)
-    check_shapes(entries, stored, path, cfg)
+    rows = stored.get("model/embedding.weight", (cfg.padded_vocab_size,))[0]
+    entries = model_entries([model], rows)  # the stored vocabulary rows: any padding beyond
+    check_shapes(entries, stored, path, cfg)  # them (tensor parallelism's) stays zero
     with torch.no_grad():
-        for name, t in model.state_dict().items():
-            if name in VOCAB_TABLES:
-                t.zero_()  # the rows beyond the stored ones stay zero
+        zero_vocab_tables([model])
         if sharded:
             read_pieces(path, entries)
         else:
             read_slices(path / directory.MODEL_FILE, entries)
     return model
-
-
-def model_entries(model: GPT, stored: dict[str, tuple[int, ...]]) -> dict[str, Entry]:
-    """"model/<name>" -> the pieces of the global tensor this rank's `model` holds. The global
-    shape of a vocabulary table is the stored one (the single-process padding)."""
-    shardings = parameter_shardings(model)
-    entries = {}
-    for name, t in model.state_dict().items():
-        key, sharding = f"model/{name}", shardings.get(name)
-        shape = tuple(sharding.full_shape(t.shape) if sharding else t.shape)
-        if name in VOCAB_TABLES and key in stored:
-            shape = (stored[key][0], *shape[1:])
-        entry = entries[key] = Entry(shape, t.dtype)
-        entry.pieces = tensor_pieces(t, tuple(t.shape), sharding, shape)
-    return entries
 
 
 def _names(f, path: Path) -> dict[str, str]:
@@ -110,10 +94,11 @@ def read_slices(file: Path, entries: dict[str, Entry]) -> None:
     with _open(file) as f:
         names = _names(f, file)
         for key, entry in entries.items():
-            stored = f.get_slice(names[key[len("model/"):]])
+            name = names[key[len("model/"):]]
+            stored = f.get_slice(name)
             for piece in entry.pieces:
                 if piece.data.dim() == 0:
-                    piece.data.copy_(f.get_tensor(names[key[len("model/"):]]))
+                    piece.data.copy_(f.get_tensor(name))
                     continue
                 block = tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.data.shape))
                 piece.data.copy_(stored[block])

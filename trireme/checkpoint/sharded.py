@@ -70,11 +70,11 @@ MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's moments: "optimizer/<moment>/<nam
 # What this rank holds, under global names
 
 
-def _param_info(trainer) -> dict[str, tuple[tuple[int, ...], Any, tuple[int, ...]]]:
-    """name -> (local shape, TP sharding or None, global shape) of every model tensor here."""
-    rows = trainer.cfg.model.padded_vocab_size  # the single-process padding
+def _param_info(chunks, rows: int) -> dict[str, tuple[tuple[int, ...], Any, tuple[int, ...]]]:
+    """name -> (local shape, TP sharding or None, global shape) of every model tensor of
+    `chunks`; the vocabulary tables' global rows are `rows` (the single-process padding)."""
     info = {}
-    for chunk in trainer.chunks:
+    for chunk in chunks:
         shardings = parameter_shardings(chunk)
         for name, t in chunk.state_dict().items():
             sharding = shardings.get(name)
@@ -94,14 +94,23 @@ def _add(entries: dict[str, Entry], key: str, data: torch.Tensor, info, flat_ran
     entry.pieces += tensor_pieces(data.detach(), local_shape, sharding, shape, flat_range)
 
 
+def model_entries(chunks, rows: int) -> dict[str, Entry]:
+    """"model/<name>" -> the global-tensor pieces of every model tensor `chunks` hold (the
+    vocabulary tables `rows` rows globally)."""
+    info = _param_info(chunks, rows)
+    entries: dict[str, Entry] = {}
+    for chunk in chunks:
+        for name, t in chunk.state_dict().items():
+            _add(entries, f"model/{name}", t, info[name])
+    return entries
+
+
 def state_entries(trainer, moments: bool) -> dict[str, Entry]:
     """Every tensor of the model and optimizer this rank holds, as global-tensor pieces. With
     `moments`, AdamW's exp_avg / exp_avg_sq are included (they must exist)."""
-    info = _param_info(trainer)
-    entries: dict[str, Entry] = {}
-    for chunk in trainer.chunks:
-        for name, t in chunk.state_dict().items():
-            _add(entries, f"model/{name}", t, info[name])
+    rows = trainer.cfg.model.padded_vocab_size  # the single-process padding
+    info = _param_info(trainer.chunks, rows)
+    entries = model_entries(trainer.chunks, rows)
     opt = trainer.optimizer
     for name, flat_range in opt.master_ranges().items():  # ranges: the distributed optimizer
         tensors = opt.moments(name) if moments else {}
@@ -407,15 +416,17 @@ def _master_source(entries: dict[str, Entry], opt, stored: bool) -> dict[str, En
     return entries
 
 
-def zero_vocab_tables(trainer) -> None:
+def zero_vocab_tables(chunks, masters: dict[str, torch.Tensor] | None = None) -> None:
     """Rows of the vocabulary tables that no stored chunk covers (the extra tensor-parallel
-    padding) must be zero, as in the gathered format."""
-    for chunk in trainer.chunks:
+    padding) must be zero, as in the gathered format: the tables of `chunks`, and their
+    `masters` (an optimizer's) if given."""
+    masters = masters or {}
+    for chunk in chunks:
         for name, t in chunk.state_dict().items():
             if name in VOCAB_TABLES:
                 t.zero_()
-                if name in trainer.optimizer.masters:
-                    trainer.optimizer.masters[name].zero_()
+                if name in masters:
+                    masters[name].zero_()
 
 
 def verify_digests(path: Path, meta: dict[str, Any], group=None, world: int = 1,
@@ -457,7 +468,7 @@ def load(trainer, path: Path, group, weights_only: bool = False) -> None:
     entries = _master_source(entries, opt, masters)
     check_shapes(entries, stored, path, trainer.cfg.model)
     with torch.no_grad():
-        zero_vocab_tables(trainer)
+        zero_vocab_tables(trainer.chunks, opt.masters)
         read_pieces(path, entries, group, no_dist=trainer.env.world_size == 1)
         _finish_optimizer(opt, opt.low_precision)
     if weights_only:

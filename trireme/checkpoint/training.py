@@ -193,7 +193,7 @@ def _weights_into_shards(trainer: Trainer, path: Path) -> None:
                if k.startswith("model/")}
     sharded.check_shapes(entries, rank_load.safetensors_shapes(path), path, trainer.cfg.model)
     with torch.no_grad():
-        sharded.zero_vocab_tables(trainer)
+        sharded.zero_vocab_tables(trainer.chunks, trainer.optimizer.masters)
         rank_load.read_slices(path / directory.MODEL_FILE, entries)
         trainer.optimizer.sync_master_from_params()
         trainer.optimizer.sync_params_from_master()

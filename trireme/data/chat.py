@@ -16,7 +16,9 @@ The plain template, for checkpoints without one (models trained with trireme on 
     user: And now?
     assistant:
 
-one line per message, "role: content", ending with "assistant:" for the model to continue.
+one line per message, "role: content", ending with "assistant:" for the model to continue
+(`trireme serve` puts the end-of-document id after an earlier answer instead of its newline,
+as chat data trains it: trireme.data.conversations.plain_prompt_ids).
 """
 
 from __future__ import annotations

@@ -72,10 +72,10 @@ def serve_parser() -> argparse.ArgumentParser:
 def chat_format(loaded: LoadedModel, choice: str = "auto") -> ChatFormat:
     """--chat-template: the checkpoint's chat template (trireme.data.chat), else the plain one
     ("auto"); "plain"; or a Jinja file."""
-    folders = tokenizer_folders(loaded)
-    eos = template_eos(folders, loaded.tokenizer, loaded.tokenizer_spec)
     if choice == "plain":
         return ChatFormat(None)
+    folders = tokenizer_folders(loaded)
+    eos = template_eos(folders, loaded.tokenizer, loaded.tokenizer_spec)
     template = find_chat_template(folders) if choice == "auto" else read_template(choice)
     return ChatFormat(template, bos_token=find_special_token(folders, "bos_token"),
                       eos_token=eos)
