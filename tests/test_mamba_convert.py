@@ -39,11 +39,12 @@ NEMOTRON_H = dict(  # M - * - M M -: the pattern "M-*-MM-"
     max_position_embeddings=64, time_step_min=0.01)
 
 
-def make_hf(name: str, folder: Path) -> torch.nn.Module:
+def make_hf(name: str, folder: Path, dt_bias: tuple[float, float] = (-3.0, 0.5),
+            **nemotron_h: object) -> torch.nn.Module:
     common = dict(vocab_size=VOCAB, hidden_size=32, bos_token_id=None, eos_token_id=None,
                   pad_token_id=None)
     if name == "nemotron-h":
-        config = transformers.NemotronHConfig(**common, **NEMOTRON_H)
+        config = transformers.NemotronHConfig(**common, **{**NEMOTRON_H, **nemotron_h})
         model_class = transformers.NemotronHForCausalLM
     else:
         config = transformers.Mamba2Config(**common, num_hidden_layers=3, state_size=8,
@@ -56,7 +57,7 @@ def make_hf(name: str, folder: Path) -> torch.nn.Module:
             if n.endswith("A_log"):
                 p.uniform_(-1.0, 1.5)
             elif n.endswith("dt_bias"):
-                p.uniform_(-3.0, 0.5)
+                p.uniform_(*dt_bias)
             else:
                 p.normal_(0.5, 0.2) if p.dim() == 1 else p.normal_(0.0, 0.2)
     model.save_pretrained(folder)
@@ -87,6 +88,24 @@ def test_hf_mamba2_and_nemotron_h_both_ways_same_logits(tmp_path: Path, capsys,
     with torch.no_grad():
         assert_close(model(ids), want)
 
+    assert_exports_back(tmp_path, hf, ids, want, assert_close)
+
+
+@pytest.mark.parametrize("limit", [None, (0.004, 0.5)])
+def test_nemotron_h_clamps_dt_to_time_step_limit_not_time_step_min(tmp_path: Path,
+                                                                   limit: tuple | None) -> None:
+    """transformers' Nemotron-H mixer clamps dt to time_step_limit ((0, inf) unless set), as
+    Mamba-2's does; time_step_min only draws dt_bias's init. Here most steps are below it."""
+    extra = {} if limit is None else {"time_step_limit": limit}
+    hf = make_hf("nemotron-h", tmp_path / "hf", dt_bias=(-8.0, -4.0), **extra)
+    ids = torch.randint(0, VOCAB, (2, 21), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits
+    convert("hf", "trireme", tmp_path / "hf", tmp_path / "tri")
+    model = trireme_model(tmp_path / "tri")
+    with torch.no_grad():
+        assert_close(model(ids), want)
+    assert (model.cfg.mamba_dt_limit_min, model.cfg.mamba_dt_limit_max) == (limit or (0.0, 0.0))
     assert_exports_back(tmp_path, hf, ids, want, assert_close)
 
 

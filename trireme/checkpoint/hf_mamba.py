@@ -21,7 +21,8 @@ linear_attention (a Mamba-2 mixer, the names above), full_attention (q/k/v/o_pro
 embedding: trireme's position_embedding = "none"), mlp (up_proj, down_proj with squared ReLU:
 activation = "relu2"); trireme's pattern spells the same sequence (M, *, -), so HF block i is
 sublayer i of the pattern, wherever it lands in trireme's layers. Its Mamba mixers clamp the step
-size at time_step_min (mamba_dt_limit_min). NemotronHForCausalLM never ties its lm_head to the
+size to time_step_limit, (0, inf) unless set, as Mamba-2's do (mamba_dt_limit_min / _max);
+time_step_min / _max only draw dt_bias's init. NemotronHForCausalLM never ties its lm_head to the
 embedding (its `_tied_weights_keys` is empty, whatever tie_word_embeddings says; Mamba2ForCausalLM
 does tie), so a tied model is written with lm_head.weight a copy of the embedding and
 tie_word_embeddings false, and such a file (the two tensors equal) reads back tied. The MoE
@@ -70,13 +71,24 @@ def _number(value: object) -> float:
     return float(value)  # also "Infinity" / "inf" as strings
 
 
+def _dt_limit(hf: dict) -> dict[str, float]:
+    """mamba_dt_limit_min / _max from config.json's time_step_limit, the clamp transformers'
+    Mamba-2 and Nemotron-H mixers apply to the step size ((0, inf) when absent; 0 is no maximum)."""
+    low, high = (_number(v) for v in hf.get("time_step_limit") or (0.0, float("inf")))
+    return {"mamba_dt_limit_min": low, "mamba_dt_limit_max": 0.0 if high == float("inf") else high}
+
+
+def _hf_dt_limit(cfg: ModelConfig) -> list[float]:
+    """config.json's time_step_limit for trireme's dt clamp."""
+    return [cfg.mamba_dt_limit_min, cfg.mamba_dt_limit_max or float("inf")]
+
+
 def mamba2_model_config(hf: dict, has_lm_head: bool) -> tuple[ModelConfig, list[str]]:
     """The ModelConfig and notes for a mamba2 config.json."""
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported "
                               "(only silu)")
     h, layers, heads = hf["hidden_size"], hf["num_hidden_layers"], hf["num_heads"]
-    limit = hf.get("time_step_limit") or (0.0, float("inf"))
     notes = [f"Mamba-2 has no positional limit; model.seq_length is set to {DEFAULT_SEQ_LENGTH} "
              "(the longest trireme generates; change it freely)"]
     cfg = ModelConfig(
@@ -92,8 +104,7 @@ def mamba2_model_config(hf: dict, has_lm_head: bool) -> tuple[ModelConfig, list[
         mamba_dt_min=float(hf.get("time_step_min", 0.001)),
         mamba_dt_max=float(hf.get("time_step_max", 0.1)),
         mamba_dt_init_floor=float(hf.get("time_step_floor", 1e-4)),
-        mamba_dt_limit_min=_number(limit[0]),
-        mamba_dt_limit_max=0.0 if _number(limit[1]) == float("inf") else _number(limit[1]),
+        **_dt_limit(hf),
     )
     cfg.mamba_expand = max(heads * cfg.mamba_head_dim // h, 1)
     return cfg, notes
@@ -122,7 +133,7 @@ def mamba2_hf_config(cfg: ModelConfig) -> dict:
         "layer_norm_epsilon": cfg.norm_eps, "chunk_size": cfg.mamba_chunk_size,
         "time_step_min": cfg.mamba_dt_min, "time_step_max": cfg.mamba_dt_max,
         "time_step_floor": cfg.mamba_dt_init_floor,
-        "time_step_limit": [cfg.mamba_dt_limit_min, cfg.mamba_dt_limit_max or float("inf")],
+        "time_step_limit": _hf_dt_limit(cfg),
         "residual_in_fp32": True, "rescale_prenorm_residual": False, "pad_token_id": None,
     }
 
@@ -177,7 +188,6 @@ def nemotron_h_model_config(hf: dict, has_lm_head: bool) -> tuple[ModelConfig, l
                               "trireme has one bias switch")
     h, heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or h // heads
-    dt_min = _number(hf.get("time_step_min", 0.001))
     cfg = ModelConfig(
         num_layers=sum(BLOCK_SYMBOLS[k] in "*M" for k in kinds),
         layer_pattern="".join(BLOCK_SYMBOLS[k] for k in kinds), hidden_size=h,
@@ -191,10 +201,10 @@ def nemotron_h_model_config(hf: dict, has_lm_head: bool) -> tuple[ModelConfig, l
         mamba_num_heads=hf["mamba_num_heads"], mamba_num_groups=hf.get("n_groups", 1),
         mamba_conv_kernel=hf.get("conv_kernel", 4),
         mamba_conv_bias=bool(hf.get("use_conv_bias", True)),
-        mamba_chunk_size=hf.get("chunk_size", 128), mamba_dt_min=dt_min,
+        mamba_chunk_size=hf.get("chunk_size", 128),
+        mamba_dt_min=_number(hf.get("time_step_min", 0.001)),
         mamba_dt_max=_number(hf.get("time_step_max", 0.1)),
-        mamba_dt_init_floor=_number(hf.get("time_step_floor", 1e-4)),
-        mamba_dt_limit_min=dt_min,  # transformers' mixer clamps dt at time_step_min
+        mamba_dt_init_floor=_number(hf.get("time_step_floor", 1e-4)), **_dt_limit(hf),
     )
     cfg.mamba_expand = max(cfg.mamba_inner_size // h, 1)
     return cfg, []
@@ -209,8 +219,6 @@ def check_nemotron_h_exportable(cfg: ModelConfig) -> None:
         (f"activation = {cfg.activation!r} (it has relu2)",
          cfg.activation != "relu2" and "-" in cfg.layer_pattern),
         ("layernorm", cfg.normalization != "rmsnorm"), ("qk-norm", cfg.qk_norm),
-        ("a dt limit other than [dt_min, none]",
-         (cfg.mamba_dt_limit_min, cfg.mamba_dt_limit_max) != (cfg.mamba_dt_min, 0.0)),
     ) if present]
     if lacking:
         raise CheckpointError("NemotronHForCausalLM (the Hugging Face hybrid) has no "
@@ -234,6 +242,7 @@ def nemotron_h_hf_config(cfg: ModelConfig) -> dict:
         "expand": max(cfg.mamba_inner_size // cfg.hidden_size, 1), "mamba_hidden_act": "silu",
         "chunk_size": cfg.mamba_chunk_size, "time_step_min": cfg.mamba_dt_min,
         "time_step_max": cfg.mamba_dt_max, "time_step_floor": cfg.mamba_dt_init_floor,
+        "time_step_limit": _hf_dt_limit(cfg),
         "residual_in_fp32": False, "num_nextn_predict_layers": 0, "pad_token_id": None,
         "tie_word_embeddings": False,  # transformers never ties it: lm_head.weight is written
     }
