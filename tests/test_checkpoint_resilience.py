@@ -79,6 +79,29 @@ def test_damaged_latest_is_an_error_naming_the_file_and_the_intact_step(
     assert (ckpt / "latest").read_text().strip() == "step_0000006"
 
 
+def test_unreadable_file_is_named_not_a_traceback(two_steps, toy_data, tmp_path, monkeypatch):  # noqa: F811
+    """No permission to read a file of the newest checkpoint (root ignores chmod, so the open
+    fails by hand): one line naming the file, latest-intact skips it, `inspect --verify` too."""
+    ckpt, fmt_name = two_steps
+    victim = big_file(ckpt / "step_0000004")
+    sha256_file = fmt.sha256_file
+
+    def denied(path):
+        if path == victim:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return sha256_file(path)
+
+    monkeypatch.setattr(fmt, "sha256_file", denied)
+    with pytest.raises(CheckpointError, match=rf"step_0000004 is damaged: {victim.name} is "
+                       r"unreadable \(Permission denied: check its permissions\).*newest intact "
+                       "checkpoint is step_0000002"):
+        run(toy_data, tmp_path, ckpt, fmt_name, "train.steps=6")
+    assert cli.main(["inspect", "--verify", str(ckpt)]) == 1
+    trainer = run(toy_data, tmp_path, ckpt, fmt_name, "train.steps=5",
+                  "checkpoint.resume_step=latest-intact")
+    assert trainer.state.step == 5
+
+
 def test_only_checkpoint_damaged_does_not_start_fresh(toy_data, tmp_path):  # noqa: F811
     ckpt = tmp_path / "ckpt"
     run(toy_data, tmp_path, ckpt, "sharded", "train.steps=2")

@@ -200,15 +200,32 @@ def _file_problem(path: Path, fname: str, info: Any, sharded: bool, hashes: bool
     if (Path(fname).name != fname and not nested_ok) or ".." in parts or not isinstance(info, dict):
         return f"{META_FILE} has a bad file entry {fname!r} (the file is corrupted)"
     file = path / fname
-    if not file.is_file():
-        return f"{fname} is missing"
-    size = file.stat().st_size
+    try:
+        if not file.is_file():
+            return f"{fname} is missing"
+        size = file.stat().st_size
+    except OSError as e:  # e.g. no permission to enter a directory of the checkpoint
+        return unreadable(fname, e)
     if size != info.get("size"):
         return (f"{fname} has {size} bytes but {META_FILE} records {info.get('size')} "
                 "(truncated or corrupted)")
-    if hashes and "sha256" in info and fmt.sha256_file(file) != info["sha256"]:
-        return f"{fname} is corrupted: its sha256 does not match {META_FILE}"
-    return None
+    return digest_problem(path, fname, info["sha256"]) if hashes and "sha256" in info else None
+
+
+def digest_problem(path: Path, fname: str, sha256: str) -> str | None:
+    """Whether `path/fname` has the sha256 meta.json records (None), else a short clause: it
+    differs, or the file cannot be read (no permission, an I/O error)."""
+    try:
+        if fmt.sha256_file(path / fname) == sha256:
+            return None
+    except OSError as e:
+        return unreadable(fname, e)
+    return f"{fname} is corrupted: its sha256 does not match {META_FILE}"
+
+
+def unreadable(fname: str, e: OSError) -> str:
+    """E.g. '__0_0.distcp is unreadable (Permission denied: check its permissions)'."""
+    return f"{fname} is unreadable ({e.strerror or e}: check its permissions)"
 
 
 def file_problems(path: Path, meta: dict[str, Any], hashes: bool = False) -> list[str]:
@@ -229,7 +246,11 @@ def file_problems(path: Path, meta: dict[str, Any], hashes: bool = False) -> lis
 def read_meta(path: Path) -> dict[str, Any]:
     """The meta.json of a checkpoint directory; CheckpointDamageError if missing or malformed."""
     meta_path = path / META_FILE
-    if not meta_path.is_file():
+    try:
+        present = meta_path.is_file()
+    except OSError as e:  # the step directory itself cannot be entered
+        raise CheckpointDamageError(path, unreadable(META_FILE, e)) from None
+    if not present:
         raise CheckpointDamageError(
             path, f"{META_FILE} is missing (the save did not finish, or the file was removed)",
             "load an earlier step_* directory or the checkpoint root")

@@ -434,16 +434,16 @@ def verify_digests(path: Path, meta: dict[str, Any], group=None, world: int = 1,
     """Check the data files' sha256 against meta.json (collective over `group`: each rank
     hashes every world-th file); raise CheckpointError naming a corrupted file on every rank."""
     named = sorted(n for n, info in meta["files"].items() if "sha256" in info)
-    bad = [n for i, n in enumerate(named) if i % world == rank
-           and fmt.sha256_file(path / n) != meta["files"][n]["sha256"]]
-    if world > 1:
+    mine = [directory.digest_problem(path, n, meta["files"][n]["sha256"])
+            for i, n in enumerate(named) if i % world == rank]
+    bad = [problem for problem in mine if problem is not None]
+    if world > 1:  # an unreadable file too is a problem every rank hears of (no rank raises)
         every: list = [None] * world
         dist.all_gather_object(every, bad, group=group)  # between our own ranks
         bad = sorted(n for part in every for n in part)
     if bad:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        raise CheckpointDamageError(path, f"{bad[0]}{more} is corrupted: its sha256 does not "
-                                    f"match {directory.META_FILE}")
+        raise CheckpointDamageError(path, f"{bad[0]}{more}")
 
 
 def load(trainer, path: Path, group, weights_only: bool = False) -> None:
