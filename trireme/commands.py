@@ -133,7 +133,8 @@ def generate_main(argv: list[str]) -> int:
         if not args.output:
             raise TriremeError("--input needs --output out.jsonl")
         check_output(args.output)
-        loaded = load_for_inference(args.checkpoint, args.tokenizer, args.device)
+        loaded = load_for_inference(args.checkpoint, args.tokenizer, args.device,
+                                    args.max_model_len)
         try:  # under torchrun every rank runs the prompts; the first writes them
             count = generate_file(args.input, args.output, engine_from_args(loaded, args),
                                   loaded.tokenizer, defaults, write=loaded.is_main)
@@ -154,6 +155,7 @@ def generate_main(argv: list[str]) -> int:
         tokenizer=args.tokenizer,
         device=args.device,
         image=args.image,
+        context=args.max_model_len,
     )
     if launched_rank() == 0:  # under torchrun: every rank has the text
         return print_result(text)

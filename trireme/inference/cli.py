@@ -14,7 +14,7 @@ from trireme.checkpoint.model_state import model_from_state, without_optional_ke
 from trireme.checkpoint.rank_load import model_from_checkpoint
 from trireme.checkpoint.store import load_checkpoint, read_config_toml, resolve_checkpoint
 from trireme.checkpoint.tokenizer_copy import tokenizer_for
-from trireme.config import Config, config_from_toml
+from trireme.config import Config, ModelConfig, config_from_toml
 from trireme.data.chat import generation_eos_ids
 from trireme.data.images import load_image, pixels
 from trireme.data.multimodal import IMAGE_TOKEN, image_prompt_ids, image_token_id
@@ -50,17 +50,39 @@ class LoadedModel:
         self.env.close()
 
 
-def load_for_inference(checkpoint: str, tokenizer: str = "", device: str = "auto"
-                       ) -> LoadedModel:
-    """Build the model of `checkpoint` on `device` (no random init) with its tokenizer; under
-    torchrun with several processes, this rank's tensor-parallel shard of it
-    (trireme.inference.tensor_parallel; collective: every rank calls it)."""
+def inference_context(cfg: ModelConfig, wanted: int) -> int:
+    """--max-model-len: the positions a request may reach (prompt + answer). 0: the length the
+    model was trained at (model.seq_length); at most the context it supports (the larger of
+    seq_length and model.max_position_embeddings, e.g. a converted Llama fine-tuned at a
+    shorter length)."""
+    supported = max(cfg.seq_length, cfg.max_position_embeddings)
+    if wanted == 0:
+        return cfg.seq_length
+    if wanted < 2:
+        raise ConfigError(f"--max-model-len {wanted} must be >= 2 (prompt + 1 new token), or 0 "
+                          f"for model.seq_length = {cfg.seq_length}")
+    if wanted > supported:
+        where = ("model.seq_length; learned positions have no more" if
+                 cfg.position_embedding == "learned" or supported == cfg.seq_length
+                 else "model.max_position_embeddings")
+        raise ConfigError(f"--max-model-len {wanted} is past the {supported} positions the "
+                          f"model supports ({where})")
+    return wanted
+
+
+def load_for_inference(checkpoint: str, tokenizer: str = "", device: str = "auto",
+                       context: int = 0) -> LoadedModel:
+    """Build the model of `checkpoint` on `device` (no random init) with its tokenizer, for
+    requests of up to `context` positions (inference_context); under torchrun with several
+    processes, this rank's tensor-parallel shard of it (trireme.inference.tensor_parallel;
+    collective: every rank calls it)."""
     # under torchrun each rank reads only its slices (rank_load.py), not the whole model
     ranks = launched_world_size() > 1
     path = resolve_checkpoint(checkpoint, "--checkpoint")
     ckpt = None if ranks else load_checkpoint(path, name="--checkpoint", model_only=True)
     cfg = config_from_toml(read_config_toml(path), f"{path}/config.toml")
     cfg.model = without_optional_kernels(cfg.model)  # fa4 / liger: training speed, not needed
+    cfg.model.seq_length = inference_context(cfg.model, context)
     tok_spec = tokenizer_for(path, cfg.data.tokenizer, tokenizer)
     tok = load_tokenizer(tok_spec, name="--tokenizer" if tokenizer else "data.tokenizer")
     dev = pick_device(device)
@@ -103,11 +125,12 @@ def generate_from_checkpoint(
     tokenizer: str = "",
     device: str = "auto",
     image: str = "",
+    context: int = 0,
 ) -> str:
     """Generate a continuation of `prompt` with the model saved in `checkpoint`. With `image`
     (a vision model), the prompt is a question about that image, framed as in training
     (trireme.data.multimodal.image_prompt_ids)."""
-    loaded = load_for_inference(checkpoint, tokenizer, device)
+    loaded = load_for_inference(checkpoint, tokenizer, device, context)
     try:
         return _generate_one(loaded, prompt, max_new_tokens=max_new_tokens,
                              temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
@@ -155,6 +178,9 @@ AUTO_ON_OFF = {"auto": None, "on": True, "off": False}  # a tri-state flag's set
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The serving engine's options (`trireme serve`, `trireme generate --input`)."""
     group = parser.add_argument_group("engine (continuous batching, paged KV cache)")
+    group.add_argument("--max-model-len", type=int, default=0, metavar="N",
+                       help="positions a request may reach, prompt + answer (default 0: "
+                       "model.seq_length; up to model.max_position_embeddings where larger)")
     group.add_argument("--max-memory", type=float, default=0.0, metavar="GIB",
                        help="GiB for the KV block pool (default 0: 90%% of free GPU memory; on "
                        "the CPU enough for --max-running full contexts, up to 1 GiB)")

@@ -112,7 +112,8 @@ def serve_main(argv: list[str]) -> int:
     except ImportError as e:
         raise TriremeError(f"trireme serve needs FastAPI and uvicorn ({e}); "
                            "pip install 'trireme[serve]'") from None
-    loaded = load_for_inference(args.checkpoint, args.tokenizer, args.device)
+    loaded = load_for_inference(args.checkpoint, args.tokenizer, args.device,
+                                args.max_model_len)
     engine = engine_from_args(loaded, args)
     if not loaded.is_main:  # torchrun: a tensor-parallel rank that steps with rank 0
         return run_follower(loaded, engine)
