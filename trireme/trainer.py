@@ -36,6 +36,7 @@ from trireme.data.multimodal import (
 from trireme.data.shapes import shapes_corpus
 from trireme.data.sources import DataSources, build_split_datasets, open_sources
 from trireme.data.tokenizer import Tokenizer, absolute_spec, load_tokenizer
+from trireme.data.tokenizer_mark import check_mark
 from trireme.engine.build import DTYPES, build_schedule, build_step_runner
 from trireme.engine.data_parallel import BucketReducer
 from trireme.engine.fsdp import GradientSyncSwitch, check_fsdp
@@ -310,6 +311,8 @@ def resolve_data(cfg: Config) -> tuple[DataSources, Tokenizer | None]:
     cfg.data.tokenizer = moved_copy(cfg.data.tokenizer, ckpt.dir, ckpt.init_from)
     tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
     cfg.data.tokenizer = absolute_spec(cfg.data.tokenizer)  # saved configs work from anywhere
+    for source in sources.datasets if tokenizer is not None else []:
+        check_mark(source.prefix, tokenizer, cfg.data.tokenizer)  # made with this tokenizer?
     sources.eod = tokenizer.eod if tokenizer is not None else -1
     if vision and cfg.model.image_token_id < 0:
         if tokenizer is None:

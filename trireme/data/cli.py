@@ -20,6 +20,7 @@ from trireme.data.jsonl import Piece, parse_lines, read_blocks
 from trireme.data.multimodal import preprocess_multimodal
 from trireme.data.preprocess import PreprocessOptions, merge_datasets, preprocess
 from trireme.data.tokenizer import load_tokenizer, train_bpe
+from trireme.data.tokenizer_mark import merged_mark, tokenizer_mark, write_mark
 from trireme.errors import ConfigError, DataError
 
 
@@ -69,14 +70,16 @@ def preprocess_main(argv: list[str]) -> int:
         chat = chat_format_for(args.tokenizer, args.chat_template, tokenizer)
         report = preprocess_chat(args.input, args.output_prefix, tokenizer, chat,
                                  args.skip_bad_lines)
+        write_mark(args.output_prefix, tokenizer_mark(tokenizer, args.tokenizer))
         print(f"{report.summary(args.output_prefix)} (chat template: {chat.source})")
         return 0
     if args.images:
         if args.image_size < 1:
             raise ConfigError(f"--image-size {args.image_size} must be at least 1")
-        report = preprocess_multimodal(args.input, args.output_prefix,
-                                       load_tokenizer(args.tokenizer, name="--tokenizer"),
+        tokenizer = load_tokenizer(args.tokenizer, name="--tokenizer")
+        report = preprocess_multimodal(args.input, args.output_prefix, tokenizer,
                                        args.image_size, args.skip_bad_lines)
+        write_mark(args.output_prefix, tokenizer_mark(tokenizer, args.tokenizer))
         print(report.summary(args.output_prefix))
         return 0
     options = PreprocessOptions(
@@ -86,6 +89,9 @@ def preprocess_main(argv: list[str]) -> int:
         skip_bad_lines=args.skip_bad_lines, engine=args.engine, progress=not args.no_progress,
     )
     report = preprocess(options)
+    mark = tokenizer_mark(load_tokenizer(args.tokenizer, name="--tokenizer"), args.tokenizer)
+    for prefix in report.outputs:
+        write_mark(prefix, mark)
     print(report.summary())
     return 0
 
@@ -104,8 +110,9 @@ def data_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.command == "merge":
         check_writable(args.output_prefix, "--output-prefix")
-
+        mark = merged_mark(args.input)  # before writing: datasets of two tokenizers stop here
         merged = merge_datasets(args.input, args.output_prefix)
+        write_mark(args.output_prefix, mark)  # (None: removes an earlier dataset's)
         print(f"trireme: wrote {merged.prefix}.bin / .idx: {merged.num_documents:,} documents, "
               f"{len(merged):,} sequences, {merged.num_tokens:,} {merged.dtype} tokens")
         return 0
