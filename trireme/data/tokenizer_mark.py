@@ -90,4 +90,5 @@ def check_mark(prefix: str, tokenizer: Tokenizer, spec: str) -> None:
     raise DataError(f"data {prefix!r} was tokenized with {made!r} (vocabulary {mark['vocab_size']}"
                     f"), which gives other ids than data.tokenizer {spec!r} (vocabulary "
                     f"{tokenizer.vocab_size}); train with the tokenizer the data was made with, "
-                    f"or preprocess it again with this one")
+                    f"preprocess it again with this one, or delete {prefix}{MARK_SUFFIX} if "
+                    "they are the same")
