@@ -30,6 +30,7 @@ from test_train import tiny_cfg, toy_data  # noqa: F401  (a fixture)
 
 from trireme.checkpoint.convert import convert, write_trireme
 from trireme.checkpoint.convert_hf import read_hf
+from trireme.checkpoint.describe import model_summary
 from trireme.checkpoint.store import load_checkpoint, load_model_state
 from trireme.cli import main
 from trireme.config import Config, ModelConfig, config_from_toml, validate
@@ -90,6 +91,13 @@ def test_qwen2_gets_qkv_biases_only_and_exports_as_qwen2(tmp_path: Path) -> None
     assert sorted(n for n in back if n.endswith("bias")) == sorted(
         f"model.layers.{i}.self_attn.{x}_proj.bias" for i in range(2) for x in "qkv")
     assert_close(hf_logits(tmp_path / "back", ids), trireme_logits(tmp_path / "tuned", ids))
+
+
+def test_inspect_names_qkv_biases_and_the_supported_context() -> None:
+    cfg = ModelConfig(qkv_bias=True, seq_length=128, max_position_embeddings=4096)
+    line = model_summary(cfg)
+    assert "q/k/v biases" in line and "supports 4096 positions" in line
+    assert "q/k/v" not in model_summary(ModelConfig(bias=True, qkv_bias=True))  # all biases
 
 
 def test_qkv_bias_is_part_of_the_model_identity() -> None:

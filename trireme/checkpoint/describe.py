@@ -35,7 +35,10 @@ def model_summary(cfg: ModelConfig) -> str:
     vocab = f"vocab {cfg.vocab_size}"
     if cfg.padded_vocab_size != cfg.vocab_size:
         vocab += f" (padded {cfg.padded_vocab_size})"
-    extras = [x for x, on in (("qk-norm", cfg.qk_norm), ("biases", cfg.bias)) if on]
+    extras = [x for x, on in (("qk-norm", cfg.qk_norm), ("biases", cfg.bias),
+                              ("q/k/v biases", cfg.qkv_bias and not cfg.bias)) if on]
+    if cfg.max_position_embeddings > cfg.seq_length:
+        extras.append(f"supports {cfg.max_position_embeddings} positions")
     moe_layers = sum("E" in layer for layer in cfg.layer_symbols)
     if moe_layers:
         extras.append(f"{moe_layers} MoE layers ({cfg.moe_num_experts} experts x "
