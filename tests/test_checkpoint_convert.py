@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from trireme.checkpoint.convert import convert
+from trireme.checkpoint.convert_megatron import model_config_from_args
 from trireme.checkpoint.safe_pickle import load_dcp_metadata, load_torch_file, namespace_dict
 from trireme.checkpoint.store import load_checkpoint, load_model_state
 from trireme.cli import main
@@ -496,3 +497,14 @@ def test_reading_a_hugging_face_folder_as_a_checkpoint_says_convert_it(tmp_path:
     make_hf("llama-mqa-tied", tmp_path / "hf")
     with pytest.raises(CheckpointError, match="looks like a Hugging Face model.*trireme convert"):
         load_checkpoint(tmp_path / "hf")
+
+
+def test_megatron_rope_model_keeps_the_context_it_supports() -> None:
+    args = dict(num_layers=2, hidden_size=64, num_attention_heads=4, swiglu=True,
+                position_embedding_type="rope", seq_length=128, max_position_embeddings=4096,
+                normalization="RMSNorm")
+    cfg, _ = model_config_from_args(args, 128, 100, 1)
+    assert (cfg.seq_length, cfg.max_position_embeddings) == (128, 4096)  # exported as 4096
+    args.update(position_embedding_type="learned_absolute")  # a table of exactly 4096 rows
+    cfg, _ = model_config_from_args(args, 128, 100, 1)
+    assert (cfg.seq_length, cfg.max_position_embeddings) == (4096, 0)

@@ -374,6 +374,9 @@ def model_config_from_args(
         tie_embeddings=not args.get("untie_embeddings_and_output_weights", False),
         init_std=float(args.get("init_method_std") or 0.02),
     )
+    longest = args.get("max_position_embeddings") or 0
+    if position != "learned" and longest > cfg.seq_length:  # the context it supports, kept
+        cfg.max_position_embeddings = longest
     if args.get("use_rope_scaling"):
         cfg.rope_scaling = "llama3"
         cfg.rope_scaling_factor = float(args.get("rope_scaling_factor") or 8.0)
