@@ -14,6 +14,7 @@ import pytest
 from trireme.config import load_config
 from trireme.data.indexed import IndexedDatasetWriter
 from trireme.train import train
+from trireme.trainer import Trainer
 
 METRIC_KEYS = {
     "step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_gpu", "mfu", "mem_gib"
@@ -142,6 +143,36 @@ def test_stop_signal_during_the_end_of_run_work_is_not_a_failure(toy_data, tmp_p
     assert trainer.state.step == 2
     assert "SIGTERM after the last step" in capfd.readouterr().err
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.parametrize("during", ["step", "evaluation"])
+def test_stop_signal_saves_without_an_extra_evaluation(toy_data, tmp_path, monkeypatch, during):
+    """A scheduler's SIGTERM has a grace period: a signal during step 5 saves step 5 without the
+    end-of-run evaluation; one during step 10's evaluation saves step 10, not after one more
+    step (and evaluation)."""
+    evaluated, train_step, evaluate = [], Trainer.train_step, Trainer.evaluate
+
+    def step_then_signal(self, *args):
+        out = train_step(self, *args)
+        if during == "step" and self.state.step == 4:  # the step that becomes step 5
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    def evaluate_then_signal(self):
+        evaluated.append(self.state.step)
+        if during == "evaluation" and len(evaluated) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return evaluate(self)
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_signal)
+    monkeypatch.setattr(Trainer, "evaluate", evaluate_then_signal)
+    ckpt = tmp_path / "ckpt"
+    trainer = train(tiny_cfg(toy_data, tmp_path, f"checkpoint.dir={ckpt}",
+                             "checkpoint.interval=0"))
+    stop = 5 if during == "step" else 10
+    assert trainer.state.step == stop
+    assert evaluated == ([] if during == "step" else [10])
+    assert (ckpt / "latest").read_text().strip() == f"step_{stop:07d}"
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

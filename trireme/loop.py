@@ -189,12 +189,16 @@ def one_step(trainer: Trainer, saver: Saver, run: RunOutput, stop: StopRequest) 
     signalled = stop_signalled(trainer, stop, step)
     out_of_time = out_of_time or signalled
     last = step == cfg.train.steps or out_of_time
+    # a stop signal saves first: no end-of-run evaluation within a scheduler's grace period
     do_eval = trainer.valid_data is not None and cfg.train.eval_interval and (
-        step % cfg.train.eval_interval == 0 or last)
+        step % cfg.train.eval_interval == 0 or (last and not signalled))
     if run.progress is not None:
         run.progress.update(1)
     if step % cfg.train.log_interval == 0 or last or do_eval:
         run.log(lr, bool(do_eval))
+        if do_eval and not out_of_time:  # a signal during a long evaluation saves here
+            signalled = out_of_time = agree(trainer, stop.signal is not None)
+            last = last or signalled
         # all ranks saw the same losses; agree anyway, since the rollback is collective
         if (cfg.train.spike_rollback and not out_of_time and agree(trainer, run.spiked)
                 and roll_back(trainer, saver, run)):
