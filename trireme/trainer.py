@@ -33,6 +33,7 @@ from trireme.data.multimodal import (
     is_multimodal,
     multimodal_datasets,
 )
+from trireme.data.packing import PackedConversations
 from trireme.data.shapes import shapes_corpus
 from trireme.data.sources import DataSources, build_split_datasets, open_sources
 from trireme.data.tokenizer import Tokenizer, absolute_spec, load_tokenizer
@@ -201,8 +202,8 @@ def check_context_parallel(cfg: Config) -> None:
         raise ConfigError(
             f"model.seq_length = {m.seq_length} must be divisible by 2 x parallel.context x "
             f"parallel.tensor = {2 * p.context * p.tensor} (each rank holds two equal chunks)")
-    if cfg.data.reset_attention_mask and p.context_mode != "allgather":
-        raise ConfigError("data.reset_attention_mask (packed documents) with parallel.context > 1 "
+    if packed_documents(cfg) and p.context_mode != "allgather":
+        raise ConfigError(f"{packed_documents(cfg)} (packed documents) with parallel.context > 1 "
                           "needs parallel.context_mode = 'allgather'")
     unsupported = {"model.dropout > 0": m.dropout > 0,
                    "mixture-of-experts layers (E)": "E" in m.layer_pattern,
@@ -210,6 +211,12 @@ def check_context_parallel(cfg: Config) -> None:
     for name, used in unsupported.items():
         if used:
             raise ConfigError(f"parallel.context > 1 with {name}: not implemented yet")
+
+
+def packed_documents(cfg: Config) -> str:
+    """The key that puts several documents in a sample with per-document attention ("": none)."""
+    return ("data.reset_attention_mask" if cfg.data.reset_attention_mask else
+            "data.pack_conversations" if cfg.data.pack_conversations else "")
 
 
 def check_parallel(cfg: Config, world_size: int | None = None) -> ParallelDims:
@@ -224,11 +231,9 @@ def check_parallel(cfg: Config, world_size: int | None = None) -> ParallelDims:
     if p.expert > 1 and "E" not in cfg.model.layer_pattern:
         raise ConfigError(f"parallel.expert = {p.expert} needs mixture-of-experts layers (E in "
                           "model.layer_pattern)")
-    if p.pipeline > 1 and (cfg.data.reset_position_ids or cfg.data.reset_attention_mask):
-        raise ConfigError(
-            "data.reset_position_ids / data.reset_attention_mask with parallel.pipeline > 1: "
-            "not implemented yet"
-        )
+    if p.pipeline > 1 and (cfg.data.reset_position_ids or packed_documents(cfg)):
+        raise ConfigError(f"{packed_documents(cfg) or 'data.reset_position_ids'} with "
+                          "parallel.pipeline > 1: not implemented yet")
     if p.data_parallel_mode not in ("ddp", "fsdp"):
         raise ConfigError(
             f"parallel.data_parallel_mode = {p.data_parallel_mode!r}: use 'ddp' or 'fsdp'"
@@ -333,9 +338,13 @@ def resolve_data(cfg: Config) -> tuple[DataSources, Tokenizer | None]:
 def build_datasets(cfg: Config, sources: DataSources) -> tuple[GPTDataset, GPTDataset | None]:
     """Train and validation datasets (GPTDataset, a BlendedDataset, or mock data)."""
     d = cfg.data
+    chat = any(is_chat(source.prefix) for source in sources.datasets)
+    if d.pack_conversations and (cfg.model.vision_layers or not chat):
+        raise ConfigError("data.pack_conversations is for chat data (trireme preprocess --chat); "
+                          "text data runs on across samples already, image samples are one each")
     if cfg.model.vision_layers:
         return build_multimodal_datasets(cfg, sources)
-    if any(is_chat(source.prefix) for source in sources.datasets):
+    if chat:
         return build_chat_datasets(cfg, sources)
     options = BatchOptions(sources.eod, d.eod_mask_loss, d.reset_position_ids,
                            d.reset_attention_mask)
@@ -361,16 +370,27 @@ def build_chat_datasets(cfg: Config, sources: DataSources):
         sources.datasets[0].prefix, seq_length=cfg.model.seq_length, seed=cfg.train.seed,
         split=d.split, eod=sources.eod, mask_prompt=d.mask_prompt,
         want_valid=bool(cfg.train.eval_interval))
+    if d.pack_conversations:
+        train = PackedConversations(train)
+        valid = PackedConversations(valid) if valid is not None else None
     if launched_rank() == 0:
         print(chat_data_note(train, valid, d.split, cfg.model.seq_length), file=sys.stderr)
     return train, valid
 
 
+def conversations(dataset) -> int:
+    """Conversations in a chat dataset, packed or not."""
+    return dataset.conversations if isinstance(dataset, PackedConversations) else len(dataset)
+
+
 def chat_data_note(train, valid, split: str, seq_length: int) -> str:
     """How many conversations train and validate (data.split), how many are cut at the
     sample length, and a warning for those with no trained token left."""
-    held = f", {len(valid)} validate" if valid is not None else ""
-    text = f"trireme: chat data: {len(train)} conversations train{held} (data.split = {split})"
+    held = f", {conversations(valid)} validate" if valid is not None else ""
+    text = (f"trireme: chat data: {conversations(train)} conversations train{held} (data.split "
+            f"= {split})")
+    if isinstance(train, PackedConversations):
+        text += f", packed into {len(train)} samples"
     cut, empty = train.too_long(), train.untrained()
     if cut:
         text += (f"; {cut} are longer than model.seq_length + 1 = {seq_length + 1} tokens and "

@@ -96,6 +96,12 @@ class DataConfig:
         "prompts (system and user turns, the template's framing), only on the responses; "
         "image placeholders never have a loss."
     )
+    pack_conversations: bool = doc(
+        False, "Chat data: several conversations per sample, each attending only to itself with "
+        "positions from 0 (the rest padding), instead of one padded conversation per sample: "
+        "far fewer samples when conversations are short (a dense attention mask: slower "
+        "attention per token)."
+    )
 
 
 @dataclass

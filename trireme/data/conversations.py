@@ -93,8 +93,8 @@ class ConversationDataset:
     def check(self, doc: int, row: np.ndarray) -> None:
         """Raise DataError if the sample cannot train (nothing to check here)."""
 
-    def sample(self, doc: int) -> tuple[np.ndarray, np.ndarray]:
-        """(ids int64 [seq_length + 1], loss flags bool [seq_length + 1]) of document `doc`."""
+    def row(self, doc: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids int64, loss flags bool) of document `doc`, cut at seq_length + 1, unpadded."""
         first, end = self.indexed.document_indices[doc: doc + 2]
         ids, flags = [], []
         for k, seq in enumerate(range(int(first), int(end))):
@@ -103,11 +103,25 @@ class ConversationDataset:
             flags.append(trainable & (k % 2 == 1 or not self.mask_prompt))
         row, keep = np.concatenate(ids), np.concatenate(flags)
         self.check(doc, row)
+        return row[: self.seq_length + 1], keep[: self.seq_length + 1]
+
+    def sample(self, doc: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids int64 [seq_length + 1], loss flags bool [seq_length + 1]) of document `doc`,
+        padded with eod (no loss there)."""
+        return self.padded(*self.row(doc))
+
+    def padded(self, row: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         size = self.seq_length + 1
         out_ids, out_keep = np.full(size, self.eod, np.int64), np.zeros(size, bool)
-        n = min(len(row), size)
-        out_ids[:n], out_keep[:n] = row[:n], keep[:n]
+        out_ids[: len(row)], out_keep[: len(row)] = row, keep
         return out_ids, out_keep
+
+    def lengths(self) -> np.ndarray:
+        """Tokens of each of this dataset's documents (before the cut at seq_length + 1)."""
+        starts = self.indexed.document_indices
+        ends = np.concatenate([[0], np.cumsum(np.asarray(self.indexed.sequence_lengths,
+                                                         dtype=np.int64))])
+        return (ends[starts[1:]] - ends[starts[:-1]])[self.documents]
 
     def extra(self, docs: list[int]) -> dict:
         """More fields of the Batch of these documents (none here)."""
@@ -133,10 +147,7 @@ class ConversationDataset:
 
     def too_long(self) -> int:
         """How many of this dataset's conversations are cut (longer than seq_length + 1)."""
-        starts = self.indexed.document_indices
-        ends = np.cumsum(np.asarray(self.indexed.sequence_lengths, dtype=np.int64))
-        totals = np.concatenate([[0], ends])[starts[1:]] - np.concatenate([[0], ends])[starts[:-1]]
-        return int(np.count_nonzero(totals[self.documents] > self.seq_length + 1))
+        return int(np.count_nonzero(self.lengths() > self.seq_length + 1))
 
 
 # --------------------------------------------------------------------------------------------
