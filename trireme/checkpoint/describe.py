@@ -35,24 +35,30 @@ def model_summary(cfg: ModelConfig) -> str:
     vocab = f"vocab {cfg.vocab_size}"
     if cfg.padded_vocab_size != cfg.vocab_size:
         vocab += f" (padded {cfg.padded_vocab_size})"
-    extras = [x for x, on in (("qk-norm", cfg.qk_norm), ("biases", cfg.bias),
-                              ("q/k/v biases", cfg.qkv_bias and not cfg.bias)) if on]
+    symbols = "".join(cfg.layer_symbols)
+    attention = "*" in symbols  # a pure Mamba-2 model has no heads, positions or MLP to name
+    extras = [x for x, on in (("qk-norm", cfg.qk_norm and attention), ("biases", cfg.bias),
+                              ("q/k/v biases", cfg.qkv_bias and not cfg.bias and attention)) if on]
     if cfg.max_position_embeddings > cfg.seq_length:
         extras.append(f"supports {cfg.max_position_embeddings} positions")
     moe_layers = sum("E" in layer for layer in cfg.layer_symbols)
     if moe_layers:
         extras.append(f"{moe_layers} MoE layers ({cfg.moe_num_experts} experts x "
                       f"{cfg.moe_ffn_size}, top-{cfg.moe_top_k}, {cfg.moe_router})")
-    mamba_layers = "".join(cfg.layer_symbols).count("M")
+    mamba_layers = symbols.count("M")
     if mamba_layers:
         extras.append(f"{mamba_layers} Mamba-2 layers ({cfg.mamba_heads} heads x "
                       f"{cfg.mamba_head_dim}, d_state {cfg.mamba_state_dim}, "
                       f"{count_of(cfg.mamba_num_groups, 'group')})")
+    parts = [f"{heads} (head {cfg.head_size})"] if attention else []
+    if "-" in symbols or "E" in symbols:
+        parts.append(f"ffn {cfg.ffn_size} {cfg.activation}")
+    if attention:
+        parts.append(position)
     return ", ".join([
-        count_of(cfg.num_layers, "layer"), f"hidden {cfg.hidden_size}",
-        f"{heads} (head {cfg.head_size})",
-        f"ffn {cfg.ffn_size} {cfg.activation}", position, cfg.normalization, vocab,
-        f"seq {cfg.seq_length}", "tied" if cfg.tie_embeddings else "untied", *extras,
+        count_of(cfg.num_layers, "layer"), f"hidden {cfg.hidden_size}", *parts,
+        cfg.normalization, vocab, f"seq {cfg.seq_length}",
+        "tied" if cfg.tie_embeddings else "untied", *extras,
     ])
 
 
