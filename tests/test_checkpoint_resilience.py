@@ -3,6 +3,8 @@
 full checkpoint directories give one-line errors with nothing left behind."""
 
 import errno
+import fcntl
+import os
 import pickle
 import shutil
 
@@ -100,6 +102,27 @@ def test_unreadable_file_is_named_not_a_traceback(two_steps, toy_data, tmp_path,
     trainer = run(toy_data, tmp_path, ckpt, fmt_name, "train.steps=5",
                   "checkpoint.resume_step=latest-intact")
     assert trainer.state.step == 5
+
+
+def test_a_second_run_on_a_root_in_use_stops_at_start_up(toy_data, tmp_path):  # noqa: F811
+    """A run holds its checkpoint root: another (a requeued job whose first instance still runs)
+    is one line, before it resumes or saves anything; once the holder is gone, the same run goes
+    on, a finished run leaves the root free, and no lock file is left in it."""
+    ckpt = tmp_path / "ckpt"
+    run(toy_data, tmp_path, ckpt, "sharded", "train.steps=2")
+    holder = os.open(ckpt, os.O_RDONLY)  # another open directory: flock refuses the run's
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(CheckpointError, match=r"checkpoint.dir .*ckpt is in use by another "
+                           r"training run .*another checkpoint.dir") as e:
+            run(toy_data, tmp_path, ckpt, "sharded", "train.steps=4")
+        assert "\n" not in str(e.value)
+        assert not (ckpt / "step_0000004").exists()
+    finally:
+        os.close(holder)
+    assert run(toy_data, tmp_path, ckpt, "sharded", "train.steps=4").state.step == 4
+    assert run(toy_data, tmp_path, ckpt, "sharded", "train.steps=5").state.step == 5
+    assert sorted(p.name for p in ckpt.iterdir() if not p.is_dir()) == ["latest"]
 
 
 def test_only_checkpoint_damaged_does_not_start_fresh(toy_data, tmp_path):  # noqa: F811

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from trireme.checkpoint.root_lock import exclusive
 from trireme.checkpoint.saver import Saver
 from trireme.checkpoint.training import load_latest, maybe_resume, save_gathered
 from trireme.cpu_threads import cpu_threads_note
@@ -49,6 +50,18 @@ def run_loop(trainer: Trainer) -> bool:
     """Train until train.steps (or train.max_minutes), logging, evaluating and checkpointing.
     False when a stop signal ended the run early."""
     saver = Saver(trainer, save_gathered)  # also gives resume its gloo group
+    with exclusive(owned_root(trainer)):  # no second run saves into the same root meanwhile
+        return train_from_checkpoint(trainer, saver)
+
+
+def owned_root(trainer: Trainer) -> Path | None:
+    """The checkpoint root the run saves into, on global rank 0 (the rank that locks it)."""
+    root = trainer.cfg.checkpoint.dir
+    return Path(root) if root and trainer.is_main else None
+
+
+def train_from_checkpoint(trainer: Trainer, saver: Saver) -> bool:
+    """Resume (if there is a checkpoint), then train; run_loop's result."""
     maybe_resume(trainer, saver)
     run = RunOutput.open(trainer)
     stop = StopRequest()
