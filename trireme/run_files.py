@@ -16,6 +16,7 @@ from pathlib import Path
 
 from trireme.config import Config
 from trireme.errors import ConfigError
+from trireme.words import count_of
 
 
 def not_writable(run_dir: Path, e: OSError) -> ConfigError:
@@ -120,6 +121,6 @@ def rewind_metrics(run_dir: Path, step: int) -> None:
     tmp.write_text("".join(line if line.endswith("\n") else line + "\n" for line in kept),
                    encoding="utf-8")
     os.replace(tmp, metrics)
-    print(f"trireme: metrics.jsonl had {len(beyond)} rows past step {step}, the checkpoint "
-          f"resumed from (logged before the last run stopped without saving them): moved to "
-          f"{aside.name}", file=sys.stderr)
+    print(f"trireme: metrics.jsonl had {count_of(len(beyond), 'row')} past step {step}, the "
+          "checkpoint resumed from (logged before the last run stopped without saving them): "
+          f"moved to {aside.name}", file=sys.stderr)
