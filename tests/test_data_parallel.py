@@ -10,12 +10,17 @@ parallel.bucket_size makes several buckets. Layouts of one world size share one 
 
 from __future__ import annotations
 
+import contextlib
+import io
+from pathlib import Path
+
 import pytest
 from distributed import run_ranks
 from test_train import read_metrics, toy_data  # noqa: F401  (toy_data is a fixture)
 from test_train_parallel import assert_same, losses
 
 from trireme.config import load_config
+from trireme.inference.sample import print_sample
 from trireme.train import train
 
 ARGS = [
@@ -80,6 +85,32 @@ def test_data_parallel_matches_one_process(world, toy_data, reference, tmp_path)
         assert_same(losses(resumed), losses(ref)[:10], "DP=2 distopt loss")
         train(config(toy_data, resumed, *RESUME, "train.steps=12", f"checkpoint.dir={ckpt}"))
         assert_same(losses(resumed), losses(ref), "DP=2 distopt, then resumed in one process")
+
+
+SAMPLE = ("train.steps=2", "train.sample_tokens=6")
+
+
+def printed_sample(cfg) -> str:
+    """What `trireme train` prints between the sample's rulers (this process)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train(cfg, on_finish=print_sample)
+    return out.getvalue().partition("----- sample -----")[2]
+
+
+def sample_worker(rank: int, world: int, data: str, run_dir: str) -> None:
+    sample = printed_sample(config(data, run_dir, FSDP, *SAMPLE))
+    if rank == 0:
+        (Path(run_dir) / "sample.txt").write_text(sample)
+
+
+def test_end_of_training_sample_under_fsdp(toy_data, tmp_path):  # noqa: F811
+    """Decoding runs each block's forward directly, past FSDP's hooks: the sample gathers the
+    sharded weights first (was a DTensor traceback after every FSDP run) and prints the
+    one-process sample."""
+    run_ranks(sample_worker, 2, tmp_path, toy_data, str(tmp_path / "fsdp"))
+    want = printed_sample(config(toy_data, tmp_path / "one", *SAMPLE))
+    assert want.strip() and (tmp_path / "fsdp" / "sample.txt").read_text() == want
 
 
 def free_port() -> int:

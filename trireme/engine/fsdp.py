@@ -23,10 +23,13 @@ whole on each rank before it is sharded, so it must fit on one device at the sta
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from trireme.config import Config
 from trireme.errors import ConfigError
@@ -62,6 +65,21 @@ def shard_model(model: nn.Module, mesh: ParallelMesh) -> None:
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
+
+
+@contextmanager
+def gathered(model: nn.Module) -> Iterator[None]:
+    """Every FSDP unit of `model` all-gathered inside, resharded after: for calls that skip the
+    units' forward hooks (decoding runs each block's `forward` directly, eager even when the
+    blocks are compiled). Collective over the data-parallel ranks; nothing without FSDP."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
 
 
 def _local(t: Tensor) -> Tensor:

@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from trireme.engine.fsdp import gathered
 from trireme.errors import TrainingError
 from trireme.inference.generate import generate, printable_ids, sample_next
 from trireme.trainer import Trainer, build_runner
@@ -73,9 +74,10 @@ def sample_one_model(trainer: Trainer, prompt_ids: list[int]) -> list[int]:
     """The end-of-training sample of one model (maybe tensor-parallel: every rank takes part)."""
     cfg = trainer.cfg
     tp = trainer.model.tp
-    if tp is None:
-        out = generate(trainer.model, prompt_ids, cfg.train.sample_tokens, temperature=0.8,
-                       top_k=40, seed=cfg.train.seed)
+    if tp is None:  # (under FSDP every rank gathers the weights and samples the same tokens)
+        with gathered(trainer.model):
+            out = generate(trainer.model, prompt_ids, cfg.train.sample_tokens, temperature=0.8,
+                           top_k=40, seed=cfg.train.seed)
     else:
         # Every rank runs the generation (the layers communicate) and samples the same tokens
         # from the same gathered logits, each rank's KV cache holding its own heads; no
