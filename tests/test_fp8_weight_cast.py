@@ -179,6 +179,7 @@ def test_trainer_runs_cast_once_as_the_plain_path(toy_data, tmp_path, monkeypatc
 
     monkeypatch.setattr(fp8_training, "cast_weight", counted_cast)
     monkeypatch.setattr(DelayedFloat8Linear, "drop_cast", counted_drop)
+    monkeypatch.setattr(DelayedFloat8Linear, "cache_weight", True)  # (off by default)
     cached = run("cached")
     assert calls == {"cast": 6 * 8, "drop": 6 * 8}  # 6 steps x 8 fp8 linears
     monkeypatch.setattr(DelayedFloat8Linear, "cache_weight", False)

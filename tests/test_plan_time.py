@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten
 
 from trireme.config import load_config
 from trireme.ops.fp8 import fp8_linear
-from trireme.ops.fp8_training import DelayedFloat8Matmul
+from trireme.ops.fp8_training import DelayedFloat8Linear, DelayedFloat8Matmul
 from trireme.plan.activations import head_bytes, shape_of
 from trireme.plan.memory import Degrees
 from trireme.plan.params import layer_symbols
@@ -201,12 +201,15 @@ def _llama_fp8(compile: bool, **overrides):
 FOUR = '["qkv", "out", "fc1", "fc2"]'
 
 
-def test_delayed_scaling_saves_the_amax_reads_and_the_weight_casts():
+@pytest.mark.parametrize("cast_once", [False, True])
+def test_delayed_scaling_saves_the_amax_reads_and_the_weight_casts(monkeypatch, cast_once):
     """Delayed scaling against current, per step: compiled, FP8_AMAX_BYTES less per element of
-    every fp8 linear's x and g (counted here from the model's widths), plus the one cast of W
-    per step (FP8_WEIGHT_CAST_BYTES per weight element); eager, the casts and transposing copies
-    of W (EAGER and TRANSPOSE bytes per weight element) once per step instead of per micro
+    every fp8 linear's x and g (counted here from the model's widths); with W cast once per
+    step (DelayedFloat8Linear.cache_weight, off by default), plus that cast
+    (FP8_WEIGHT_CAST_BYTES per weight element), and eager, the casts and transposing copies of
+    W (EAGER and TRANSPOSE bytes per weight element) once per step instead of per micro
     batch."""
+    monkeypatch.setattr(DelayedFloat8Linear, "cache_weight", cast_once)
     rates = load_rates("h200")
     step = {}
     for compile in (True, False):
@@ -222,11 +225,12 @@ def test_delayed_scaling_saves_the_amax_reads_and_the_weight_casts():
     tokens = cfg.train.global_batch_size * m.seq_length
     micro = cfg.train.global_batch_size // cfg.train.micro_batch_size
     mem, transpose = rates.memory_tbps * 1e12, rates.transpose_tbps * 1e12
-    once = FP8_WEIGHT_CAST_BYTES * w / mem
+    once = FP8_WEIGHT_CAST_BYTES * w / mem * cast_once
     saved = FP8_AMAX_BYTES * (x + g) * tokens * m.num_layers / mem
     assert step[True, "current"] - step[True, "delayed"] == pytest.approx(saved - once, rel=1e-9)
     eager_w = (micro - 1) * w * (FP8_EAGER_BYTES / mem + FP8_TRANSPOSE_BYTES / transpose)
-    assert step[False, "current"] - step[False, "delayed"] == pytest.approx(eager_w, rel=1e-9)
+    assert step[False, "current"] - step[False, "delayed"] == pytest.approx(
+        eager_w * cast_once, rel=1e-9, abs=1e-12)
 
 
 def test_fp8_output_layer_moves_the_head_flops_to_the_fp8_rate():

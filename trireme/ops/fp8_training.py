@@ -140,19 +140,22 @@ class DelayedFloat8Linear(Float8Linear):
     `scales` [3] (fp8_max / the history's max, what the casts use). `delayed_ready` is False
     until the first `start_step()` after a recorded step: until then the layer scales currently.
 
-    W is cast once per optimizer step (`start_step`, with `cache_weight`, the default) into
-    `weight_fp8`, its transpose `weight_fp8_t` and `weight_fp8_stats` ([amax, scale]), which every
-    training micro batch of the step then reads: W does not change within a step, so these are
-    the numbers the plain path (`cache_weight = False`: cast in every forward) computes, in the
+    W is cast in every forward (the plain path, the default), or with `cache_weight` once per
+    optimizer step (`start_step`) into `weight_fp8`, its transpose `weight_fp8_t` and
+    `weight_fp8_stats` ([amax, scale]), which every training micro batch of the step then reads:
+    W does not change within a step, so these are the numbers the plain path computes, in the
     same ops (compiled with `compile_cast`). Whoever changes W calls `end_fp8_step` first (the
     step runner does, before the optimizer step). As a guard for loops that do not, evaluation
     (eval mode or no grad) always casts in its forward, and a training forward drops the cast
-    when W was replaced or its version counter moved (an eager forward, or the converted
-    model's forward pre-hook, looks; a fused optimizer or a write through `.data` does not move
-    it).
+    when W was replaced or its version counter moved (an eager forward, or the converted model's
+    forward pre-hook, looks; a fused optimizer or a write through `.data` does not move it).
     """
 
-    cache_weight = True  # False: W cast in every forward (the plain path, for tests)
+    # True: W cast once per step. Off: on an H100, llama3-1b at two micro batches per step, the
+    # plain path trained 0.45% faster (80,987 against 80,625 tokens/s, three alternated fresh
+    # runs each; bench/RESULTS.md, session 15) and keeps no q(W) between steps (2 bytes per
+    # weight). The planner follows this switch (trireme.plan.activations.fp8_cast_once).
+    cache_weight = False
     compile_cast = False  # the step's cast through torch.compile on a GPU (model.compile)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,

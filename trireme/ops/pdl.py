@@ -14,14 +14,16 @@ came out with and without it (bench/pdl_check.py; bench/RESULTS.md, session 10).
 PDL (TORCHINDUCTOR_ENABLE_PDL=1, for the compiled step's elementwise kernels) measured no gain
 there and stays off.
 
-Early reads ($TRIREME_PDL_PREFETCH=1, `early_reads`): before its wait a kernel may ask the L2
-for lines it will read (prefetch.global.L2: a hint, no registers held, and the L2 is coherent
-across SMs, so a prefetch only has to stay inside the tensor), and may load into registers what
-no kernel after the one two places before it writes. Every PDL kernel here waits before it lets
-the next one launch (enter: wait, then launch_dependents), and a kernel launched without PDL
-starts only after the one before it completed; so when kernel N + 1 starts, kernel N - 1 and
-all before it have completed. The paged kernel loads the step's lengths and block tables
-early: they are copied in before the step's graph replays (or built before its forward).
+Early reads (`early_reads`, on with PDL unless $TRIREME_PDL_PREFETCH=0): before its wait a
+kernel may ask the L2 for lines it will read (prefetch.global.L2: a hint, no registers held, and
+the L2 is coherent across SMs, so a prefetch only has to stay inside the tensor), and may load
+into registers what no kernel after the one two places before it writes. Every PDL kernel here
+waits before it lets the next one launch (enter: wait, then launch_dependents), and a kernel
+launched without PDL starts only after the one before it completed; so when kernel N + 1 starts,
+kernel N - 1 and all before it have completed. The paged kernel loads the step's lengths and
+block tables early: they are copied in before the step's graph replays (or built before its
+forward). On an H100 they took the decode step at batch 64 from 1.78-1.79 to 1.76-1.77 ms (four
+alternated fresh runs each) with the same greedy tokens (bench/RESULTS.md, session 15).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import os
 import torch
 
 ENV = "TRIREME_PDL"
-PREFETCH_ENV = "TRIREME_PDL_PREFETCH"  # "1": early_reads
+PREFETCH_ENV = "TRIREME_PDL_PREFETCH"  # "0": no early_reads
 
 
 @functools.cache
@@ -47,8 +49,8 @@ def launch_pdl(t: torch.Tensor) -> bool:
 
 def early_reads(t: torch.Tensor) -> bool:
     """Whether a kernel launched with PDL for input t issues, before its wait, the first reads
-    of what no kernel of the step writes ($TRIREME_PDL_PREFETCH=1; opt-in until measured): the
+    of what no kernel of the step writes (unless $TRIREME_PDL_PREFETCH=0): the
     split-K GEMMs their first weight tile (weights are never written while serving), the paged
     kernel its first tile of earlier steps' keys and values (and the step's lengths and block
     tables, set before its first layer). Those reads then overlap the kernel before it."""
-    return launch_pdl(t) and os.environ.get(PREFETCH_ENV, "0") == "1"
+    return launch_pdl(t) and os.environ.get(PREFETCH_ENV, "1") != "0"

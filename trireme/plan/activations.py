@@ -56,6 +56,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trireme.config import FP8_OUTPUT, Config
+from trireme.ops.fp8_training import DelayedFloat8Linear
 
 
 @dataclass(frozen=True)
@@ -177,9 +178,11 @@ def fp8_weight_bytes(cfg: Config, s: Shape, symbols: str) -> float:
 
 def fp8_cast_once(cfg: Config, s: Shape) -> bool:
     """Whether the fp8 linears cast their weights once per optimizer step and keep q(W) and its
-    transpose (trireme.ops.fp8_training: delayed scaling, trireme's fp8 linears)."""
+    transpose (trireme.ops.fp8_training: delayed scaling, trireme's fp8 linears, when
+    DelayedFloat8Linear.cache_weight is on; off by default, measured slower)."""
     m = cfg.model
-    return s.fp8 and m.fp8_backend == "trireme" and m.fp8_scaling_mode() == "delayed"
+    return (s.fp8 and m.fp8_backend == "trireme" and m.fp8_scaling_mode() == "delayed"
+            and DelayedFloat8Linear.cache_weight)
 
 
 def fp8_weight_elements(cfg: Config, s: Shape, symbols: str) -> float:
