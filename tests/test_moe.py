@@ -205,7 +205,12 @@ def test_bad_moe_settings_are_one_line_errors():
     for extra, words in [(["model.moe_top_k=9"], "moe_top_k = 9"),
                          (["model.moe_capacity_factor=-1"], "moe_capacity_factor"),
                          (["parallel.expert=3"], "not divisible by parallel.expert = 3"),
-                         (["model.moe_num_groups=3"], "moe_num_groups = 3")]:
+                         (["model.moe_num_groups=3"], "moe_num_groups = 3"),
+                         (["model.moe_num_experts=0"], "moe_num_experts = 0 must be at least"),
+                         (["model.moe_pad_to_capacity=true"], "needs a capacity"),
+                         (["model.moe_aux_loss_coeff=-0.01"], "moe_aux_loss_coeff = -0.01"),
+                         (["model.moe_bias_update_rate=-1"], "moe_bias_update_rate = -1"),
+                         (["model.moe_z_loss_coeff=-1"], "moe_z_loss_coeff = -1")]:
         with pytest.raises(ConfigError, match=words) as err:
             load_config("tiny", [pattern, *extra])
         assert "\n" not in str(err.value)

@@ -153,6 +153,8 @@ def test_skipped_steps_in_a_row_stop_the_run(toy_data, tmp_path, monkeypatch):
     first, last = map(int, e.value.args[0].split()[1].split("-"))
     assert last - first + 1 >= 4
     assert len(str(e.value).splitlines()) == 1
+    assert f"saved well before step {first} (checkpoint.resume_step" in str(e.value)
+    assert "checkpoint.resume = never" in str(e.value)  # when there is none
     records = read_metrics(tmp_path / "run")
     assert records[-1]["step"] == last < 30  # stopped at the first log step past the limit
 

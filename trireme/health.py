@@ -91,7 +91,9 @@ class RunHealth:
                 f"gradient norm ({self.streak} in a row; train.max_skipped_steps = "
                 f"{self.max_skipped}): the run diverged at step {self.streak_start}; lower "
                 "optimizer.lr or raise schedule.warmup_steps, then resume from a checkpoint "
-                "before it"
+                f"saved well before step {self.streak_start} (checkpoint.resume_step = N: weights "
+                "saved near it may be finite but already ruined) or start again "
+                "(checkpoint.resume = never)"
             )
         return warnings, error
 

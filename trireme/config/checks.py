@@ -166,7 +166,10 @@ def _check_fp8(m: ModelConfig) -> None:
 
 def _check_moe(m: ModelConfig, p: ParallelConfig) -> None:
     """The mixture-of-experts keys, when the pattern has an E."""
-    if m.moe_num_experts < 1 or not 1 <= m.moe_top_k <= m.moe_num_experts:
+    if m.moe_num_experts < 1:
+        raise ConfigError(f"model.moe_num_experts = {m.moe_num_experts} must be at least 1 with "
+                          "E layers in model.layer_pattern")
+    if not 1 <= m.moe_top_k <= m.moe_num_experts:
         raise ConfigError(f"model.moe_top_k = {m.moe_top_k} must be between 1 and "
                           f"model.moe_num_experts = {m.moe_num_experts}")
     if m.moe_num_groups < 1 or m.moe_num_experts % m.moe_num_groups:
@@ -180,6 +183,13 @@ def _check_moe(m: ModelConfig, p: ParallelConfig) -> None:
     if m.moe_capacity_factor < 0:
         raise ConfigError(f"model.moe_capacity_factor = {m.moe_capacity_factor} must be > 0 "
                           "(or 0: dropless)")
+    if m.moe_pad_to_capacity and not m.moe_capacity_factor:
+        raise ConfigError("model.moe_pad_to_capacity needs a capacity (model.moe_capacity_factor "
+                          "> 0): dropless routing has none to pad to")
+    for key in ("moe_aux_loss_coeff", "moe_seq_aux_loss_coeff", "moe_z_loss_coeff",
+                "moe_bias_update_rate"):
+        if getattr(m, key) < 0:
+            raise ConfigError(f"model.{key} = {getattr(m, key)} must be >= 0 (0: off)")
     if m.moe_num_experts % p.expert:
         raise ConfigError(f"model.moe_num_experts = {m.moe_num_experts} is not divisible by "
                           f"parallel.expert = {p.expert}")
