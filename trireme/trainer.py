@@ -23,6 +23,7 @@ from trireme.checkpoint.tokenizer_copy import moved_copy
 from trireme.config import AUTO_MICRO_BATCH, Config, validate
 from trireme.cpu_threads import set_cpu_threads
 from trireme.data.batch import Batch, BatchOptions, get_micro_batch
+from trireme.data.blend import BlendedBatches
 from trireme.data.cache import index_cache_dir
 from trireme.data.conversations import chat_datasets, is_chat
 from trireme.data.corpus import default_corpus
@@ -35,7 +36,12 @@ from trireme.data.multimodal import (
 )
 from trireme.data.packing import PackedConversations
 from trireme.data.shapes import shapes_corpus
-from trireme.data.sources import DataSources, build_split_datasets, open_sources
+from trireme.data.sources import (
+    DataSources,
+    build_split_datasets,
+    open_sources,
+    unique_names,
+)
 from trireme.data.tokenizer import Tokenizer, absolute_spec, load_tokenizer
 from trireme.data.tokenizer_mark import check_mark
 from trireme.engine.build import DTYPES, build_schedule, build_step_runner
@@ -357,24 +363,45 @@ def build_datasets(cfg: Config, sources: DataSources) -> tuple[GPTDataset, GPTDa
 
 
 def build_chat_datasets(cfg: Config, sources: DataSources):
-    """Train and validation datasets of conversations (trireme.data.conversations); a note on
-    rank 0 of how many are cut at the sequence length."""
+    """Train and validation datasets of conversations (trireme.data.conversations; a weighted
+    blend of several chat datasets: BlendedBatches); on rank 0 a note per dataset of how many
+    train and how many are cut at the sequence length."""
     d = cfg.data
-    if len(sources.datasets) != 1:
-        raise ConfigError(f"data.path = {d.path!r} blends a chat dataset (trireme preprocess "
-                          "--chat) with others: chat data trains alone for now")
+    plain = [s.prefix for s in sources.datasets if not is_chat(s.prefix)]
+    if plain:
+        raise ConfigError(f"data.path = {d.path!r} blends chat data (trireme preprocess --chat) "
+                          f"with plain text ({plain[0]}): blend chat datasets with each other")
     if sources.eod < 0:
         raise ConfigError("chat data needs data.tokenizer: its end-of-document id pads the "
                           "samples")
+    names = unique_names(sources.datasets)
+    parts = [chat_part(cfg, source.prefix, sources.eod) for source in sources.datasets]
+    if launched_rank() == 0:
+        for name, (train, valid) in zip(names, parts):
+            print(chat_data_note(train, valid, d.split, cfg.model.seq_length,
+                                 name if len(parts) > 1 else ""), file=sys.stderr)
+    if len(parts) == 1:
+        return parts[0]
+    train = BlendedBatches([t for t, _ in parts], sources.weights, cfg.train.seed, names)
+    if launched_rank() == 0:
+        train.log(cfg.train.steps * cfg.train.global_batch_size)
+    kept = [(v, w, n) for (_, v), w, n in zip(parts, sources.weights, names) if v is not None]
+    valid = (BlendedBatches([v for v, _, _ in kept], [w for _, w, _ in kept], cfg.train.seed,
+                            [n for _, _, n in kept]) if kept else None)
+    return train, valid
+
+
+def chat_part(cfg: Config, prefix: str, eod: int):
+    """(train, valid or None) conversations of one chat prefix, packed with
+    data.pack_conversations."""
+    d = cfg.data
     train, valid = chat_datasets(
-        sources.datasets[0].prefix, seq_length=cfg.model.seq_length, seed=cfg.train.seed,
-        split=d.split, eod=sources.eod, mask_prompt=d.mask_prompt,
+        prefix, seq_length=cfg.model.seq_length, seed=cfg.train.seed, split=d.split,
+        eod=eod, mask_prompt=d.mask_prompt,
         want_valid=bool(cfg.train.eval_interval))
     if d.pack_conversations:
-        train = PackedConversations(train)
-        valid = PackedConversations(valid) if valid is not None else None
-    if launched_rank() == 0:
-        print(chat_data_note(train, valid, d.split, cfg.model.seq_length), file=sys.stderr)
+        return (PackedConversations(train),
+                PackedConversations(valid) if valid is not None else None)
     return train, valid
 
 
@@ -383,12 +410,14 @@ def conversations(dataset) -> int:
     return dataset.conversations if isinstance(dataset, PackedConversations) else len(dataset)
 
 
-def chat_data_note(train, valid, split: str, seq_length: int) -> str:
+def chat_data_note(train, valid, split: str, seq_length: int, name: str = "") -> str:
     """How many conversations train and validate (data.split), how many are cut at the
-    sample length, and a warning for those with no trained token left."""
+    sample length, and a warning for those with no trained token left; `name`: which dataset
+    of a blend."""
     held = f", {conversations(valid)} validate" if valid is not None else ""
-    text = (f"trireme: chat data: {conversations(train)} conversations train{held} (data.split "
-            f"= {split})")
+    which = f" {name}" if name else ""
+    text = (f"trireme: chat data{which}: {conversations(train)} conversations train{held} "
+            f"(data.split = {split})")
     if isinstance(train, PackedConversations):
         text += f", packed into {len(train)} samples"
     cut, empty = train.too_long(), train.untrained()
@@ -396,9 +425,9 @@ def chat_data_note(train, valid, split: str, seq_length: int) -> str:
         text += (f"; {cut} are longer than model.seq_length + 1 = {seq_length + 1} tokens and "
                  "are cut there")
     if empty:
-        text += (f"\ntrireme: warning: {empty} training conversations have no answer token "
-                 f"within model.seq_length = {seq_length} (their first prompt fills it): they "
-                 "train nothing; raise model.seq_length or shorten them")
+        text += (f"\ntrireme: warning: {empty} training conversations{which} have no answer "
+                 f"token within model.seq_length = {seq_length} (their first prompt fills it): "
+                 "they train nothing; raise model.seq_length or shorten them")
     return text
 
 

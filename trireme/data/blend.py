@@ -24,7 +24,7 @@ from fractions import Fraction
 import numpy as np
 import torch
 
-from trireme.data.batch import BatchOptions
+from trireme.data.batch import Batch, BatchOptions
 from trireme.errors import ConfigError
 from trireme.words import count_of
 
@@ -156,3 +156,33 @@ class BlendedDataset(torch.utils.data.Dataset):
 
     def log(self, num_samples: int) -> None:
         print(self.describe(num_samples), file=sys.stderr)
+
+
+BATCH_ROWS = ("tokens", "labels", "loss_mask", "position_ids", "document_ids")
+
+
+class BlendedBatches(BlendedDataset):
+    """A blend of datasets that build their own Batch (`get_batch(indices)`: chat
+    conversations, packed or not): each builds its rows, put back in the blend's order."""
+
+    def get_batch(self, indices: np.ndarray) -> Batch:
+        indices = np.asarray(indices, dtype=np.int64)
+        dataset, local = self.locate(indices)
+        parts = []
+        for d in np.unique(dataset):
+            rows = np.nonzero(dataset == d)[0]
+            parts.append((torch.from_numpy(rows), self.datasets[int(d)].get_batch(local[rows])))
+        return Batch(*(_rows_in_order(parts, name, indices.size) for name in BATCH_ROWS))
+
+
+def _rows_in_order(parts: list, name: str, n: int) -> torch.Tensor | None:
+    """Field `name` of the parts' Batches as one [n, ...] tensor, rows where the parts say."""
+    values = [getattr(batch, name) for _, batch in parts]
+    if all(v is None for v in values):
+        return None
+    if any(v is None for v in values):
+        raise ConfigError(f"a blend's datasets disagree on {name} (some have it, some not)")
+    out = values[0].new_empty((n, *values[0].shape[1:]))
+    for (rows, _), value in zip(parts, values):
+        out[rows] = value
+    return out

@@ -77,6 +77,10 @@ class ConversationDataset:
     def __len__(self) -> int:
         return len(self.documents)
 
+    @property
+    def samples_per_epoch(self) -> int:
+        return len(self.documents)
+
     def document(self, index: int) -> int:
         """The document of sample `index`: epoch index // n in a shuffled order of its own."""
         epoch, k = divmod(int(index), len(self.documents))

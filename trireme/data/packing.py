@@ -42,7 +42,7 @@ class PackedConversations:
 
     def __init__(self, dataset: ConversationDataset) -> None:
         self.dataset = dataset
-        self.name, self.prefix = dataset.name, dataset.prefix
+        self.name, self.prefix, self.seq_length = dataset.name, dataset.prefix, dataset.seq_length
         rng = np.random.default_rng([dataset.seed, 0])
         order = rng.permutation(len(dataset.documents))
         lengths = dataset.lengths()[order]
@@ -50,6 +50,10 @@ class PackedConversations:
         self._orders: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
+        return len(self.packs)
+
+    @property
+    def samples_per_epoch(self) -> int:
         return len(self.packs)
 
     @property

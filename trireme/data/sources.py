@@ -36,7 +36,7 @@ def open_sources(path: str) -> DataSources:
     return DataSources([IndexedDataset(prefix) for _, prefix in pairs], [w for w, _ in pairs])
 
 
-def _unique_names(datasets: list[IndexedDataset]) -> list[str]:
+def unique_names(datasets: list[IndexedDataset]) -> list[str]:
     names = [Path(d.prefix).name for d in datasets]
     return [n if names.count(n) == 1 else f"{n}.{i}" for i, n in enumerate(names)]
 
@@ -68,7 +68,7 @@ def build_split_datasets(
         valid = MockGPTDataset(mock_vocab_size, seq_length, seed + 1, options=options,
                                name="mock-valid")
         return train, (valid if want_valid else None)
-    names = _unique_names(sources.datasets)
+    names = unique_names(sources.datasets)
     per_split: list[list[GPTDataset | None]] = [[], []]
     for dataset, name in zip(sources.datasets, names):
         train_ids, valid_ids, _ = split_documents(dataset.num_documents, split)
