@@ -147,6 +147,34 @@ def test_chat_template_choice(checkpoint, tmp_path):
         chat_format(loaded, str(tmp_path / "missing.jinja"))
 
 
+def test_auto_serves_the_template_the_chat_data_was_made_with(tmp_path):
+    """--chat-template auto: the template the run's chat data was preprocessed with (its
+    P.chat.json, plain or a file), before the checkpoint's own; the checkpoint's where that is
+    unknown (data moved, a blend of two templates)."""
+    loaded = load_for_inference(str(make_checkpoint(tmp_path / "ckpt")), device="cpu")
+    (tmp_path / "ckpt" / "chat_template.jinja").write_text(
+        "{% for m in messages %}<{{ m.content }}>{% endfor %}")
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    record = {"messages": [{"role": "user", "content": "hi"},
+                           {"role": "assistant", "content": "yo"}]}
+    (tmp_path / "in.jsonl").write_text(json.dumps(record) + "\n")
+    for name, flags in (("plain", ["--chat-template", "plain"]),
+                        ("file", ["--chat-template", str(tmp_path / "t.jinja")])):
+        assert trireme_main(["preprocess", "--chat", "--input", str(tmp_path / "in.jsonl"),
+                             "--output-prefix", str(tmp_path / name), "--tokenizer", "bytes",
+                             *flags]) == 0
+    messages = [{"role": "user", "content": "hi"}]
+    for path, want in ((str(tmp_path / "plain"), "user: hi\nassistant:"),
+                       (str(tmp_path / "file"), "[hi]"),
+                       (f"1 {tmp_path}/file 1 {tmp_path}/file", "[hi]"),
+                       (f"1 {tmp_path}/file 1 {tmp_path}/plain", "<hi>"),  # two: unknown
+                       (str(tmp_path / "moved"), "<hi>"), ("", "<hi>")):
+        loaded.cfg.data.path = path
+        assert chat_format(loaded).render(messages) == want, path
+    loaded.cfg.data.path = str(tmp_path / "file")
+    assert chat_format(loaded, "plain").render(messages) == "user: hi\nassistant:"
+
+
 def test_server_options_out_of_range_are_one_line_errors(checkpoint, capsys):
     """Checked before the model loads: a port outside 0-65535, a body limit or image size of
     0, a negative drain time."""

@@ -107,6 +107,7 @@ class ChatFormat:
     def __init__(self, template: str | None, bos_token: str = "", eos_token: str = "") -> None:
         self.template = None
         self.source = "plain"
+        self.text = template  # the template's source (None: the plain one)
         if template is not None:
             try:
                 from jinja2.sandbox import ImmutableSandboxedEnvironment

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from trireme.data.batch import Batch
+from trireme.data.blend import parse_blend
 from trireme.data.chat import (
     ROLES,
     ChatFormat,
@@ -160,6 +161,34 @@ class ConversationDataset:
 
 def is_chat(prefix: str) -> bool:
     return os.path.isfile(prefix + CHAT_SUFFIX)
+
+
+@dataclass(frozen=True)
+class TrainedTemplate:
+    """The chat template a run's chat data was rendered with: `text` (None: the plain one)."""
+
+    text: str | None
+
+
+def trained_template(data_path: str) -> TrainedTemplate | None:
+    """The template the chat data of `data_path` (one prefix or a blend) was made with, from
+    its P.chat.json; None where that cannot be known: not chat data, files moved or unreadable,
+    made before the template text was recorded, or a blend of different templates."""
+    found = set()
+    for _, prefix in parse_blend(data_path) if data_path else []:
+        try:
+            marker = json.loads(Path(prefix + CHAT_SUFFIX).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        if not isinstance(marker, dict):
+            return None
+        if marker.get("template") == "plain":
+            found.add(None)
+        elif isinstance(marker.get("chat_template"), str):
+            found.add(marker["chat_template"])
+        else:
+            return None
+    return TrainedTemplate(found.pop()) if len(found) == 1 else None
 
 
 def chat_format_for(tokenizer_spec: str, choice: str, tokenizer: Tokenizer) -> ChatFormat:
@@ -320,7 +349,8 @@ def preprocess_chat(inputs: list[str], output_prefix: str, tokenizer: Tokenizer,
             report.trained += sum(len(s) for s in sequences[1::2])
         if report.conversations == 0:
             raise DataError(f"preprocess --chat: no conversations in {', '.join(inputs)}")
-    marker = {"kind": "chat", "template": chat.source, "conversations": report.conversations}
+    marker = {"kind": "chat", "template": chat.source, "chat_template": chat.text,
+              "conversations": report.conversations}
     temp = temporary_path(output_prefix + CHAT_SUFFIX)
     Path(temp).write_text(json.dumps(marker) + "\n")
     os.replace(temp, output_prefix + CHAT_SUFFIX)

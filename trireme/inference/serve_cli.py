@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from trireme.data.chat import ChatFormat, find_chat_template, find_special_token, template_eos
+from trireme.data.conversations import TrainedTemplate, trained_template
 from trireme.errors import ConfigError, TriremeError
 from trireme.inference.cli import (
     LoadedModel,
@@ -70,13 +71,16 @@ def serve_parser() -> argparse.ArgumentParser:
 
 
 def chat_format(loaded: LoadedModel, choice: str = "auto") -> ChatFormat:
-    """--chat-template: the checkpoint's chat template (trireme.data.chat), else the plain one
-    ("auto"); "plain"; or a Jinja file."""
-    if choice == "plain":
+    """--chat-template: "auto": the template the checkpoint's chat data was made with (its
+    data.path's P.chat.json, where it can be read), else the checkpoint's tokenizer's chat
+    template (trireme.data.chat), else the plain one; "plain"; or a Jinja file."""
+    trained = trained_template(loaded.cfg.data.path) if choice == "auto" else None
+    if choice == "plain" or trained == TrainedTemplate(None):
         return ChatFormat(None)
     folders = tokenizer_folders(loaded)
     eos = template_eos(folders, loaded.tokenizer, loaded.tokenizer_spec)
-    template = find_chat_template(folders) if choice == "auto" else read_template(choice)
+    template = (trained.text if trained is not None else find_chat_template(folders)
+                if choice == "auto" else read_template(choice))
     return ChatFormat(template, bos_token=find_special_token(folders, "bos_token"),
                       eos_token=eos)
 
