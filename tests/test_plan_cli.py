@@ -11,6 +11,7 @@ from trireme.config import load_config
 from trireme.data.tokenizer import load_tokenizer
 from trireme.errors import ConfigError
 from trireme.plan.cli import plan_main, resolve_vocab_size
+from trireme.trainer import check_parallel
 
 
 def test_nothing_fits_names_the_least_memory_layout_and_a_hint(capsys):
@@ -79,3 +80,25 @@ def test_vocabulary_is_resolved_as_training_resolves_it(capsys):
 
     assert plan_main(["--config", "moe-tiny", "--gpus", "2", "--gpu", "cpu", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["candidates"]
+
+
+def test_a_vision_model_is_planned_without_sequence_parallelism(capsys):
+    # the trainer refuses sequence (and context) parallelism with a vision encoder before any
+    # process group exists, so the planner proposes tensor parallelism without it
+    assert plan_main(["--config", "llava-tiny", "--model.vocab_size=300", "--gpu", "cpu",
+                      "--gpus", "2", "--top", "100", "--json"]) == 0
+    candidates = json.loads(capsys.readouterr().out)["candidates"]
+    tensor = [c for c in candidates if c["layout"]["tensor"] == 2]
+    assert tensor and all("--parallel.sequence_parallel=false" in c["overrides"] for c in tensor)
+    for overrides in ([], ["--parallel.sequence_parallel=true"], ["--parallel.context=2"]):
+        cfg = load_config("llava-tiny", {"model.vocab_size": 300, "parallel.tensor": 2,
+                                         **dict(o[2:].split("=") for o in overrides)})
+        if overrides:
+            with pytest.raises(ConfigError, match="does not support parallel.context > 1 or"):
+                check_parallel(cfg, 2)
+        else:
+            check_parallel(cfg, 2)
+    assert plan_main(["--config", "llava-tiny", "--model.vocab_size=300", "--gpu", "cpu",
+                      "--gpus", "2", "--top", "1", "--parallel.tensor=2",
+                      "--parallel.sequence_parallel=true"]) == 0
+    assert "does not support parallel.context > 1" in capsys.readouterr().out.splitlines()[2]

@@ -55,7 +55,12 @@ from trireme.metrics import flops_per_token, memory_gib, peak_flops
 from trireme.models.gpt import GPT
 from trireme.models.init import init_parameters
 from trireme.models.stages import StageSpec, bubble_fraction, check_pipeline, rank_stages
-from trireme.models.vision import check_freeze_patterns, freeze_parameters, num_image_tokens
+from trireme.models.vision import (
+    check_freeze_patterns,
+    check_vision_layout,
+    freeze_parameters,
+    num_image_tokens,
+)
 from trireme.ops.fp8 import fp8_targets
 from trireme.ops.fp8_training import to_fp8_training
 from trireme.optim.optimizer import MixedPrecisionOptimizer
@@ -232,6 +237,8 @@ def check_parallel(cfg: Config, world_size: int | None = None) -> ParallelDims:
     expert and context parallelism too, over the data-parallel ranks."""
     p = cfg.parallel
     world = launched_world_size() if world_size is None else world_size
+    if cfg.model.vision_layers:
+        check_vision_layout(cfg.model, p.tensor, p.context, p.sequence_parallel)
     if p.context > 1:
         check_context_parallel(cfg)
     if p.expert > 1 and "E" not in cfg.model.layer_pattern:

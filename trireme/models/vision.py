@@ -70,6 +70,17 @@ def check_vision(cfg: ModelConfig, tensor: int = 1) -> None:
                           f"model.seq_length = {cfg.seq_length}; raise seq_length")
 
 
+def check_vision_layout(cfg: ModelConfig, tensor: int, context: int,
+                        sequence_parallel: bool) -> None:
+    """What a vision model's parallel layout needs, checked before any process group exists (so
+    the trainer and the planner refuse the same layouts): check_vision at this tensor degree, and
+    no context or sequence parallelism yet (one-line ConfigErrors)."""
+    check_vision(cfg, tensor)
+    if context > 1 or (sequence_parallel and tensor > 1):
+        raise ConfigError("model.vision_layers > 0 does not support parallel.context > 1 or "
+                          "parallel.sequence_parallel yet; turn them off")
+
+
 def encoder_config(cfg: ModelConfig) -> ModelConfig:
     """The ModelConfig the vision blocks are built from: the vision_* shape, LayerNorm, biases."""
     return dataclasses.replace(

@@ -23,8 +23,8 @@ from trireme.plan.rates import Rates, load_rates
 
 def _row(i: str, p: Prediction) -> str:
     lay = p.layout
-    par = f"TP{lay.tensor} PP{lay.pipeline}" + (f"x{lay.virtual_pipeline}" if
-                                                   lay.virtual_pipeline > 1 else "")
+    par = f"TP{lay.tensor}" + ("/noSP" if lay.tensor > 1 and not lay.sequence_parallel else "")
+    par += f" PP{lay.pipeline}" + (f"x{lay.virtual_pipeline}" if lay.virtual_pipeline > 1 else "")
     par += f" CP{lay.context}" + (f"/{lay.context_mode}" if lay.context > 1 else "")
     par += f" EP{lay.expert} {lay.dp_mode}"
     return (f"{i:>5} {par:<34} {lay.recompute:<9} {lay.micro_batch_size:>3} "

@@ -1,6 +1,7 @@
 """Every layout of a config on a cluster, each checked by the trainer's own validation.
 
-A layout sets parallel.tensor (with sequence parallelism when > 1), pipeline,
+A layout sets parallel.tensor (with sequence parallelism when > 1, except for a vision model,
+which does not support it yet), pipeline,
 virtual_pipeline, context (+ context_mode), expert, the data-parallel mode (DDP, DDP with the
 distributed optimizer, FSDP), train.recompute and train.micro_batch_size; data parallelism is
 what is left of the GPUs. A layout is kept only if `trireme.config.validate` and
@@ -39,6 +40,7 @@ class Layout:
     dp_mode: str = "ddp"
     recompute: str = "none"
     micro_batch_size: int = 1
+    sequence_parallel: bool = False  # with tensor > 1
 
     @classmethod
     def of(cls, cfg: Config) -> Layout:
@@ -46,7 +48,8 @@ class Layout:
         mode = "fsdp" if p.data_parallel_mode == "fsdp" else (
             "distopt" if p.distributed_optimizer else "ddp")
         return cls(p.tensor, p.pipeline, p.virtual_pipeline, p.context, p.context_mode, p.expert,
-                   mode, cfg.train.recompute, cfg.train.micro_batch_size)
+                   mode, cfg.train.recompute, cfg.train.micro_batch_size,
+                   p.sequence_parallel and p.tensor > 1)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -55,7 +58,7 @@ class Layout:
         """The command-line overrides that select this layout."""
         out = [f"--parallel.tensor={self.tensor}", f"--parallel.pipeline={self.pipeline}"]
         if self.tensor > 1:
-            out.append("--parallel.sequence_parallel=true")
+            out.append(f"--parallel.sequence_parallel={str(self.sequence_parallel).lower()}")
         if self.virtual_pipeline > 1:
             out.append(f"--parallel.virtual_pipeline={self.virtual_pipeline}")
         if self.context > 1:
@@ -79,7 +82,7 @@ def apply_layout(cfg: Config, layout: Layout) -> Config:
     p, t = out.parallel, out.train
     p.tensor, p.pipeline, p.virtual_pipeline = layout.tensor, layout.pipeline, \
         layout.virtual_pipeline
-    p.sequence_parallel = layout.tensor > 1  # always with TP: the same traffic, less memory
+    p.sequence_parallel = layout.tensor > 1 and layout.sequence_parallel
     p.context, p.context_mode, p.expert = layout.context, layout.context_mode, layout.expert
     p.data_parallel_mode = "fsdp" if layout.dp_mode == "fsdp" else "ddp"
     p.distributed_optimizer = layout.dp_mode == "distopt"
@@ -133,13 +136,16 @@ def _inner(cfg: Config, tensor: int, pipeline: int, context: int, data: int,
         else 0
     micro = _divisors(per_replica, 16) if per_replica else [1]
     dp_modes = DP_MODES if data * context > 1 else ("ddp",)
+    # sequence parallelism always with TP (the same traffic, less memory), where supported
+    sequence = tensor > 1 and not cfg.model.vision_layers
     for v in virtuals:
         for mode in modes:
             for ep in [e for e in experts if (data * context) % e == 0]:
                 for dp_mode in dp_modes:
                     for rec in RECOMPUTE:
                         for mb in micro:
-                            yield Layout(tensor, pipeline, v, context, mode, ep, dp_mode, rec, mb)
+                            yield Layout(tensor, pipeline, v, context, mode, ep, dp_mode, rec, mb,
+                                         sequence)
 
 
 def valid_layouts(cfg: Config, world: int, per_node: int) -> Iterator[tuple[Layout, Config]]:
