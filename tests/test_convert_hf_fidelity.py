@@ -290,6 +290,14 @@ def test_bos_token_id_comes_from_the_tokenizer(tmp_path: Path) -> None:
     convert("trireme", "hf", tmp_path / "tri", tmp_path / "back")
     config = json.loads((tmp_path / "back" / "config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"]) == (bos_id, 0) and bos_id > 0
+    # generation_config.json's end ids (Llama 3: end of text and end of turn) travel into
+    # config.json's eos_token_id, as HF's own exports have them
+    (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, bos_id]}))
+    convert("hf", "trireme", hf, tmp_path / "tri2")
+    convert("trireme", "hf", tmp_path / "tri2", tmp_path / "back2")
+    config = json.loads((tmp_path / "back2" / "config.json").read_text())
+    assert config["eos_token_id"] == [0, bos_id]
+    (hf / "generation_config.json").unlink()
 
     (hf / "tokenizer_config.json").unlink()  # a template that starts with a special token
     data = json.loads((hf / "tokenizer.json").read_text())

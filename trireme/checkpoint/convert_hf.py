@@ -67,6 +67,7 @@ from trireme.checkpoint.hf_moe import (
 from trireme.checkpoint.hf_table import Entry, export_state, their_shapes, to_ours, weight_dtype
 from trireme.checkpoint.model_state import expected_shapes, listing
 from trireme.config import ModelConfig
+from trireme.data.chat import generation_eos_ids
 from trireme.data.tokenizer import load_tokenizer
 from trireme.errors import CheckpointError, TriremeError
 
@@ -595,8 +596,9 @@ def _llava_export(cfg: ModelConfig, kind: str, biases: Biases, dtype: torch.dtyp
 
 
 def _special_tokens(tokenizer_dir: Path | None) -> dict:
-    """eos_token_id from the tokenizer carried along (its end-of-text token), so that HF's
-    generate stops there, and bos_token_id where a beginning token is named (_bos_token) and the
+    """eos_token_id from the tokenizer carried along (its generation_config.json's ids, e.g. Llama
+    3's end of text and end of turn, else its end-of-text token), so that HF's generate stops
+    there, and bos_token_id where a beginning token is named (_bos_token) and the
     tokenizer has it; {} without a readable tokenizer."""
     if tokenizer_dir is None or not (tokenizer_dir / "tokenizer.json").is_file():
         return {}
@@ -604,7 +606,9 @@ def _special_tokens(tokenizer_dir: Path | None) -> dict:
         tokenizer = load_tokenizer(str(tokenizer_dir / "tokenizer.json"))
     except TriremeError:
         return {}
-    out = {"eos_token_id": tokenizer.eod} if tokenizer.eod >= 0 else {}
+    ends = generation_eos_ids([tokenizer_dir])  # e.g. Llama 3's end of text and of turn
+    eos = list(ends) if len(ends) > 1 else ends[0] if ends else tokenizer.eod
+    out = {"eos_token_id": eos} if ends or tokenizer.eod >= 0 else {}
     bos = _bos_token(tokenizer_dir)
     bos_id = tokenizer.token_id(bos) if bos else None
     return {**out, "bos_token_id": bos_id} if bos_id is not None else out
