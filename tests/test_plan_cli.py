@@ -11,6 +11,7 @@ from trireme.config import load_config
 from trireme.data.tokenizer import load_tokenizer
 from trireme.errors import ConfigError
 from trireme.plan.cli import plan_main, resolve_vocab_size
+from trireme.plan.rates import RATES_DIR
 from trireme.trainer import check_parallel
 
 
@@ -102,3 +103,24 @@ def test_a_vision_model_is_planned_without_sequence_parallelism(capsys):
                       "--gpus", "2", "--top", "1", "--parallel.tensor=2",
                       "--parallel.sequence_parallel=true"]) == 0
     assert "does not support parallel.context > 1" in capsys.readouterr().out.splitlines()[2]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"memory_gib": 0}, "memory_gib = 0 must be a positive number"),
+    ({"memory_gib": "lots"}, "memory_gib = 'lots' must be a positive number"),
+    ({"matmul_tflops": {"bf16": 1.0}}, "matmul_tflops.fp8 = None must be a positive number"),
+    ({"attention_tflops": {"forward": 1.0, "backward": -2}},
+     "attention_tflops.backward = -2 must be a positive number"),
+    ({"step_overhead_s": -0.1}, "step_overhead_s = -0.1 must be a number >= 0"),
+    ({"memory_gib": 0.5, "context_gib": 0.6}, "memory_gib = 0.5 leaves nothing beside context"),
+])
+def test_a_rate_table_with_impossible_values_is_a_one_line_error(tmp_path, capsys, change,
+                                                                 message):
+    # a hand-edited table once ended in a ZeroDivisionError / TypeError traceback
+    table = json.loads((RATES_DIR / "cpu.json").read_text())
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({**table, **change}))
+    assert main(["plan", "--config", "tiny", "--model.vocab_size=1000", "--gpu", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"trireme: error: rate table {str(path)!r}: {message}")
+    assert err.count("\n") == 1

@@ -25,6 +25,8 @@ from pathlib import Path
 from trireme.errors import ConfigError
 
 RATES_DIR = Path(__file__).resolve().parent / "rates"
+MATMUL_KEYS = ("bf16", "fp8", "fp32")  # the precisions the time model needs (fp16: bf16 if absent)
+ATTENTION_KEYS = ("forward", "backward")
 
 
 @dataclass(frozen=True)
@@ -70,11 +72,45 @@ def load_rates(name_or_path: str) -> Rates:
                               f"{', '.join(rate_names())} or a .json file from --calibrate")
     try:
         data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ConfigError(f"rate table {str(path)!r} is not a JSON object of fields")
         names = {f.name for f in dataclasses.fields(Rates)}
         unknown = sorted(set(data) - names)
         if unknown:
             raise ConfigError(f"rate table {str(path)!r} has unknown fields {unknown}")
-        return Rates(**data)
+        rates = Rates(**data)
     except (OSError, json.JSONDecodeError, TypeError) as e:
         raise ConfigError(f"rate table {str(path)!r} cannot be read ({e}); write it with "
                           "`trireme plan --calibrate`") from None
+    check_rates(rates, str(path))
+    return rates
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_rates(rates: Rates, where: str) -> None:
+    """One-line ConfigError for a table the planner would divide by or compare wrongly: the
+    rates and memory positive numbers, the overheads numbers >= 0, memory above the context."""
+    positive = {"memory_gib": rates.memory_gib, "peak_tflops": rates.peak_tflops,
+                "memory_tbps": rates.memory_tbps, "intra_node_gbps": rates.intra_node_gbps,
+                "inter_node_gbps": rates.inter_node_gbps}
+    if rates.transpose_tbps is not None:
+        positive["transpose_tbps"] = rates.transpose_tbps
+    for group, keys in (("matmul_tflops", MATMUL_KEYS), ("attention_tflops", ATTENTION_KEYS)):
+        table = getattr(rates, group)
+        table = table if isinstance(table, dict) else {}
+        positive |= {f"{group}.{k}": table.get(k) for k in keys}
+    for name, value in positive.items():
+        if not _number(value) or value <= 0:
+            raise ConfigError(f"rate table {where!r}: {name} = {value!r} must be a positive "
+                              "number")
+    for name in ("p2p_latency_us", "step_overhead_s", "micro_batch_overhead_s",
+                 "allocator_overhead", "context_gib"):
+        value = getattr(rates, name)
+        if not _number(value) or value < 0:
+            raise ConfigError(f"rate table {where!r}: {name} = {value!r} must be a number >= 0")
+    if rates.memory_gib <= rates.context_gib:
+        raise ConfigError(f"rate table {where!r}: memory_gib = {rates.memory_gib} leaves nothing "
+                          f"beside context_gib = {rates.context_gib}")
