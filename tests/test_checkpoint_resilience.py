@@ -261,7 +261,8 @@ def test_full_disk_is_one_line_naming_the_path_and_leaves_nothing(
     monkeypatch.setattr(fmt, "write_file", full_disk)
     ckpt = tmp_path / "ckpt"
     with pytest.raises(CheckpointError, match=f"{ckpt / 'step_0000002'}.*No space left on "
-                       "device") as e:
+                       r"device; check free space \([0-9.]+ [kMGT]?B free on its file "
+                       r"system\)") as e:
         run(toy_data, tmp_path, ckpt, fmt_name, "train.steps=4", "checkpoint.interval=2",
             f"checkpoint.async_save={async_save}")
     assert "\n" not in str(e.value)

@@ -147,6 +147,29 @@ def check_writable(root: Path) -> None:
             "process can create and write, or fix its permissions") from None
 
 
+def free_space(path: Path) -> str:
+    """How much space the file system holding `path` (or its nearest existing parent) has
+    left, for an error message ("12.3 MB free"), "" if it cannot be told."""
+    for place in (path, *path.parents):
+        if place.exists():
+            try:
+                free = shutil.disk_usage(place).free
+            except OSError:
+                return ""
+            for unit in ("B", "kB", "MB", "GB", "TB"):
+                if free < 1000 or unit == "TB":
+                    return f"{free:.1f} {unit} free" if unit != "B" else f"{free} B free"
+                free /= 1000
+    return ""
+
+
+def save_failure(final: Path, why: object) -> str:
+    """The one-line message of a save that failed: the reason and the free space left."""
+    free = free_space(final.parent)
+    return (f"could not save checkpoint {final}: {why}; check free space"
+            f"{f' ({free} on its file system)' if free else ''} and permissions")
+
+
 def write_latest(root: Path, name: str) -> None:
     """Point `root/latest` at the checkpoint directory `name` (atomically: a temporary file and
     a rename), the last step of a save."""

@@ -258,8 +258,8 @@ def _fail_together(error: BaseException | None, tmp: Path, final: Path, main: bo
     if error is None:
         raise CheckpointError(f"checkpoint {final} not saved: another rank failed (its error "
                               "says why)")
-    raise CheckpointError(f"could not save checkpoint {final}: {reason(error)}; check free "
-                          "space and permissions (nothing of it was kept)") from error
+    raise CheckpointError(f"{directory.save_failure(final, reason(error))} (nothing of it was "
+                          "kept)") from error
 
 
 def write(job: dict[str, Any]) -> Path | None:

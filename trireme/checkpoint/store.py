@@ -137,9 +137,7 @@ def save_checkpoint(
         directory.publish(tmp, final)
         directory.write_latest(root, name)
     except OSError as e:
-        raise CheckpointError(
-            f"could not save checkpoint {final}: {e}; check free space and permissions"
-        ) from e
+        raise CheckpointError(directory.save_failure(final, e)) from e
     finally:
         if tmp.exists():  # a failed save, or the replaced old version after an exchange
             shutil.rmtree(tmp, ignore_errors=True)
