@@ -22,6 +22,7 @@ from trireme.data.tokenizer import load_tokenizer
 from trireme.errors import ConfigError
 from trireme.inference.captions import caption_accuracy
 from trireme.train import train
+from trireme.trainer import apply_freeze
 
 PIL = pytest.importorskip("PIL.Image")
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,3 +87,13 @@ def test_freeze_pattern_that_matches_nothing(shapes_cache, tmp_path):
     cfg = llava_tiny(shapes_cache, tmp_path / "run", "--model.freeze=[\"visoin.*\"]")
     with pytest.raises(ConfigError, match="model.freeze pattern 'visoin.\\*' matches no"):
         train(cfg)
+
+
+def test_freezing_the_output_of_a_tied_model_names_the_embedding(tmp_path):
+    # docs/multimodal.md's stage-1 list names output.* for untied models; llava-tiny ties its
+    # output layer to the embedding, where the old message only said "matches no parameter"
+    cfg = load_config("llava-tiny", ["--model.vocab_size=300", f"--run.dir={tmp_path}",
+                                     '--model.freeze=["vision.*","layers.*","output.*"]'])
+    with pytest.raises(ConfigError, match="model.tie_embeddings = true the output layer is "
+                                          "embedding.weight; drop the pattern"):
+        apply_freeze(cfg, [])

@@ -527,7 +527,7 @@ def apply_freeze(cfg: Config, chunks: list[GPT]) -> None:
         return
     with torch.device("meta"):
         names = [name for name, _ in GPT(cfg.model, seed=None).named_parameters()]
-    check_freeze_patterns(names, cfg.model.freeze)
+    check_freeze_patterns(names, cfg.model.freeze, cfg.model.tie_embeddings)
     for chunk in chunks:
         freeze_parameters(chunk, cfg.model.freeze)
 

@@ -236,11 +236,16 @@ def freeze_parameters(model: nn.Module, patterns: list[str]) -> list[str]:
     return frozen
 
 
-def check_freeze_patterns(names: list[str], patterns: list[str]) -> None:
+def check_freeze_patterns(names: list[str], patterns: list[str], tied: bool = False) -> None:
     """One-line ConfigError for a model.freeze pattern that matches no parameter of the model,
-    or patterns that leave nothing to train."""
+    or patterns that leave nothing to train. `tied`: the output layer is the embedding's weight
+    (model.tie_embeddings), so an `output.*` pattern is named as that."""
     for pattern in patterns:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            if tied and fnmatch.fnmatchcase("output.weight", pattern):
+                raise ConfigError(f"model.freeze pattern {pattern!r} matches no parameter: with "
+                                  "model.tie_embeddings = true the output layer is "
+                                  "embedding.weight; drop the pattern ('embedding.*' freezes both)")
             raise ConfigError(f"model.freeze pattern {pattern!r} matches no parameter; names look "
                               f"like {names[0]!r} (see `trireme inspect` or docs/multimodal.md)")
     if all(any(fnmatch.fnmatchcase(name, p) for p in patterns) for name in names):
