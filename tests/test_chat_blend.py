@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tests.test_chat_data import write_jsonl
+from tests.test_train import tiny_cfg
 from trireme.cli import main
-from trireme.config import load_config
 from trireme.data.blend import BlendedBatches
 from trireme.errors import ConfigError
 from trireme.train import train
@@ -30,13 +30,9 @@ def chat_prefix(tmp_path, name: str, word: str) -> str:
 
 
 def config(tmp_path, path: str, *more: str):
-    return load_config("tiny", [
-        f"data.path={path}", "data.tokenizer=bytes", f"run.dir={tmp_path}/run",
-        "data.split=100,0,0", "model.num_layers=2", "model.hidden_size=64",
-        "model.num_attention_heads=4", "model.seq_length=128", "train.global_batch_size=4",
-        "train.micro_batch_size=2", "train.steps=6", "train.log_interval=2",
-        "train.eval_interval=0", "train.sample_tokens=0", "logging.progress=false",
-        "logging.tensorboard=false", "schedule.warmup_steps=1", *more])
+    return tiny_cfg(path, tmp_path, "data.split=100,0,0", "model.seq_length=128",
+                    "train.global_batch_size=4", "train.micro_batch_size=2", "train.steps=6",
+                    "train.log_interval=2", "train.eval_interval=0", *more)
 
 
 @pytest.mark.parametrize("pack", [False, True])
