@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from trireme.cli import main
 from trireme.data.images import IMAGE_MEAN, decode_image, load_image, pixels
 from trireme.data.multimodal import (
     IMAGES_SUFFIX,
@@ -186,3 +187,25 @@ def test_without_a_marker_the_image_opens_the_first_prompt(tok):
     text_only = conversation_prompt_ids(tok, ["what is in the image ?"], image, 4, image=False)
     assert image not in text_only and text_only == tok.encode(
         "USER: what is in the image ?\nASSISTANT:")
+
+
+def test_a_trained_tokenizer_takes_the_image_token_preprocess_asks_for(tmp_path, capsys):
+    # `trireme tokenizer train` made only <|endoftext|>, and preprocess --images then said to
+    # "set model.image_token_id", which preprocess has no way to take
+    (tmp_path / "t.txt").write_text("a red circle at the top left\n" * 50)
+    write_png(tmp_path / "a.png")
+    data = write_jsonl(tmp_path / "d.jsonl", good_records())
+    args = ["--input", data, "--output-prefix", str(tmp_path / "out"), "--image-size", "8"]
+    assert main(["tokenizer", "train", "--input", str(tmp_path / "t.txt"), "--vocab-size",
+                 "280", "--output", str(tmp_path / "plain")]) == 0
+    assert main(["preprocess", "--images", *args, "--tokenizer",
+                 str(tmp_path / "plain" / "tokenizer.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--special-tokens '<image>'" in err and "model.image_token_id" not in err
+    assert main(["tokenizer", "train", "--input", str(tmp_path / "t.txt"), "--vocab-size",
+                 "280", "--output", str(tmp_path / "vlm"), "--special-tokens", "<image>"]) == 0
+    tok = load_tokenizer(str(tmp_path / "vlm" / "tokenizer.json"))
+    assert tok.eod == 0 and tok.token_id("<image>") == 1
+    assert main(["preprocess", "--images", *args, "--tokenizer",
+                 str(tmp_path / "vlm" / "tokenizer.json")]) == 0
+    assert MultimodalSource(str(tmp_path / "out"), 8).num_documents == 2

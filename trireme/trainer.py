@@ -25,7 +25,8 @@ from trireme.cpu_threads import set_cpu_threads
 from trireme.data.batch import Batch, BatchOptions, get_micro_batch
 from trireme.data.blend import BlendedBatches
 from trireme.data.cache import index_cache_dir
-from trireme.data.conversations import chat_datasets, is_chat
+from trireme.data.chat_sources import chat_sources
+from trireme.data.conversations import is_chat
 from trireme.data.corpus import default_corpus
 from trireme.data.gpt_dataset import GPTDataset
 from trireme.data.multimodal import (
@@ -34,14 +35,8 @@ from trireme.data.multimodal import (
     is_multimodal,
     multimodal_datasets,
 )
-from trireme.data.packing import PackedConversations
 from trireme.data.shapes import shapes_corpus
-from trireme.data.sources import (
-    DataSources,
-    build_split_datasets,
-    open_sources,
-    unique_names,
-)
+from trireme.data.sources import DataSources, build_split_datasets, open_sources
 from trireme.data.tokenizer import Tokenizer, absolute_spec, load_tokenizer
 from trireme.data.tokenizer_mark import check_mark
 from trireme.engine.build import DTYPES, build_schedule, build_step_runner
@@ -335,7 +330,8 @@ def resolve_data(cfg: Config) -> tuple[DataSources, Tokenizer | None]:
     if vision and cfg.model.image_token_id < 0:
         if tokenizer is None:
             raise ConfigError("model.image_token_id = -1 needs a data.tokenizer with <image>")
-        cfg.model.image_token_id = image_token_id(tokenizer, cfg.data.tokenizer)
+        cfg.model.image_token_id = image_token_id(tokenizer, cfg.data.tokenizer,
+                                                  " or set model.image_token_id")
     if cfg.model.vocab_size == 0:
         if tokenizer is None:
             raise ConfigError("model.vocab_size = 0 needs data.tokenizer to take the size from")
@@ -370,72 +366,15 @@ def build_datasets(cfg: Config, sources: DataSources) -> tuple[GPTDataset, GPTDa
 
 
 def build_chat_datasets(cfg: Config, sources: DataSources):
-    """Train and validation datasets of conversations (trireme.data.conversations; a weighted
-    blend of several chat datasets: BlendedBatches); on rank 0 a note per dataset of how many
-    train and how many are cut at the sequence length."""
-    d = cfg.data
-    plain = [s.prefix for s in sources.datasets if not is_chat(s.prefix)]
-    if plain:
-        raise ConfigError(f"data.path = {d.path!r} blends chat data (trireme preprocess --chat) "
-                          f"with plain text ({plain[0]}): blend chat datasets with each other")
-    if sources.eod < 0:
-        raise ConfigError("chat data needs data.tokenizer: its end-of-document id pads the "
-                          "samples")
-    names = unique_names(sources.datasets)
-    parts = [chat_part(cfg, source.prefix, sources.eod) for source in sources.datasets]
+    """Train and validation datasets of conversations (trireme.data.chat_sources); on rank 0
+    its notes: each dataset's counts and a blend's draw."""
+    train, valid, notes = chat_sources(cfg, sources)
     if launched_rank() == 0:
-        for name, (train, valid) in zip(names, parts):
-            print(chat_data_note(train, valid, d.split, cfg.model.seq_length,
-                                 name if len(parts) > 1 else ""), file=sys.stderr)
-    if len(parts) == 1:
-        return parts[0]
-    train = BlendedBatches([t for t, _ in parts], sources.weights, cfg.train.seed, names)
-    if launched_rank() == 0:
-        train.log(cfg.train.steps * cfg.train.global_batch_size)
-    kept = [(v, w, n) for (_, v), w, n in zip(parts, sources.weights, names) if v is not None]
-    valid = (BlendedBatches([v for v, _, _ in kept], [w for _, w, _ in kept], cfg.train.seed,
-                            [n for _, _, n in kept]) if kept else None)
+        for note in notes:
+            print(note, file=sys.stderr)
+        if isinstance(train, BlendedBatches):
+            train.log(cfg.train.steps * cfg.train.global_batch_size)
     return train, valid
-
-
-def chat_part(cfg: Config, prefix: str, eod: int):
-    """(train, valid or None) conversations of one chat prefix, packed with
-    data.pack_conversations."""
-    d = cfg.data
-    train, valid = chat_datasets(
-        prefix, seq_length=cfg.model.seq_length, seed=cfg.train.seed, split=d.split,
-        eod=eod, mask_prompt=d.mask_prompt,
-        want_valid=bool(cfg.train.eval_interval))
-    if d.pack_conversations:
-        return (PackedConversations(train),
-                PackedConversations(valid) if valid is not None else None)
-    return train, valid
-
-
-def conversations(dataset) -> int:
-    """Conversations in a chat dataset, packed or not."""
-    return dataset.conversations if isinstance(dataset, PackedConversations) else len(dataset)
-
-
-def chat_data_note(train, valid, split: str, seq_length: int, name: str = "") -> str:
-    """How many conversations train and validate (data.split), how many are cut at the
-    sample length, and a warning for those with no trained token left; `name`: which dataset
-    of a blend."""
-    held = f", {conversations(valid)} validate" if valid is not None else ""
-    which = f" {name}" if name else ""
-    text = (f"trireme: chat data{which}: {conversations(train)} conversations train{held} "
-            f"(data.split = {split})")
-    if isinstance(train, PackedConversations):
-        text += f", packed into {len(train)} samples"
-    cut, empty = train.too_long(), train.untrained()
-    if cut:
-        text += (f"; {cut} are longer than model.seq_length + 1 = {seq_length + 1} tokens and "
-                 "are cut there")
-    if empty:
-        text += (f"\ntrireme: warning: {empty} training conversations{which} have no answer "
-                 f"token within model.seq_length = {seq_length} (their first prompt fills it): "
-                 "they train nothing; raise model.seq_length or shorten them")
-    return text
 
 
 def build_multimodal_datasets(cfg: Config, sources: DataSources):

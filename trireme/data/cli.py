@@ -199,6 +199,8 @@ def tokenizer_main(argv: list[str]) -> int:
     train.add_argument("--json-key", default="text", help="the key holding text in JSONL")
     train.add_argument("--vocab-size", type=int, required=True, metavar="N")
     train.add_argument("--output", required=True, metavar="DIR", help="writes DIR/tokenizer.json")
+    train.add_argument("--special-tokens", nargs="+", default=[], metavar="TOKEN",
+                       help="special tokens after <|endoftext|> (ids 1, 2, ...), e.g. '<image>'")
     args = parser.parse_args(argv)
 
     if args.vocab_size < 1:
@@ -206,7 +208,8 @@ def tokenizer_main(argv: list[str]) -> int:
     path = os.path.join(args.output, "tokenizer.json")
     check_writable(path, "--output")
     _check_text_inputs(args.input)
-    tok = train_bpe(_training_texts(args.input, args.json_key), args.vocab_size, path)
+    tok = train_bpe(_training_texts(args.input, args.json_key), args.vocab_size, path,
+                    args.special_tokens)
     print(f"trireme: wrote {path} ({tok.vocab_size:,} tokens, end-of-document id {tok.eod})",
           file=sys.stdout)
     return 0

@@ -52,12 +52,14 @@ IMAGES_SUFFIX = ".images.npy"
 USER, ASSISTANT = ("human", "user"), ("gpt", "assistant")
 
 
-def image_token_id(tokenizer: Tokenizer, where: str) -> int:
-    """The tokenizer's id of <image>; a one-line DataError when it has none."""
+def image_token_id(tokenizer: Tokenizer, where: str, hint: str = "") -> int:
+    """The tokenizer's id of <image>; a one-line DataError when it has none (`hint` ends it:
+    another way out where the caller has one)."""
     found = tokenizer.token_id(IMAGE_TOKEN)
     if found is None:
         raise DataError(f"{where}: the tokenizer has no {IMAGE_TOKEN} token; add it as a special "
-                        "token (tokenizer.json added_tokens) or set model.image_token_id")
+                        f"token (trireme tokenizer train --special-tokens '{IMAGE_TOKEN}', or "
+                        f"tokenizer.json added_tokens){hint}")
     return found
 
 

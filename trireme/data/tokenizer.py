@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer as _RustTokenizer
@@ -160,9 +160,11 @@ def load_tokenizer(spec: str, fast: bool = False, name: str = "data.tokenizer") 
 
 
 def train_bpe(
-    texts: Iterable[str], vocab_size: int, output_path: str | os.PathLike[str]
+    texts: Iterable[str], vocab_size: int, output_path: str | os.PathLike[str],
+    special_tokens: Sequence[str] = (),
 ) -> HFTokenizer:
-    """Train a byte-level BPE (GPT-2 style) with `<|endoftext|>` as id 0 and save it as JSON.
+    """Train a byte-level BPE (GPT-2 style) with `<|endoftext|>` as id 0 and `special_tokens`
+    (e.g. a vision model's "<image>") as ids 1, 2, ...; save it as JSON.
 
     Byte-level means every string round-trips: unseen characters fall back to their UTF-8 bytes.
     """
@@ -178,7 +180,7 @@ def train_bpe(
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOD_TOKEN],
+        special_tokens=[EOD_TOKEN, *(t for t in special_tokens if t != EOD_TOKEN)],
         initial_alphabet=alphabet,
         show_progress=False,
     )
