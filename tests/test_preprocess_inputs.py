@@ -181,3 +181,28 @@ def test_damaged_compressed_inputs_are_one_line(tmp_path, capsys):
         assert preprocess(tmp_path, tmp_path / name) == 2, name
         one_line_error(capsys, name, "truncated, damaged or not the format")
         assert outputs(tmp_path) == [], name
+
+
+def test_cut_zstd_input_is_one_line_and_frames_all_read(tmp_path, capsys):
+    zstandard = pytest.importorskip("zstandard")
+    text = "".join(json.dumps(r) + "\n" for r in RECORDS * 30).encode()
+    packed = zstandard.ZstdCompressor().compress(text)
+    # cut inside a line (was: "malformed JSON" at the cut) and at a line's end (was: silently
+    # the documents before the cut); python-zstandard's reader returns what it had either way
+    for name, data in {"cut.jsonl.zst": packed[: len(packed) // 2],
+                       "nearly.jsonl.zst": packed[:-3]}.items():
+        (tmp_path / name).write_bytes(data)
+        assert preprocess(tmp_path, tmp_path / name, extra=["--skip-bad-lines"]) == 2, name
+        one_line_error(capsys, name, "ends inside a zstd frame", "truncated")
+        assert outputs(tmp_path) == [], name
+    half = len(text) // 2
+    cut = text.index(b"\n", half) + 1  # two frames back to back, as zstd -d reads them
+    two = zstandard.ZstdCompressor().compress(text[:cut]) + zstandard.ZstdCompressor().compress(
+        text[cut:])
+    (tmp_path / "two.jsonl.zst").write_bytes(two)
+    (tmp_path / "plain.jsonl").write_bytes(text)
+    assert preprocess(tmp_path, tmp_path / "two.jsonl.zst", out="o1") == 0
+    assert preprocess(tmp_path, tmp_path / "plain.jsonl", out="o2") == 0
+    for ext in (".bin", ".idx"):
+        assert ((tmp_path / f"o1_text_document{ext}").read_bytes()
+                == (tmp_path / f"o2_text_document{ext}").read_bytes())

@@ -27,6 +27,7 @@ NOT_STRING = "non-string value"
 BAD_UTF8 = "invalid UTF-8"
 TOO_LONG = "document too long"
 TABLE_SUFFIXES = (".parquet", ".pq", ".arrow")  # read by trireme.data.tables, not as lines
+ZSTD_INPUT_BYTES = 1 << 16  # compressed bytes fed to the decompressor at a time
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class _Source:
                 raise DataError(
                     f"{path}: reading .zst needs the 'zstandard' package: pip install zstandard"
                 ) from None
-            self.stream = zstandard.ZstdDecompressor().stream_reader(self.raw)
+            self.stream = _ZstdFrames(self.raw, zstandard.ZstdDecompressor())
             self.errors += (zstandard.ZstdError,)
         else:
             self.stream = self.raw
@@ -98,6 +99,39 @@ class _Source:
         if self.stream is not self.raw:
             self.stream.close()
         self.raw.close()
+
+
+class _ZstdFrames:
+    """The uncompressed bytes of a .zst file, frame after frame (as `zstd -d` reads concatenated
+    frames). A file that ends inside a frame raises EOFError: python-zstandard's stream_reader
+    returns what it had instead, so a cut download would lose its tail (or, cut inside a line,
+    report malformed JSON) with no word of the truncation. Each read feeds `ZSTD_INPUT_BYTES` of
+    the file, so what it returns stays small (a compressed block is at most 128 KiB of text)."""
+
+    def __init__(self, raw: BinaryIO, context) -> None:
+        self.raw, self.context = raw, context
+        self.frame = None  # the decompressor of the frame being read; None between frames
+        self.input = b""  # bytes of the file read but not yet fed
+
+    def read(self, size: int) -> bytes:  # size: any amount suits read_blocks
+        while True:
+            if not self.input:
+                self.input = self.raw.read(ZSTD_INPUT_BYTES)
+                if not self.input:
+                    if self.frame is not None:
+                        raise EOFError("the file ends inside a zstd frame")
+                    return b""
+            if self.frame is None:
+                self.frame = self.context.decompressobj()
+            out = self.frame.decompress(self.input)
+            self.input = b""
+            if self.frame.eof:  # the frame is complete; what follows starts the next one
+                self.input, self.frame = self.frame.unused_data, None
+            if out:
+                return out
+
+    def close(self) -> None:
+        pass
 
 
 def _count_lines_before(path: str, offset: int) -> int:
