@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.test_chat_data import preprocess
+from tests.test_train_parallel import assert_same, losses, torchrun
 from trireme.config import ModelConfig, load_config
 from trireme.data.conversations import chat_datasets
 from trireme.data.packing import PackedConversations, pack_in_order
@@ -80,26 +81,40 @@ def test_order_is_seeded_and_every_epoch_holds_every_pack(tmp_path):
     assert torch.equal(batch.tokens, again.get_batch(np.arange(n, n + 4)).tokens)
 
 
+RUN = ["data.tokenizer=bytes", "data.pack_conversations=true", "data.split=100,0,0",
+       "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
+       "model.seq_length=160", "train.global_batch_size=4", "train.micro_batch_size=2",
+       "train.eval_interval=0", "train.sample_tokens=0", "logging.progress=false",
+       "logging.tensorboard=false", "schedule.warmup_steps=2", "optimizer.lr=1e-2",
+       "train.device=cpu"]
+
+
 def test_a_packed_run_trains_and_reports_its_samples(tmp_path, capsys):
     prefix, plain, _ = datasets(tmp_path)
-    cfg = load_config("tiny", [
-        f"data.path={prefix}", "data.tokenizer=bytes", f"run.dir={tmp_path}/run",
-        "data.pack_conversations=true", "data.split=100,0,0", "model.num_layers=2",
-        "model.hidden_size=64",
-        "model.num_attention_heads=4", "model.seq_length=160", "train.global_batch_size=4",
-        "train.micro_batch_size=2", "train.steps=20", "train.log_interval=5",
-        "train.eval_interval=0", "train.sample_tokens=0", "logging.progress=false",
-        "logging.tensorboard=false", "schedule.warmup_steps=2", "optimizer.lr=1e-2"])
-    train(cfg)
+    train(load_config("tiny", [f"data.path={prefix}", f"run.dir={tmp_path}/run", *RUN,
+                               "train.steps=20", "train.log_interval=5"]))
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert rows[-1]["loss"] < 0.7 * rows[0]["loss"]
     note = capsys.readouterr().err
     assert f"{len(plain)} conversations train" in note and "packed into" in note
 
 
+def test_packed_conversations_under_pipeline_parallelism_give_one_process_losses(tmp_path):
+    """Every stage gets the micro batch's position and document ids: two pipeline stages
+    (gloo) train the packed samples to the one-process losses."""
+    prefix, _, _ = datasets(tmp_path)
+    args = [f"data.path={prefix}", *RUN, "train.steps=4", "train.log_interval=1"]
+    train(load_config("tiny", [*args, f"run.dir={tmp_path}/one"]))
+    r = torchrun(2, *[f"--{a}" for a in args], f"--run.dir={tmp_path}/pp2",
+                 "--parallel.pipeline=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_same(losses(tmp_path / "pp2"), losses(tmp_path / "one"), "PP=2 packed loss")
+
+
 def test_packing_is_refused_where_it_cannot_run(tmp_path):
-    cfg = load_config("tiny", ["data.pack_conversations=true", "parallel.pipeline=2"])
-    with pytest.raises(ConfigError, match="data.pack_conversations with parallel.pipeline"):
+    cfg = load_config("tiny", ["data.pack_conversations=true", "parallel.context=2",
+                               "parallel.context_mode=ring"])
+    with pytest.raises(ConfigError, match="data.pack_conversations .* needs parallel.context_mode"):
         check_parallel(cfg, world_size=2)
     cfg = load_config("tiny", ["data.pack_conversations=true", "data.mock=true",
                                "model.vocab_size=257", f"run.dir={tmp_path}/run",

@@ -80,3 +80,15 @@ def test_invalid_pipeline_layouts(overrides, world, needle):
         return
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         check_parallel(cfg, world)
+
+
+def test_packed_documents_under_pipeline_parallelism(toy_data, tmp_path):  # noqa: F811
+    """reset_position_ids / reset_attention_mask: every stage gets the micro batch's position
+    and document ids (two stages, gloo), and trains the one-process losses."""
+    packed = ["data.reset_position_ids=true", "data.reset_attention_mask=true",
+              "data.eod_mask_loss=true", "train.steps=4", "train.eval_interval=0"]
+    ref = single_process(toy_data, tmp_path / "ref", *packed)
+    r = torchrun(2, f"--data.path={toy_data}", f"--run.dir={tmp_path}/pp2",
+                 *[f"--{a}" for a in [*ARGS, *packed]], "--parallel.pipeline=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_same(losses(tmp_path / "pp2"), losses(ref), "PP=2 packed documents loss")

@@ -239,9 +239,6 @@ def check_parallel(cfg: Config, world_size: int | None = None) -> ParallelDims:
     if p.expert > 1 and "E" not in cfg.model.layer_pattern:
         raise ConfigError(f"parallel.expert = {p.expert} needs mixture-of-experts layers (E in "
                           "model.layer_pattern)")
-    if p.pipeline > 1 and (cfg.data.reset_position_ids or packed_documents(cfg)):
-        raise ConfigError(f"{packed_documents(cfg) or 'data.reset_position_ids'} with "
-                          "parallel.pipeline > 1: not implemented yet")
     if p.data_parallel_mode not in ("ddp", "fsdp"):
         raise ConfigError(
             f"parallel.data_parallel_mode = {p.data_parallel_mode!r}: use 'ddp' or 'fsdp'"
