@@ -147,6 +147,29 @@ def test_bad_lines_name_file_and_line(tmp_path, capsys):
     assert code == 0 and "wrote 1 conversations" in capsys.readouterr().out
 
 
+def test_a_lone_surrogate_escape_is_a_bad_line(tmp_path, capsys):
+    """JSON's "\\ud800" decodes to text no tokenizer takes: a `tokenizers` tokenizer raised a
+    TypeError traceback, the bytes one an encoder message; both now name file and line."""
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.train_from_iterator(["hi there"] * 5, trainers.BpeTrainer(
+        vocab_size=280, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf.save(str(tmp_path / "tokenizer.json"))
+    bad = {"messages": [{"role": "user", "content": "a \ud800 b"},
+                        {"role": "assistant", "content": "ok"}]}
+    source = write_jsonl(tmp_path / "in.jsonl", [CHATS[0], bad])
+    for out, tokenizer in (("a", "bytes"), ("b", str(tmp_path / "tokenizer.json"))):
+        args = ["preprocess", "--chat", "--input", source, "--output-prefix",
+                str(tmp_path / out), "--tokenizer", tokenizer]
+        assert trireme_main(args) == 2
+        err = capsys.readouterr().err
+        assert f"{source}:2: invalid UTF-8" in err and err.count("\n") == 1, err
+        assert not list(tmp_path.glob(f"{out}.*"))
+        assert trireme_main([*args, "--skip-bad-lines"]) == 0
+        assert "{'invalid UTF-8': 1}" in capsys.readouterr().out
+
+
 def test_a_run_fine_tunes_on_chat_data(tmp_path, capsys):
     records = [{"messages": [{"role": "user", "content": f"say {w}"},
                              {"role": "assistant", "content": f"{w} {w} {w}"}]}

@@ -117,6 +117,7 @@ def test_preprocess_and_batches(tmp_path, tok):
     ('{"image": "a.png", "conversations": [{"from": "gpt", "value": "a"}]}', "in pairs"),
     ('{"image": "a.png", "conversations": [{"from": "human", "value": "<image> <image>"}, '
      '{"from": "gpt", "value": "a"}]}', "appears 2 times"),
+    ('{"image": "a.png", "text": "a \\ud800 b"}', "d.jsonl:2: invalid UTF-8"),  # was a traceback
 ])
 def test_bad_lines_name_file_and_line(tmp_path, tok, line, words):
     write_png(tmp_path / "a.png")

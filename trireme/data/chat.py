@@ -27,6 +27,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
+from trireme.data.jsonl import unicode_clean
 from trireme.errors import ConfigError, TriremeError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -164,6 +165,9 @@ def chat_segments(chat: ChatFormat, messages: list[dict[str, str]]) -> list[tupl
         raise ValueError("the conversation has no assistant message to train on")
     if messages[0]["role"] == "assistant":
         raise ValueError("the conversation starts with an assistant message (no prompt)")
+    for i, message in enumerate(messages):
+        if not unicode_clean(message["content"]):
+            raise ValueError(f"invalid UTF-8 (a lone surrogate escape in message {i})")
     segments, done = [], ""
     for i, message in enumerate(messages):
         if message["role"] != "assistant":

@@ -229,6 +229,12 @@ def _utf8_clean(text: str) -> bool:
     return True
 
 
+def unicode_clean(value) -> bool:
+    """Whether the strings of a JSON value are valid Unicode: JSON's escapes can carry a lone
+    surrogate ("\\ud800"), which UTF-8 cannot hold and no tokenizer takes."""
+    return _utf8_clean(value if isinstance(value, str) else json.dumps(value, ensure_ascii=False))
+
+
 def parse_lines(
     block: Block, keys: list[str], skip_bad: bool, skipped: Counter,
     check: Callable[[str], str | None] | None = None,

@@ -43,6 +43,7 @@ from trireme.data.indexed import (
     check_writable,
     temporary_path,
 )
+from trireme.data.jsonl import unicode_clean
 from trireme.data.tokenizer_base import Tokenizer
 from trireme.errors import DataError
 
@@ -141,6 +142,8 @@ def _reason(message: str) -> str:
 
 def _parse(raw: bytes, where: str) -> dict:
     record = parse_record(raw)
+    if not unicode_clean(record):
+        raise ValueError("invalid UTF-8 (a lone surrogate escape)")
     if not isinstance(record.get("image"), str):
         raise ValueError("missing key 'image' (a path string)")
     return record
