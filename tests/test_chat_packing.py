@@ -116,6 +116,8 @@ def test_packing_is_refused_where_it_cannot_run(tmp_path):
                                "parallel.context_mode=ring"])
     with pytest.raises(ConfigError, match="data.pack_conversations .* needs parallel.context_mode"):
         check_parallel(cfg, world_size=2)
+    with pytest.raises(ConfigError, match="data.pack_conversations .* with Mamba-2 layers"):
+        load_config("hybrid-tiny", ["data.pack_conversations=true"])
     cfg = load_config("tiny", ["data.pack_conversations=true", "data.mock=true",
                                "model.vocab_size=257", f"run.dir={tmp_path}/run",
                                "train.steps=1"])

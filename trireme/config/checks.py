@@ -88,9 +88,10 @@ def _check_model(cfg: Config, need_vocab: bool) -> None:
         _check_moe(m, p)
     if "M" in m.layer_pattern:
         _check_mamba(m, p)
-        if cfg.data.reset_attention_mask:
-            raise ConfigError("data.reset_attention_mask (packed documents) with Mamba-2 layers "
-                              "(M) is not implemented yet; set it to false")
+        for key in ("reset_attention_mask", "pack_conversations"):
+            if getattr(cfg.data, key):  # the recurrent state would run across the documents
+                raise ConfigError(f"data.{key} (packed documents) with Mamba-2 layers (M) is "
+                                  "not implemented yet; set it to false")
     if m.head_dim == 0 and m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"model.hidden_size = {m.hidden_size} is not divisible by model.num_attention_heads = "
