@@ -257,3 +257,36 @@ def test_data_merge_and_inspect_cli(tmp_path, capsys):
                    "second one", "token ids  min 32  max 256"):
         assert needle in out, out
     assert main(["data", "inspect", str(tmp_path / "missing")]) == 2
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_a_killed_run_leaves_no_workers_and_sigterm_no_files(tmp_path, sig):
+    """Killed, the main process left its pool workers waiting for work forever, holding its
+    stderr (so `| tee` never ended); SIGTERM also left the hidden temporary files. Now SIGTERM
+    stops the run as Ctrl-C does, and the workers die with the main process even on SIGKILL."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    line = json.dumps({"text": "lorem ipsum dolor sit amet " * 40}) + "\n"
+    (tmp_path / "in.jsonl").write_text(line * (8_000_000 // len(line)))
+    out = tmp_path / "out"
+    out.mkdir()
+    run = subprocess.Popen([sys.executable, "-m", "trireme", "preprocess", "--input",
+                            str(tmp_path / "in.jsonl"), "--output-prefix", str(out / "p"),
+                            "--tokenizer", "bytes", "--workers", "2", "--no-progress"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not any(f.name.endswith(".tmp") and f.stat().st_size for f in out.iterdir()):
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+        time.sleep(0.01)  # until the first tokens are written: the workers are running
+    run.send_signal(getattr(signal, sig))
+    try:
+        _, err = run.communicate(timeout=30)  # ends when no process holds its stderr
+    except subprocess.TimeoutExpired:
+        run.kill()
+        pytest.fail(f"after {sig} the workers still hold the run's stderr")
+    if sig == "SIGTERM":
+        assert run.returncode == 130 and err.strip() == "trireme: interrupted", err
+        assert list(out.iterdir()) == []

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -24,7 +26,28 @@ from trireme.data.tokenizer_mark import merged_mark, tokenizer_mark, write_mark
 from trireme.errors import ConfigError, DataError
 
 
+@contextmanager
+def _terminate_interrupts():
+    """SIGTERM (`kill`, a scheduler's time limit) stops a data command as Ctrl-C does: a
+    KeyboardInterrupt, so the files being written are removed and the workers stopped. By
+    default it ended the process at once, leaving hidden temporary files beside the output."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def preprocess_main(argv: list[str]) -> int:
+    with _terminate_interrupts():
+        return _preprocess(argv)
+
+
+def _preprocess(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(
         prog="trireme preprocess",
@@ -97,6 +120,11 @@ def preprocess_main(argv: list[str]) -> int:
 
 
 def data_main(argv: list[str]) -> int:
+    with _terminate_interrupts():
+        return _data(argv)
+
+
+def _data(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="trireme data", description="Dataset tools.")
     sub = parser.add_subparsers(dest="command", required=True)
     merge = sub.add_parser("merge", help="join datasets (documents in the order given)")

@@ -15,11 +15,13 @@ an interruption reuses, and the parts are merged into the output at the end.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import os
 import re
 import shutil
+import signal
 import sys
 import time
 from collections import Counter, deque
@@ -52,6 +54,7 @@ from trireme.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer, token
 from trireme.errors import ConfigError, DataError
 from trireme.words import count_of
 
+PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h): a signal for this process when its parent dies
 FAST_CHECK_DOCUMENTS = 64  # documents of each worker's first block checked against `tokenizers`
 # A sentence ends at . ! ? (and any closing quotes or brackets) followed by whitespace, or at a
 # blank line. Deliberately simple: no abbreviation list, no language model.
@@ -121,6 +124,22 @@ def _init_worker(options: PreprocessOptions, dtype: str) -> None:
         tokenizer=load_tokenizer(options.tokenizer, fast=fast), options=options,
         dtype=np.dtype(dtype), checked=not fast,
     )
+
+
+def _init_pool_worker(options: PreprocessOptions, dtype: str) -> None:
+    _die_with_parent()
+    _init_worker(options, dtype)
+
+
+def _die_with_parent() -> None:
+    """A pool worker ends with the main process. Killed (SIGTERM, SIGKILL), the main process used to
+    leave its workers waiting on their task queue forever, holding memory and its stdout / stderr
+    (so `trireme preprocess ... | tee log` never ended). Ctrl-C is the main process's to handle:
+    it stops the pool."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the main process's handler, inherited
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _check_fast_engine(tokenizer: Tokenizer, texts: list[str]) -> str | None:
@@ -245,7 +264,7 @@ def _ordered_results(blocks, options: PreprocessOptions, dtype: np.dtype):
             yield _process_block(block)
         return
     with ProcessPoolExecutor(
-        options.workers, mp_context=get_context("fork"), initializer=_init_worker,
+        options.workers, mp_context=get_context("fork"), initializer=_init_pool_worker,
         initargs=(options, dtype.str),
     ) as pool:
         pending: deque = deque()
