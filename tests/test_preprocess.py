@@ -126,10 +126,14 @@ def test_partitions_reuse_finished_parts(tmp_path, big_input, monkeypatch):
         run(tmp_path, [src], tokenizer="null:1000", partitions=2)
     assert not os.path.exists(tmp_path / "out_text_document.idx")
     assert os.path.isfile(tmp_path / "out.parts" / "part0.done")
-    run(tmp_path, [src], tokenizer="null:1000", partitions=2)
+    report = run(tmp_path, [src], tokenizer="null:1000", partitions=2)
     assert len(calls) == 3  # part 0 was reused, not redone
     docs = read_docs(tmp_path / "out_text_document")[1]
     assert len(docs) == len(records)
+    # the counts are this run's (they left part 0's documents out, unsaid); the summary says so
+    assert report.documents + sum(report.reused) == len(records) and len(report.reused) == 1
+    assert f"reused 1 finished part of an earlier run ({report.reused[0]:,} more" in (
+        report.summary())
     assert docs[5] == ([[int(x) for x in records[5]["text"].split()]] if records[5]["text"] else [])
 
 

@@ -109,6 +109,11 @@ def test_failed_run_removes_the_directories_it_made(tmp_path, capsys):
     assert preprocess(tmp_path, src, out="new/deeper/out") == 2
     capsys.readouterr()
     assert not (tmp_path / "new").exists()
+    # with --partitions, a bad line in the first part left an empty out.parts/ behind
+    write_jsonl(src, [{"body": "no text key"}, *RECORDS])
+    assert preprocess(tmp_path, src, out="mine/out", extra=["--partitions", "3"]) == 2
+    one_line_error(capsys, "in.jsonl:1: missing key")
+    assert not (tmp_path / "mine").exists()
 
 
 def dataset_bytes(prefix):

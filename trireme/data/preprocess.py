@@ -90,6 +90,7 @@ class PreprocessReport:
     started: float = 0.0
     skipped: Counter = field(default_factory=Counter)
     engine: str = ""
+    reused: list[int] = field(default_factory=list)  # documents of each part an earlier run made
 
     def summary(self) -> str:
         rate = self.json_bytes / max(self.seconds, 1e-9)
@@ -101,6 +102,9 @@ class PreprocessReport:
             f"{rate / 1e6:.2f} MB/s; {self.engine})",
             *(f"trireme: wrote {p}.bin / .idx" for p in self.outputs),
         ]
+        if self.reused:  # the counts above are this run's; the output holds these too
+            lines.insert(1, f"trireme: reused {count_of(len(self.reused), 'finished part')} of "
+                         f"an earlier run ({sum(self.reused):,} more documents)")
         if self.skipped:
             counts = ", ".join(f"{n:,} {reason}" for reason, n in sorted(self.skipped.items()))
             skipped = count_of(sum(self.skipped.values()), "bad line")
@@ -393,7 +397,8 @@ def preprocess(options: PreprocessOptions) -> PreprocessReport:
         else:
             _write_partitioned(groups, prefixes, options, dtype, report, bar)
     except BaseException:
-        for directory in reversed(created):  # the run made them; empty now, unless parts wait
+        parts = options.output_prefix + ".parts"  # kept if it holds finished parts to reuse
+        for directory in [parts, *reversed(created)]:  # the run made them; empty now
             if os.path.isdir(directory) and not os.listdir(directory):
                 os.rmdir(directory)
         raise
@@ -420,6 +425,7 @@ def _write_partitioned(groups, prefixes, options, dtype, report, bar) -> None:
             if bar is not None:
                 bar.update(sum(os.path.getsize(p.path) if p.end is None else p.end - p.start
                                for p in pieces))
+            report.reused.append(IndexedDataset(names[0]).num_documents)
             continue  # finished by an earlier, interrupted run
         _write_part(pieces, names, options, dtype, report, bar, False)  # whole=False
         with open(marker + ".tmp", "w") as f:
