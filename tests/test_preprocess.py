@@ -294,3 +294,20 @@ def test_a_killed_run_leaves_no_workers_and_sigterm_no_files(tmp_path, sig):
     if sig == "SIGTERM":
         assert run.returncode == 130 and err.strip() == "trireme: interrupted", err
         assert list(out.iterdir()) == []
+
+
+def test_output_into_a_closed_pipe_is_no_traceback(tmp_path):
+    """`trireme data inspect P | head -1` (or preprocess's summary into `| head`): the reader
+    leaves early; the command printed a BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    src = write_jsonl(tmp_path / "a.jsonl", [{"text": "first"}])
+    assert main(["preprocess", "--input", src, "--output-prefix", str(tmp_path / "a"),
+                 "--tokenizer", "bytes", "--no-progress"]) == 0
+    run = subprocess.Popen([sys.executable, "-m", "trireme", "data", "inspect",
+                            str(tmp_path / "a_text_document")],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run.stdout.close()  # before the command prints (it takes a second to start)
+    err = run.stderr.read()
+    assert run.wait() == 1 and err == "", err

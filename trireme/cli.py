@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from trireme import __version__
@@ -112,4 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("trireme: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout's reader left early (`trireme data inspect P | head`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second one at exit
+        return 1
 
