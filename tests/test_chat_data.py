@@ -58,6 +58,8 @@ def test_only_the_answers_have_a_loss_and_prompts_are_what_serve_sends(tmp_path,
         flags = ["--chat-template", str(tmp_path / "t.jinja")]
     prefix = preprocess(tmp_path, CHATS, *flags)
     assert is_chat(prefix)
+    marker = json.loads(open(prefix + ".chat.json").read())
+    assert marker["template"] == (flags[1] if flags else "plain")  # the file (said "tokenizer")
     train_ds, _ = chat_datasets(prefix, seq_length=96, seed=0, split="100,0,0", eod=tok.eod,
                                 mask_prompt=True, want_valid=False)
     whole, trained = trained_text(train_ds, 0, tok)
@@ -144,7 +146,13 @@ def test_bad_lines_name_file_and_line(tmp_path, capsys):
     assert not list(tmp_path.glob("out*"))  # nothing half-written
     code = trireme_main(["preprocess", "--chat", "--input", source, "--output-prefix",
                          str(tmp_path / "out"), "--tokenizer", "bytes", "--skip-bad-lines"])
-    assert code == 0 and "wrote 1 conversations" in capsys.readouterr().out
+    assert code == 0 and "wrote 1 conversation (" in capsys.readouterr().out
+    source = write_jsonl(tmp_path / "sg.jsonl", [{"conversations": [
+        {"from": "bot", "value": "x"}, {"from": "gpt", "value": "y"}]}])
+    code = trireme_main(["preprocess", "--chat", "--input", source, "--output-prefix",
+                         str(tmp_path / "out"), "--tokenizer", "bytes"])
+    err = capsys.readouterr().err  # ShareGPT's roles named (only OpenAI's were)
+    assert code == 2 and "{'from': one of human, gpt, system" in err, err
 
 
 def test_a_lone_surrogate_escape_is_a_bad_line(tmp_path, capsys):
@@ -167,7 +175,7 @@ def test_a_lone_surrogate_escape_is_a_bad_line(tmp_path, capsys):
         assert f"{source}:2: invalid UTF-8" in err and err.count("\n") == 1, err
         assert not list(tmp_path.glob(f"{out}.*"))
         assert trireme_main([*args, "--skip-bad-lines"]) == 0
-        assert "{'invalid UTF-8': 1}" in capsys.readouterr().out
+        assert "skipped 1 bad line: 1 invalid UTF-8" in capsys.readouterr().out
 
 
 def test_a_run_fine_tunes_on_chat_data(tmp_path, capsys):

@@ -54,6 +54,7 @@ from trireme.data.indexed import (
 from trireme.data.jsonl import MALFORMED, NOT_OBJECT, json_problem
 from trireme.data.tokenizer_base import Tokenizer
 from trireme.errors import DataError, TriremeError
+from trireme.words import count_of
 
 CHAT_SUFFIX = ".chat.json"
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}
@@ -206,8 +207,11 @@ def chat_format_for(tokenizer_spec: str, choice: str, tokenizer: Tokenizer) -> C
             template = Path(choice).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise DataError(f"--chat-template {choice!r} cannot be read ({e})") from None
-    return ChatFormat(template, bos_token=find_special_token(folders, "bos_token"),
+    chat = ChatFormat(template, bos_token=find_special_token(folders, "bos_token"),
                       eos_token=template_eos(folders, tokenizer, tokenizer_spec))
+    if choice != "auto":
+        chat.source = choice  # the file (said "tokenizer")
+    return chat
 
 
 def conversation_messages(record: dict) -> list[dict[str, str]]:
@@ -225,7 +229,8 @@ def conversation_messages(record: dict) -> list[dict[str, str]]:
         role = SHAREGPT_ROLES.get(role, role)
         text = _text(turn.get(text_key) if isinstance(turn, dict) else None)
         if role not in ROLES or not isinstance(text, str):
-            raise ValueError(f"message {i} must be {{{role_key!r}: one of {', '.join(ROLES)}, "
+            roles = ROLES if role_key == "role" else (*SHAREGPT_ROLES, *ROLES)
+            raise ValueError(f"message {i} must be {{{role_key!r}: one of {', '.join(roles)}, "
                              f"{text_key!r}: text (or a list of text parts)}}")
         if role == "assistant" and not text.strip():
             raise ValueError(f"message {i}, an assistant message, is empty")
@@ -308,10 +313,18 @@ class ChatReport:
     skipped: Counter = field(default_factory=Counter)
 
     def summary(self, prefix: str) -> str:
-        skipped = sum(self.skipped.values())
-        note = f", skipped {skipped} bad lines ({dict(self.skipped)})" if skipped else ""
-        return (f"wrote {self.conversations} conversations ({self.tokens} tokens, "
-                f"{self.trained} of them in responses) to {prefix}.bin/.idx{note}")
+        return (f"wrote {count_of(self.conversations, 'conversation')} ({self.tokens:,} tokens, "
+                f"{self.trained:,} of them in responses) to {prefix}.bin/.idx"
+                f"{skipped_note(self.skipped)}")
+
+
+def skipped_note(skipped: Counter) -> str:
+    """'; skipped 3 bad lines: 2 invalid UTF-8, 1 malformed JSON' (as text preprocessing says
+    it), or nothing."""
+    if not skipped:
+        return ""
+    counts = ", ".join(f"{n:,} {reason}" for reason, n in sorted(skipped.items()))
+    return f"; skipped {count_of(sum(skipped.values()), 'bad line')}: {counts}"
 
 
 def _records(inputs: list[str]):

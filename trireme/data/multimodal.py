@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trireme.data.conversations import ConversationDataset, parse_record
+from trireme.data.conversations import ConversationDataset, parse_record, skipped_note
 from trireme.data.gpt_dataset import split_documents
 from trireme.data.images import load_image, pixels
 from trireme.data.indexed import (
@@ -46,6 +46,7 @@ from trireme.data.indexed import (
 from trireme.data.jsonl import unicode_clean
 from trireme.data.tokenizer_base import Tokenizer
 from trireme.errors import DataError
+from trireme.words import count_of
 
 IMAGE_TOKEN = "<image>"
 RELATIVE_HINT = "relative paths are read from the folder of the JSONL file"
@@ -127,10 +128,8 @@ class MultimodalReport:
     skipped: Counter = field(default_factory=Counter)
 
     def summary(self, prefix: str) -> str:
-        skipped = sum(self.skipped.values())
-        note = f", skipped {skipped} bad lines ({dict(self.skipped)})" if skipped else ""
-        return f"wrote {self.documents} samples to {prefix}.bin/.idx and {prefix}{IMAGES_SUFFIX}" \
-               + note
+        return (f"wrote {count_of(self.documents, 'sample')} to {prefix}.bin/.idx and "
+                f"{prefix}{IMAGES_SUFFIX}{skipped_note(self.skipped)}")
 
 
 def _reason(message: str) -> str:
