@@ -178,6 +178,31 @@ def test_a_lone_surrogate_escape_is_a_bad_line(tmp_path, capsys):
         assert "skipped 1 bad line: 1 invalid UTF-8" in capsys.readouterr().out
 
 
+def test_merged_chat_data_stays_chat_data(tmp_path, capsys):
+    """`trireme data merge` of chat datasets wrote no P.chat.json: the merge trained as plain
+    text (prompts with a loss, conversations run together); chat with text is refused."""
+    chat = preprocess(tmp_path, CHATS)
+    text = tmp_path / "t"
+    assert trireme_main(["preprocess", "--input", write_jsonl(tmp_path / "t.jsonl", [
+        {"text": "plain"}]), "--output-prefix", str(text), "--tokenizer", "bytes",
+        "--no-progress"]) == 0
+    merged = str(tmp_path / "m")
+    assert trireme_main(["data", "merge", "--input", chat, chat, "--output-prefix",
+                         merged]) == 0
+    assert is_chat(merged)
+    marker = json.loads(open(merged + ".chat.json").read())
+    assert marker["template"] == "plain" and marker["conversations"] == 2 * len(CHATS)
+    capsys.readouterr()
+    code = trireme_main(["data", "merge", "--input", chat, f"{text}_text_document",
+                         "--output-prefix", str(tmp_path / "mixed")])
+    err = capsys.readouterr().err
+    assert code == 2 and "is not chat data" in err and err.count("\n") == 1, err
+    assert not list(tmp_path.glob("mixed*"))
+    assert trireme_main(["data", "merge", "--input", f"{text}_text_document",
+                         "--output-prefix", merged]) == 0  # text over the chat merge
+    assert not is_chat(merged)
+
+
 def test_a_run_fine_tunes_on_chat_data(tmp_path, capsys):
     records = [{"messages": [{"role": "user", "content": f"say {w}"},
                              {"role": "assistant", "content": f"{w} {w} {w}"}]}

@@ -210,3 +210,16 @@ def test_a_trained_tokenizer_takes_the_image_token_preprocess_asks_for(tmp_path,
     assert main(["preprocess", "--images", *args, "--tokenizer",
                  str(tmp_path / "vlm" / "tokenizer.json")]) == 0
     assert MultimodalSource(str(tmp_path / "out"), 8).num_documents == 2
+
+
+def test_merge_refuses_multimodal_data(tmp_path, tok, capsys):
+    """merge joins token ids: a multimodal dataset came out as text with image placeholders
+    and no images (P.images.npy dropped), silently."""
+    write_png(tmp_path / "a.png")
+    data = write_jsonl(tmp_path / "d.jsonl", good_records())
+    preprocess_multimodal([data], str(tmp_path / "mm"), tok, 8)
+    code = main(["data", "merge", "--input", str(tmp_path / "mm"), str(tmp_path / "mm"),
+                 "--output-prefix", str(tmp_path / "both")])
+    err = capsys.readouterr().err
+    assert code == 2 and "is multimodal data" in err and err.count("\n") == 1, err
+    assert not list(tmp_path.glob("both*"))

@@ -16,10 +16,15 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from trireme.data.conversations import chat_format_for, preprocess_chat
+from trireme.data.conversations import (
+    chat_format_for,
+    merged_chat_marker,
+    preprocess_chat,
+    write_chat_marker,
+)
 from trireme.data.indexed import IndexedDataset, check_writable
 from trireme.data.jsonl import Piece, parse_lines, read_blocks
-from trireme.data.multimodal import preprocess_multimodal
+from trireme.data.multimodal import IMAGES_SUFFIX, is_multimodal, preprocess_multimodal
 from trireme.data.preprocess import PreprocessOptions, merge_datasets, preprocess
 from trireme.data.tokenizer import load_tokenizer, train_bpe
 from trireme.data.tokenizer_mark import merged_mark, tokenizer_mark, write_mark
@@ -139,13 +144,24 @@ def _data(argv: list[str]) -> int:
     if args.command == "merge":
         check_writable(args.output_prefix, "--output-prefix")
         mark = merged_mark(args.input)  # before writing: datasets of two tokenizers stop here
+        chat = merged_chat_marker(args.input)  # and chat mixed with text
+        _check_no_images(args.input)
         merged = merge_datasets(args.input, args.output_prefix)
         write_mark(args.output_prefix, mark)  # (None: removes an earlier dataset's)
+        write_chat_marker(args.output_prefix, chat)
         print(f"trireme: wrote {merged.prefix}.bin / .idx: {merged.num_documents:,} documents, "
               f"{len(merged):,} sequences, {merged.num_tokens:,} {merged.dtype} tokens")
         return 0
     print(inspect_dataset(args.prefix, args.tokenizer, args.document, args.chars))
     return 0
+
+
+def _check_no_images(prefixes: list[str]) -> None:
+    for prefix in prefixes:
+        if is_multimodal(prefix):
+            raise DataError(f"merge: {prefix!r} is multimodal data; merge joins token ids only "
+                            f"and would drop its {IMAGES_SUFFIX}: preprocess the JSONL files "
+                            "together instead")
 
 
 def inspect_dataset(prefix: str, tokenizer: str = "", document: int = 0, chars: int = 500) -> str:

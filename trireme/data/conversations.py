@@ -362,12 +362,51 @@ def preprocess_chat(inputs: list[str], output_prefix: str, tokenizer: Tokenizer,
             report.trained += sum(len(s) for s in sequences[1::2])
         if report.conversations == 0:
             raise DataError(f"preprocess --chat: no conversations in {', '.join(inputs)}")
-    marker = {"kind": "chat", "template": chat.source, "chat_template": chat.text,
-              "conversations": report.conversations}
-    temp = temporary_path(output_prefix + CHAT_SUFFIX)
-    Path(temp).write_text(json.dumps(marker) + "\n")
-    os.replace(temp, output_prefix + CHAT_SUFFIX)
+    write_chat_marker(output_prefix, {"kind": "chat", "template": chat.source,
+                                      "chat_template": chat.text,
+                                      "conversations": report.conversations})
     return report
+
+
+def write_chat_marker(prefix: str, marker: dict | None) -> None:
+    """P.chat.json, written whole or not at all; None removes one an earlier dataset of that
+    name left (a text dataset there would otherwise train as chat)."""
+    if marker is None:
+        Path(prefix + CHAT_SUFFIX).unlink(missing_ok=True)
+        return
+    temp = temporary_path(prefix + CHAT_SUFFIX)
+    Path(temp).write_text(json.dumps(marker) + "\n")
+    os.replace(temp, prefix + CHAT_SUFFIX)
+
+
+def merged_chat_marker(prefixes: list[str]) -> dict | None:
+    """The P.chat.json of datasets joined into one (`trireme data merge`): None if none is chat
+    data; if all are, theirs with the conversations added up (the template recorded as "mixed"
+    where they differ, which serve then cannot take from the data, as for a blend of them).
+    DataError for chat mixed with text: the prompts would train, and conversations run together.
+    """
+    markers = [_chat_marker(p) if is_chat(p) else None for p in prefixes]
+    if all(m is None for m in markers):
+        return None
+    if any(m is None for m in markers):
+        text = prefixes[markers.index(None)]
+        raise DataError(f"merge: {text!r} is not chat data (trireme preprocess --chat) but "
+                        "others are; merge chat datasets with each other")
+    merged = dict(markers[0], conversations=sum(m.get("conversations", 0) for m in markers))
+    if any((m.get("template"), m.get("chat_template")) != (merged.get("template"),
+           merged.get("chat_template")) for m in markers):
+        merged.update(template="mixed", chat_template=None)
+    return merged
+
+
+def _chat_marker(prefix: str) -> dict:
+    try:
+        marker = json.loads(Path(prefix + CHAT_SUFFIX).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DataError(f"{prefix}{CHAT_SUFFIX} cannot be read ({e})") from None
+    if not isinstance(marker, dict):
+        raise DataError(f"{prefix}{CHAT_SUFFIX} is not a chat data marker")
+    return marker
 
 
 def chat_datasets(prefix: str, *, seq_length: int, seed: int, split: str, eod: int,
