@@ -98,3 +98,26 @@ def test_chat_data_is_marked(tmp_path):
                  str(tmp_path / "chat"), "--tokenizer", "bytes"]) == 0
     with pytest.raises(DataError, match="other ids"):
         resolve(str(tmp_path / "chat"), "null:256")
+
+
+def test_inspect_with_another_tokenizer_is_one_line(tmp_path, capsys):
+    """`trireme data inspect P --tokenizer T` decoded with any T: wrong words silently, or a
+    decoder's traceback for ids past its vocabulary (SentencePiece's IndexError). A bad
+    --document printed nothing for it."""
+    prefix = preprocess(tmp_path, "a", "bytes")
+    folder = tmp_path / "bpe"
+    folder.mkdir()
+    train_bpe(TEXTS * 10, 300, str(folder / "tokenizer.json"))
+    capsys.readouterr()
+    assert main(["data", "inspect", prefix, "--tokenizer", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert "gives other ids than --tokenizer" in err and err.count("\n") == 1, err
+    (tmp_path / f"a_text_document{MARK_SUFFIX}").unlink()  # unmarked: the ids still tell
+    assert main(["data", "inspect", prefix, "--tokenizer", "null:100"]) == 2
+    err = capsys.readouterr().err
+    assert "outside --tokenizer 'null:100' (vocabulary 101)" in err and err.count("\n") == 1
+    for document in ("4", "-1"):
+        assert main(["data", "inspect", prefix, "--document", document]) == 2
+        assert "documents 0 to 3" in capsys.readouterr().err
+    assert main(["data", "inspect", prefix, "--tokenizer", "bytes", "--document", "3"]) == 0
+    assert "x = 1 + 2" in capsys.readouterr().out

@@ -27,7 +27,7 @@ from trireme.data.jsonl import Piece, parse_lines, read_blocks
 from trireme.data.multimodal import IMAGES_SUFFIX, is_multimodal, preprocess_multimodal
 from trireme.data.preprocess import PreprocessOptions, merge_datasets, preprocess
 from trireme.data.tokenizer import load_tokenizer, train_bpe
-from trireme.data.tokenizer_mark import merged_mark, tokenizer_mark, write_mark
+from trireme.data.tokenizer_mark import check_mark, merged_mark, tokenizer_mark, write_mark
 from trireme.errors import ConfigError, DataError
 
 
@@ -198,12 +198,20 @@ def inspect_dataset(prefix: str, tokenizer: str = "", document: int = 0, chars: 
                         sorted(zip(ids, counts), key=lambda x: -x[1])[:5])
         lines.append(f"token ids  min {int(ids[0])}  max {int(ids[-1])}  distinct "
                      f"{ids.size:,}{scope}; most frequent: {top}")
-    if 0 <= document < ds.num_documents and doc_tokens[document]:
+    if not 0 <= document < max(ds.num_documents, 1):
+        raise ConfigError(f"--document {document}: the dataset has documents 0 to "
+                          f"{ds.num_documents - 1:,}")
+    if doc_tokens.size and doc_tokens[document]:
         first, last = int(starts[document]), int(starts[document + 1])
         ids = np.concatenate([ds[i] for i in range(first, last)])
         if tokenizer:
-
-            text = load_tokenizer(tokenizer, name="--tokenizer").decode(ids.tolist())
+            tok = load_tokenizer(tokenizer, name="--tokenizer")
+            check_mark(prefix, tok, tokenizer, name="--tokenizer")  # another's: wrong words
+            if int(ids.max()) >= tok.vocab_size:  # unmarked data: a decoder may crash
+                raise DataError(f"document {document} holds token id {int(ids.max())}, outside "
+                                f"--tokenizer {tokenizer!r} (vocabulary {tok.vocab_size}); "
+                                "decode with the tokenizer the data was made with")
+            text = tok.decode(ids.tolist())
             lines.append(f"document {document} ({ids.size:,} tokens), decoded:")
             lines.append(text[:chars] + (" ..." if len(text) > chars else ""))
         else:

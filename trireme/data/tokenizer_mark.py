@@ -79,8 +79,10 @@ def read_mark(prefix: str) -> dict | None:
     return mark
 
 
-def check_mark(prefix: str, tokenizer: Tokenizer, spec: str) -> None:
-    """DataError (one line) if `prefix` was tokenized by another tokenizer than `tokenizer`."""
+def check_mark(prefix: str, tokenizer: Tokenizer, spec: str, name: str = "data.tokenizer"
+               ) -> None:
+    """DataError (one line) if `prefix` was tokenized by another tokenizer than `tokenizer`
+    (given as `name` = `spec`)."""
     mark = read_mark(prefix)
     if mark is None:
         return
@@ -88,7 +90,7 @@ def check_mark(prefix: str, tokenizer: Tokenizer, spec: str) -> None:
         return
     made = mark.get("tokenizer", "another tokenizer")
     raise DataError(f"data {prefix!r} was tokenized with {made!r} (vocabulary {mark['vocab_size']}"
-                    f"), which gives other ids than data.tokenizer {spec!r} (vocabulary "
-                    f"{tokenizer.vocab_size}); train with the tokenizer the data was made with, "
+                    f"), which gives other ids than {name} {spec!r} (vocabulary "
+                    f"{tokenizer.vocab_size}); use the tokenizer the data was made with, "
                     f"preprocess it again with this one, or delete {prefix}{MARK_SUFFIX} if "
                     "they are the same")
