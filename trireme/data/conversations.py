@@ -49,7 +49,7 @@ from trireme.data.indexed import (
     IndexedDatasetWriter,
     best_dtype,
     check_writable,
-    temporary_path,
+    write_sidecar,
 )
 from trireme.data.jsonl import MALFORMED, NOT_OBJECT, json_problem
 from trireme.data.tokenizer_base import Tokenizer
@@ -371,12 +371,7 @@ def preprocess_chat(inputs: list[str], output_prefix: str, tokenizer: Tokenizer,
 def write_chat_marker(prefix: str, marker: dict | None) -> None:
     """P.chat.json, written whole or not at all; None removes one an earlier dataset of that
     name left (a text dataset there would otherwise train as chat)."""
-    if marker is None:
-        Path(prefix + CHAT_SUFFIX).unlink(missing_ok=True)
-        return
-    temp = temporary_path(prefix + CHAT_SUFFIX)
-    Path(temp).write_text(json.dumps(marker) + "\n")
-    os.replace(temp, prefix + CHAT_SUFFIX)
+    write_sidecar(prefix + CHAT_SUFFIX, marker)
 
 
 def merged_chat_marker(prefixes: list[str]) -> dict | None:

@@ -17,6 +17,7 @@ Megatron-LM and the other way round.
 from __future__ import annotations
 
 import contextlib
+import json
 import mmap
 import os
 import shutil
@@ -62,6 +63,19 @@ def temporary_path(path: str | os.PathLike[str]) -> str:
     """A unique hidden name beside `path` (same filesystem, so a rename into place is atomic)."""
     directory, name = os.path.split(os.path.abspath(path))
     return os.path.join(directory, f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+def write_sidecar(path: str, record: dict | None) -> None:
+    """A dataset's JSON sidecar (P.chat.json, P.tokenizer.json), written whole or not at all;
+    None removes one an earlier dataset of that name left."""
+    if record is None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+        return
+    temp = temporary_path(path)
+    with open(temp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+    os.replace(temp, path)
 
 
 def check_writable(path: str, flag: str) -> list[str]:

@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 
-from trireme.data.indexed import temporary_path
+from trireme.data.indexed import write_sidecar
 from trireme.data.tokenizer_base import Tokenizer
 from trireme.errors import DataError
 
@@ -36,12 +36,7 @@ def tokenizer_mark(tokenizer: Tokenizer, spec: str) -> dict:
 def write_mark(prefix: str, mark: dict | None) -> None:
     """P.tokenizer.json, written whole or not at all; None removes one an earlier dataset of
     that name left."""
-    if mark is None:
-        Path(prefix + MARK_SUFFIX).unlink(missing_ok=True)
-        return
-    temp = temporary_path(prefix + MARK_SUFFIX)
-    Path(temp).write_text(json.dumps(mark) + "\n")
-    os.replace(temp, prefix + MARK_SUFFIX)
+    write_sidecar(prefix + MARK_SUFFIX, mark)
 
 
 def same_ids(a: dict, b: dict) -> bool:
