@@ -142,7 +142,8 @@ def test_dispatchers_route_tokens_to_their_experts_and_back(tmp_path):
 def test_bad_expert_parallel_settings_are_one_line_errors():
     moe = ["model.layer_pattern=*E*E*E*E"]
     for extra, words in [(["model.moe_dispatcher=ring"], "moe_dispatcher = 'ring'"),
-                         (["parallel.expert=2", "model.moe_pad_to_capacity=true"],
+                         (["parallel.expert=2", "model.moe_pad_to_capacity=true",
+                           "model.moe_capacity_factor=1.0"],
                           "moe_pad_to_capacity with parallel.expert > 1"),
                          (["parallel.tensor=2", "model.seq_length=255"],
                           "seq_length = 255 must be divisible by parallel.tensor = 2")]:
