@@ -117,6 +117,7 @@ def _preprocess(argv: list[str]) -> int:
         skip_bad_lines=args.skip_bad_lines, engine=args.engine, progress=not args.no_progress,
     )
     report = preprocess(options)
+    # the mark with the tokenizer as training loads it (preprocess may encode with tiktoken)
     mark = tokenizer_mark(load_tokenizer(args.tokenizer, name="--tokenizer"), args.tokenizer)
     for prefix in report.outputs:
         write_mark(prefix, mark)

@@ -49,6 +49,7 @@ from trireme.data.indexed import (
     IndexedDatasetWriter,
     best_dtype,
     check_writable,
+    read_sidecar,
     write_sidecar,
 )
 from trireme.data.jsonl import MALFORMED, NOT_OBJECT, json_problem
@@ -178,10 +179,10 @@ def trained_template(data_path: str) -> TrainedTemplate | None:
     found = set()
     for _, prefix in parse_blend(data_path) if data_path else []:
         try:
-            marker = json.loads(Path(prefix + CHAT_SUFFIX).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            marker = read_sidecar(prefix + CHAT_SUFFIX, "a chat data marker")
+        except DataError:
             return None
-        if not isinstance(marker, dict):
+        if marker is None:
             return None
         if marker.get("template") == "plain":
             found.add(None)
@@ -395,12 +396,9 @@ def merged_chat_marker(prefixes: list[str]) -> dict | None:
 
 
 def _chat_marker(prefix: str) -> dict:
-    try:
-        marker = json.loads(Path(prefix + CHAT_SUFFIX).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise DataError(f"{prefix}{CHAT_SUFFIX} cannot be read ({e})") from None
-    if not isinstance(marker, dict):
-        raise DataError(f"{prefix}{CHAT_SUFFIX} is not a chat data marker")
+    marker = read_sidecar(prefix + CHAT_SUFFIX, "a chat data marker")
+    if marker is None:
+        raise DataError(f"{prefix}{CHAT_SUFFIX} cannot be read (it is gone)")
     return marker
 
 

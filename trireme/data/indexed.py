@@ -65,6 +65,21 @@ def temporary_path(path: str | os.PathLike[str]) -> str:
     return os.path.join(directory, f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
 
 
+def read_sidecar(path: str, what: str, hint: str = "") -> dict | None:
+    """A dataset's JSON sidecar (write_sidecar), None where there is none; one that cannot be
+    read, or is not a JSON object, is a one-line DataError naming it as `what` (+ `hint`)."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path} cannot be read ({e}){hint}") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{path} is not {what}{hint}")
+    return record
+
+
 def write_sidecar(path: str, record: dict | None) -> None:
     """A dataset's JSON sidecar (P.chat.json, P.tokenizer.json), written whole or not at all;
     None removes one an earlier dataset of that name left."""

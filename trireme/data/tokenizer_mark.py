@@ -10,11 +10,7 @@ Data without a mark (made by Megatron's tools or an older trireme) is not checke
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
-from trireme.data.indexed import write_sidecar
+from trireme.data.indexed import read_sidecar, write_sidecar
 from trireme.data.tokenizer_base import Tokenizer
 from trireme.errors import DataError
 
@@ -60,17 +56,10 @@ def merged_mark(prefixes: list[str]) -> dict | None:
 
 def read_mark(prefix: str) -> dict | None:
     """The dataset's mark, None where it has none; a damaged one is a one-line DataError."""
-    path = prefix + MARK_SUFFIX
-    if not os.path.isfile(path):
-        return None
-    try:
-        mark = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise DataError(f"{path} cannot be read ({e}); delete it to train without the "
-                        "tokenizer check") from None
-    if not isinstance(mark, dict) or not {"vocab_size", "eod", "probe"} <= set(mark):
-        raise DataError(f"{path} is not a tokenizer mark; delete it to train without the "
-                        "tokenizer check")
+    hint = "; delete it to train without the tokenizer check"
+    mark = read_sidecar(prefix + MARK_SUFFIX, "a tokenizer mark", hint)
+    if mark is not None and not {"vocab_size", "eod", "probe"} <= set(mark):
+        raise DataError(f"{prefix}{MARK_SUFFIX} is not a tokenizer mark{hint}")
     return mark
 
 
