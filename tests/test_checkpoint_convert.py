@@ -336,6 +336,29 @@ def test_megatron_bad_input(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
+@needs_fixture
+def test_convert_options_no_conversion_can_use_are_one_line_errors(tmp_path: Path, capsys
+                                                                     ) -> None:
+    """--step -5 was a ValueError traceback after reading the input; --vocab-size 9999 on a
+    512-row Megatron embedding was dropped for the padded 512 with a note that the checkpoint
+    records no vocabulary (it records 500); --vocab-size with --from hf was ignored."""
+    meg = FIXTURE / "megatron_torch"
+    for argv in (["--from", "megatron", "--step", "-5"],
+                 ["--from", "megatron", "--vocab-size", "-3"],
+                 ["--from", "megatron", "--vocab-size", "9999"],
+                 ["--from", "trireme", "--vocab-size", "50"]):
+        assert main(["convert", *argv, "--to", "trireme", "--input", str(meg),
+                     "--output", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert not (tmp_path / "out").exists()
+    with pytest.raises(CheckpointError, match=r"--vocab-size 9999 is larger than the "
+                                              r"checkpoint's embedding \(512 rows"):
+        convert("megatron", "trireme", meg, tmp_path / "out", vocab_size=9999)
+    conv, _ = convert("megatron", "trireme", meg, tmp_path / "out", vocab_size=500)
+    assert conv.model.vocab_size == 500
+
+
 class RunsCode:
     """Unpickling this runs a shell command: what a malicious checkpoint would do."""
 

@@ -137,6 +137,16 @@ def read_any(kind: str, path: Path, *, vocab_size: int = 0, masters: bool = Fals
     raise ConfigError(f"--from {kind!r} is not one of: {', '.join(FORMATS_IN)}")
 
 
+def _check_options(source_kind: str, vocab_size: int, step: int | None) -> None:
+    """One-line errors for --vocab-size and --step values no conversion can use."""
+    if vocab_size < 0 or (step is not None and step < 0):
+        bad = f"--vocab-size {vocab_size}" if vocab_size < 0 else f"--step {step}"
+        raise ConfigError(f"{bad} is negative")
+    if vocab_size and source_kind != "megatron":  # a config.json / config.toml records it
+        raise ConfigError(f"--vocab-size is for --from megatron (a {source_kind} checkpoint "
+                          "records its vocabulary)")
+
+
 def convert(
     source_kind: str,
     target_kind: str,
@@ -154,6 +164,7 @@ def convert(
     """
     if target_kind not in FORMATS_OUT:
         raise ConfigError(f"--to {target_kind!r} is not one of: {', '.join(FORMATS_OUT)}")
+    _check_options(source_kind, vocab_size, step)
     output = Path(output_path)
     check_output_dir(output)
     conv = read_any(source_kind, Path(input_path), vocab_size=vocab_size,

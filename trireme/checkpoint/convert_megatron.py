@@ -349,6 +349,9 @@ def model_config_from_args(
     if not swiglu and not args.get("openai_gelu"):
         notes.append("Megatron's GeLU is exact (erf); trireme's is the tanh approximation, so "
                      "logits differ slightly")
+    if vocab_size > rows:  # --vocab-size: the padded table holds fewer rows than that
+        raise CheckpointError(f"--vocab-size {vocab_size} is larger than the checkpoint's "
+                              f"embedding ({rows} rows, padding included)")
     if not vocab_size:
         vocab_size = args.get("vocab_size") or 0
     if not vocab_size or vocab_size > rows:
