@@ -181,3 +181,18 @@ def test_cpu_threads_choice():
     assert choose_cpu_threads(8, 0, "", 0)[0] == 8
     with pytest.raises(ConfigError, match="train.cpu_threads"):
         load_config("tiny", ["train.cpu_threads=-1"])
+
+
+def test_config_file_not_utf8_is_one_line_error(tmp_path):
+    """A TOML file that is not UTF-8 (saved as UTF-16, a binary passed by mistake) was a
+    UnicodeDecodeError traceback; it is a ConfigError naming the file."""
+    path = tmp_path / "exp.toml"
+    path.write_bytes(b"\xff\xfe[model]\n")
+    with pytest.raises(ConfigError, match=r"exp\.toml: not valid TOML: not UTF-8 text \(byte 0\)"):
+        load_config(str(path))
+
+
+def test_empty_config_name_is_named_as_empty():
+    """`--config ""` (an unset shell variable) said "'' is a directory" (Path("") is ".")."""
+    with pytest.raises(ConfigError, match="--config is empty"):
+        load_config("")

@@ -76,9 +76,13 @@ def load_config(
     cfg = Config()
     path = resolve_preset(preset)
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
     apply_dict(cfg, data, str(path))
     if isinstance(overrides, dict):
         for k, v in overrides.items():
