@@ -174,6 +174,8 @@ def preset_names() -> list[str]:
 
 
 def resolve_preset(name_or_path: str) -> Path:
+    if not name_or_path.strip():  # Path("") is the working directory
+        raise ConfigError("--config is empty: give a preset name or a .toml path")
     p = Path(name_or_path)
     if p.is_dir() and (p / "config.toml").is_file():  # a checkpoint's step directory
         return p / "config.toml"
