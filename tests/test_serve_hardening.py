@@ -283,6 +283,30 @@ def test_offline_batches_refuse_odd_lines_and_outputs_first(checkpoint, tmp_path
     assert stat.S_IMODE(out.stat().st_mode) == 0o640  # as open() makes it, not mkstemp's 0600
 
 
+def test_offline_batches_refuse_outputs_they_could_not_write_before_running(
+        checkpoint, tmp_path, capsys):
+    """An output no file can be made in was found only after every prompt ran (a traceback,
+    the answers lost); the input file as the output was silently replaced by the answers;
+    --output beside --prompt was ignored (the text went to stdout)."""
+    run = ["generate", "--checkpoint", str(checkpoint), "--device", "cpu"]
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "a", "max_tokens": 3}\n')
+    for output, needle in [(good, "is the --input file"),
+                           (tmp_path / "." / "good.jsonl", "is the --input file")]:
+        assert trireme_main([*run, "--input", str(good), "--output", str(output)]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1
+    assert good.read_text() == '{"prompt": "a", "max_tokens": 3}\n'  # the prompts are kept
+    if Path("/proc").is_dir():  # no file can be made in /proc, whoever runs this (root too)
+        assert trireme_main([*run, "--input", str(good), "--output", "/proc/a/out.jsonl"]) == 2
+        err = capsys.readouterr().err
+        assert "cannot write in /proc" in err and err.count("\n") == 1
+    out = tmp_path / "out.jsonl"
+    assert trireme_main([*run, "--prompt", "a", "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--output goes with --input" in err and not out.exists()
+
+
 def test_an_open_ended_chat_answer_fits_a_small_pool(checkpoint):
     with live_server(checkpoint, num_blocks=4, block_size=16) as (url, engine, _):
         pool = engine.allocator.usable * 16

@@ -127,12 +127,14 @@ def generate_main(argv: list[str]) -> int:
         field, _, rest = problem.partition(" ")
         flag = {"max_tokens": "max-new-tokens"}.get(field, field.replace("_", "-"))
         raise TriremeError(f"--{flag} {rest}")
+    if args.output and args.input is None:
+        raise TriremeError("--output goes with --input prompts.jsonl (--prompt prints its text)")
     if args.image and args.input is not None:
         raise TriremeError("--image goes with --prompt (one image), not with --input")
     if args.input is not None:
         if not args.output:
             raise TriremeError("--input needs --output out.jsonl")
-        check_output(args.output)
+        check_output(args.output, args.input)
         loaded = load_for_inference(args.checkpoint, args.tokenizer, args.device,
                                     args.max_model_len)
         try:  # under torchrun every rank runs the prompts; the first writes them

@@ -92,14 +92,24 @@ def _parse(line: str, defaults: SamplingParams, engine: Engine, tokenizer: Token
     return item, ids, params
 
 
-def check_output(output_path: str) -> None:
-    """A TriremeError now, before any prompt runs, if `output_path` cannot be the output file."""
+def check_output(output_path: str, input_path: str) -> None:
+    """A TriremeError now, before any prompt runs, if `output_path` cannot be the output file:
+    a directory, a path under a file, the input file itself, or a folder no file can be made in
+    (found at the end, that would lose every answer)."""
     target = Path(output_path)
     if target.is_dir():
         raise TriremeError(f"--output {output_path} is a directory; give a file name")
     parent = next((p for p in (target.parent, *target.parent.parents) if p.exists()), None)
     if parent is not None and not parent.is_dir():
         raise TriremeError(f"--output {output_path}: {parent} is not a directory")
+    if target.exists() and Path(input_path).exists() and target.samefile(input_path):
+        raise TriremeError(f"--output {output_path} is the --input file; give another name "
+                           "(the answers would replace the prompts)")
+    try:  # a file that is gone at once: the folder (or the one it will be made in) is writable
+        tempfile.TemporaryFile(dir=parent).close()
+    except OSError as e:
+        raise TriremeError(f"--output {output_path}: cannot write in {parent} "
+                           f"({e.strerror or e})") from None
 
 
 def generate_file(input_path: str, output_path: str, engine: Engine, tokenizer: Tokenizer,
@@ -110,21 +120,30 @@ def generate_file(input_path: str, output_path: str, engine: Engine, tokenizer: 
     requests = engine.generate([ids for _, ids, _ in items], [p for _, _, p in items])
     if not write:
         return len(items)
-    target = Path(output_path)
+    records = []
+    for (item, ids, _), request in zip(items, requests):
+        record = {"prompt": item["prompt"], "text": request.text.text,
+                  "finish_reason": request.finish_reason, "prompt_tokens": len(ids),
+                  "completion_tokens": len(request.output_ids)}
+        records.append({"id": item["id"], **record} if "id" in item else record)
+    try:
+        write_lines(Path(output_path), records)
+    except OSError as e:  # e.g. the disk filled up: one line, no partial file
+        raise TriremeError(f"--output {output_path}: cannot write it ({e.strerror or e})"
+                           ) from None
+    return len(items)
+
+
+def write_lines(target: Path, records: list[dict[str, Any]]) -> None:
+    """`records` as JSON lines in `target`, through a temporary file renamed at the end."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         os.fchmod(fd, 0o666 & ~current_umask())  # as open() would make it (mkstemp: 0600)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for (item, ids, _), request in zip(items, requests):
-                record = {"prompt": item["prompt"], "text": request.text.text,
-                          "finish_reason": request.finish_reason, "prompt_tokens": len(ids),
-                          "completion_tokens": len(request.output_ids)}
-                if "id" in item:
-                    record = {"id": item["id"], **record}
+            for record in records:
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return len(items)
