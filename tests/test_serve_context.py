@@ -50,7 +50,10 @@ def test_a_shorter_context_caps_requests(tmp_path):
 
 @pytest.mark.parametrize("wanted, model, message", [
     (LONG + 1, {"max_position_embeddings": LONG}, "model.max_position_embeddings"),
-    (CONTEXT + 1, {}, f"past the {CONTEXT} positions .* \\(model.seq_length"),
+    (CONTEXT + 1, {}, f"past the {CONTEXT} positions .* \\(model.seq_length\\)"),
+    # a converted Llama: rotary positions, max_position_embeddings = seq_length (the message
+    # said "learned positions have no more")
+    (CONTEXT + 1, {"max_position_embeddings": CONTEXT}, "\\(model.max_position_embeddings\\)"),
     (CONTEXT + 1, {"position_embedding": "learned"}, "learned positions"),
     (1, {}, "must be >= 2"),
     (-5, {}, "must be >= 2"),

@@ -62,9 +62,10 @@ def inference_context(cfg: ModelConfig, wanted: int) -> int:
         raise ConfigError(f"--max-model-len {wanted} must be >= 2 (prompt + 1 new token), or 0 "
                           f"for model.seq_length = {cfg.seq_length}")
     if wanted > supported:
-        where = ("model.seq_length; learned positions have no more" if
-                 cfg.position_embedding == "learned" or supported == cfg.seq_length
-                 else "model.max_position_embeddings")
+        where = ("model.max_position_embeddings" if cfg.max_position_embeddings >=
+                 cfg.seq_length else "model.seq_length")
+        if cfg.position_embedding == "learned":
+            where = "model.seq_length; learned positions have no more"
         raise ConfigError(f"--max-model-len {wanted} is past the {supported} positions the "
                           f"model supports ({where})")
     return wanted
