@@ -27,7 +27,7 @@ from trireme.inference.cli import load_for_inference
 from trireme.inference.openai_api import ApiError, parse_chat, parse_completion
 from trireme.inference.runner import RATE_WINDOW_S, EngineThread
 from trireme.inference.sampling import SamplingParams, request_generator, sample_rows
-from trireme.inference.serve_cli import chat_format
+from trireme.inference.serve_cli import chat_format, server_url
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -305,6 +305,13 @@ def test_offline_batches_refuse_outputs_they_could_not_write_before_running(
     assert trireme_main([*run, "--prompt", "a", "--output", str(out)]) == 2
     err = capsys.readouterr().err
     assert "--output goes with --input" in err and not out.exists()
+
+
+def test_the_printed_address_of_an_ipv6_host_is_a_url():
+    """`--host ::1` printed http://::1:8000, which no client parses as host and port."""
+    for host in ["::1", "fe80::1%eth0", "127.0.0.1", "0.0.0.0", "localhost"]:
+        parts = urlsplit(server_url(host, 8000))
+        assert (parts.hostname, parts.port) == (host.lower(), 8000)
 
 
 def test_an_open_ended_chat_answer_fits_a_small_pool(checkpoint):

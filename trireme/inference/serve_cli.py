@@ -131,7 +131,7 @@ def serve_main(argv: list[str]) -> int:
     sock = bind(args.host, args.port)
     port = sock.getsockname()[1]
     print(f"trireme: serving {name!r} ({engine.allocator.usable} KV blocks of "
-          f"{engine.settings.block_size}) on http://{args.host}:{port}", flush=True)
+          f"{engine.settings.block_size}) on {server_url(args.host, port)}", flush=True)
     config = uvicorn.Config(app, log_level="warning",
                             timeout_graceful_shutdown=args.drain_timeout)
     # uvicorn drains on SIGTERM / SIGINT, then raises the signal again for the handler that was
@@ -158,6 +158,11 @@ def run_follower(loaded: LoadedModel, engine: Engine) -> int:
     finally:
         loaded.close()
     return 0
+
+
+def server_url(host: str, port: int) -> str:
+    """The address a client can use: an IPv6 host goes in brackets (http://[::1]:8000)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def bind(host: str, port: int) -> socket.socket:
