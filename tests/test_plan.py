@@ -93,6 +93,15 @@ def test_plan_json_ranks_fitting_layouts_and_reports_the_given_one(capsys):
         assert check_layout(cfg, 2) is None  # the trainer accepts it
 
 
+def test_plan_ranks_the_given_micro_batch_above_16():
+    """gpt2-124m ships micro batch 32; the layouts tried stopped at 16, so the 'best first'
+    list began below the given row (498k against 530k tokens/s on an h200)."""
+    plan = make_plan(load_config("gpt2-124m"), 1, 8, load_rates("h200"))
+    best = plan.candidates[0]
+    assert plan.given.layout.micro_batch_size == 32
+    assert best.layout == plan.given.layout and best.tokens_per_s == plan.given.tokens_per_s
+
+
 def test_plan_names_the_trainers_error_for_a_refused_layout():
     cfg = load_config("llama3-1b", {"parallel.tensor": 3})
     plan = make_plan(cfg, 6, 8, load_rates("h200"))

@@ -11,7 +11,7 @@ it, so the planner never proposes a layout the trainer refuses.
 Pruning (stated, so nothing surprises): tensor parallelism stays inside a node (T divides
 --gpus-per-node); context parallelism is tried when the sequence is at least 8192 tokens or the
 config already uses it; virtual stages up to 4; micro batches are the divisors of the batch per
-replica up to 16.
+replica up to 16, and the config's own micro batch where it divides.
 """
 
 from __future__ import annotations
@@ -110,6 +110,17 @@ def _divisors(n: int, limit: int | None = None) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0 and (limit is None or d <= limit)]
 
 
+def _micro_batches(per_replica: int, given: int) -> list[int]:
+    """Divisors of the batch per replica up to 16, and the config's own (gpt2-124m's 32), so
+    the ranking never drops the layout the user gave (0: per_replica is not whole)."""
+    if not per_replica:
+        return [1]
+    sizes = _divisors(per_replica, 16)
+    if given > 16 and per_replica % given == 0:
+        sizes.append(given)
+    return sizes
+
+
 def candidate_layouts(cfg: Config, world: int, per_node: int) -> Iterator[Layout]:
     """Every layout to try (module docstring), before validation."""
     m = cfg.model
@@ -134,7 +145,7 @@ def _inner(cfg: Config, tensor: int, pipeline: int, context: int, data: int,
     modes = [cfg.parallel.context_mode] if context == 1 else list(CONTEXT_MODES)
     per_replica = cfg.train.global_batch_size // data if cfg.train.global_batch_size % data == 0 \
         else 0
-    micro = _divisors(per_replica, 16) if per_replica else [1]
+    micro = _micro_batches(per_replica, cfg.train.micro_batch_size)
     dp_modes = DP_MODES if data * context > 1 else ("ddp",)
     # sequence parallelism always with TP (the same traffic, less memory), where supported
     sequence = tensor > 1 and not cfg.model.vision_layers
