@@ -522,6 +522,17 @@ def test_reading_a_hugging_face_folder_as_a_checkpoint_says_convert_it(tmp_path:
         load_checkpoint(tmp_path / "hf")
 
 
+@needs_fixture
+@pytest.mark.parametrize("where", ["megatron_torch", "megatron_torch/iter_0000004",
+                                   "megatron_torch_dist", "megatron_torch_dist/iter_0000004"])
+def test_reading_a_megatron_checkpoint_as_a_checkpoint_says_convert_it(where: str) -> None:
+    """checkpoint.init_from / generate --checkpoint given a Megatron checkpoint said only 'no
+    complete checkpoint (expected step_*/meta.json)'."""
+    with pytest.raises(CheckpointError, match="looks like a Megatron-LM checkpoint.*trireme "
+                                              "convert --from megatron"):
+        load_checkpoint(FIXTURE / where, name="checkpoint.init_from")
+
+
 def test_megatron_rope_model_keeps_the_context_it_supports() -> None:
     args = dict(num_layers=2, hidden_size=64, num_attention_heads=4, swiglu=True,
                 position_embedding_type="rope", seq_length=128, max_position_embeddings=4096,
