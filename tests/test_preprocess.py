@@ -261,6 +261,10 @@ def test_data_merge_and_inspect_cli(tmp_path, capsys):
                    "second one", "token ids  min 32  max 256"):
         assert needle in out, out
     assert main(["data", "inspect", str(tmp_path / "missing")]) == 2
+    capsys.readouterr()
+    # --chars -5 printed the document less its last 5 characters
+    assert main(["data", "inspect", merged, "--tokenizer", "bytes", "--chars", "-5"]) == 2
+    assert capsys.readouterr().err == "trireme: error: --chars -5 must not be negative\n"
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])

@@ -167,7 +167,8 @@ def _check_no_images(prefixes: list[str]) -> None:
 
 def inspect_dataset(prefix: str, tokenizer: str = "", document: int = 0, chars: int = 500) -> str:
     """A human-readable summary of a dataset (what `trireme data inspect` prints)."""
-
+    if chars < 0:
+        raise ConfigError(f"--chars {chars} must not be negative")
     ds = IndexedDataset(prefix, name="dataset")
     starts = ds.document_indices
     tokens_before = np.concatenate([[0], np.cumsum(ds.sequence_lengths, dtype=np.int64)])
