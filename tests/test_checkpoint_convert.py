@@ -533,6 +533,19 @@ def test_reading_a_megatron_checkpoint_as_a_checkpoint_says_convert_it(where: st
         load_checkpoint(FIXTURE / where, name="checkpoint.init_from")
 
 
+@needs_fixture
+def test_inspect_verify_names_a_foreign_checkpoint(tmp_path: Path, capsys) -> None:
+    """inspect --verify on a Hugging Face folder or a Megatron checkpoint said 'no checkpoint in
+    PATH' (plain inspect describes both)."""
+    make_hf("llama-mqa-tied", tmp_path / "hf")
+    for path, kind in ((tmp_path / "hf", "a Hugging Face model"),
+                       (FIXTURE / "megatron_torch", "a Megatron-LM checkpoint"),
+                       (FIXTURE / "megatron_torch_dist" / "iter_0000004",
+                        "a Megatron-LM checkpoint")):
+        assert main(["inspect", "--verify", str(path)]) == 2
+        assert f"{path} is {kind}: --verify checks trireme checkpoints" in capsys.readouterr().err
+
+
 def test_megatron_rope_model_keeps_the_context_it_supports() -> None:
     args = dict(num_layers=2, hidden_size=64, num_attention_heads=4, swiglu=True,
                 position_embedding_type="rope", seq_length=128, max_position_embeddings=4096,

@@ -204,6 +204,19 @@ def remove_old(root: Path, keep: Path, keep_last: int) -> None:
 # Find
 
 
+def foreign_format(path: Path) -> str | None:
+    """"hf" for a Hugging Face model folder, "megatron" for a Megatron-LM checkpoint (a root,
+    an iter_* directory, a torch_dist iteration), else None: what a path that holds no trireme
+    checkpoint may be instead."""
+    if (path / "config.json").is_file():
+        return "hf"
+    if ((path / "latest_checkpointed_iteration.txt").is_file() or any(path.glob("mp_rank_*"))
+            or any(path.glob("iter_*/mp_rank_*"))
+            or ((path / "metadata.json").is_file() and (path / ".metadata").is_file())):
+        return "megatron"
+    return None
+
+
 def step_dirs(root: Path) -> list[tuple[int, Path]]:
     """(step, path) of every step_* directory in root, complete or not."""
     if not root.is_dir():

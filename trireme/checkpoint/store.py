@@ -172,7 +172,7 @@ def resolve_checkpoint(path: str | Path, name: str = "checkpoint.dir") -> Path:
                 f"checkpoint: convert it first, trireme convert --from hf --to trireme --input "
                 f"{path} --output NEW_DIR"
             )
-        if found is None and looks_like_megatron(path):
+        if found is None and directory.foreign_format(path) == "megatron":
             raise CheckpointError(
                 f"{path} looks like a Megatron-LM checkpoint, not a trireme checkpoint: convert "
                 f"it first, trireme convert --from megatron --to trireme --input {path} "
@@ -185,13 +185,6 @@ def resolve_checkpoint(path: str | Path, name: str = "checkpoint.dir") -> Path:
             )
         path = found
     return path
-
-
-def looks_like_megatron(path: Path) -> bool:
-    """A Megatron-LM checkpoint root, iter_* directory or torch_dist iteration."""
-    return ((path / "latest_checkpointed_iteration.txt").is_file()
-            or any(path.glob("mp_rank_*")) or any(path.glob("iter_*/mp_rank_*"))
-            or ((path / "metadata.json").is_file() and (path / ".metadata").is_file()))
 
 
 def read_config_toml(path: Path) -> str:

@@ -86,6 +86,11 @@ def _steps(path: Path) -> tuple[list[Path], list[str]]:
     if (path / META_FILE).exists() or STEP_RE.fullmatch(path.name):
         return [path], []
     steps = [p for _, p in sorted(directory.step_dirs(path), reverse=True)]
+    foreign = {"hf": "a Hugging Face model", "megatron": "a Megatron-LM checkpoint"}.get(
+        directory.foreign_format(path) or "")
+    if not steps and foreign:
+        raise CheckpointError(f"{path} is {foreign}: --verify checks trireme checkpoints "
+                              f"(trireme inspect {path} describes it)")
     if not steps:
         raise CheckpointError(f"no checkpoint in {path} (expected step_* directories)")
     problems = []
