@@ -358,7 +358,8 @@ def models_status(url: str, key: bytes) -> int:
 
 def test_generation_config_end_ids_stop_a_request(tmp_path, capsys):
     """generation_config.json's eos_token_id list (Llama 3's end of text and end of turn) ends
-    a request as the tokenizer's eod does."""
+    a request as the tokenizer's eod does, in `trireme generate --prompt` too (it went on past
+    the end of turn, printing it)."""
     ckpt = make_checkpoint(tmp_path / "ckpt")
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "a", "max_tokens": 6,
                                                   "greedy": True, "ignore_eos": False}) + "\n")
@@ -377,3 +378,12 @@ def test_generation_config_end_ids_stop_a_request(tmp_path, capsys):
     (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [5000, second]}))
     stopped = run()
     assert stopped["finish_reason"] == "stop" and stopped["completion_tokens"] == 2
+
+    def printed() -> str:
+        assert trireme_main(["generate", "--checkpoint", str(ckpt), "--device", "cpu",
+                             "--prompt", "a", "--greedy", "--max-new-tokens", "6"]) == 0
+        return capsys.readouterr().out.removesuffix("\n")
+
+    assert printed() == "a" + stopped["text"] == "a" + free["text"][0]
+    (ckpt / "generation_config.json").unlink()
+    assert printed() == "a" + free["text"]

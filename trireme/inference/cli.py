@@ -163,14 +163,16 @@ def _generate_one(loaded: LoadedModel, prompt: str, *, max_new_tokens: int, temp
         print(f"trireme: note: the prompt ({len(ids)} tokens) + --max-new-tokens {max_new_tokens}"
               f" is past the model's context ({cfg.model.seq_length}): the text stops there",
               file=sys.stderr)
+    ends = end_ids(loaded)  # as the engine's: e.g. Llama 3's end of turn
     out = generate(model, ids, max_new_tokens, temperature=temperature, top_k=top_k,
-                   top_p=top_p, greedy=greedy, seed=seed, eos_id=tok.eod, images=images)
+                   top_p=top_p, greedy=greedy, seed=seed, eos_id=tok.eod, images=images,
+                   stop_ids=ends)
     out_ids = out[0].tolist() if out.dim() == 2 else out.tolist()
     if image:  # the question and the answer, without the image's placeholder tokens
         out_ids = [i for i in out_ids if i != image_id]
         return tok.decode(printable_ids(out_ids, len(ids) - num_image_tokens(cfg.model),
-                                        tok.eod))
-    return tok.decode(printable_ids(out_ids, len(ids), tok.eod))
+                                        tok.eod, ends))
+    return tok.decode(printable_ids(out_ids, len(ids), tok.eod, ends))
 
 
 AUTO_ON_OFF = {"auto": None, "on": True, "off": False}  # a tri-state flag's setting
@@ -243,6 +245,13 @@ def tokenizer_folders(loaded: LoadedModel) -> list[Path]:
     return folders
 
 
+def end_ids(loaded: LoadedModel) -> tuple[int, ...]:
+    """Ids that end an answer besides the tokenizer's eod: generation_config.json's
+    eos_token_id (e.g. Llama 3's end of turn), those the model's vocabulary has."""
+    ids = generation_eos_ids(tokenizer_folders(loaded))
+    return tuple(i for i in ids if 0 <= i < loaded.model.cfg.vocab_size)
+
+
 def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> Engine:
     settings = EngineSettings(
         block_size=args.block_size, num_blocks=args.num_blocks, max_memory_gib=args.max_memory,
@@ -252,6 +261,4 @@ def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> Engine:
         compile_decode=AUTO_ON_OFF[args.compile_decode],
         compile_prefill=args.compile_prefill == "on", decode_gemm=args.decode_gemm,
         overlap=AUTO_ON_OFF[args.overlap])
-    stop_ids = generation_eos_ids(tokenizer_folders(loaded))  # e.g. Llama 3's end of turn
-    stop_ids = tuple(i for i in stop_ids if 0 <= i < loaded.model.cfg.vocab_size)
-    return Engine(loaded.model, settings, tokenizer=loaded.tokenizer, stop_ids=stop_ids)
+    return Engine(loaded.model, settings, tokenizer=loaded.tokenizer, stop_ids=end_ids(loaded))

@@ -7,6 +7,8 @@ new token is one forward of length 1 at position start_pos, attending over the c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -121,12 +123,14 @@ def generate(
     seed: int | None = None,
     use_cache: bool = True,
     images: torch.Tensor | None = None,
+    stop_ids: Sequence[int] = (),
 ) -> torch.LongTensor:
     """Continue `prompt_ids` ([s] / list, or [b, s]) by up to `max_new_tokens` tokens.
 
     Returns prompt + generated ids, [b, total] (or [total] for a 1-D prompt). Generation stops at
     model.seq_length tokens; with `eos_id`, a sequence that has produced it is padded with eos_id
-    and the loop stops once every sequence has. `seed` makes sampling reproducible. The model's
+    and the loop stops once every sequence has; `stop_ids` (e.g. generation_config.json's end of
+    turn) end a sequence as eos_id does. `seed` makes sampling reproducible. The model's
     training/eval mode is restored afterwards. `images` [b, 3, S, S] (a vision model): their
     features replace the prompt's image placeholder tokens (trireme.models.vision).
     """
@@ -150,19 +154,21 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        out = _decode(model, ids, total, pick, eos_id, use_cache, images)
+        ends = None if eos_id is None else torch.tensor([eos_id, *stop_ids], device=device)
+        out = _decode(model, ids, total, pick, ends, use_cache, images)
     finally:
         model.train(was_training)
     return out[0] if one_dim else out
 
 
-def printable_ids(ids: list[int], prompt_len: int, eod: int) -> list[int]:
+def printable_ids(ids: list[int], prompt_len: int, eod: int, stop_ids: Sequence[int] = ()
+                  ) -> list[int]:
     """The ids of prompt + continuation to print: the continuation ends before its first
-    end-of-document token, and the prompt loses its own (a decoder writes them out literally,
-    as `<|endoftext|>`)."""
+    end-of-document token (or one of `stop_ids`), and the prompt loses its own (a decoder writes
+    them out literally, as `<|endoftext|>`)."""
     new = ids[prompt_len:]
-    if eod in new:
-        new = new[: new.index(eod)]
+    ends = {eod, *stop_ids}
+    new = new[: next((i for i, t in enumerate(new) if t in ends), len(new))]
     return [i for i in ids[:prompt_len] if i != eod] + new
 
 
@@ -174,9 +180,10 @@ def _check_prompt(ids: torch.Tensor, cfg) -> None:
         raise TriremeError(f"prompt ids must be in [0, {cfg.vocab_size}) (model.vocab_size)")
 
 
-def _decode(model: GPT, ids: torch.Tensor, total: int, pick, eos_id: int | None,
+def _decode(model: GPT, ids: torch.Tensor, total: int, pick, ends: torch.Tensor | None,
             use_cache: bool, images: torch.Tensor | None = None) -> torch.Tensor:
-    """[b, <= total]: `ids` extended one token at a time by `pick` (prefill, then decode)."""
+    """[b, <= total]: `ids` extended one token at a time by `pick` (prefill, then decode); a
+    sequence ends at any of `ends` and is padded with the first."""
     b, s = ids.shape
     out = torch.empty(b, total, dtype=torch.long, device=ids.device)
     out[:, :s] = ids
@@ -187,12 +194,12 @@ def _decode(model: GPT, ids: torch.Tensor, total: int, pick, eos_id: int | None,
         logits = model(ids, kv_cache=cache, images=images)[:, -1]  # [b, vocab]
     while pos < total:
         next_ids = pick(logits)  # [b]
-        if eos_id is not None:
-            next_ids = next_ids.masked_fill(finished, eos_id)
-            finished |= next_ids == eos_id
+        if ends is not None:
+            next_ids = next_ids.masked_fill(finished, ends[0])
+            finished |= torch.isin(next_ids, ends)
         out[:, pos] = next_ids
         pos += 1
-        if pos == total or (eos_id is not None and bool(finished.all())):
+        if pos == total or (ends is not None and bool(finished.all())):
             break
         if cache is not None:
             logits = model(out[:, pos - 1 : pos], kv_cache=cache, start_pos=pos - 1)[:, -1]
