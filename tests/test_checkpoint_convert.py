@@ -413,6 +413,17 @@ def test_inspect(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", str(tmp_path / "nothing")]) == 2
 
 
+def test_inspect_names_a_missing_shard(tmp_path: Path, capsys) -> None:
+    """A shard the index lists but the folder lacks: inspect said 'is truncated or corrupted
+    (No such file or directory ...)', convert 'is missing'."""
+    make_hf("llama-mqa-tied", tmp_path / "hf", max_shard_size="20KB")
+    shards = sorted((tmp_path / "hf").glob("model-*.safetensors"))
+    assert len(shards) > 1
+    shards[1].unlink()
+    assert main(["inspect", str(tmp_path / "hf")]) == 2
+    assert f"{shards[1]} is missing (listed in" in capsys.readouterr().err
+
+
 @needs_fixture
 def test_training_continues_from_a_converted_checkpoint(tmp_path: Path) -> None:
     """checkpoint.dir = a converted checkpoint: the run resumes from its weights with a fresh

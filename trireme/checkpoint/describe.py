@@ -15,7 +15,12 @@ from safetensors import SafetensorError, safe_open
 
 from trireme.checkpoint import convert_megatron as mg
 from trireme.checkpoint import directory
-from trireme.checkpoint.convert_hf import hf_model_config, read_json_file, safetensors_files
+from trireme.checkpoint.convert_hf import (
+    INDEX_FILE,
+    hf_model_config,
+    read_json_file,
+    safetensors_files,
+)
 from trireme.checkpoint.model_state import expected_shapes
 from trireme.checkpoint.resume import damage_notice
 from trireme.checkpoint.safe_pickle import load_dcp_metadata
@@ -91,6 +96,8 @@ def _header_params(files: list[Path]) -> tuple[int, dict[str, int], set[str]]:
     """Parameter count, {dtype: count} and tensor names from safetensors headers (no data)."""
     total, dtypes, names = 0, {}, set()
     for file in files:
+        if not file.is_file():  # a shard the index lists
+            raise CheckpointError(f"{file} is missing (listed in {file.parent / INDEX_FILE})")
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
