@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from trireme.config import ModelConfig, load_config
+from trireme.errors import TrainingError
 from trireme.metrics import (
     MetricsLogger,
     StepTimer,
@@ -87,6 +88,28 @@ def test_metrics_logger_writes_jsonl(tmp_path):
     lines = (other / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [3, 4]
     assert not (other / "tb").exists()
+
+
+def test_metrics_logger_on_a_full_disk_is_one_line_and_a_torn_record_is_dropped(tmp_path):
+    """A full disk under the run dir: the flush of metrics.jsonl was an OSError traceback, and
+    closing the file raised it again; now a TrainingError names the file and the step. The
+    record a full disk (or a kill) cut short no longer runs into the next run's first one."""
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "metrics.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
+    logger = MetricsLogger(full, tensorboard=False)
+    with pytest.raises(TrainingError, match=r"metrics\.jsonl at step 7: No space left on device"):
+        logger.log({"step": 7, "loss": 1.0})
+    logger.close()  # does not raise the same error again
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    with MetricsLogger(run_dir, tensorboard=False) as logger:
+        logger.log({"step": 2, "loss": 1.5})
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [{"step": 1, "loss": 2.0},
+                                                     {"step": 2, "loss": 1.5}]
 
 
 def test_metrics_logger_tensorboard(tmp_path):

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from trireme.config import ModelConfig
-from trireme.errors import ConfigError
+from trireme.errors import ConfigError, TrainingError
 from trireme.models.stages import sublayer_flops
 
 # Dense bf16 tensor-core peak per GPU, FLOP/s, from the vendor datasheets. Matched in order against
@@ -180,6 +180,20 @@ def scalars(record: dict[str, Any], prefix: str = "") -> list[tuple[str, float]]
     return out
 
 
+def _drop_torn_line(path: Path) -> None:
+    """Cut a last line without its newline (a write that a full disk or a kill cut short), so
+    the records a resumed run appends start on a line of their own."""
+    if not path.is_file():
+        return
+    with path.open("r+b") as f:
+        size = f.seek(0, 2)
+        start = f.seek(max(0, size - (1 << 16)))  # a record is far shorter
+        tail = f.read()
+        cut = tail.rfind(b"\n")
+        if tail and not tail.endswith(b"\n") and (cut >= 0 or start == 0):
+            f.truncate(start + cut + 1)
+
+
 class MetricsLogger:
     """Appends one JSON object per `log()` to `<run_dir>/metrics.jsonl`, mirrored to TensorBoard.
 
@@ -195,6 +209,7 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
+        _drop_torn_line(self.path)
         self._file = self.path.open("a", encoding="utf-8")
         self._writer = None
         self._wandb = wandb
@@ -211,8 +226,12 @@ class MetricsLogger:
 
     def log(self, record: dict[str, Any]) -> None:
         plain = {key: _plain(value) for key, value in record.items()}
-        self._file.write(json.dumps(plain, allow_nan=False) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(plain, allow_nan=False) + "\n")
+            self._file.flush()
+        except OSError as e:  # a full disk: one line, not a traceback
+            raise TrainingError(f"could not write {self.path} at step {plain.get('step')}: "
+                                f"{e.strerror}; free space, then resume") from None
         if self._writer is not None:
             step = plain.get("step")
             for key, value in scalars(plain):
@@ -229,7 +248,10 @@ class MetricsLogger:
             self._wandb.finish()
             self._wandb = None
         if not self._file.closed:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:  # the record log() could not write: it raised already
+                pass
 
     def __enter__(self) -> MetricsLogger:
         return self
