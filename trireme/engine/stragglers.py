@@ -20,7 +20,8 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
+
+from trireme.parallel.released import all_gather_floats
 
 NOISE_S = 0.005  # a rank is no straggler for less than this many seconds over the median
 
@@ -75,11 +76,10 @@ def straggler_report(times: RankTimes, factor: float, device: torch.device) -> d
     """Gather every rank's (step time, data wait) per step (collective over all ranks) and name
     the stragglers: the ranks above `factor` x the median step time."""
     compute, data = times.take()
-    mine = torch.tensor([compute + data, data], dtype=torch.float64, device=device)
-    table = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(table, mine)
-    step = [float(t[0]) for t in table]
-    wait = [float(t[1]) for t in table]
+    # the tensors let go before it returns: this is often a run's last collective (released.py)
+    table = all_gather_floats([compute + data, data], device)
+    step = [row[0] for row in table]
+    wait = [row[1] for row in table]
     median = statistics.median(step)
     slowest = max(range(len(step)), key=step.__getitem__)
     hungriest = max(range(len(wait)), key=wait.__getitem__)
