@@ -136,6 +136,30 @@ def test_a_moved_converted_checkpoint_keeps_its_tokenizer(tmp_path: Path, capsys
     assert str(moved / TOKENIZER_DIR) in (moved / "step_0000002" / "config.toml").read_text()
 
 
+def test_a_sentencepiece_tokenizer_is_the_converted_checkpoints_tokenizer(
+        tmp_path: Path, capsys) -> None:
+    """A Hugging Face folder whose tokenizer is a SentencePiece tokenizer.model (Llama 2): the
+    copy was made but data.tokenizer stayed empty, so generate said 'the checkpoint names no
+    tokenizer' and fine-tuning had no tokenizer to check its data against."""
+    spm = pytest.importorskip("sentencepiece")
+    hf = tmp_path / "hf"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, max_position_embeddings=64)).save_pretrained(hf)
+    (tmp_path / "corpus.txt").write_text("\n".join(t.replace("\n", " ") for t in TEXTS))
+    spm.SentencePieceTrainer.train(input=str(tmp_path / "corpus.txt"),
+                                   model_prefix=str(hf / "tokenizer"), vocab_size=80,
+                                   model_type="bpe", minloglevel=2)
+    convert("hf", "trireme", hf, tmp_path / "conv")
+    step = tmp_path / "conv" / "step_0000000" / "config.toml"
+    assert f'tokenizer = "{tmp_path / "conv" / TOKENIZER_DIR / "tokenizer.model"}"' in (
+        step.read_text())
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(tmp_path / "conv"), "--prompt", "def ",
+                 "--greedy", "--max-new-tokens", "3", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.startswith("def")
+
+
 def test_an_export_without_a_tokenizer_says_so(tmp_path: Path, capsys) -> None:
     convert("hf", "trireme", hf_model(tmp_path / "hf", with_tokenizer=False), tmp_path / "ckpt")
     capsys.readouterr()

@@ -38,6 +38,7 @@ from trireme.checkpoint.tokenizer_copy import (
     named_folder,
 )
 from trireme.config import Config, config_from_toml, validate
+from trireme.data.tokenizer import infer_kind
 from trireme.errors import CheckpointError, ConfigError
 
 FORMATS_IN = ("hf", "megatron", "trireme")
@@ -95,15 +96,18 @@ def write_trireme(conv: Converted, output: Path, dtype: torch.dtype) -> Path:
     {step, consumed_samples}, and a full resolved config.toml whose [model] describes the weights
     and whose model.precision follows `dtype`. Tokenizer files found beside the source are copied
     into output/tokenizer, where a checkpoint keeps its tokenizer (tokenizer_copy.py: found there
-    after the output moves), and data.tokenizer points at the copied tokenizer.json.
+    after the output moves), and data.tokenizer points at the copied tokenizer (tokenizer.json,
+    else vocab.json + merges.txt, else a SentencePiece tokenizer.model).
     """
     cfg = Config()
     cfg.model = conv.model
     cfg.model.precision = PRECISION[dtype]  # type: ignore[assignment]
     cfg.run.name = output.name
     with atomic_output_dir(output) as tmp:
-        if "tokenizer.json" in copy_converted(conv.tokenizer_dir, tmp):
-            cfg.data.tokenizer = str(output.resolve() / TOKENIZER_DIR / "tokenizer.json")
+        copy_converted(conv.tokenizer_dir, tmp)
+        if holds_tokenizer(tmp / TOKENIZER_DIR):  # the file a folder spec loads, as a path
+            name = infer_kind(tmp / TOKENIZER_DIR)[1].name  # tokenizer.json, tokenizer.model..
+            cfg.data.tokenizer = str(output.resolve() / TOKENIZER_DIR / name)
         validate(cfg, need_vocab=True)
         trainer = {"step": conv.step, "consumed_samples": conv.consumed_samples, "rng": {},
                    "converted_from": conv.source}
