@@ -105,6 +105,8 @@ def test_tiktoken_file(bpe, tmp_path):
         for text in TEXTS[:3] + HARD:
             ids = tok.encode(text)
             assert tok.decode(ids) == text and tok.eod not in ids
+        # a padded model's ids past the vocabulary are skipped, as HF tokenizers skip them
+        assert tok.decode([*ids, tok.vocab_size, tok.vocab_size + 7]) == tok.decode(ids)
     bad = tmp_path / "bad.tiktoken"
     bad.write_text("not base64 at all\n")
     with pytest.raises(DataError, match="bad.tiktoken:1"):
@@ -126,6 +128,9 @@ def test_sentencepiece_model(tmp_path):
         ids = tok.encode("The quick brown fox")
         assert tok.decode(ids) == "The quick brown fox"
         assert tok.encode_batch(["a b", "fox"]) == [tok.encode("a b"), tok.encode("fox")]
+        # generate / serve of a model with a padded vocabulary: an IndexError traceback was
+        # raised for ids past the tokenizer's
+        assert tok.decode([*ids, 80, 95]) == "The quick brown fox"
 
 
 def test_null_tokenizer():

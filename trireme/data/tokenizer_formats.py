@@ -56,6 +56,13 @@ def gpt2_tokenizer(vocab_path: str | os.PathLike[str], fast: bool = False) -> HF
     return HFTokenizer(vocab, fast=fast, _tokenizer=tok)
 
 
+def known_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
+    """`ids` without those past the vocabulary, which a model whose embedding is larger than its
+    tokenizer (padded) can generate: skipped as Hugging Face tokenizers skip them (SentencePiece
+    and tiktoken raise)."""
+    return [int(i) for i in ids if 0 <= int(i) < vocab_size]
+
+
 class SentencePieceTokenizer(Tokenizer):
     """A SentencePiece `.model`; `eod` is its end-of-sentence id (`</s>`)."""
 
@@ -85,7 +92,7 @@ class SentencePieceTokenizer(Tokenizer):
         return self._sp.encode(list(texts))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._sp.decode([int(i) for i in ids])
+        return self._sp.decode(known_ids(ids, self.vocab_size))
 
     def __repr__(self) -> str:
         return f"SentencePieceTokenizer({self.path!r}, vocab_size={self.vocab_size})"
@@ -147,7 +154,7 @@ class TiktokenTokenizer(Tokenizer):
         return self._enc.encode_ordinary(text)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._enc.decode([int(i) for i in ids])
+        return self._enc.decode(known_ids(ids, self.vocab_size))
 
     def __repr__(self) -> str:
         return f"TiktokenTokenizer({self.path!r}, vocab_size={self.vocab_size})"
