@@ -76,6 +76,24 @@ def test_odd_bodies_get_400s(server):
         assert json.loads(text)["error"]["type"] == "invalid_request_error"
 
 
+def test_numbers_too_large_for_a_float_get_400s(server, checkpoint, tmp_path, capsys):
+    """temperature or top_p written as an integer of hundreds of digits (valid JSON) was a 500
+    (an OverflowError traceback in the server's log), and a traceback from generate --input."""
+    url, _ = server
+    huge = "1" + "0" * 400
+    for field in ("temperature", "top_p"):
+        raw = f'{{"prompt": "a", "max_tokens": 2, "{field}": {huge}}}'.encode()
+        status, text = plain_request(f"{url}/v1/completions", "POST", raw, key="k")
+        error = json.loads(text)["error"]
+        assert status == 400 and error["param"] == field and "got inf" in error["message"]
+    lines = tmp_path / "p.jsonl"
+    lines.write_text(f'{{"prompt": "a", "max_tokens": 2, "temperature": {huge}}}\n')
+    assert trireme_main(["generate", "--checkpoint", str(checkpoint), "--device", "cpu",
+                         "--input", str(lines), "--output", str(tmp_path / "o.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "temperature must be a finite number >= 0, got inf" in err and err.count("\n") == 1
+
+
 def test_unknown_paths_methods_and_model_cards(server):
     url, _ = server
     status, text = plain_request(f"{url}/v2/nothing")

@@ -160,10 +160,10 @@ def sampling_from(body: dict, default_max_tokens: int, max_tokens_name: str = "m
         raise ApiError(400, f"{max_tokens_name} must be at least 1, got {max_tokens}",
                        max_tokens_name)
     stop = _stop_strings(body)
-    temperature = float(_field(body, "temperature", NUMBER, 1.0))
+    temperature = _field(body, "temperature", NUMBER, 1.0)  # (SamplingParams makes floats)
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_k=_field(body, "top_k", (int,), 0),
-        top_p=float(_field(body, "top_p", NUMBER, 1.0)), greedy=temperature == 0.0,
+        top_p=_field(body, "top_p", NUMBER, 1.0), greedy=temperature == 0,
         seed=_field(body, "seed", (int,), None), stop=tuple(stop),
         ignore_eos=_field(body, "ignore_eos", (bool,), False))
     problem = params.problem()

@@ -39,6 +39,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
 
+    def __post_init__(self) -> None:  # (JSON's integers of any size: 1 followed by 400 zeros)
+        object.__setattr__(self, "temperature", as_float(self.temperature))
+        object.__setattr__(self, "top_p", as_float(self.top_p))
+
     def problem(self) -> str | None:
         """What is wrong with these settings (one line naming the field), or None."""
         if self.max_tokens <= 0:
@@ -56,6 +60,15 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.greedy or self.temperature < GREEDY_BELOW
+
+
+def as_float(value: float) -> float:
+    """`value` as a float; an integer too large for one becomes +-inf (which problem() then
+    names) instead of an OverflowError in the middle of a step."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def request_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
