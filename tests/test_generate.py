@@ -252,6 +252,19 @@ def test_generate_flags_are_checked_as_the_server_checks_them(tmp_path, capsys):
         assert needle in err and err.count("\n") == 1, err
 
 
+def test_a_prompt_that_fills_the_context_is_an_error(tmp_path, capsys):
+    """A --prompt of exactly the context's length printed itself and exited 0 (no new token, no
+    note); the server refuses it (prompt + at least 1 new token), and so does generate now."""
+    ckpt = _saved(tmp_path)  # seq_length 32, one token per byte
+    run = ["generate", "--checkpoint", ckpt, "--device", "cpu", "--greedy", "--max-new-tokens"]
+    assert cli_main([*run, "4", "--prompt", "a" * 32]) == 2
+    err = capsys.readouterr().err
+    assert "--prompt has 32 tokens but the model's context is 32" in err and err.count("\n") == 1
+    assert cli_main([*run, "4", "--prompt", "a" * 31]) == 0
+    printed = capsys.readouterr()
+    assert len(printed.out) == 31 + 1 + 1 and "past the model's context (32)" in printed.err
+
+
 def test_generate_into_a_closed_pipe_exits_quietly(tmp_path):
     """`trireme generate ... | head -c 0`: the reader is gone before the text is printed."""
     proc = subprocess.Popen([sys.executable, "-m", "trireme", "generate", "--checkpoint",

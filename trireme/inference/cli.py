@@ -159,7 +159,10 @@ def _generate_one(loaded: LoadedModel, prompt: str, *, max_new_tokens: int, temp
             raise ConfigError(f"--prompt: {e}") from e
         images = pixels(load_image(image, cfg.model.vision_image_size, "--image: ")[None])
         images = images.to(model.embedding.weight.device, model.embedding.weight.dtype)
-    if len(ids) < cfg.model.seq_length < len(ids) + max_new_tokens and loaded.is_main:
+    if len(ids) >= cfg.model.seq_length:  # (generate() would print the prompt alone)
+        raise ConfigError(f"--prompt has {len(ids)} tokens but the model's context is "
+                          f"{cfg.model.seq_length} (prompt + at least 1 new token); shorten it")
+    if cfg.model.seq_length < len(ids) + max_new_tokens and loaded.is_main:
         print(f"trireme: note: the prompt ({len(ids)} tokens) + --max-new-tokens {max_new_tokens}"
               f" is past the model's context ({cfg.model.seq_length}): the text stops there",
               file=sys.stderr)
