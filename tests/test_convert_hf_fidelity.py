@@ -11,6 +11,7 @@ bos_token_id from the tokenizer, and a trireme checkpoint given as --from hf. Lo
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ from test_train import tiny_cfg, toy_data  # noqa: F401  (a fixture)
 
 from trireme.checkpoint.convert import convert, write_trireme
 from trireme.checkpoint.convert_hf import read_hf
+from trireme.checkpoint.converted import Converted
 from trireme.checkpoint.describe import model_summary
 from trireme.checkpoint.store import load_checkpoint, load_model_state
 from trireme.cli import main
@@ -311,3 +313,20 @@ def test_bos_token_id_comes_from_the_tokenizer(tmp_path: Path) -> None:
     (hf / "tokenizer.json").write_text(json.dumps(data))
     convert("hf", "hf", hf, tmp_path / "again")
     assert json.loads((tmp_path / "again" / "config.json").read_text())["bos_token_id"] == 0
+
+
+@pytest.mark.parametrize("pattern", ["*-*", "**-", "*--*-"])
+def test_a_dense_layer_pattern_other_than_attention_and_mlp_is_not_exported(
+        tmp_path: Path, pattern: str) -> None:
+    """A layer without its MLP ("*-*") was exported as Llama with 1-D zero 'weights' in its
+    place, a folder from_pretrained refuses; two MLPs in a layer named tensors, not why."""
+    cfg = ModelConfig(num_layers=2, layer_pattern=pattern, hidden_size=64, num_attention_heads=4,
+                      vocab_size=VOCAB, seq_length=32, position_embedding="rope",
+                      normalization="rmsnorm", activation="swiglu")
+    state = {n: t.detach() for n, t in GPT(cfg, seed=0).state_dict().items()}
+    write_trireme(Converted(model=cfg, state=state, source="test"), tmp_path / "tri",
+                  torch.float32)
+    with pytest.raises(CheckpointError, match=rf"model.layer_pattern = '{re.escape(pattern)}' "
+                                              r"has layers .*cannot be exported"):
+        convert("trireme", "hf", tmp_path / "tri", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -329,6 +329,12 @@ def _choose_architecture(cfg: ModelConfig, state: dict[str, Tensor]) -> tuple[st
         return mamba_family(cfg), (cfg.bias, cfg.bias, False)
     if shape == ("rope", "rmsnorm", "swiglu") and "E" in cfg.layer_pattern:
         return choose_moe_architecture(cfg), (attention_bias, attention_bias, False)
+    other = sorted({layer for layer in cfg.layer_symbols if layer != "*-"})
+    if other:  # the dense families' every layer is attention then one MLP
+        raise CheckpointError(
+            f"model.layer_pattern = {cfg.layer_pattern!r} has layers {', '.join(other)}: GPT-2 "
+            "and the Llama family hold only attention + MLP layers (*-); this model cannot be "
+            "exported to Hugging Face")
     if shape == ("learned", "layernorm", "gelu") and not cfg.qk_norm:
         heads = cfg.num_attention_heads
         if cfg.kv_heads != heads or cfg.head_size * heads != cfg.hidden_size:
