@@ -205,6 +205,23 @@ def test_server_options_out_of_range_are_one_line_errors(checkpoint, capsys):
         assert words in err and err.count("\n") == 1, err
 
 
+def test_a_port_in_use_is_found_before_the_model_loads(checkpoint, capsys, monkeypatch):
+    """The port was bound only after the model had loaded: with a large model, minutes before
+    'Address already in use'."""
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded before the port was checked")
+
+    monkeypatch.setattr("trireme.inference.serve_cli.load_for_inference", no_load)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert trireme_main(["serve", "--checkpoint", str(checkpoint), "--port", str(port),
+                             "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and err.count("\n") == 1, err
+
+
 def test_a_second_signal_ends_the_drain_with_answers(checkpoint, monkeypatch):
     """Ctrl-C twice: the second signal ends the running request at once with the 503 JSON (not
     a cancelled task's plain-text 500), long before the drain would have run out."""

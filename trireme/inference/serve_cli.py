@@ -29,6 +29,7 @@ from trireme.inference.engine import Engine
 from trireme.inference.image_parts import MAX_IMAGE_PIXELS
 from trireme.inference.replicated import Leader, follow
 from trireme.inference.runner import EngineThread
+from trireme.parallel.mesh import launched_rank
 
 EPILOG = """\
 endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
@@ -116,9 +117,16 @@ def serve_main(argv: list[str]) -> int:
     except ImportError as e:
         raise TriremeError(f"trireme serve needs FastAPI and uvicorn ({e}); "
                            "pip install 'trireme[serve]'") from None
-    loaded = load_for_inference(args.checkpoint, args.tokenizer, args.device,
-                                args.max_model_len)
-    engine = engine_from_args(loaded, args)
+    # the port first: one in use is found before the model loads (minutes for a large one)
+    sock = bind(args.host, args.port) if launched_rank() == 0 else None
+    try:
+        loaded = load_for_inference(args.checkpoint, args.tokenizer, args.device,
+                                    args.max_model_len)
+        engine = engine_from_args(loaded, args)
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        raise
     if not loaded.is_main:  # torchrun: a tensor-parallel rank that steps with rank 0
         return run_follower(loaded, engine)
     name = args.model_name or Path(args.checkpoint).resolve().name
@@ -128,7 +136,6 @@ def serve_main(argv: list[str]) -> int:
     if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"trireme: warning: listening on {args.host} with no --api-key: anyone who can "
               "reach this port can use the model", file=sys.stderr, flush=True)
-    sock = bind(args.host, args.port)
     port = sock.getsockname()[1]
     print(f"trireme: serving {name!r} ({engine.allocator.usable} KV blocks of "
           f"{engine.settings.block_size}) on {server_url(args.host, port)}", flush=True)
