@@ -424,6 +424,21 @@ def test_inspect_names_a_missing_shard(tmp_path: Path, capsys) -> None:
     assert f"{shards[1]} is missing (listed in" in capsys.readouterr().err
 
 
+def test_a_single_file_wins_over_a_stale_index_as_in_transformers(tmp_path: Path) -> None:
+    """save_pretrained of an unsharded model into a sharded folder removes the old shards but
+    leaves model.safetensors.index.json: transformers loads model.safetensors, trireme read the
+    index and refused the folder (its shards missing)."""
+    hf = make_hf("llama-mqa-tied", tmp_path / "hf", max_shard_size="20KB")
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.mul_(1.5)
+    hf.save_pretrained(tmp_path / "hf")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(1))
+    convert("hf", "trireme", tmp_path / "hf", tmp_path / "tri")
+    assert_close(trireme_logits(tmp_path / "tri", ids), hf_logits(tmp_path / "hf", ids))
+
+
 @needs_fixture
 def test_training_continues_from_a_converted_checkpoint(tmp_path: Path) -> None:
     """checkpoint.dir = a converted checkpoint: the run resumes from its weights with a fresh

@@ -381,7 +381,11 @@ def read_json_file(path: Path) -> dict:
 
 
 def safetensors_files(folder: Path) -> dict[str, Path]:
-    """Tensor name -> the file holding it, from the index (sharded) or the single file."""
+    """Tensor name -> the file holding it: the single file where there is one (as
+    transformers loads it: save_pretrained over a sharded folder leaves the old index behind),
+    else from the index (sharded)."""
+    if (folder / SINGLE_FILE).is_file():
+        return {"": folder / SINGLE_FILE}  # every name; listed when opened
     if (folder / INDEX_FILE).is_file():
         weight_map = read_json_file(folder / INDEX_FILE).get("weight_map")
         if not isinstance(weight_map, dict):
@@ -392,8 +396,6 @@ def safetensors_files(folder: Path) -> dict[str, Path]:
             raise CheckpointError(f"{folder / INDEX_FILE} names {sorted(map(str, outside))[0]!r}, "
                                   "outside its folder")
         return {name: folder / file for name, file in weight_map.items()}
-    if (folder / SINGLE_FILE).is_file():
-        return {"": folder / SINGLE_FILE}  # every name; listed when opened
     if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
         raise CheckpointError(
             f"{folder} holds pickled weights (.bin / .pt), which are never unpickled here; "
