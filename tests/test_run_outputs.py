@@ -49,6 +49,31 @@ def test_out_of_memory_is_one_line_naming_the_step(toy_data, tmp_path, monkeypat
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
 
 
+def test_a_model_too_large_for_the_host_is_one_line(toy_data, tmp_path):  # noqa: F811
+    """On the CPU a model too large to allocate was a RuntimeError traceback from the host's
+    allocator (torch.OutOfMemoryError is CUDA's only): now one line, as on a GPU."""
+    cfg = tiny_cfg(toy_data, tmp_path, "model.hidden_size=3000000000", "train.steps=1")
+    with pytest.raises(TrainingError, match="out of memory building the model on cpu "
+                       r"\(Storage size calculation overflowed.*a smaller model") as err:
+        train(cfg)
+    assert "\n" not in str(err.value)
+
+
+def test_the_host_running_out_of_memory_in_a_step_is_one_line(toy_data, tmp_path,  # noqa: F811
+                                                              monkeypatch):
+    real = Trainer.train_step
+
+    def fail_at_step_2(self, batches, lr):
+        if self.state.step == 1:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator:"
+                               " can't allocate memory: you tried to allocate 96000000000 bytes.")
+        return real(self, batches, lr)
+
+    monkeypatch.setattr(Trainer, "train_step", fail_at_step_2)
+    with pytest.raises(TrainingError, match="out of memory at step 2 on cpu .*96000000000 bytes"):
+        train(tiny_cfg(toy_data, tmp_path, "train.steps=3"))
+
+
 def test_the_memory_snapshot_is_written_whole(tmp_path):
     path = write_memory_snapshot(tmp_path / "snap.pickle", lambda: {"segments": [1, 2]})
     assert pickle.loads(path.read_bytes()) == {"segments": [1, 2]}  # our own test data

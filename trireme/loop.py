@@ -25,6 +25,7 @@ from trireme.health import RunHealth
 from trireme.metrics import MetricsLogger, WandbRun
 from trireme.oom import out_of_memory
 from trireme.optim.schedules import lr_at
+from trireme.parallel.released import all_reduce_max, settle  # noqa
 from trireme.run_files import write_run_config
 from trireme.trainer import Trainer, log_line, now, step_metrics
 from trireme.words import count_of

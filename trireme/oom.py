@@ -19,6 +19,23 @@ from trireme.errors import TrainingError
 
 ADVICE = ("try a smaller train.micro_batch_size, train.recompute = selective or full, "
           "model.fused_cross_entropy = true, or more tensor / pipeline parallelism")
+BUILD_ADVICE = ("the parameters and optimizer state do not fit: a smaller model, more tensor / "
+                "pipeline parallelism, or parallel.distributed_optimizer / FSDP (trireme plan "
+                "predicts the memory)")
+# The host's allocator raises a plain RuntimeError (torch.OutOfMemoryError is CUDA's), and a
+# tensor larger than any memory fails before allocating.
+HOST_OOM_MARKERS = ("DefaultCPUAllocator: can't allocate memory",
+                    "Storage size calculation overflowed")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is running out of memory, on a GPU or on the host."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and any(m in str(error) for m in HOST_OOM_MARKERS))
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def write_memory_snapshot(path: Path, snapshot: Callable[[], dict]) -> Path | None:
@@ -44,6 +61,11 @@ def out_of_memory(error: BaseException, step: int, device: torch.device, run_dir
                                         torch.cuda.memory._snapshot)
         if written is not None:
             where = f"; the allocator's snapshot is {written} (open it in pytorch.org/memory_viz)"
-    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return TrainingError(f"out of memory at step {step} on {device} ({first_line}){where}; "
-                         f"{ADVICE}")
+    return TrainingError(f"out of memory at step {step} on {device} ({_first_line(error)})"
+                         f"{where}; {ADVICE}")
+
+
+def out_of_memory_building(error: BaseException, device: str) -> TrainingError:
+    """The one-line error for running out of memory while the model and optimizer are built."""
+    return TrainingError(f"out of memory building the model on {device} ({_first_line(error)}); "
+                         f"{BUILD_ADVICE}")

@@ -15,8 +15,9 @@ from collections.abc import Callable
 from trireme.config import Config
 from trireme.errors import TriremeError
 from trireme.loop import StopSignal, run_loop, stop_signals_raise
+from trireme.oom import is_out_of_memory, out_of_memory_building
 from trireme.parallel.watchdog import Watchdog
-from trireme.trainer import Trainer, build_trainer
+from trireme.trainer import Trainer, build_trainer, pick_device
 
 
 def train(cfg: Config, on_finish: Callable[[Trainer], None] | None = None) -> Trainer:
@@ -24,7 +25,12 @@ def train(cfg: Config, on_finish: Callable[[Trainer], None] | None = None) -> Tr
 
     `on_finish(trainer)` runs after the last step unless a stop signal ended the run early; a
     stop signal during it cuts it short and `train` returns normally."""
-    trainer = build_trainer(cfg)
+    try:
+        trainer = build_trainer(cfg)
+    except RuntimeError as e:  # a model too large for the device: one line, not a traceback
+        if not is_out_of_memory(e):
+            raise
+        raise out_of_memory_building(e, pick_device(cfg.train.device).type) from None
     watchdog = start_watchdog(trainer)
     try:
         if run_loop(trainer) and on_finish is not None:
