@@ -94,6 +94,21 @@ def test_hf_mamba2_and_nemotron_h_both_ways_same_logits(tmp_path: Path, capsys,
     assert_exports_back(tmp_path, hf, ids, want, assert_close)
 
 
+def test_nemotron_h_without_conv_bias_keeps_dt_bias(tmp_path: Path) -> None:
+    """use_conv_bias = false dropped every name with "bias" in it from the table, dt_bias too:
+    the folder was refused ('unexpected: ...mixer.dt_bias'), such a trireme hybrid unexported."""
+    hf = make_hf("nemotron-h", tmp_path / "hf", use_conv_bias=False)
+    ids = torch.randint(0, VOCAB, (2, 21), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits
+    convert("hf", "trireme", tmp_path / "hf", tmp_path / "tri")
+    model = trireme_model(tmp_path / "tri")
+    assert not model.cfg.mamba_conv_bias
+    with torch.no_grad():
+        assert_close(model(ids), want)
+    assert_exports_back(tmp_path, hf, ids, want, assert_close)
+
+
 @pytest.mark.parametrize("limit", [None, (0.004, 0.5)])
 def test_nemotron_h_clamps_dt_to_time_step_limit_not_time_step_min(tmp_path: Path,
                                                                    limit: tuple | None) -> None:

@@ -150,7 +150,7 @@ def nemotron_h_entries(cfg: ModelConfig) -> list[Entry]:
     """The table of a NemotronHForCausalLM model: HF block i is the pattern's sublayer i."""
     table = [Entry("embedding.weight", ("backbone.embeddings.weight",), "vocab")]
     q, kv = cfg.num_attention_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
-    mixer = [n for n in (*MIXER_TENSORS, "conv1d.bias") if cfg.mamba_conv_bias or "bias" not in n]
+    mixer = [*MIXER_TENSORS, *(("conv1d.bias",) if cfg.mamba_conv_bias else ())]
     for i, (j, name, symbol) in enumerate(_sublayers(cfg)):
         ours, theirs = f"layers.{j}.{name}.", f"backbone.layers.{i}.mixer."
         table.append(Entry(f"layers.{j}.{name}_norm.weight", (f"backbone.layers.{i}.norm.weight",)))
