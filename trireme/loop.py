@@ -23,9 +23,9 @@ from trireme.checkpoint.training import load_latest, maybe_resume, save_gathered
 from trireme.cpu_threads import cpu_threads_note
 from trireme.health import RunHealth
 from trireme.metrics import MetricsLogger, WandbRun
-from trireme.oom import out_of_memory
+from trireme.oom import is_out_of_memory, out_of_memory
 from trireme.optim.schedules import lr_at
-from trireme.parallel.released import all_reduce_max, settle  # noqa
+from trireme.parallel.released import all_reduce_max, settle
 from trireme.run_files import write_run_config
 from trireme.trainer import Trainer, log_line, now, step_metrics
 from trireme.words import count_of
@@ -71,7 +71,11 @@ def train_from_checkpoint(trainer: Trainer, saver: Saver) -> bool:
             if not one_step(trainer, saver, run, stop):
                 break
         saver.wait()  # the last save is complete before training returns
-    except torch.OutOfMemoryError as e:  # a one-line error and the allocator's snapshot
+        if trainer.env.world_size > 1:
+            settle()  # no collective's tensors left to a thread when the process ends
+    except RuntimeError as e:  # out of memory: a one-line error and the allocator's snapshot
+        if not is_out_of_memory(e):
+            raise
         raise out_of_memory(e, trainer.state.step + 1, trainer.device, trainer.cfg.run_dir,
                             trainer.mesh.rank) from None
     finally:
@@ -347,6 +351,4 @@ def agree(trainer: Trainer, flag: bool) -> bool:
     """True on every rank if `flag` is True on any (so all ranks stop at the same step)."""
     if trainer.env.world_size == 1:
         return flag
-    t = torch.tensor(float(flag), device=trainer.device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return bool(t.item())
+    return bool(all_reduce_max(float(flag), trainer.device))
