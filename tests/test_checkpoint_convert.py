@@ -439,6 +439,20 @@ def test_a_single_file_wins_over_a_stale_index_as_in_transformers(tmp_path: Path
     assert_close(trireme_logits(tmp_path / "tri", ids), hf_logits(tmp_path / "hf", ids))
 
 
+def test_a_quantized_model_is_named_as_one(tmp_path: Path, capsys) -> None:
+    """GPTQ / AWQ / fp8 folders (packed integers, scales beside the weights) were refused as
+    'does not match its config.json: missing ... unexpected ...'."""
+    make_hf("llama-mqa-tied", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"quantized weights \(quantization_config: fp8\) "
+                                              "are not supported"):
+        convert("hf", "trireme", tmp_path / "hf", tmp_path / "out")
+    assert main(["inspect", str(tmp_path / "hf")]) == 0
+    assert "not convertible: config.json: quantized weights" in capsys.readouterr().out
+
+
 @needs_fixture
 def test_training_continues_from_a_converted_checkpoint(tmp_path: Path) -> None:
     """checkpoint.dir = a converted checkpoint: the run resumes from its weights with a fresh

@@ -454,6 +454,12 @@ def hf_model_config(hf: dict, has_lm_head: bool) -> tuple[ModelConfig, list[Entr
     """The ModelConfig, tensor table and notes for a config.json (`has_lm_head`: the files hold
     lm_head.weight, which decides tying when config.json does not say)."""
     kind = hf.get("model_type")
+    quantized = hf.get("quantization_config") or (hf.get("text_config") or {}).get(
+        "quantization_config")
+    if quantized:  # packed integers or fp8 with scales: not the weights under their names
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise CheckpointError(f"config.json: quantized weights (quantization_config: {method}) "
+                              "are not supported; convert the unquantized model")
     try:
         if kind == "llava":  # a Llama language model with a CLIP vision tower (hf_llava.py)
             text = hf.get("text_config") or {}
