@@ -586,6 +586,24 @@ def test_inspect_verify_names_a_foreign_checkpoint(tmp_path: Path, capsys) -> No
         assert f"{path} is {kind}: --verify checks trireme checkpoints" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("setting, what", [
+    ({"apply_residual_connection_post_layernorm": True}, "post-norm residual connections"),
+    ({"qk_l2_norm": True}, "L2 QK-norm"), ({"no_rope_freq": 4}, "layers without RoPE"),
+    ({"window_size": (128, 0)}, "sliding-window attention"),
+    ({"softmax_type": "off-by-one"}, "attention sinks"), ({"use_mup": True}, "muP"),
+    ({"glu_linear_offset": 1.0}, "a GLU linear offset"),
+    ({"activation_func_clamp_value": 7.0}, "a clamped activation")])
+def test_megatron_settings_without_tensors_are_refused(setting: dict, what: str) -> None:
+    """Megatron settings that change what the weights compute without a tensor of their own
+    converted silently into a model with other logits."""
+    args = {**dict(num_layers=2, hidden_size=64, num_attention_heads=4, swiglu=True,
+                   position_embedding_type="rope", seq_length=128, normalization="RMSNorm",
+                   softmax_type="vanilla", glu_linear_offset=0.0), **setting}
+    with pytest.raises(CheckpointError, match=f"the Megatron model uses {what}"):
+        model_config_from_args(args, 128, 100, 1)
+    model_config_from_args({**args, **dict.fromkeys(setting)}, 128, 100, 1)  # unset: converts
+
+
 def test_megatron_rope_model_keeps_the_context_it_supports() -> None:
     args = dict(num_layers=2, hidden_size=64, num_attention_heads=4, swiglu=True,
                 position_embedding_type="rope", seq_length=128, max_position_embeddings=4096,

@@ -320,6 +320,20 @@ def _unsupported(args: dict[str, Any]) -> list[str]:
         (args.get("softmax_scale") is not None, "a custom softmax scale"),
         (args.get("qk_layernorm") and args.get("normalization") != "RMSNorm",
          "LayerNorm QK-norm"),
+        # no tensors of their own, so nothing else would notice them
+        (args.get("apply_residual_connection_post_layernorm"), "post-norm residual connections"),
+        (args.get("qk_l2_norm"), "L2 QK-norm"),
+        (args.get("no_rope_freq"), "layers without RoPE (no_rope_freq)"),
+        (args.get("window_size"), "sliding-window attention"),
+        (args.get("softmax_type") not in (None, "vanilla"), "attention sinks (softmax_type)"),
+        (args.get("glu_linear_offset") not in (None, 0, 0.0), "a GLU linear offset"),
+        (args.get("activation_func_clamp_value") is not None, "a clamped activation"),
+        (args.get("use_mup"), "muP multipliers"),
+        (args.get("attention_output_gate"), "an attention output gate"),
+        (args.get("is_hybrid_model") or args.get("hybrid_override_pattern"), "Mamba layers"),
+        (args.get("mtp_num_layers"), "multi-token prediction layers"),
+        (args.get("heterogeneous_layers_config_path")
+         or args.get("heterogeneous_layers_config_encoded_json"), "heterogeneous layers"),
     ]
     return [what for bad, what in checks if bad]
 
