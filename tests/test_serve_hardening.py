@@ -342,6 +342,24 @@ def test_offline_batches_refuse_outputs_they_could_not_write_before_running(
     assert "--output goes with --input" in err and not out.exists()
 
 
+def test_seed_gives_a_batch_distinct_samples_and_repeats_them(checkpoint, tmp_path, capsys):
+    """generate --input --seed S gave every line without a seed of its own seed S, so identical
+    lines were identical samples (k 'samples' of one prompt, all the same); --seed now seeds the
+    shared generator those lines draw from, as serve's --seed does, and the run repeats."""
+    lines = tmp_path / "same.jsonl"
+    lines.write_text('{"prompt": "a", "max_tokens": 12, "ignore_eos": true}\n' * 4)
+
+    def texts(out: str) -> list[str]:
+        assert trireme_main(["generate", "--checkpoint", str(checkpoint), "--device", "cpu",
+                             "--input", str(lines), "--output", str(tmp_path / out),
+                             "--temperature", "1", "--seed", "5"]) == 0
+        capsys.readouterr()
+        return [json.loads(x)["text"] for x in (tmp_path / out).read_text().splitlines()]
+
+    first = texts("one.jsonl")
+    assert len(set(first)) > 1 and texts("two.jsonl") == first
+
+
 def test_the_printed_address_of_an_ipv6_host_is_a_url():
     """`--host ::1` printed http://::1:8000, which no client parses as host and port."""
     for host in ["::1", "fe80::1%eth0", "127.0.0.1", "0.0.0.0", "localhost"]:

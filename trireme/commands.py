@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -137,9 +138,13 @@ def generate_main(argv: list[str]) -> int:
         check_output(args.output, args.input)
         loaded = load_for_inference(args.checkpoint, args.tokenizer, args.device,
                                     args.max_model_len)
+        # --seed seeds the engine's shared generator (engine_from_args), which the lines
+        # without a seed of their own draw from, as a server's requests do: as every line's
+        # seed it made identical lines identical samples
+        lines = replace(defaults, seed=None)
         try:  # under torchrun every rank runs the prompts; the first writes them
             count = generate_file(args.input, args.output, engine_from_args(loaded, args),
-                                  loaded.tokenizer, defaults, write=loaded.is_main)
+                                  loaded.tokenizer, lines, write=loaded.is_main)
         finally:
             loaded.close()
         if loaded.is_main:
