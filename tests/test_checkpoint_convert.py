@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from trireme.checkpoint.convert import convert
 from trireme.checkpoint.convert_megatron import model_config_from_args
@@ -451,6 +451,21 @@ def test_a_quantized_model_is_named_as_one(tmp_path: Path, capsys) -> None:
         convert("hf", "trireme", tmp_path / "hf", tmp_path / "out")
     assert main(["inspect", str(tmp_path / "hf")]) == 0
     assert "not convertible: config.json: quantized weights" in capsys.readouterr().out
+
+
+def test_fp16_output_of_values_past_its_range_is_refused(tmp_path: Path) -> None:
+    """--dtype fp16 of a weight past 65504 wrote Inf: the output was damaged (inspect --verify)
+    and said nothing."""
+    make_hf("llama-mqa-tied", tmp_path / "hf")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    tensors["model.layers.0.input_layernorm.weight"][0] = 1e5
+    save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    for target in ("trireme", "hf"):
+        with pytest.raises(CheckpointError, match=r"(input_layernorm|attention_norm).weight "
+                           r"holds values beyond float16's range \(largest magnitude 1e\+05"):
+            convert("hf", target, tmp_path / "hf", tmp_path / f"to_{target}", dtype="fp16")
+        assert not (tmp_path / f"to_{target}").exists()
+        convert("hf", target, tmp_path / "hf", tmp_path / f"to_{target}", dtype="bf16")
 
 
 @needs_fixture

@@ -48,11 +48,18 @@ class Converted:
 
 
 def cast_state(state: dict[str, Tensor], dtype: torch.dtype | None) -> dict[str, Tensor]:
-    """Floating tensors cast to `dtype` (None: unchanged), all contiguous on CPU."""
+    """Floating tensors cast to `dtype` (None: unchanged), all contiguous on CPU. A finite value
+    that becomes Inf (past fp16's 65504) is a CheckpointError, not a damaged output."""
     out = {}
     for name, t in state.items():
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
+        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            cast = t.to(dtype)
+            if not torch.isfinite(cast).all() and torch.isfinite(t).all():
+                raise CheckpointError(
+                    f"{name} holds values beyond {str(dtype).removeprefix('torch.')}'s range "
+                    f"(largest magnitude {t.abs().max().item():.4g}); convert with another "
+                    "--dtype (bf16 or fp32)")
+            t = cast
         out[name] = t.detach().to("cpu").contiguous()
     return out
 
