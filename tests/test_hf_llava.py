@@ -11,6 +11,7 @@ import torch
 from test_checkpoint_convert import assert_close, trireme_logits_of
 
 from trireme.checkpoint.convert import convert
+from trireme.cli import main
 from trireme.errors import CheckpointError
 
 transformers = pytest.importorskip("transformers")
@@ -74,3 +75,13 @@ def test_llava_with_other_vision_tower_is_a_one_line_error(tmp_path: Path) -> No
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="vision tower 'siglip_vision_model'"):
         convert("hf", "trireme", tmp_path / "hf", tmp_path / "trireme")
+
+
+def test_inspect_names_the_vision_encoder(tmp_path: Path, capsys) -> None:
+    """inspect of a LLaVA folder, and of its conversion, described the language model alone."""
+    make_llava(tmp_path / "hf", "default", -2, "quick_gelu")
+    convert("hf", "trireme", tmp_path / "hf", tmp_path / "trireme")
+    for path in ("hf", "trireme"):
+        assert main(["inspect", str(tmp_path / path)]) == 0
+        assert ("vision encoder (3 layers, hidden 24, 16px images in 4px patches)"
+                in capsys.readouterr().out)

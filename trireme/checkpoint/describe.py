@@ -55,6 +55,10 @@ def model_summary(cfg: ModelConfig) -> str:
         extras.append(f"{mamba_layers} Mamba-2 layers ({cfg.mamba_heads} heads x "
                       f"{cfg.mamba_head_dim}, d_state {cfg.mamba_state_dim}, "
                       f"{count_of(cfg.mamba_num_groups, 'group')})")
+    if cfg.vision_layers:
+        extras.append(f"vision encoder ({count_of(cfg.vision_layers, 'layer')}, hidden "
+                      f"{cfg.vision_hidden_size}, {cfg.vision_image_size}px images in "
+                      f"{cfg.vision_patch_size}px patches)")
     parts = [f"{heads} (head {cfg.head_size})"] if attention else []
     if "-" in symbols or "E" in symbols:
         parts.append(f"ffn {cfg.ffn_size} {cfg.activation}")
