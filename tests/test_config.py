@@ -93,6 +93,26 @@ def test_divisibility_errors():
         load_config("tiny", ["train.global_batch_size=10", "train.micro_batch_size=4"])
 
 
+@pytest.mark.parametrize("override,needle", [
+    ("optimizer.beta1=1.5", "optimizer.beta1 = 1.5 must be in [0, 1)"),  # was torch's ValueError
+    ("optimizer.beta2=-1", "optimizer.beta2 = -1.0 must be in [0, 1)"),
+    ("optimizer.eps=-1", "optimizer.eps = -1.0 must not be negative"),
+    ("optimizer.weight_decay=-0.1", "optimizer.weight_decay = -0.1 must not be negative"),
+    ("optimizer.clip_grad=-1", "0 turns clipping off"),  # was silently off
+    ("optimizer.initial_loss_scale=0", "must be > 0"),  # a scale of 0 zeroed the gradients
+    ("optimizer.loss_scale_window=0", "at least 1"),
+    ("optimizer.min_loss_scale=1e9", "exceeds optimizer.initial_loss_scale"),
+    ("train.max_minutes=-1", "train.max_minutes = -1.0 must not be negative"),  # stopped at once
+    ("model.init_std=-1", "model.init_std = -1.0 must not be negative"),  # torch's RuntimeError
+    ("model.norm_eps=-1", "model.norm_eps = -1.0 must not be negative"),  # NaN losses
+    ("model.rope_theta=0", "model.rope_theta = 0.0 must be > 0"),  # NaN losses
+])
+def test_optimizer_and_training_values_out_of_range_are_one_line_errors(override, needle):
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny", [override])
+    assert needle in str(info.value)
+
+
 def test_toml_round_trip():
     cfg = load_config("gpt2-124m", ["train.sample_prompt=say \"hi\"\\n"])
     again = config_from_toml(cfg.to_toml())

@@ -13,7 +13,7 @@ from trireme.config.model import (
     SYMBOLS,
     ModelConfig,
 )
-from trireme.config.sections import Config, ParallelConfig
+from trireme.config.sections import Config, OptimizerConfig, ParallelConfig
 from trireme.errors import ConfigError
 from trireme.words import count_of
 
@@ -70,11 +70,16 @@ def _check_ranges(cfg: Config) -> None:
         ("train.max_skipped_steps", t.max_skipped_steps),
         ("train.spike_window", t.spike_window),
         ("train.spike_zscore", t.spike_zscore),
+        ("train.max_minutes", t.max_minutes),
+        ("model.init_std", m.init_std),
+        ("model.norm_eps", m.norm_eps),
     ]:
         if v < 0:
             raise ConfigError(f"{name} = {v} must not be negative")
     if t.log_interval < 1:
         raise ConfigError(f"train.log_interval = {t.log_interval} must be at least 1")
+    if m.rope_theta <= 0:
+        raise ConfigError(f"model.rope_theta = {m.rope_theta} must be > 0, e.g. 10000")
 
 
 def _check_model(cfg: Config, need_vocab: bool) -> None:
@@ -269,12 +274,7 @@ def _check_train(cfg: Config) -> None:
 
 
 def _check_optimizer_and_data(cfg: Config) -> None:
-    if cfg.optimizer.lr < 0 or cfg.optimizer.min_lr < 0:
-        raise ConfigError("optimizer.lr and optimizer.min_lr must not be negative")
-    if cfg.optimizer.min_lr > cfg.optimizer.lr:
-        raise ConfigError(
-            f"optimizer.min_lr = {cfg.optimizer.min_lr} exceeds optimizer.lr = {cfg.optimizer.lr}"
-        )
+    _check_optimizer(cfg.optimizer)
     if not 0.0 <= cfg.schedule.wsd_decay_fraction <= 1.0:
         raise ConfigError("schedule.wsd_decay_fraction must be in [0, 1]")
     for kind in cfg.optimizer.no_decay:
@@ -290,3 +290,26 @@ def _check_optimizer_and_data(cfg: Config) -> None:
         raise ConfigError(
             f"data.split = {cfg.data.split!r} must be three non-negative weights like '969,30,1'"
         )
+
+
+def _check_optimizer(o: OptimizerConfig) -> None:
+    """AdamW's and the loss scaler's values (torch's own checks would be tracebacks)."""
+    if o.lr < 0 or o.min_lr < 0:
+        raise ConfigError("optimizer.lr and optimizer.min_lr must not be negative")
+    if o.min_lr > o.lr:
+        raise ConfigError(f"optimizer.min_lr = {o.min_lr} exceeds optimizer.lr = {o.lr}")
+    for name, v in [("optimizer.beta1", o.beta1), ("optimizer.beta2", o.beta2)]:
+        if not 0.0 <= v < 1.0:
+            raise ConfigError(f"{name} = {v} must be in [0, 1), e.g. 0.9 or 0.95")
+    for name, v in [("optimizer.eps", o.eps), ("optimizer.weight_decay", o.weight_decay),
+                    ("optimizer.clip_grad", o.clip_grad)]:
+        if v < 0:
+            raise ConfigError(f"{name} = {v} must not be negative"
+                              + (" (0 turns clipping off)" if name.endswith("clip_grad") else ""))
+    if o.initial_loss_scale <= 0 or o.min_loss_scale <= 0 or o.loss_scale_window < 1:
+        raise ConfigError(f"optimizer.initial_loss_scale = {o.initial_loss_scale} and "
+                          f"min_loss_scale = {o.min_loss_scale} must be > 0 and "
+                          f"loss_scale_window = {o.loss_scale_window} at least 1")
+    if o.min_loss_scale > o.initial_loss_scale:
+        raise ConfigError(f"optimizer.min_loss_scale = {o.min_loss_scale} exceeds "
+                          f"optimizer.initial_loss_scale = {o.initial_loss_scale}")
