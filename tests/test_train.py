@@ -81,6 +81,16 @@ def test_gradient_accumulation_matches_one_big_micro_batch(toy_data, tmp_path):
     np.testing.assert_allclose(la, lb, rtol=1e-5)
 
 
+def test_no_validation_documents_is_said_not_silently_skipped(toy_data, tmp_path, capfd):
+    """train.eval_interval set but a split without validation documents: the run trains and
+    says that it will not evaluate (it used to skip every evaluation without a word)."""
+    train(tiny_cfg(toy_data, tmp_path, "train.steps=2", "train.eval_interval=1",
+                   "data.split=1,0,0"))
+    assert not any("eval_loss" in r for r in read_metrics(tmp_path / "run"))
+    err = capfd.readouterr().err
+    assert "data.split = '1,0,0' leaves no validation documents: no evaluation" in err
+
+
 @pytest.mark.parametrize("fmt", ["sharded", "gathered"])
 def test_resume_continues_the_same_curve(toy_data, tmp_path, fmt):
     full = tiny_cfg(toy_data, tmp_path / "full", "train.steps=8", "model.dropout=0.1")

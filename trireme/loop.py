@@ -124,6 +124,11 @@ class RunOutput:
             run.warn(f"trireme: warning: schedule.warmup_steps = {cfg.schedule.warmup_steps} is "
                      f"not below train.steps = {cfg.train.steps}: the learning rate is still "
                      "rising (or at its peak) when the run ends, and never decays")
+        if cfg.train.eval_interval and trainer.valid_data is None:
+            run.warn(f"trireme: warning: train.eval_interval = {cfg.train.eval_interval} but "
+                     f"data.split = {cfg.data.split!r} leaves no validation documents: no "
+                     "evaluation in this run (give the split a validation share, or set "
+                     "train.eval_interval = 0)")
         return run
 
     def print(self, text: str) -> None:
