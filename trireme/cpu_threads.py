@@ -22,11 +22,14 @@ def choose_cpu_threads(cores: int, local_processes: int, omp_num_threads: str | 
     """(threads to set, or None to keep what OMP_NUM_THREADS gave torch; why, for the log)."""
     if configured > 0:
         return configured, "train.cpu_threads"
-    if omp_num_threads:
+    ignored = ""
+    if omp_num_threads and omp_num_threads.strip().isdigit() and int(omp_num_threads) > 0:
         return None, f"OMP_NUM_THREADS={omp_num_threads}"
+    if omp_num_threads:  # torch ignores it too ("abc", "0"): say so, and share the cores
+        ignored = f"OMP_NUM_THREADS={omp_num_threads!r} ignored, not a positive integer; "
     local = max(1, local_processes)
     share = count_of(local, "local process", "local processes")
-    return max(1, cores // local), f"{count_of(cores, 'core')} / {share}"
+    return max(1, cores // local), f"{ignored}{count_of(cores, 'core')} / {share}"
 
 
 def _local_processes() -> int:
