@@ -56,7 +56,9 @@ def _cmd_config(argv: list[str]) -> int:
 
 
 def _cmd_config_doc(argv: list[str]) -> int:
-    argparse.ArgumentParser(prog="trireme config-doc", description="Print the config reference.")
+    parser = argparse.ArgumentParser(prog="trireme config-doc",
+                                     description="Print the config reference.")
+    parser.parse_args(argv)
     print(reference_markdown())
     return 0
 
