@@ -468,6 +468,27 @@ def test_fp16_output_of_values_past_its_range_is_refused(tmp_path: Path) -> None
         convert("hf", target, tmp_path / "hf", tmp_path / f"to_{target}", dtype="bf16")
 
 
+@pytest.mark.parametrize("change, says", [
+    ({"hidden_size": "64"}, "model.hidden_size = '64', not an integer"),
+    ({"num_attention_heads": 4.5}, "model.num_attention_heads = 4.5, not an integer"),
+    ({"max_position_embeddings": None}, "model.seq_length = None, not an integer"),
+    ({"rms_norm_eps": None}, "holds a value of the wrong type"),
+    ({"rope_scaling": "linear"}, "holds a value of the wrong type")])
+def test_a_config_json_value_of_the_wrong_type_is_one_line(tmp_path: Path, capsys,
+                                                           change: dict, says: str) -> None:
+    """A null or a string where config.json should hold a number was a TypeError or
+    AttributeError traceback from convert and inspect."""
+    make_hf("llama-mqa-tied", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **change}))
+    argv = ["--from", "hf", "--to", "trireme", "--input", str(tmp_path / "hf"), "--output",
+            str(tmp_path / "out")]
+    assert main(["convert", *argv]) == 2
+    assert says in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path / "hf")]) == 0
+    assert "not convertible: config.json" in capsys.readouterr().out
+
+
 @needs_fixture
 def test_training_continues_from_a_converted_checkpoint(tmp_path: Path) -> None:
     """checkpoint.dir = a converted checkpoint: the run resumes from its weights with a fresh

@@ -22,6 +22,7 @@ writes back however long the model was fine-tuned at.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -484,6 +485,9 @@ def hf_model_config(hf: dict, has_lm_head: bool) -> tuple[ModelConfig, list[Entr
             return cfg, nemotron_h_entries(cfg), notes
     except KeyError as e:
         raise CheckpointError(f"config.json lacks {e}, which a {kind} model needs") from None
+    except (TypeError, ValueError, AttributeError) as e:  # a null, a string for a number, ...
+        raise CheckpointError(f"config.json of a {kind} model holds a value of the wrong type "
+                              f"({e})") from None
     if kind == "qwen2_moe":
         raise CheckpointError("config.json: model_type qwen2_moe is not supported: its shared "
                               "expert is scaled by a sigmoid gate (shared_expert_gate) that "
@@ -492,6 +496,19 @@ def hf_model_config(hf: dict, has_lm_head: bool) -> tuple[ModelConfig, list[Entr
         f"config.json: model_type {kind!r} is not supported (supported: gpt2, "
         f"{', '.join(LLAMA_TYPES + MAMBA_TYPES)})"
     )
+
+
+def check_numbers(cfg: ModelConfig) -> None:
+    """A CheckpointError for a number config.json gave as something else (null, a string, a
+    fraction for a count), which would otherwise fail deep in building the tensors."""
+    for f in dataclasses.fields(cfg):
+        value, default = getattr(cfg, f.name), f.default
+        if isinstance(default, bool) or not isinstance(default, int | float):
+            continue
+        wanted = int if isinstance(default, int) else int | float
+        if isinstance(value, bool) or not isinstance(value, wanted):
+            raise CheckpointError(f"config.json gives model.{f.name} = {value!r}, not "
+                                  f"{'an integer' if wanted is int else 'a number'}")
 
 
 def _read_config(folder: Path) -> dict:
@@ -517,6 +534,7 @@ def read_hf(folder: Path) -> Converted:
     elif kind in MAMBA_TYPES:
         tensors = _with_prefix(tensors, "backbone.", "embeddings.weight")
     cfg, table, notes = hf_model_config(hf, "lm_head.weight" in tensors)
+    check_numbers(cfg)
     if cfg.tie_embeddings and distinct_head(tensors, table):  # transformers keeps it: so do we
         cfg, table, notes = hf_model_config(untied(hf), True)
         notes = [*notes, "config.json ties the embeddings, but lm_head.weight differs from the "

@@ -17,6 +17,7 @@ from trireme.checkpoint import convert_megatron as mg
 from trireme.checkpoint import directory
 from trireme.checkpoint.convert_hf import (
     INDEX_FILE,
+    check_numbers,
     hf_model_config,
     read_json_file,
     safetensors_files,
@@ -210,6 +211,7 @@ def describe_hf(path: Path) -> list[str]:
     params, dtypes, names = _header_params(files)
     try:
         cfg, _, _ = hf_model_config(hf, "lm_head.weight" in names)
+        check_numbers(cfg)
         model = model_summary(cfg)
     except CheckpointError as e:
         model = f"not convertible: {e}"
