@@ -164,4 +164,20 @@ def test_tokenizer_train_cli(tmp_path, capsys):
     tok = load_tokenizer(str(out))
     assert tok.vocab_size == 300 and tok.decode(tok.encode(TEXTS[1])) == TEXTS[1]
     assert main(["tokenizer", "train", "--input", str(src), "--vocab-size", "10",
-                 "--output", str(out)]) == 2
+                 "--output", str(tmp_path / "small")]) == 2
+    assert "too small" in capsys.readouterr().err
+
+
+def test_tokenizer_train_keeps_an_existing_tokenizer(tmp_path, capsys):
+    """Training into a folder that holds a tokenizer.json replaced it silently (the datasets
+    made with it then decoded with another); it is refused and the file kept."""
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    out = tmp_path / "tok"
+    args = ["tokenizer", "train", "--input", str(src), "--output", str(out), "--vocab-size"]
+    assert main([*args, "300"]) == 0
+    before = (out / "tokenizer.json").read_bytes()
+    capsys.readouterr()
+    assert main([*args, "280"]) == 2
+    assert "already holds a tokenizer.json" in capsys.readouterr().err
+    assert (out / "tokenizer.json").read_bytes() == before

@@ -260,6 +260,9 @@ def tokenizer_main(argv: list[str]) -> int:
     if args.vocab_size < 1:
         raise ConfigError(f"--vocab-size {args.vocab_size} must be positive")
     path = os.path.join(args.output, "tokenizer.json")
+    if os.path.lexists(path):  # datasets made with it would lose the tokenizer that reads them
+        raise ConfigError(f"--output {args.output} already holds a tokenizer.json; choose "
+                          "another folder, or remove that file first")
     check_writable(path, "--output")
     _check_text_inputs(args.input)
     tok = train_bpe(_training_texts(args.input, args.json_key), args.vocab_size, path,
