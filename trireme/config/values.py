@@ -57,8 +57,7 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if origin is list:
         (item,) = get_args(tp)
         if isinstance(value, str):
-            value = [v.strip() for v in value.strip("[]").split(",") if v.strip()]
-            value = [v.strip("'\"") for v in value]
+            value = _split_list(key, value)
         if not isinstance(value, list):
             raise ConfigError(f"{key} = {value!r}: expected a list of {_type_name(item)}")
         return [_coerce(key, v, item) for v in value]
@@ -123,6 +122,15 @@ def _to_str(key: str, value: Any) -> str:
     if isinstance(value, str):
         return value
     raise ConfigError(f"{key} = {value!r}: expected a string")
+
+
+def _split_list(key: str, text: str) -> list[str]:
+    """A list from the command line: `[a, b]`, `a,b` or `'a'`; brackets must pair up."""
+    body = text.strip()
+    if body.startswith("[") != body.endswith("]"):
+        raise ConfigError(f"{key} = {text!r}: unbalanced brackets; write a list as [a, b]")
+    items = [v.strip() for v in body.removeprefix("[").removesuffix("]").split(",")]
+    return [v.strip("'\"") for v in items if v]
 
 
 def _suggest(name: str, choices: list[str]) -> str:
