@@ -159,6 +159,29 @@ def test_skipped_steps_in_a_row_stop_the_run(toy_data, tmp_path, monkeypatch):
     assert records[-1]["step"] == last < 30  # stopped at the first log step past the limit
 
 
+def test_fp16_loss_scale_search_is_not_divergence(toy_data, tmp_path, capsys):
+    """fp16 from Megatron's initial loss scale 2^32: the first steps overflow while the scaler
+    halves the scale; that is its search, not a diverged run (it was stopped at step 4 as
+    'diverged at step 1', advising a lower lr). Once the scale sits on min_loss_scale,
+    overflows count again."""
+    cfg = tiny_cfg(toy_data, tmp_path, "model.precision=fp16", "train.eval_interval=0",
+                   "optimizer.initial_loss_scale=4294967296", "train.max_skipped_steps=4",
+                   "train.steps=16")
+    train(cfg)
+    records = read_metrics(tmp_path / "run")
+    skipped = [r["step"] for r in records if r["skipped_steps"]]
+    assert len(skipped) > 4 and skipped == list(range(1, len(skipped) + 1))
+    assert records[-1]["step"] == 16 and records[-1]["loss"] < records[0]["loss"]
+    err = capsys.readouterr().err
+    assert err.count("skipped: fp16 gradient overflow (the loss scale was halved)") == len(skipped)
+    assert "diverged" not in err
+    stuck = tiny_cfg(toy_data, tmp_path / "stuck", "model.precision=fp16",
+                     "train.eval_interval=0", "optimizer.initial_loss_scale=4294967296",
+                     f"optimizer.min_loss_scale={2.0 ** 30}", "train.max_skipped_steps=3")
+    with pytest.raises(TrainingError, match=r"^steps 1-4 were all skipped .*\(4 in a row"):
+        train(stuck)  # 2^31, then 2^30 = the floor: the overflows at 2, 3, 4 count
+
+
 @pytest.mark.parametrize("log_interval", [1, 3])
 def test_no_checkpoint_repeats_one_whose_steps_since_all_skipped(toy_data, tmp_path, monkeypatch,
                                                                   capsys, log_interval):

@@ -93,7 +93,9 @@ class RunOutput:
         self.trainer, self.logger, self.progress = trainer, logger, progress
         self.main = trainer.is_main
         self.pending: list[dict] = []  # step results still on the device
-        self.health = RunHealth(trainer.cfg.train)  # skipped steps, loss spikes
+        cfg = trainer.cfg  # skipped steps (not the fp16 loss scaler's search), loss spikes
+        floor = cfg.optimizer.min_loss_scale if cfg.model.precision == "fp16" else None
+        self.health = RunHealth(cfg.train, floor)
         self.spiked = False  # whether the last logged loss was a spike
         # the step of the newest checkpoint of these weights: the one resumed from, or saved
         self.saved_step: int | None = trainer.state.step if trainer.state.step else None

@@ -198,7 +198,9 @@ class TrainConfig:
     max_skipped_steps: int = doc(
         10, "Stop the run (a one-line error naming the steps) after this many optimizer steps in "
         "a row were skipped for a non-finite loss or gradient norm; 0: never stop. Skips are "
-        "counted at log steps, so the run stops at the first log step after the limit."
+        "counted at log steps, so the run stops at the first log step after the limit. Under "
+        "fp16 the loss scaler's overflows (a finite loss, the scale halved and still above "
+        "optimizer.min_loss_scale) are not counted."
     )
     spike_window: int = doc(
         20, "Loss-spike detection: the z-score of each logged loss is taken over this many "
