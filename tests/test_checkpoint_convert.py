@@ -490,6 +490,18 @@ def test_a_config_json_value_of_the_wrong_type_is_one_line(tmp_path: Path, capsy
 
 
 @needs_fixture
+def test_from_hf_names_a_file_or_a_megatron_checkpoint(tmp_path: Path) -> None:
+    """--from hf --input hf/config.json said 'hf/config.json/config.json is missing'; a
+    Megatron checkpoint there, only that config.json is missing."""
+    make_hf("llama-mqa-tied", tmp_path / "hf")
+    with pytest.raises(CheckpointError, match=r"config.json is a file; give the Hugging Face "
+                                              "folder"):
+        convert("hf", "trireme", tmp_path / "hf" / "config.json", tmp_path / "out")
+    with pytest.raises(CheckpointError, match="is a Megatron-LM checkpoint: use --from megatron"):
+        convert("hf", "trireme", FIXTURE / "megatron_torch", tmp_path / "out")
+
+
+@needs_fixture
 def test_training_continues_from_a_converted_checkpoint(tmp_path: Path) -> None:
     """checkpoint.dir = a converted checkpoint: the run resumes from its weights with a fresh
     optimizer. With lr = 0 the weights it saves must be exactly the converted ones."""

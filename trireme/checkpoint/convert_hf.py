@@ -512,11 +512,16 @@ def check_numbers(cfg: ModelConfig) -> None:
 
 
 def _read_config(folder: Path) -> dict:
-    """config.json; a trireme checkpoint given instead is named as such."""
+    """config.json; a file, a trireme or a Megatron checkpoint given instead is named as such."""
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} is a file; give the Hugging Face folder that holds "
+                              "config.json")
     trireme = (folder / directory.META_FILE).is_file() or bool(directory.step_dirs(folder))
     if trireme and not (folder / "config.json").is_file():
         raise CheckpointError(f"{folder / 'config.json'} is missing (a trireme checkpoint? use "
                               "--from trireme)")
+    if directory.foreign_format(folder) == "megatron":
+        raise CheckpointError(f"{folder} is a Megatron-LM checkpoint: use --from megatron")
     return read_json_file(folder / "config.json")
 
 
