@@ -11,9 +11,11 @@ from trireme.config import (
     load_config,
     preset_names,
     reference_markdown,
+    validate,
 )
 from trireme.cpu_threads import choose_cpu_threads
 from trireme.errors import ConfigError
+from trireme.train import train
 
 REQUIRED_KEYS = """train.steps train.seed train.global_batch_size train.micro_batch_size
 train.eval_interval train.log_interval run.dir data.path checkpoint.dir checkpoint.interval
@@ -69,6 +71,40 @@ def test_overrides_are_type_checked():
         load_config("tiny", ["parallel.sequence_parallel=maybe"])
     with pytest.raises(ConfigError, match="not one of"):
         load_config("tiny", ["model.precision=fp8x"])
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("schedule.decay_style", "cosin", "schedule.decay_style = 'cosin' is not one of"),
+    ("optimizer.lr", float("nan"), "optimizer.lr = nan: expected a finite number"),
+    ("train.steps", 2.5, "train.steps = 2.5: expected an integer"),
+    ("model.precision", "fp9", "model.precision = 'fp9' is not one of"),
+    ("train.device", "tpu", "train.device = 'tpu' is not one of"),
+    ("train.global_batch_size", None, "train.global_batch_size = None: expected an integer"),
+])
+def test_values_set_in_code_are_checked_like_overrides(key, value, needle, tmp_path):
+    """A notebook sets fields on a loaded config; validate and train check them as
+    --section.key=value is checked (they were tracebacks, or silently taken: an unknown
+    decay_style trained with some schedule)."""
+    cfg = load_config("tiny", {"run.dir": str(tmp_path / "run")})
+    section, name = key.split(".")
+    setattr(getattr(cfg, section), name, value)
+    with pytest.raises(ConfigError, match=needle):
+        validate(cfg, need_vocab=False)
+    with pytest.raises(ConfigError, match=needle):
+        train(cfg)
+    assert not (tmp_path / "run").exists()  # stopped before any work
+
+
+def test_values_set_in_code_are_parsed_like_overrides():
+    cfg = load_config("tiny")
+    cfg.train.steps, cfg.optimizer.lr, cfg.train.deterministic = "7", 1, "true"
+    cfg.checkpoint.resume_step = 300
+    validate(cfg, need_vocab=False)
+    assert (cfg.train.steps, cfg.optimizer.lr, cfg.train.deterministic) == (7, 1.0, True)
+    assert isinstance(cfg.optimizer.lr, float) and cfg.checkpoint.resume_step == "300"
+    cfg.model = None
+    with pytest.raises(ConfigError, match="config section model = None: expected a ModelConfig"):
+        validate(cfg, need_vocab=False)
 
 
 def test_unknown_key_suggests_closest():

@@ -418,6 +418,7 @@ def build_trainer(cfg: Config, with_data: bool = True, force_data_parallel: bool
     Under torchrun this starts torch.distributed (unless a process group exists already) and
     builds this rank's part of the parallel grid; the data is read the same on every rank.
     """
+    validate(cfg, need_vocab=False)  # values set in code since load_config, before any use
     if launched_rank() == 0:  # before any work: the run directory must be writable
         check_run_dir(cfg)
     derived = cfg.train.micro_batch_size in (0, AUTO_MICRO_BATCH)

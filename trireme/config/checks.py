@@ -14,12 +14,15 @@ from trireme.config.model import (
     ModelConfig,
 )
 from trireme.config.sections import Config, OptimizerConfig, ParallelConfig
+from trireme.config.values import check_types
 from trireme.errors import ConfigError
 from trireme.words import count_of
 
 
 def validate(cfg: Config, need_vocab: bool = True) -> None:
-    """Check that values fit together; raise ConfigError naming the value and the fix."""
+    """Check each value's type (values set in code too) and that values fit together; raise
+    ConfigError naming the value and the fix."""
+    check_types(cfg)
     _check_ranges(cfg)
     _check_model(cfg, need_vocab)
     _check_train(cfg)

@@ -4,6 +4,7 @@ fields' types, and the presets."""
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import types
 import typing
@@ -138,6 +139,7 @@ def _suggest(name: str, choices: list[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+@functools.cache  # the hints of a section never change; validate asks for all of them
 def _field_types(section: str) -> dict[str, Any]:
     return typing.get_type_hints(_SECTION_TYPES[section])
 
@@ -164,6 +166,18 @@ def set_value(cfg: Config, dotted_key: str, value: Any) -> None:
                 else _suggest(dotted_key, all_keys))  # the same key in another section first
         raise ConfigError(f"unknown config key {dotted_key!r}{hint}")
     setattr(getattr(cfg, section), key, _coerce(dotted_key, value, types_[key]))
+
+
+def check_types(cfg: Config) -> None:
+    """Check every field against its type as `set_value` does, for values set in code (a notebook's
+    `cfg.train.steps = 2.5`, `dataclasses.replace`): a ConfigError naming the key, instead of a
+    traceback or a value silently taken. A string for a number is parsed as on the command line."""
+    for section, cls in _SECTION_TYPES.items():
+        part = getattr(cfg, section)
+        if not isinstance(part, cls):
+            raise ConfigError(f"config section {section} = {part!r}: expected a {cls.__name__}")
+        for name, tp in _field_types(section).items():
+            setattr(part, name, _coerce(f"{section}.{name}", getattr(part, name), tp))
 
 
 def apply_dict(cfg: Config, data: dict[str, Any], source: str) -> None:
