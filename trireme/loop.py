@@ -71,8 +71,10 @@ def train_from_checkpoint(trainer: Trainer, saver: Saver) -> bool:
             if not one_step(trainer, saver, run, stop):
                 break
         saver.wait()  # the last save is complete before training returns
-        if trainer.env.world_size > 1:
-            settle()  # no collective's tensors left to a thread when the process ends
+        if trainer.env.world_size > 1:  # no collective's tensors left to a thread at the exit
+            settle()
+            if saver.made_group is not None:  # the checkpoint's collectives
+                settle(saver.made_group)
     except RuntimeError as e:  # out of memory: a one-line error and the allocator's snapshot
         if not is_out_of_memory(e):
             raise

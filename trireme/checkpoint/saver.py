@@ -50,6 +50,11 @@ class Saver:
             self._group = dist.new_group(backend="gloo")  # collective: every rank saves here
         return self._group
 
+    @property
+    def made_group(self):
+        """The gloo group `group()` made (None before its first use)."""
+        return self._group
+
     def save(self) -> Path | None:
         """Save now (blocking), or start a background save; returns the path when it is known."""
         self.wait()
