@@ -23,13 +23,20 @@ def choose_cpu_threads(cores: int, local_processes: int, omp_num_threads: str | 
     if configured > 0:
         return configured, "train.cpu_threads"
     ignored = ""
-    if omp_num_threads and omp_num_threads.strip().isdigit() and int(omp_num_threads) > 0:
+    if omp_num_threads and valid_omp_num_threads(omp_num_threads):
         return None, f"OMP_NUM_THREADS={omp_num_threads}"
     if omp_num_threads:  # torch ignores it too ("abc", "0"): say so, and share the cores
         ignored = f"OMP_NUM_THREADS={omp_num_threads!r} ignored, not a positive integer; "
     local = max(1, local_processes)
     share = count_of(local, "local process", "local processes")
     return max(1, cores // local), f"{ignored}{count_of(cores, 'core')} / {share}"
+
+
+def valid_omp_num_threads(value: str) -> bool:
+    """Whether OpenMP (hence torch) obeys `value`: positive counts, one per nesting level,
+    separated by commas ("4", "4,1"; spaces around them allowed)."""
+    counts = [count.strip() for count in value.split(",")]
+    return all(count.isascii() and count.isdigit() and int(count) > 0 for count in counts)
 
 
 def _local_processes() -> int:
