@@ -342,6 +342,21 @@ def test_offline_batches_refuse_outputs_they_could_not_write_before_running(
     assert "--output goes with --input" in err and not out.exists()
 
 
+def test_an_output_that_is_not_a_regular_file_is_refused(checkpoint, tmp_path, capsys):
+    """--output /dev/null (or /dev/stdout, a FIFO): the answers were written to a temporary file
+    renamed over it, which as root replaced /dev/null with a regular file (and as another user
+    failed after every prompt ran)."""
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "a", "max_tokens": 3}\n')
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert trireme_main(["generate", "--checkpoint", str(checkpoint), "--device", "cpu",
+                         "--input", str(good), "--output", str(fifo)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a regular file" in err and err.count("\n") == 1, err
+    assert stat.S_ISFIFO(fifo.stat().st_mode)  # left as it was
+
+
 def test_seed_gives_a_batch_distinct_samples_and_repeats_them(checkpoint, tmp_path, capsys):
     """generate --input --seed S gave every line without a seed of its own seed S, so identical
     lines were identical samples (k 'samples' of one prompt, all the same); --seed now seeds the

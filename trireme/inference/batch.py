@@ -94,14 +94,18 @@ def _parse(line: str, defaults: SamplingParams, engine: Engine, tokenizer: Token
 
 def check_output(output_path: str, input_path: str) -> None:
     """A TriremeError now, before any prompt runs, if `output_path` cannot be the output file:
-    a directory, a path under a file, the input file itself, or a folder no file can be made in
-    (found at the end, that would lose every answer)."""
+    a directory, a path under a file, a device or pipe (the answers are renamed over it), the
+    input file itself, or a folder no file can be made in (found at the end, that would lose
+    every answer)."""
     target = Path(output_path)
     if target.is_dir():
         raise TriremeError(f"--output {output_path} is a directory; give a file name")
     parent = next((p for p in (target.parent, *target.parent.parents) if p.exists()), None)
     if parent is not None and not parent.is_dir():
         raise TriremeError(f"--output {output_path}: {parent} is not a directory")
+    if target.exists() and not target.is_file():  # renamed over: /dev/null would be replaced
+        raise TriremeError(f"--output {output_path} is not a regular file (a device, a pipe); "
+                           "give a file name")
     if target.exists() and Path(input_path).exists() and target.samefile(input_path):
         raise TriremeError(f"--output {output_path} is the --input file; give another name "
                            "(the answers would replace the prompts)")
