@@ -453,6 +453,17 @@ def test_a_quantized_model_is_named_as_one(tmp_path: Path, capsys) -> None:
     assert "not convertible: config.json: quantized weights" in capsys.readouterr().out
 
 
+def test_the_quantization_check_reads_only_a_text_config_that_is_an_object(tmp_path: Path
+                                                                           ) -> None:
+    """A Llama config.json with a stray non-object text_config converted (it is not read), until
+    the check for a quantized LLaVA language model made it an AttributeError traceback."""
+    make_hf("llama-mqa-tied", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "text_config": "x"}))
+    convert("hf", "trireme", tmp_path / "hf", tmp_path / "out")
+    assert (tmp_path / "out").is_dir()
+
+
 def test_fp16_output_of_values_past_its_range_is_refused(tmp_path: Path) -> None:
     """--dtype fp16 of a weight past 65504 wrote Inf: the output was damaged (inspect --verify)
     and said nothing."""

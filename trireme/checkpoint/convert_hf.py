@@ -455,8 +455,9 @@ def hf_model_config(hf: dict, has_lm_head: bool) -> tuple[ModelConfig, list[Entr
     """The ModelConfig, tensor table and notes for a config.json (`has_lm_head`: the files hold
     lm_head.weight, which decides tying when config.json does not say)."""
     kind = hf.get("model_type")
-    quantized = hf.get("quantization_config") or (hf.get("text_config") or {}).get(
-        "quantization_config")
+    text_config = hf.get("text_config")  # (a Llama's is not read: it may be anything)
+    quantized = hf.get("quantization_config") or (
+        text_config.get("quantization_config") if isinstance(text_config, dict) else None)
     if quantized:  # packed integers or fp8 with scales: not the weights under their names
         method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
         raise CheckpointError(f"config.json: quantized weights (quantization_config: {method}) "
