@@ -74,7 +74,7 @@ def test_stage1_trains_only_the_projector(shapes_cache, tmp_path):
                      f"--model.freeze={STAGE1}", "--train.eval_interval=0")
     trainer = train(cfg)
     model = trainer.model
-    fresh = trainer.model.__class__(cfg.model, seed=cfg.train.seed)
+    fresh = trainer.model.__class__(trainer.cfg.model, seed=cfg.train.seed)  # resolved
     before = dict(fresh.named_parameters())
     for name, p in model.named_parameters():
         assert p.requires_grad == name.startswith("projector."), name

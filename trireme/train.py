@@ -9,6 +9,7 @@ instead of a backend traceback after the default 10 to 30 minutes.
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Callable
 
@@ -23,8 +24,12 @@ from trireme.trainer import Trainer, build_trainer, pick_device
 def train(cfg: Config, on_finish: Callable[[Trainer], None] | None = None) -> Trainer:
     """Run training as the config says; returns the trainer (model, optimizer, state) at the end.
 
+    `cfg` is left as it was: what the run resolves (the embedded corpus's path and tokenizer,
+    the vocabulary size, a derived micro batch) goes into `trainer.cfg`, so a notebook that
+    changes `cfg` and trains again resolves them afresh.
     `on_finish(trainer)` runs after the last step unless a stop signal ended the run early; a
     stop signal during it cuts it short and `train` returns normally."""
+    cfg = copy.deepcopy(cfg)
     try:
         trainer = build_trainer(cfg)
     except RuntimeError as e:  # a model too large for the device: one line, not a traceback
