@@ -1,6 +1,7 @@
 """trireme used as a library, from a notebook or a script: train(cfg) run again in one process,
 the config object kept by the caller, process-wide state left as it was."""
 
+import torch
 from test_train import toy_data  # noqa: F401  (a fixture)
 
 from trireme.config import load_config
@@ -30,3 +31,19 @@ def test_train_leaves_the_callers_config_as_it_was(toy_data, tmp_path):  # noqa:
     assert (trainer.cfg.model.vocab_size, trainer.cfg.train.micro_batch_size) == (257, 4)
     cfg.train.global_batch_size, cfg.run.dir = 8, str(tmp_path / "b")
     assert train(cfg).cfg.train.micro_batch_size == 8  # derived afresh, as in a new process
+
+
+def test_train_leaves_torchs_determinism_as_it_was(toy_data, tmp_path):  # noqa: F811
+    """A run with train.deterministic left torch's deterministic algorithms on for the rest of
+    the process: a notebook's next run with deterministic = false, and the notebook's own code,
+    still ran (or refused ops without a deterministic kernel) as deterministic."""
+    try:
+        trainer = train(small_cfg(toy_data, tmp_path / "a", **{"train.deterministic": True}))
+        assert not torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True, warn_only=True)  # the user's own choice stays
+        train(small_cfg(toy_data, tmp_path / "b"))
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert trainer.state.step == 1

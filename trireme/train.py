@@ -18,7 +18,7 @@ from trireme.errors import TriremeError
 from trireme.loop import StopSignal, run_loop, stop_signals_raise
 from trireme.oom import is_out_of_memory, out_of_memory_building
 from trireme.parallel.watchdog import Watchdog
-from trireme.trainer import Trainer, build_trainer, pick_device
+from trireme.trainer import Trainer, build_trainer, pick_device, torch_settings_kept
 
 
 def train(cfg: Config, on_finish: Callable[[Trainer], None] | None = None) -> Trainer:
@@ -26,10 +26,16 @@ def train(cfg: Config, on_finish: Callable[[Trainer], None] | None = None) -> Tr
 
     `cfg` is left as it was: what the run resolves (the embedded corpus's path and tokenizer,
     the vocabulary size, a derived micro batch) goes into `trainer.cfg`, so a notebook that
-    changes `cfg` and trains again resolves them afresh.
+    changes `cfg` and trains again resolves them afresh; torch's process-wide switches
+    (deterministic algorithms, cuDNN benchmark) are back as they were when it returns.
     `on_finish(trainer)` runs after the last step unless a stop signal ended the run early; a
     stop signal during it cuts it short and `train` returns normally."""
-    cfg = copy.deepcopy(cfg)
+    with torch_settings_kept():
+        return train_copy(copy.deepcopy(cfg), on_finish)
+
+
+def train_copy(cfg: Config, on_finish: Callable[[Trainer], None] | None) -> Trainer:
+    """`train` on a config of its own."""
     try:
         trainer = build_trainer(cfg)
     except RuntimeError as e:  # a model too large for the device: one line, not a traceback

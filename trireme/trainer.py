@@ -294,6 +294,21 @@ def micro_batch_note(cfg: Config, dims: ParallelDims, auto: bool = False) -> str
             + (f" / pipeline {stages}" if stages > 1 else "") + "; set it to choose)")
 
 
+@contextlib.contextmanager
+def torch_settings_kept() -> Iterator[None]:
+    """The process-wide torch switches train.deterministic sets (deterministic algorithms, cuDNN
+    benchmark) back as they were when the block ends: a notebook's next run, or its own code,
+    does not inherit them."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    benchmark = torch.backends.cudnn.benchmark
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        torch.backends.cudnn.benchmark = benchmark
+
+
 def setup_determinism(cfg: Config) -> None:
     torch.manual_seed(cfg.train.seed)
     if cfg.train.deterministic:
