@@ -26,16 +26,17 @@ from trireme.models.gpt import GPT
 CONTEXT = 96
 
 
-def make_checkpoint(root: Path, **model) -> Path:
+def make_checkpoint(root: Path, tokenizer: str = "bytes", **model) -> Path:
     """A tiny Llama-shaped model (GQA, untied; `model` changes ModelConfig's fields) with large
-    random weights (clear greedy choices), saved as a checkpoint with the byte tokenizer."""
+    random weights (clear greedy choices), saved as a checkpoint with the byte tokenizer (or
+    the data.tokenizer `tokenizer`)."""
     cfg = Config()
     cfg.model = ModelConfig(**{
         "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
         "ffn_hidden_size": 128, "vocab_size": 257, "seq_length": CONTEXT,
         "position_embedding": "rope", "normalization": "rmsnorm", "activation": "swiglu",
         "precision": "fp32", **model})
-    cfg.data.tokenizer = "bytes"
+    cfg.data.tokenizer = tokenizer
     model = GPT(cfg.model, seed=3)
     with torch.no_grad():
         for p in model.parameters():

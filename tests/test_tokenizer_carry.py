@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from serving import make_checkpoint
 
 from trireme.checkpoint.tokenizer_copy import TOKENIZER_DIR, keep_tokenizer
 from trireme.cli import main
@@ -154,6 +155,26 @@ def test_a_sentencepiece_tokenizer_is_the_converted_checkpoints_tokenizer(
     step = tmp_path / "conv" / "step_0000000" / "config.toml"
     assert f'tokenizer = "{tmp_path / "conv" / TOKENIZER_DIR / "tokenizer.model"}"' in (
         step.read_text())
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(tmp_path / "conv"), "--prompt", "def ",
+                 "--greedy", "--max-new-tokens", "3", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.startswith("def")
+
+
+@pytest.mark.parametrize("spec", ["bytes", "custom"])
+def test_a_trireme_conversion_keeps_a_tokenizer_it_has_no_files_to_copy_of(
+        tmp_path: Path, capsys, spec: str) -> None:
+    """--from trireme --to trireme (e.g. --dtype bf16) of a checkpoint whose data.tokenizer is
+    `bytes` (no files) or a file of another name than tokenizer.json wrote data.tokenizer = "",
+    so generate said 'the checkpoint names no tokenizer'; the source's spec is kept."""
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    if spec == "custom":  # a byte-level BPE of at most 257 ids, saved as my_tok.json
+        train_bpe(TEXTS, 257, tmp_path / "tok" / "my_tok.json")
+        spec = str(tmp_path / "tok" / "my_tok.json")
+        ckpt = make_checkpoint(tmp_path / "ckpt_custom", tokenizer=spec)
+    convert("trireme", "trireme", ckpt, tmp_path / "conv")
+    assert f'tokenizer = "{spec}"' in (tmp_path / "conv" / "step_0000000" / "config.toml"
+                                       ).read_text()
     capsys.readouterr()
     assert main(["generate", "--checkpoint", str(tmp_path / "conv"), "--prompt", "def ",
                  "--greedy", "--max-new-tokens", "3", "--device", "cpu"]) == 0

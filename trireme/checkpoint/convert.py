@@ -85,7 +85,7 @@ def read_trireme(path: Path, masters: bool = False) -> Converted:
     return Converted(
         model=cfg.model, state=state, source=f"trireme {ckpt.path}", step=ckpt.step,
         consumed_samples=int(trainer.get("consumed_samples", 0) or 0),
-        tokenizer_dir=tokenizer_dir,
+        tokenizer_dir=tokenizer_dir, tokenizer_spec=cfg.data.tokenizer,
     )
 
 
@@ -97,7 +97,8 @@ def write_trireme(conv: Converted, output: Path, dtype: torch.dtype) -> Path:
     and whose model.precision follows `dtype`. Tokenizer files found beside the source are copied
     into output/tokenizer, where a checkpoint keeps its tokenizer (tokenizer_copy.py: found there
     after the output moves), and data.tokenizer points at the copied tokenizer (tokenizer.json,
-    else vocab.json + merges.txt, else a SentencePiece tokenizer.model).
+    else vocab.json + merges.txt, else a SentencePiece tokenizer.model); with none copied, it
+    is a trireme source's own data.tokenizer (bytes, or a file of another name).
     """
     cfg = Config()
     cfg.model = conv.model
@@ -108,6 +109,8 @@ def write_trireme(conv: Converted, output: Path, dtype: torch.dtype) -> Path:
         if holds_tokenizer(tmp / TOKENIZER_DIR):  # the file a folder spec loads, as a path
             name = infer_kind(tmp / TOKENIZER_DIR)[1].name  # tokenizer.json, tokenizer.model..
             cfg.data.tokenizer = str(output.resolve() / TOKENIZER_DIR / name)
+        else:  # bytes, null:N, or a file of its own name (not copied): the source's spec
+            cfg.data.tokenizer = conv.tokenizer_spec
         validate(cfg, need_vocab=True)
         trainer = {"step": conv.step, "consumed_samples": conv.consumed_samples, "rng": {},
                    "converted_from": conv.source}

@@ -42,6 +42,7 @@ class Converted:
     consumed_samples: int = 0
     notes: list[str] = field(default_factory=list)  # what the user should know (approximations)
     tokenizer_dir: Path | None = None  # a folder holding TOKENIZER_FILES to carry along
+    tokenizer_spec: str = ""  # a trireme source's data.tokenizer, kept where nothing is copied
 
     def num_parameters(self) -> int:
         return sum(t.numel() for t in self.state.values())
