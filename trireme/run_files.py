@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from trireme.config import Config
+from trireme.config.recorded import recorded
 from trireme.errors import ConfigError
 from trireme.words import count_of
 
@@ -48,7 +49,7 @@ def write_run_config(cfg: Config, resumed_step: int = 0) -> Path:
             set_aside(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         tmp = run_dir / ".config.toml.tmp"
-        tmp.write_text(cfg.to_toml())
+        tmp.write_text(recorded(cfg).to_toml())  # paths absolute: read again from anywhere
         os.replace(tmp, run_dir / "config.toml")
     except OSError as e:
         raise not_writable(run_dir, e) from None

@@ -53,6 +53,7 @@ from trireme.checkpoint.model_state import expected_shapes
 from trireme.checkpoint.pieces import Entry, Piece, dtensor_pieces, tensor_pieces
 from trireme.checkpoint.rng import capture_rng_state, restore_rng_state
 from trireme.checkpoint.safe_pickle import load_dcp_metadata
+from trireme.config.recorded import recorded
 from trireme.errors import CheckpointDamageError, CheckpointError
 from trireme.parallel.sharding import parameter_shardings
 
@@ -228,7 +229,7 @@ def prepare(trainer, root: Path, group) -> dict[str, Any]:
         "optimizer": optimizer_scalars(opt), "layout": layout_of(trainer),
     }
     return {"tmp": tmp, "root": root, "step": step, "main": trainer.is_main,
-            "trainer": trainer_state, "config": trainer.cfg.to_toml(),
+            "trainer": trainer_state, "config": recorded(trainer.cfg).to_toml(),
             "keep_last": trainer.cfg.checkpoint.keep_last, "distributed": distributed,
             "group": group, "entries": entries}
 

@@ -27,6 +27,7 @@ from trireme.checkpoint.store import (
     save_checkpoint,
 )
 from trireme.config import Config, config_from_toml, model_differences
+from trireme.config.recorded import recorded
 from trireme.errors import CheckpointDamageError, CheckpointError, ConfigError
 
 if TYPE_CHECKING:
@@ -56,8 +57,8 @@ def save_gathered(trainer: Trainer) -> Path | None:
         try:
             path = save_checkpoint(cfg.checkpoint.dir, trainer.state.step, model=model_state,
                                    optimizer=optimizer_state, trainer=trainer_state,
-                                   config_toml=cfg.to_toml(), keep_last=cfg.checkpoint.keep_last,
-                                   require_finite=True)
+                                   config_toml=recorded(cfg).to_toml(),
+                                   keep_last=cfg.checkpoint.keep_last, require_finite=True)
         except CheckpointError as e:  # every rank must learn of it, or they wait for rank 0
             error = e
     if trainer.env.world_size > 1:  # the checkpoint is complete before any rank goes on
