@@ -53,6 +53,23 @@ def test_token_out_of_dtype_range(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_token_ids_that_are_not_whole_numbers_are_refused(tmp_path):
+    """Float ids were cast silently (1.5 written as 1); a negative id was told to use a wider
+    dtype. Whole floats (np.concatenate with an empty list gives float64) are still taken."""
+    writer = IndexedDatasetWriter(tmp_path / "d", np.uint16)
+    with pytest.raises(DataError, match="token id 1.5 is not a whole number"):
+        writer.add_document([2.0, 1.5])
+    with pytest.raises(DataError, match="token id nan is not a whole number"):
+        writer.add_document(np.array([np.nan]))
+    with pytest.raises(DataError, match="token ids must be integers, not <U1"):
+        writer.add_document(["a"])
+    with pytest.raises(DataError, match=r"token id -1 does not fit in uint16$"):
+        writer.add_document([3, -1])
+    writer.add_document(np.concatenate([[], [4, 5]]))
+    writer.finalize()
+    assert IndexedDataset(tmp_path / "d")[0].tolist() == [4, 5]
+
+
 def test_best_dtype():
     assert best_dtype(50257) == np.uint16
     assert best_dtype(65499) == np.uint16

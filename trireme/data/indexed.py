@@ -166,15 +166,26 @@ class IndexedDatasetWriter:
             raise ValueError(f"a document must be a 1-d sequence of token ids, not {array.shape}")
         if array.dtype != self.dtype:
             if self._bounds is not None and array.size:
-                lo, hi = int(array.min()), int(array.max())
-                if lo < self._bounds[0] or hi > self._bounds[1]:
-                    bad = lo if lo < self._bounds[0] else hi
-                    raise DataError(
-                        f"{self.prefix}.bin: token id {bad} does not fit in {self.dtype}; "
-                        f"write with a wider dtype (best_dtype(vocab_size))"
-                    )
+                self._check_ids(array)
             array = array.astype(self.dtype)
         return array
+
+    def _check_ids(self, array: np.ndarray) -> None:
+        """Token ids an integer dtype holds as they are: whole numbers in its range (a cast
+        would truncate 1.5 to 1, or wrap 70000 around, silently)."""
+        if array.dtype.kind == "f":  # e.g. np.concatenate with an empty (float) array
+            whole = np.isfinite(array) & (array == np.floor(array))
+            if not whole.all():
+                raise DataError(f"{self.prefix}.bin: token id {float(array[~whole][0])} is not "
+                                "a whole number")
+        elif array.dtype.kind not in "iub":
+            raise DataError(f"{self.prefix}.bin: token ids must be integers, not {array.dtype}")
+        lo, hi = int(array.min()), int(array.max())
+        if lo < self._bounds[0]:  # a wider dtype would not help a negative id
+            raise DataError(f"{self.prefix}.bin: token id {lo} does not fit in {self.dtype}")
+        if hi > self._bounds[1]:
+            raise DataError(f"{self.prefix}.bin: token id {hi} does not fit in {self.dtype}; "
+                            "write with a wider dtype (best_dtype(vocab_size))")
 
     def add_document(
         self,
