@@ -141,6 +141,18 @@ def test_eos_stops_and_pads():
     assert out.shape[0] == first + 1 and torch.equal(out, greedy[: first + 1])
 
 
+def test_stop_ids_end_a_sequence_without_an_eos_id():
+    """generate(stop_ids=...) without eos_id ignored the stop ids (it went on to
+    max_new_tokens); they end a sequence as eos_id does, padded with the first."""
+    model = _model(llama_config())
+    greedy = generate(model, [5, 6], 10, greedy=True)
+    stop = int(greedy[4])  # the third generated token
+    first = int((greedy[2:] == stop).nonzero()[0]) + 2
+    out = generate(model, [5, 6], 10, greedy=True, stop_ids=[stop])
+    assert torch.equal(out, greedy[: first + 1])
+    assert torch.equal(generate(model, [5, 6], 10, greedy=True, eos_id=stop), out)
+
+
 def test_prompt_checks():
     model = _model(gpt2_config())
     with pytest.raises(TriremeError, match="seq_length"):

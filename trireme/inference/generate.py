@@ -130,9 +130,10 @@ def generate(
     Returns prompt + generated ids, [b, total] (or [total] for a 1-D prompt). Generation stops at
     model.seq_length tokens; with `eos_id`, a sequence that has produced it is padded with eos_id
     and the loop stops once every sequence has; `stop_ids` (e.g. generation_config.json's end of
-    turn) end a sequence as eos_id does. `seed` makes sampling reproducible. The model's
-    training/eval mode is restored afterwards. `images` [b, 3, S, S] (a vision model): their
-    features replace the prompt's image placeholder tokens (trireme.models.vision).
+    turn) end a sequence as eos_id does (padded with eos_id, else the first of them). `seed`
+    makes sampling reproducible. The model's training/eval mode is restored afterwards.
+    `images` [b, 3, S, S] (a vision model): their features replace the prompt's image
+    placeholder tokens (trireme.models.vision).
     """
     device = model.embedding.weight.device
     one_dim = not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() == 1
@@ -154,7 +155,8 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        ends = None if eos_id is None else torch.tensor([eos_id, *stop_ids], device=device)
+        end_ids = [*([] if eos_id is None else [eos_id]), *stop_ids]
+        ends = torch.tensor(end_ids, device=device) if end_ids else None
         out = _decode(model, ids, total, pick, ends, use_cache, images)
     finally:
         model.train(was_training)
