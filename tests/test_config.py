@@ -107,6 +107,12 @@ def test_values_set_in_code_are_parsed_like_overrides():
         validate(cfg, need_vocab=False)
 
 
+def test_one_override_string_is_one_override():
+    """load_config("tiny", "train.steps=3") walked the string's characters: "override 't'
+    needs a value: write --t=VALUE"."""
+    assert load_config("tiny", "--train.steps=3").train.steps == 3
+
+
 def test_unknown_key_suggests_closest():
     with pytest.raises(ConfigError, match="did you mean 'train.steps'"):
         load_config("tiny", ["train.stepz=3"])

@@ -66,12 +66,12 @@ __all__ = [
 
 
 def load_config(
-    preset: str = "tiny", overrides: list[str] | dict[str, Any] | None = None
+    preset: str = "tiny", overrides: list[str] | str | dict[str, Any] | None = None
 ) -> Config:
     """Build a validated config from a preset name or TOML path plus overrides.
 
-    `overrides` is a list of `section.key=value` strings (a leading `--` is allowed) or a dict
-    mapping `section.key` to a value.
+    `overrides` is a list of `section.key=value` strings (a leading `--` is allowed; one such
+    string alone is taken as a list of one) or a dict mapping `section.key` to a value.
     """
     cfg = Config()
     path = resolve_preset(preset)
@@ -84,6 +84,8 @@ def load_config(
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
     apply_dict(cfg, data, str(path))
+    if isinstance(overrides, str):  # not its characters, one by one
+        overrides = [overrides]
     if isinstance(overrides, dict):
         for k, v in overrides.items():
             set_value(cfg, k, v)
