@@ -166,6 +166,19 @@ def test_prompt_checks():
     assert model.training  # the mode is restored
 
 
+@pytest.mark.parametrize("settings, needle", [
+    ({"temperature": float("nan")}, "temperature must be a finite number >= 0, got nan"),
+    ({"temperature": -1.0}, "temperature must be a finite number >= 0, got -1.0"),
+    ({"top_k": -3}, "top_k must be >= 0"),
+    ({"top_p": 1.5}, r"top_p must be in \[0, 1\], got 1.5"),
+])
+def test_sampling_settings_are_checked_as_the_flags_are(settings, needle):
+    """generate() from Python took what `trireme generate` refuses: a NaN temperature failed
+    mid-generation in torch.multinomial, a negative one sampled greedily without a word."""
+    with pytest.raises(TriremeError, match=needle):
+        generate(_model(gpt2_config()), [1, 2], 3, **settings)
+
+
 # --------------------------------------------------------------------------------------------
 # Loading a model for generation: built on the meta device, no random init
 
