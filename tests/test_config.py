@@ -254,6 +254,14 @@ def test_config_file_not_utf8_is_one_line_error(tmp_path):
         load_config(str(path))
 
 
+def test_config_file_with_a_byte_order_mark_loads(tmp_path):
+    """A TOML file saved with a UTF-8 byte order mark (Windows Notepad) was refused as invalid
+    TOML at line 1."""
+    path = tmp_path / "exp.toml"
+    path.write_bytes("[train]\nsteps = 7\n".encode("utf-8-sig"))
+    assert load_config(str(path)).train.steps == 7
+
+
 def test_empty_config_name_is_named_as_empty():
     """`--config ""` (an unset shell variable) said "'' is a directory" (Path("") is ".")."""
     with pytest.raises(ConfigError, match="--config is empty"):
