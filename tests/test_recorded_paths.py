@@ -33,6 +33,7 @@ def test_a_checkpoints_config_goes_on_from_another_directory(tmp_path, monkeypat
 def test_blends_and_tokenizer_specs_are_recorded_absolute_where_they_exist(tmp_path, monkeypatch):
     write_toy_data(tmp_path)
     (tmp_path / "tok.json").write_text("{}")
+    (tmp_path / "bytes").mkdir()  # a folder so named does not make the spec a path
     monkeypatch.chdir(tmp_path)
     cfg = load_config("tiny", ["data.path=0.3 toy 0.7 toy"])
     tok = tmp_path / "tok.json"

@@ -47,6 +47,8 @@ def _is_prefix(text: str) -> bool:
 
 def _tokenizer(spec: str) -> str:
     """A tokenizer file or folder (or `kind:path`) made absolute where it exists."""
+    if spec == "bytes" or spec.split(":")[0] == "null":  # no file, even if a folder is so named
+        return spec
     if spec and os.path.exists(spec):
         return os.path.abspath(spec)
     kind, sep, path = spec.partition(":")
