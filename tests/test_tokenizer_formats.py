@@ -113,6 +113,15 @@ def test_tiktoken_file(bpe, tmp_path):
         load_tokenizer(str(bad))
 
 
+def test_a_file_that_is_no_tokenizer_is_named_as_such(tmp_path):
+    """A file that is no tokenizer (no extension, or a .model) was taken for SentencePiece: the
+    error asked for the sentencepiece package, or said its protobuf did not parse."""
+    for name in ("notes", "weights.model"):
+        (tmp_path / name).write_bytes(b"garbage\x00\x01")
+        with pytest.raises(DataError, match=f"{name} is not a tokenizer file"):
+            load_tokenizer(str(tmp_path / name))
+
+
 def test_sentencepiece_model(tmp_path):
     spm = pytest.importorskip("sentencepiece", reason="SentencePiece models need sentencepiece")
     corpus = tmp_path / "corpus.txt"

@@ -43,7 +43,12 @@ def _sniff_model_file(path: Path) -> str:
     """A `.model` file is SentencePiece (protobuf) or tiktoken (text: base64 and rank per line)."""
     with open(path, "rb") as f:
         first = f.readline(4096)
-    return "tiktoken" if _TIKTOKEN_LINE.match(first.rstrip(b"\n")) else "sentencepiece"
+    if _TIKTOKEN_LINE.match(first.rstrip(b"\n")):
+        return "tiktoken"
+    if first[:1] == b"\n":  # a SentencePiece ModelProto begins with its pieces (field 1)
+        return "sentencepiece"
+    raise DataError(f"{path} is not a tokenizer file (tokenizer.json, vocab.json + merges.txt, "
+                    "a SentencePiece .model or a tiktoken file)")
 
 
 def infer_kind(path: Path) -> tuple[str, Path]:
