@@ -135,7 +135,11 @@ def generate(
     `images` [b, 3, S, S] (a vision model): their features replace the prompt's image
     placeholder tokens (trireme.models.vision).
     """
-    _check_sampling(temperature, top_k, top_p)
+    # refused as `trireme generate` refuses the flags (a NaN temperature was torch's
+    # "probability tensor contains inf, nan" in the middle of the generation)
+    problem = sampling_problem(temperature, top_k, top_p)
+    if problem is not None:
+        raise TriremeError(problem)
     device = model.embedding.weight.device
     one_dim = not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() == 1
     ids = _as_batch(prompt_ids, device)
@@ -175,15 +179,16 @@ def printable_ids(ids: list[int], prompt_len: int, eod: int, stop_ids: Sequence[
     return [i for i in ids[:prompt_len] if i != eod] + new
 
 
-def _check_sampling(temperature: float, top_k: int, top_p: float) -> None:
-    """The settings `trireme generate` refuses as flags, refused here too: a NaN temperature
-    was torch's "probability tensor contains inf, nan" mid-generation, a negative one greedy."""
+def sampling_problem(temperature: float, top_k: int, top_p: float) -> str | None:
+    """What is wrong with these sampling settings (one line naming the field), or None; the
+    serving engine's SamplingParams.problem and `generate` share it."""
     if not 0.0 <= temperature < float("inf"):
-        raise TriremeError(f"temperature must be a finite number >= 0, got {temperature}")
+        return f"temperature must be a finite number >= 0, got {temperature}"
     if top_k < 0:
-        raise TriremeError(f"top_k must be >= 0 (0: no limit), got {top_k}")
+        return f"top_k must be >= 0 (0: no limit), got {top_k}"
     if not 0.0 <= top_p <= 1.0:
-        raise TriremeError(f"top_p must be in [0, 1], got {top_p}")
+        return f"top_p must be in [0, 1], got {top_p}"
+    return None
 
 
 def _check_prompt(ids: torch.Tensor, cfg) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trireme.inference.generate import GREEDY_BELOW, filter_logits, seeded
+from trireme.inference.generate import GREEDY_BELOW, filter_logits, sampling_problem, seeded
 from trireme.ops.argmax import greedy_and_finite
 
 
@@ -47,12 +47,9 @@ class SamplingParams:
         """What is wrong with these settings (one line naming the field), or None."""
         if self.max_tokens <= 0:
             return f"max_tokens must be at least 1, got {self.max_tokens}"
-        if not 0.0 <= self.temperature < math.inf:
-            return f"temperature must be a finite number >= 0, got {self.temperature}"
-        if self.top_k < 0:
-            return f"top_k must be >= 0 (0: no limit), got {self.top_k}"
-        if not 0.0 <= self.top_p <= 1.0:
-            return f"top_p must be in [0, 1], got {self.top_p}"
+        problem = sampling_problem(self.temperature, self.top_k, self.top_p)
+        if problem is not None:
+            return problem
         if any(not isinstance(s, str) or not s for s in self.stop):
             return "stop must hold non-empty strings"
         return None
