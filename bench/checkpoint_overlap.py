@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     args.override = [f"checkpoint.dir={root}", "checkpoint.format=sharded",
                      "checkpoint.keep_last=1", *args.override]
     cfg, overrides = tt.build_config(args)
-    from trireme.trainer import build_trainer
+    from trireme.training.build import build_trainer
 
     trainer = build_trainer(cfg, with_data=False)
     device = trainer.device

@@ -1,4 +1,4 @@
-"""Kernels per layer of the compiled decode step (trireme.inference.compiled_decode), before and
+"""Kernels per layer of the compiled decode step (trireme.serving.compiled_decode), before and
 after its fusions: how many Inductor kernels and extern calls (GEMMs) each compiled piece makes.
 
     python bench/decode_kernels.py                   # llama3-1b shape, batch 64, GPU (Triton)
@@ -32,13 +32,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from trireme.config import load_config  # noqa: E402
-from trireme.inference.compiled_decode import (  # noqa: E402
+from trireme.models.gpt import GPT  # noqa: E402
+from trireme.serving.compiled_decode import (  # noqa: E402
     _post,
     _post_norm,
     _pre,
     _project,
 )
-from trireme.models.gpt import GPT  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 KERNEL = re.compile(r"^(\w+) = async_compile\.\w+\(", re.M)  # an Inductor kernel's definition

@@ -12,7 +12,7 @@ Three ways to compute the same decode steps, on the same random weights (drawn i
 once to bf16; the reference holds exactly the rounded weights, upcast):
 
     eager     the engine's decode path (Engine._forward: CUDA graphs of the eager forward)
-    compiled  the same with EngineSettings.compile_decode (trireme.inference.compiled_decode)
+    compiled  the same with EngineSettings.compile_decode (trireme.serving.compiled_decode)
     reference GPT.forward over the whole sequence (prompt + tokens so far), no cache, in fp32
               (float64 on the CPU; no TF32; RoPE in fp32 either way), SDPA's math
               attention, logits of the last position only: its own error is fp32's, 2^16
@@ -75,9 +75,9 @@ from serve_throughput import (  # noqa: E402
 )
 
 from trireme.config import load_config  # noqa: E402
-from trireme.inference.engine import Engine, EngineSettings  # noqa: E402
-from trireme.inference.sampling import SamplingParams  # noqa: E402
 from trireme.models.gpt import GPT  # noqa: E402
+from trireme.serving.engine import Engine, EngineSettings  # noqa: E402
+from trireme.serving.sampling import SamplingParams  # noqa: E402
 
 SMOKE = ["model.vocab_size=256", "model.precision=bf16", "model.tie_embeddings=false"]
 

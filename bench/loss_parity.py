@@ -109,7 +109,7 @@ def variant_config(args: argparse.Namespace, overrides: list[str]) -> tuple[Conf
 def train_variant(name: str, cfg: Config) -> dict:
     """Train `cfg` for cfg.train.steps steps; the loss of each step and the end's eval loss."""
     from trireme.optim.schedules import lr_at
-    from trireme.trainer import build_trainer
+    from trireme.training.build import build_trainer
 
     device = tt.pick_device(cfg.train.device)
     tt.reset_memory(device)

@@ -28,8 +28,8 @@ sys.path.insert(0, str(HERE.parent))
 from serve_throughput import build, engine_for, make_prompts  # noqa: E402
 from serve_throughput import parse_args as serve_args  # noqa: E402
 
-from trireme.inference.sampling import SamplingParams  # noqa: E402
 from trireme.ops.pdl import ENV  # noqa: E402
+from trireme.serving.sampling import SamplingParams  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

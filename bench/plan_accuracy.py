@@ -12,7 +12,7 @@ run, model.compile=true for the compiled one) and is recorded in the JSON ("over
 
 Each configuration is trained for --warmup + --steps steps on mock data (no files), on the GPU
 each in a fresh process (--separate); measured: the peak of torch.cuda.max_memory_allocated over
-the timed steps (the CPU smoke run: trireme.plan.measure.LiveBytes) and the mean wall time of a
+the timed steps (the CPU smoke run: trireme.training.measure.LiveBytes) and the mean wall time of a
 timed step (synchronized).
 Predicted: trireme.plan.memory.estimate_memory and trireme.plan.time.estimate_time with the rate
 table of --gpu. The goal (issue 20): memory within 10%, step time within 15%.
@@ -39,11 +39,11 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from trireme.config import load_config  # noqa: E402
-from trireme.plan.measure import LiveBytes  # noqa: E402
 from trireme.plan.memory import GIB, Degrees, estimate_memory, rank_params  # noqa: E402
 from trireme.plan.rates import load_rates  # noqa: E402
 from trireme.plan.time import estimate_time  # noqa: E402
-from trireme.trainer import build_trainer, check_parallel  # noqa: E402
+from trireme.training.build import build_trainer, check_parallel  # noqa: E402
+from trireme.training.measure import LiveBytes  # noqa: E402
 
 GPU_CONFIGS = {
     "none-mb2": {"train.recompute": "none", "train.micro_batch_size": 2},

@@ -187,7 +187,7 @@ def format_report(s: dict, top: int) -> str:
 
 
 def profile(args: argparse.Namespace) -> tuple[dict, object]:
-    from trireme.trainer import build_trainer
+    from trireme.training.build import build_trainer
 
     cfg, overrides = tt.build_config(args)
     device = tt.pick_device(cfg.train.device)

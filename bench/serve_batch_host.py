@@ -25,9 +25,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from trireme.config import ModelConfig  # noqa: E402
-from trireme.inference.engine import Engine, EngineSettings  # noqa: E402
-from trireme.inference.sampling import SamplingParams  # noqa: E402
 from trireme.models.gpt import GPT  # noqa: E402
+from trireme.serving.engine import Engine, EngineSettings  # noqa: E402
+from trireme.serving.sampling import SamplingParams  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

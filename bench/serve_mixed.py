@@ -28,7 +28,7 @@ syncs: the calls that made the host wait for the GPU while building and launchin
 before trireme.ops.attention's VARYING_ORDER): cuDNN builds an execution plan for each new
 shape, which shows as prefill_new and mixed_new far above prefill_same and forward_same.
 --compile-prefill on: the engines' steps with prompt chunks run the compiled forward
-(EngineSettings.compile_prefill, trireme.inference.compiled_prefill; compiled when each engine
+(EngineSettings.compile_prefill, trireme.serving.compiled_prefill; compiled when each engine
 starts, not in the timed steps); the forward_* and sdpa_* cases do not change. It also
 compares one prompt step's logits (4 prompts) from the compiled and the eager forward
 (compiled_vs_eager in the JSON: the largest difference, whether the argmaxes agree).
@@ -55,8 +55,8 @@ sys.path.insert(0, str(HERE.parent))
 from serve_throughput import SMOKE, build, free_memory, start_decoding  # noqa: E402
 
 import trireme.ops.attention as attention_module  # noqa: E402
-from trireme.inference.engine import Engine, EngineSettings  # noqa: E402
-from trireme.inference.sampling import SamplingParams  # noqa: E402
+from trireme.serving.engine import Engine, EngineSettings  # noqa: E402
+from trireme.serving.sampling import SamplingParams  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

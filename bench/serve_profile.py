@@ -7,7 +7,7 @@ r"""Where a serving decode step's time goes: host work, graph replay, sampling, 
 
 For each batch B (--batches), B requests with --context tokens cached decode together. Reported:
 - setup: building the engine, which captures its CUDA graphs (and with the compiled decode
-  forward, --compile auto or on, compiles its pieces first: trireme.inference.compiled_decode;
+  forward, --compile auto or on, compiles its pieces first: trireme.serving.compiled_decode;
   auto, the default, is the engine's: on with graphs; "compiled" in the report says whether the
   graphs really captured it);
 - agreement: one decode step's logits from the graph replay against the plain eager forward
@@ -77,13 +77,13 @@ from serve_throughput import (  # noqa: E402, F401
 )
 
 from trireme.config import load_config  # noqa: E402
-from trireme.inference.engine import Engine, EngineSettings  # noqa: E402
 from trireme.models.paged import PagedKV  # noqa: E402
 from trireme.ops.paged_attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_reference,
     store_new,
 )
+from trireme.serving.engine import Engine, EngineSettings  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -59,14 +59,14 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from trireme.config import load_config  # noqa: E402
-from trireme.inference.engine import Engine, EngineSettings  # noqa: E402
-from trireme.inference.sampling import SamplingParams  # noqa: E402
 from trireme.models.gpt import GPT  # noqa: E402
 from trireme.ops.paged_attention import (  # noqa: E402
     kernel_available,
     paged_decode_attention,
     paged_decode_reference,
 )
+from trireme.serving.engine import Engine, EngineSettings  # noqa: E402
+from trireme.serving.sampling import SamplingParams  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
           "fp8": torch.bfloat16}

@@ -8,11 +8,11 @@
 For each variant (a name and config overrides; default: the preset as `trireme train` runs it,
 and the same with the chunked loss off, which is what bench/train_throughput.py measures unless
 given --fused-cross-entropy) one trainer is built as `trireme train --data.mock=true` builds it
-(trireme.trainer.build_trainer, with data), then:
+(trireme.training.build.build_trainer, with data), then:
 
-- `loop`: trireme.loop.run_loop, the code `trireme train` runs (mock data read and checked per
-  micro batch, logging every --log-interval steps with its host sync, the health checks, the
-  metrics file), `--warmup` steps first (compilation), then `--steps` steps timed, then
+- `loop`: trireme.training.loop.run_loop, the code `trireme train` runs (mock data read and
+  checked per micro batch, logging every --log-interval steps with its host sync, the health
+  checks, the metrics file), `--warmup` steps first (compilation), then `--steps` steps timed, then
   `--steps` more under torch.profiler;
 - `step`: the harness' step on the same trainer (bench/train_throughput.py): random batches made
   on the device up front, `trainer.train_step` back to back, one sync at the end; timed, then
@@ -54,8 +54,8 @@ import train_throughput as tt  # noqa: E402
 from profile_step import busy_time, device_records  # noqa: E402
 
 from trireme.config import load_config  # noqa: E402
-from trireme.loop import run_loop  # noqa: E402
-from trireme.trainer import build_trainer  # noqa: E402
+from trireme.training.build import build_trainer  # noqa: E402
+from trireme.training.loop import run_loop  # noqa: E402
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
               "cudaMemcpy", "aten::_local_scalar_dense")

@@ -47,11 +47,11 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from trireme.commands import fit_to_device  # noqa: E402
+from trireme.commands.train import fit_to_device  # noqa: E402
 from trireme.config import Config, ModelConfig, load_config  # noqa: E402
 from trireme.data.batch import Batch  # noqa: E402
 from trireme.parallel.mesh import ParallelDims  # noqa: E402
-from trireme.trainer import resolve_micro_batch  # noqa: E402
+from trireme.training.build import resolve_micro_batch  # noqa: E402
 
 # the HF baseline of an fp8 run is its bf16 autocast run (HF has no fp8 training path here)
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None, "fp8": torch.bfloat16}
@@ -311,7 +311,7 @@ def build_dp_path_trainer(cfg: Config, dp_path: str, device: torch.device):
     the same trainer with build_trainer(force_data_parallel=True): the DP > 1 code (bucket layout
     by parallel.bucket_size, BucketReducer, DistributedOptimizer for distopt) over a one-rank
     process group."""
-    from trireme.trainer import build_trainer
+    from trireme.training.build import build_trainer
 
     if dp_path == "none":
         return cfg, build_trainer(cfg, with_data=False)

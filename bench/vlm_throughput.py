@@ -45,7 +45,7 @@ from trireme.config import Config, ModelConfig, load_config  # noqa: E402
 from trireme.data.batch import Batch  # noqa: E402
 from trireme.metrics import flops_per_token, peak_flops  # noqa: E402
 from trireme.models.vision import feature_blocks, num_image_tokens  # noqa: E402
-from trireme.trainer import build_trainer  # noqa: E402
+from trireme.training.build import build_trainer  # noqa: E402
 
 VIT_L_336 = ["model.vision_layers=24", "model.vision_hidden_size=1024",
              "model.vision_attention_heads=16", "model.vision_ffn_hidden_size=4096",

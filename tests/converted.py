@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from trireme.checkpoint.convert import convert
 from trireme.checkpoint.store import load_checkpoint, load_model_state
 from trireme.cli import main
 from trireme.config import config_from_toml
+from trireme.convert.convert import convert
 from trireme.models.gpt import GPT
 
 

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from trireme.cli import main
-from trireme.engine.runners import StepRunner
-from trireme.trainer import Trainer
+from trireme.step.runners import StepRunner
+from trireme.training.build import Trainer
 
 
 def install(fault: str, rank: int, step: float, marker: Path) -> None:

@@ -15,13 +15,13 @@ import torch
 import uvicorn
 
 from trireme.checkpoint.store import save_checkpoint
+from trireme.commands.serve import chat_format
 from trireme.config import Config, ModelConfig
-from trireme.inference.cli import load_for_inference
-from trireme.inference.engine import Engine, EngineSettings
-from trireme.inference.runner import EngineThread
-from trireme.inference.serve_cli import chat_format
-from trireme.inference.server import DrainingServer, ServerSettings, build_app
 from trireme.models.gpt import GPT
+from trireme.serving.engine import Engine, EngineSettings
+from trireme.serving.loading import load_for_inference
+from trireme.serving.runner import EngineThread
+from trireme.serving.server import DrainingServer, ServerSettings, build_app
 
 CONTEXT = 96
 

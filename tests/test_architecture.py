@@ -19,11 +19,12 @@ FLOORS = [
     ("trireme.parallel",),
     ("trireme.models",),
     ("trireme.optim",),
-    ("trireme.engine",),
+    ("trireme.step",),
     ("trireme.checkpoint",),
-    ("trireme.metrics", "trireme.health", "trireme.oom", "trireme.cpu_threads", "trireme.run_files",
-     "trireme.trainer", "trireme.loop", "trireme.train"),
-    ("trireme.inference",),
+    ("trireme.convert",),
+    ("trireme.metrics", "trireme.oom", "trireme.cpu_threads"),
+    ("trireme.serving",),
+    ("trireme.training",),
     ("trireme.plan",),
     ("trireme.cli", "trireme.commands", "trireme.__main__"),
 ]
@@ -34,7 +35,7 @@ OPTIONAL = ("torchao", "triton", "torch.utils.tensorboard", "tensorboard", "tikt
             "sentencepiece", "zstandard", "pyarrow", "resource", "fcntl", "megatron",
             "trireme.ops.swiglu_triton", "trireme.ops.moe_permute_triton",
             "trireme.ops.accumulate_triton", "wandb", "trireme.ops.paged_attention_triton",
-            "uvicorn", "fastapi", "jinja2", "trireme.inference.server", "mamba_ssm",
+            "uvicorn", "fastapi", "jinja2", "trireme.serving.server", "mamba_ssm",
             "causal_conv1d", "trireme.ops.ssd_triton", "PIL", "flash_attn",
             "liger_kernel", "trireme.ops.cross_entropy_triton",
             "trireme.ops.argmax_triton", "trireme.ops.skinny_gemm_triton")
@@ -165,9 +166,9 @@ def test_no_hidden_imports():
 
 
 def test_the_checks_catch_a_cycle_and_an_upward_import():
-    edges = {"trireme.models.a": {"trireme.engine.b"}, "trireme.engine.b": {"trireme.models.a"}}
-    assert find_cycles(edges) == [["trireme.engine.b", "trireme.models.a"]]
-    assert floor("trireme.engine.b") > floor("trireme.models.a")
+    edges = {"trireme.models.a": {"trireme.step.b"}, "trireme.step.b": {"trireme.models.a"}}
+    assert find_cycles(edges) == [["trireme.models.a", "trireme.step.b"]]
+    assert floor("trireme.step.b") > floor("trireme.models.a")
 
 
 if __name__ == "__main__":  # the figures for a note: cycles, upward, hidden imports, longest

@@ -10,10 +10,10 @@ import torch
 from interpreted import REPO, run_in_interpreter, run_sm90_script
 
 from trireme.config import ModelConfig
-from trireme.inference.engine import Engine, EngineSettings
-from trireme.inference.sampling import SamplingParams, sample_rows
 from trireme.models.gpt import GPT
 from trireme.ops.argmax import greedy_and_finite, greedy_and_finite_reference
+from trireme.serving.engine import Engine, EngineSettings
+from trireme.serving.sampling import SamplingParams, sample_rows
 
 KERNEL_SCRIPT = textwrap.dedent("""
     import torch

@@ -12,8 +12,8 @@ from trireme.data.batch import Batch, BatchOptions, attention_mask, get_batch, m
 from trireme.data.indexed import IndexedDatasetWriter
 from trireme.data.mock import MockGPTDataset
 from trireme.errors import ConfigError
-from trireme.train import train
-from trireme.trainer import build_trainer
+from trireme.training.build import build_trainer
+from trireme.training.train import train
 
 EOD = 9
 
@@ -176,7 +176,7 @@ def test_eod_mask_loss_changes_the_loss(two_datasets, tmp_path):
 
 def test_token_id_check_allows_only_the_vocabulary_and_the_ignore_label():
     from trireme.errors import DataError
-    from trireme.trainer import check_token_ids
+    from trireme.training.build import check_token_ids
 
     for fine in ([0, 5, -100], [-100, -100], [9], []):
         check_token_ids(torch.tensor(fine, dtype=torch.long), 10, "data")

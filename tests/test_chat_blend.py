@@ -15,8 +15,8 @@ from tests.test_train import tiny_cfg
 from trireme.cli import main
 from trireme.data.blend import BlendedBatches
 from trireme.errors import ConfigError
-from trireme.train import train
-from trireme.trainer import build_datasets, resolve_data
+from trireme.training.build import build_datasets, resolve_data
+from trireme.training.train import train
 
 
 def chat_prefix(tmp_path, name: str, word: str) -> str:

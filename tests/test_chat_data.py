@@ -14,8 +14,8 @@ from trireme.config import load_config
 from trireme.data.chat import ChatFormat, chat_segments
 from trireme.data.conversations import ConversationDataset, chat_datasets, is_chat
 from trireme.data.tokenizer import load_tokenizer
-from trireme.inference.openai_api import parse_chat
-from trireme.train import train
+from trireme.serving.openai_api import parse_chat
+from trireme.training.train import train
 
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")

@@ -16,8 +16,8 @@ from trireme.data.conversations import chat_datasets
 from trireme.data.packing import PackedConversations, pack_in_order
 from trireme.errors import ConfigError
 from trireme.models.gpt import GPT
-from trireme.train import train
-from trireme.trainer import check_parallel
+from trireme.training.build import check_parallel
+from trireme.training.train import train
 
 WORDS = ("cat", "dog", "sun", "sea", "red", "tea", "owl", "ink", "fig", "elm")
 RECORDS = [{"messages": [{"role": "user", "content": f"say {w} " * (1 + i % 3)},

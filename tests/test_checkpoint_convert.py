@@ -21,12 +21,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from trireme.checkpoint.convert import convert
-from trireme.checkpoint.convert_megatron import model_config_from_args
 from trireme.checkpoint.safe_pickle import load_dcp_metadata, load_torch_file, namespace_dict
 from trireme.checkpoint.store import load_checkpoint, load_model_state
 from trireme.cli import main
 from trireme.config import config_from_toml
+from trireme.convert.convert import convert
+from trireme.convert.megatron import model_config_from_args
 from trireme.errors import CheckpointError
 from trireme.models.gpt import GPT
 
@@ -139,7 +139,7 @@ def test_hf_round_trip(tmp_path: Path, kind: str) -> None:
 
 
 def test_hf_sharded_in_and_out_and_dtype(tmp_path: Path) -> None:
-    from trireme.checkpoint.convert_hf import read_hf, write_hf
+    from trireme.convert.hf import read_hf, write_hf
 
     hf = make_hf("llama-gqa-untied-llama3-rope", tmp_path / "hf", max_shard_size="40KB")
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
@@ -518,7 +518,7 @@ def test_training_continues_from_a_converted_checkpoint(tmp_path: Path) -> None:
     optimizer. With lr = 0 the weights it saves must be exactly the converted ones."""
     from trireme.config import load_config
     from trireme.data.indexed import IndexedDatasetWriter
-    from trireme.train import train
+    from trireme.training.train import train
 
     convert("megatron", "trireme", FIXTURE / "megatron_torch", tmp_path / "ckpt", step=0)
     writer = IndexedDatasetWriter(str(tmp_path / "toy"), np.uint16)
@@ -545,7 +545,7 @@ def test_training_continues_from_a_converted_checkpoint(tmp_path: Path) -> None:
 def test_tokenizer_travels_and_generate_works(tmp_path: Path) -> None:
     """An HF folder's tokenizer files go along, and `trireme generate` runs on the result."""
     from trireme.data.tokenizer import train_bpe
-    from trireme.inference.cli import generate_from_checkpoint
+    from trireme.serving.loading import generate_from_checkpoint
 
     hf = tmp_path / "hf"
     torch.manual_seed(0)
@@ -595,7 +595,7 @@ def test_convert_refuses_nan_weights_and_unusable_outputs_before_reading(tmp_pat
     assert not (tmp_path / "out").exists()
     (tmp_path / "afile").write_text("x")
     read = []
-    monkeypatch.setattr("trireme.checkpoint.convert.read_any", lambda *a, **k: read.append(a))
+    monkeypatch.setattr("trireme.convert.convert.read_any", lambda *a, **k: read.append(a))
     for output, needle in [(tmp_path / "afile" / "sub", "is a file"),
                            (tmp_path / "hf", "already exists")]:
         with pytest.raises(CheckpointError, match=needle):

@@ -12,7 +12,7 @@ import pytest
 from test_train import read_metrics, tiny_cfg, toy_data  # noqa: F401  (toy_data is a fixture)
 
 from trireme.checkpoint.store import latest_checkpoint, load_checkpoint
-from trireme.train import train
+from trireme.training.train import train
 
 EXTRA = ["checkpoint.format=sharded", "train.eval_interval=0", "schedule.decay_style=constant",
          "train.steps=6", "checkpoint.interval=2"]

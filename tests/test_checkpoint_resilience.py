@@ -17,7 +17,7 @@ from trireme.checkpoint import format as fmt
 from trireme.checkpoint import sharded
 from trireme.checkpoint.store import latest_checkpoint, load_checkpoint
 from trireme.errors import CheckpointError
-from trireme.train import train
+from trireme.training.train import train
 
 FORMATS = ["gathered", "sharded"]
 QUIET = ["train.eval_interval=0", "schedule.decay_style=constant"]
@@ -194,7 +194,7 @@ def test_cli_damaged_latest_exits_2_with_one_line(two_steps, toy_data, tmp_path,
 
 @pytest.mark.parametrize("fmt_name", FORMATS)
 def test_save_refuses_nan_and_names_the_tensor(toy_data, tmp_path, monkeypatch, fmt_name):  # noqa: F811
-    from trireme.trainer import Trainer
+    from trireme.training.build import Trainer
 
     real_step = Trainer.train_step
 
@@ -315,7 +315,7 @@ def test_inspect_verify_names_damage_and_exits_nonzero(two_steps, capsys):
 
 def test_inspect_verify_finds_nan_in_either_format(toy_data, tmp_path, monkeypatch, capsys):  # noqa: F811
     from trireme.checkpoint.store import save_checkpoint
-    from trireme.trainer import Trainer
+    from trireme.training.build import Trainer
 
     w = torch.tensor([[1.0, float("inf")], [0.0, 1.0]])
     save_checkpoint(tmp_path / "g", 1, model={"w": w}, optimizer={}, trainer={"step": 1},

@@ -11,7 +11,7 @@ from trireme.checkpoint.pieces import local_rectangles, tensor_pieces
 from trireme.checkpoint.store import latest_checkpoint, load_checkpoint
 from trireme.errors import CheckpointError
 from trireme.parallel.sharding import Sharding
-from trireme.train import train
+from trireme.training.train import train
 
 SHARDED = ["checkpoint.format=sharded", "train.eval_interval=0", "schedule.decay_style=constant"]
 
@@ -87,7 +87,7 @@ def test_async_save_error_is_raised_at_the_next_step(toy_data, tmp_path, monkeyp
 def test_a_crash_during_an_async_save_still_completes_it(toy_data, tmp_path, monkeypatch):  # noqa: F811
     """A step that raises while the step-4 checkpoint is being written in the background: the
     error propagates, and the checkpoint is finished (not lost with the process)."""
-    from trireme.trainer import Trainer
+    from trireme.training.build import Trainer
 
     monkeypatch.setenv("TRIREME_TEST_SAVE_DELAY", "4:1.5")  # the write of step 4 takes 1.5 s
     real_step = Trainer.train_step
@@ -171,8 +171,8 @@ def test_a_model_only_load_reads_the_weights_alone(saved):
 
 
 def test_inspect_describes_a_sharded_checkpoint(saved, capsys):
-    from trireme.checkpoint.cli import inspect_main
-    from trireme.checkpoint.describe import describe
+    from trireme.commands.convert import inspect_main
+    from trireme.convert.describe import describe
 
     assert inspect_main([str(saved)]) == 0
     out = capsys.readouterr().out
@@ -186,8 +186,8 @@ def test_inspect_describes_a_sharded_checkpoint(saved, capsys):
 
 @pytest.mark.parametrize("saved_as,loaded_as", [("bf16", "fp32"), ("fp32", "bf16")])
 def test_precision_change_keeps_the_fp32_weights(toy_data, tmp_path, saved_as, loaded_as):  # noqa: F811
-    from trireme.checkpoint.training import maybe_resume
-    from trireme.trainer import build_trainer
+    from trireme.training.build import build_trainer
+    from trireme.training.checkpoints import maybe_resume
 
     ckpt = tmp_path / "ckpt"
     train(tiny_cfg(toy_data, tmp_path / "a", f"checkpoint.dir={ckpt}", *SHARDED,

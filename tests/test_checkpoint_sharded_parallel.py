@@ -16,7 +16,7 @@ from test_train_parallel import assert_same, losses
 
 from trireme.checkpoint import sharded
 from trireme.checkpoint.store import latest_checkpoint, load_checkpoint
-from trireme.train import train
+from trireme.training.train import train
 
 BASE = ("schedule.decay_style=constant", "train.eval_interval=0", "checkpoint.format=sharded")
 DISTOPT = "parallel.distributed_optimizer=true"

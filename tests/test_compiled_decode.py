@@ -1,4 +1,4 @@
-"""The compiled decode forward of the serving engine (trireme.inference.compiled_decode): each
+"""The compiled decode forward of the serving engine (trireme.serving.compiled_decode): each
 block runs as compiled pre-attention and post-attention pieces (fullgraph) with the KV store and
 the paged kernel eager between them, so no KV pool ever reaches a compiled graph; one compiled
 graph per piece serves every layer, and it gives the eager forward's logits and greedy tokens.
@@ -14,10 +14,10 @@ import torch
 from test_serve_engine import CONFIGS, EagerGraphs, config, model_of, prompts, sampled_logits
 from torch._dynamo.utils import counters
 
-from trireme.inference.compiled_decode import compiled_layer, pieces
-from trireme.inference.engine import Engine, EngineSettings
-from trireme.inference.sampling import SamplingParams
 from trireme.models.paged import PagedKV
+from trireme.serving.compiled_decode import compiled_layer, pieces
+from trireme.serving.engine import Engine, EngineSettings
+from trireme.serving.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -109,7 +109,7 @@ WRITES = ("index_copy", "index_put", "copy_", "scatter", "setitem")
 def test_no_kv_pool_reaches_a_compiled_graph(monkeypatch):
     """The compiled pieces take activations and weights only: no input has a pool's size, and
     no graph writes into anything (the KV store runs eagerly between them). The same for the
-    pieces of the steps with prompt chunks (compile_prefill: trireme.inference.compiled_prefill,
+    pieces of the steps with prompt chunks (compile_prefill: trireme.serving.compiled_prefill,
     T dynamic: their inputs include the token count)."""
     model = model_of(CONFIGS["llama-gqa-untied"])
     recorder, prefill_recorder = Recorder(), Recorder()

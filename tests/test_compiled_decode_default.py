@@ -12,14 +12,14 @@ import torch
 from test_compiled_decode import FailingCompiledGraphs
 from test_serve_engine import EagerGraphs, config, model_of, prompts
 
-import trireme.inference.engine as engine_module
-import trireme.inference.graphs as graphs_module
-from trireme.commands import generate_main
+import trireme.serving.engine as engine_module
+import trireme.serving.graphs as graphs_module
+from trireme.commands.generate import generate_main
+from trireme.commands.serve import serve_parser
 from trireme.errors import ConfigError
-from trireme.inference.cli import LoadedModel, engine_from_args
-from trireme.inference.engine import Engine, EngineSettings
-from trireme.inference.sampling import SamplingParams
-from trireme.inference.serve_cli import serve_parser
+from trireme.serving.engine import Engine, EngineSettings
+from trireme.serving.loading import LoadedModel, engine_from_args
+from trireme.serving.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -1,4 +1,4 @@
-"""The compiled decode step's fusions (trireme.inference.compiled_decode): without QK-norm the
+"""The compiled decode step's fusions (trireme.serving.compiled_decode): without QK-norm the
 pre-attention piece RoPEs q and k as one tensor and hands the paged kernel strided views of the
 qkv projection (no copies), with QK-norm it keeps attention.heads; the block's last residual add
 also computes the next layer's input norm, handed on within a step (PagedCache's Carry) and never
@@ -19,13 +19,13 @@ from test_compiled_prefill import recorded
 from test_paged_attention import paged_case
 from test_serve_engine import RunningMean, config, model_of, prompts
 
-import trireme.inference.compiled_prefill as compiled_prefill
 import trireme.models.block as block_module
-from trireme.inference.compiled_decode import _pre, _project, compiled_layer, first_attention_norm
-from trireme.inference.engine import Engine, EngineSettings
-from trireme.inference.sampling import SamplingParams
+import trireme.serving.compiled_prefill as compiled_prefill
 from trireme.models.paged import Carry, PagedStep
 from trireme.ops.paged_attention import paged_decode_attention
+from trireme.serving.compiled_decode import _pre, _project, compiled_layer, first_attention_norm
+from trireme.serving.engine import Engine, EngineSettings
+from trireme.serving.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -331,9 +331,9 @@ torch.set_num_threads(1)
 from test_serve_engine import EagerGraphs, config, model_of, prompts
 import trireme.models.paged as paged
 import trireme.ops.paged_attention_triton as kernels
-from trireme.inference.compiled_decode import compiled_layer
-from trireme.inference.engine import Engine, EngineSettings
-from trireme.inference.sampling import SamplingParams
+from trireme.serving.compiled_decode import compiled_layer
+from trireme.serving.engine import Engine, EngineSettings
+from trireme.serving.sampling import SamplingParams
 model = model_of(config(qk_norm=False))
 texts = prompts(5, seed=2, longest=12)
 params = [SamplingParams(max_tokens=3 + i % 4, greedy=True) for i in range(len(texts))]

@@ -1,5 +1,5 @@
 """The compiled forward of the serving engine's steps with prompt chunks
-(trireme.inference.compiled_prefill, EngineSettings.compile_prefill): each block runs as the
+(trireme.serving.compiled_prefill, EngineSettings.compile_prefill): each block runs as the
 compiled pre-attention and post-attention pieces with PagedKV.attend eager between them; its
 prompt and mixed steps give the eager engine's logits (fp32) and greedy tokens for several model
 shapes, its pieces compile once at engine start whatever the prompt lengths (T dynamic), apart
@@ -16,15 +16,15 @@ from test_serve_engine import CONFIGS, RunningMean, config, model_of, prompts, s
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.testing import CompileCounterWithBackend
 
-import trireme.inference.compiled_prefill as compiled_prefill
 import trireme.models.block as block_module
 import trireme.ops.skinny_gemm as skinny
+import trireme.serving.compiled_prefill as compiled_prefill
+from trireme.commands.serve import serve_parser
 from trireme.errors import ConfigError
-from trireme.inference.cli import LoadedModel, engine_from_args
-from trireme.inference.compiled_decode import _post, _pre, compiled_layer, pieces
-from trireme.inference.engine import Engine, EngineSettings
-from trireme.inference.sampling import SamplingParams
-from trireme.inference.serve_cli import serve_parser
+from trireme.serving.compiled_decode import _post, _pre, compiled_layer, pieces
+from trireme.serving.engine import Engine, EngineSettings
+from trireme.serving.loading import LoadedModel, engine_from_args
+from trireme.serving.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from trireme.commands import TRAIN_EPILOG
+from trireme.commands.train import TRAIN_EPILOG
 from trireme.config import (
     Config,
     config_from_toml,
@@ -15,7 +15,7 @@ from trireme.config import (
 )
 from trireme.cpu_threads import choose_cpu_threads
 from trireme.errors import ConfigError
-from trireme.train import train
+from trireme.training.train import train
 
 REQUIRED_KEYS = """train.steps train.seed train.global_batch_size train.micro_batch_size
 train.eval_interval train.log_interval run.dir data.path checkpoint.dir checkpoint.interval

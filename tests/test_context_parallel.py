@@ -17,8 +17,8 @@ from trireme.models.gpt import GPT
 from trireme.parallel.context import build_parallel_context
 from trireme.parallel.context_parallel import all_positions, split_batch, zigzag_index
 from trireme.parallel.mesh import ParallelDims, ParallelMesh
-from trireme.train import train
-from trireme.trainer import check_parallel
+from trireme.training.build import check_parallel
+from trireme.training.train import train
 
 STEPS = ["train.steps=4", "train.eval_interval=2"]
 TWO_RANKS = {

@@ -29,19 +29,19 @@ from test_checkpoint_convert import (
 from test_tensor_parallel import TOLERANCE, check_case, llama
 from test_train import tiny_cfg, toy_data  # noqa: F401  (a fixture)
 
-from trireme.checkpoint.convert import convert, write_trireme
-from trireme.checkpoint.convert_hf import read_hf
-from trireme.checkpoint.converted import Converted
-from trireme.checkpoint.describe import model_summary
 from trireme.checkpoint.store import load_checkpoint, load_model_state
 from trireme.cli import main
 from trireme.config import Config, ModelConfig, config_from_toml, validate
 from trireme.config.model import model_differences
+from trireme.convert.convert import convert, write_trireme
+from trireme.convert.converted import Converted
+from trireme.convert.describe import model_summary
+from trireme.convert.hf import read_hf
 from trireme.data.tokenizer import train_bpe
 from trireme.errors import CheckpointError, ConfigError
 from trireme.models.gpt import GPT
 from trireme.parallel.mesh import ParallelDims, ParallelMesh
-from trireme.train import train
+from trireme.training.train import train
 
 transformers = pytest.importorskip("transformers")
 

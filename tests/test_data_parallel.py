@@ -20,8 +20,8 @@ from test_train import read_metrics, toy_data  # noqa: F401  (toy_data is a fixt
 from test_train_parallel import assert_same, losses
 
 from trireme.config import load_config
-from trireme.inference.sample import print_sample
-from trireme.train import train
+from trireme.training.sample import print_sample
+from trireme.training.train import train
 
 ARGS = [
     "data.tokenizer=bytes", "train.device=cpu", "model.num_layers=2", "model.hidden_size=32",
@@ -153,7 +153,7 @@ def test_launch_problems_one_line_exit_2(tmp_path, monkeypatch):
 
     from trireme.errors import ConfigError
     from trireme.parallel.mesh import init_distributed
-    from trireme.trainer import check_parallel
+    from trireme.training.build import check_parallel
 
     r = subprocess.run([sys.executable, "-m", "trireme", "train", f"--run.dir={tmp_path}/r",
                         "--train.device=cpu", "--train.global_batch_size=32"],
@@ -178,7 +178,7 @@ def test_launch_problems_one_line_exit_2(tmp_path, monkeypatch):
 
 def test_batch_must_split_over_replicas():
     from trireme.errors import ConfigError
-    from trireme.trainer import check_parallel
+    from trireme.training.build import check_parallel
 
     cfg = load_config("tiny", ["train.global_batch_size=8", "train.micro_batch_size=4"])
     assert check_parallel(cfg, world_size=2).data == 2

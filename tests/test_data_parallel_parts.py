@@ -17,11 +17,11 @@ import torch.distributed as dist
 from distributed import run_ranks
 
 from trireme.config import ModelConfig, OptimizerConfig
-from trireme.engine.data_parallel import BucketReducer
 from trireme.models.gpt import GPT
 from trireme.optim.distributed import DistributedOptimizer
 from trireme.optim.layout import grad_layout
 from trireme.optim.optimizer import build_optimizer, named_trainable_parameters
+from trireme.step.data_parallel import BucketReducer
 
 SEED = 7
 CFG = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
@@ -198,8 +198,8 @@ def test_distributed_optimizer_matches_one_process(world, tmp_path):
 def fsdp_worker(rank: int, world: int, out: str) -> None:
     """fully_shard keeps 1/DP of every parameter and of AdamW's moments on each rank."""
     from trireme.config import Config
-    from trireme.engine.fsdp import FSDPOptimizer, shard_model
     from trireme.parallel.mesh import ParallelDims, ParallelMesh
+    from trireme.step.fsdp import FSDPOptimizer, shard_model
 
     mesh = ParallelMesh.build(ParallelDims(data=world), "cpu")
     model = GPT(CFG, seed=SEED)

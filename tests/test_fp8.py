@@ -182,7 +182,7 @@ def test_convert_keeps_unaligned_layers():
 
 
 def test_fp8_layers_choose_the_linears(tmp_path):
-    from trireme.trainer import build_model
+    from trireme.training.build import build_model
 
     cfg = load_config("tiny", ["model.precision=fp8", "model.fp8_emulate=true",
                                "model.fp8_layers=[\"fc1\", \"fc2\"]", "model.vocab_size=100"])
@@ -212,7 +212,7 @@ def test_fp8_device_checks_and_config_errors():
 def train_losses(toy_data, tmp_path, *extra):  # noqa: F811
     from test_train import tiny_cfg
 
-    from trireme.train import train
+    from trireme.training.train import train
 
     train(tiny_cfg(toy_data, tmp_path, "train.steps=15", "train.eval_interval=0", *extra))
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
@@ -262,7 +262,7 @@ def test_fp8_resumes_from_a_bf16_checkpoint(toy_data, tmp_path):  # noqa: F811
     """Same parameter names and optimizer state: switching bf16 -> fp8 mid-run just continues."""
     from test_train import tiny_cfg
 
-    from trireme.train import train
+    from trireme.training.train import train
 
     ckpt = f"checkpoint.dir={tmp_path / 'ckpt'}"
     const = "schedule.decay_style=constant"  # the same lr at step 8 whatever train.steps is

@@ -399,7 +399,7 @@ def test_fp8_config_errors(overrides, match):
 def train_run(toy_data, tmp_path, *extra):  # noqa: F811
     from test_train import tiny_cfg
 
-    from trireme.train import train
+    from trireme.training.train import train
 
     trainer = train(tiny_cfg(toy_data, tmp_path, "train.steps=15", "train.eval_interval=0",
                              *extra))
@@ -442,7 +442,7 @@ def test_fp8_default_output_layer_follows_the_fused_loss(fused, head_in_fp8):
     """The default's "output" runs in fp8 exactly where the fused loss runs: on the CPU under
     fused_cross_entropy auto the loss equals the model's with only the four block linears
     named; with the fused loss on, it differs (the emulated fp8 head)."""
-    from trireme.trainer import build_model
+    from trireme.training.build import build_model
 
     base = ["model.vocab_size=128", "model.precision=fp8", "model.fp8_emulate=true",
             f"model.fused_cross_entropy={fused}"]
@@ -472,7 +472,7 @@ def test_delayed_fp8_with_fp8_output_trains_like_bf16(toy_data, tmp_path):  # no
     assert fp8 != bf16
     from test_train import tiny_cfg
 
-    from trireme.train import train
+    from trireme.training.train import train
 
     part = tmp_path / "part"
     train(tiny_cfg(toy_data, part, "train.steps=8", "train.eval_interval=0", *FP8_ALL, *common))

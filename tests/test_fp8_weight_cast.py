@@ -156,7 +156,7 @@ def test_trainer_runs_cast_once_as_the_plain_path(toy_data, tmp_path, monkeypatc
     step (counted: the layers' own guards would otherwise hide a missing drop)."""
     from test_train import tiny_cfg
 
-    from trireme.train import train
+    from trireme.training.train import train
 
     def run(name):
         args = ["train.steps=6", "train.eval_interval=3", "train.eval_steps=1",

@@ -17,11 +17,11 @@ from trireme.cli import main as cli_main
 from trireme.config import Config, ModelConfig
 from trireme.data.tokenizer import load_tokenizer
 from trireme.errors import TriremeError
-from trireme.inference.cli import generate_from_checkpoint
-from trireme.inference.generate import generate, printable_ids, sample_next
 from trireme.models.cache import InferenceCache as KVCache
 from trireme.models.gpt import GPT
-from trireme.trainer import DTYPES
+from trireme.serving.generate import generate, printable_ids, sample_next
+from trireme.serving.loading import generate_from_checkpoint
+from trireme.training.build import DTYPES
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -16,7 +16,7 @@ import torch
 from test_train import write_toy_data
 
 from trireme.config import load_config
-from trireme.train import train
+from trireme.training.train import train
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_losses.json"
 STEPS = 20

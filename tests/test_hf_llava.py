@@ -10,8 +10,8 @@ import pytest
 import torch
 from test_checkpoint_convert import assert_close, trireme_logits_of
 
-from trireme.checkpoint.convert import convert
 from trireme.cli import main
+from trireme.convert.convert import convert
 from trireme.errors import CheckpointError
 
 transformers = pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""Tensor-parallel inference (trireme.inference.tensor_parallel) against one process.
+"""Tensor-parallel inference (trireme.serving.tensor_parallel) against one process.
 
 `trireme generate` on 2 gloo processes (as under torchrun) must write what one process writes:
 the same completions for a file of prompts through the serving engine (greedy, seeded and
@@ -25,14 +25,14 @@ from trireme.checkpoint import format as fmt
 from trireme.checkpoint import sharded
 from trireme.checkpoint.model_state import model_from_state
 from trireme.checkpoint.store import load_checkpoint, save_checkpoint
-from trireme.commands import generate_main
+from trireme.commands.generate import generate_main
 from trireme.config import Config, ModelConfig, load_config
 from trireme.errors import ConfigError
-from trireme.inference.cli import generate_from_checkpoint, load_for_inference
-from trireme.inference.engine import EngineSettings
 from trireme.models.cache import InferenceCache
 from trireme.models.gpt import GPT
-from trireme.train import train
+from trireme.serving.engine import EngineSettings
+from trireme.serving.loading import generate_from_checkpoint, load_for_inference
+from trireme.training.train import train
 
 LINES = [
     {"prompt": "def main(", "max_tokens": 12, "greedy": True},

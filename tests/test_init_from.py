@@ -13,11 +13,11 @@ from distributed import run_ranks
 from test_train import tiny_cfg, toy_data  # noqa: F401  (a fixture)
 from test_train_parallel import assert_same, losses
 
-from trireme.checkpoint.training import maybe_resume
 from trireme.config import load_config
 from trireme.errors import CheckpointError, ConfigError
-from trireme.train import train
-from trireme.trainer import build_trainer
+from trireme.training.build import build_trainer
+from trireme.training.checkpoints import maybe_resume
+from trireme.training.train import train
 
 
 def weights_and_masters(trainer) -> dict[str, torch.Tensor]:

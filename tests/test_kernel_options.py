@@ -20,10 +20,10 @@ from trireme.checkpoint.model_state import expected_shapes
 from trireme.checkpoint.store import save_checkpoint
 from trireme.config import Config, ModelConfig
 from trireme.errors import ConfigError
-from trireme.inference.cli import generate_from_checkpoint
 from trireme.models.gpt import GPT
 from trireme.ops.attention import attention, available_backends
 from trireme.ops.cross_entropy import cross_entropy
+from trireme.serving.loading import generate_from_checkpoint
 
 CUDA = torch.cuda.is_available()
 

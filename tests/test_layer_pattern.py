@@ -8,13 +8,13 @@ from distributed import run_ranks
 
 from trireme.config import ModelConfig, ParallelConfig, load_config, parse_layer_pattern
 from trireme.errors import ConfigError
-from trireme.inference.generate import generate
 from trireme.models.block import Block, sublayer_names
 from trireme.models.gpt import GPT
 from trireme.models.init import declared_rules, draw_normal
 from trireme.models.stages import balanced_counts, layer_costs, stage_specs
 from trireme.parallel.context import ParallelContext
 from trireme.parallel.mesh import ParallelDims, ParallelMesh, flat_rank_lists
+from trireme.serving.generate import generate
 
 VOCAB = 64
 

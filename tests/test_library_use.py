@@ -5,7 +5,7 @@ import torch
 from test_train import toy_data  # noqa: F401  (a fixture)
 
 from trireme.config import load_config
-from trireme.train import train
+from trireme.training.train import train
 
 
 def small_cfg(data, run_dir, **extra):

@@ -11,7 +11,7 @@ from test_llava_train import STAGE1, llava_tiny
 from test_train_parallel import assert_same, losses
 
 from trireme.data.shapes import shapes_corpus
-from trireme.train import train
+from trireme.training.train import train
 
 pytest.importorskip("PIL")
 SHORT = ("--train.steps=4", "--train.eval_interval=2", "--train.eval_steps=1",

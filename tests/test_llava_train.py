@@ -20,9 +20,9 @@ from trireme.config import config_from_toml, load_config
 from trireme.data.shapes import COLOURS, SHAPES, draw_sample
 from trireme.data.tokenizer import load_tokenizer
 from trireme.errors import ConfigError
-from trireme.inference.captions import caption_accuracy
-from trireme.train import train
-from trireme.trainer import apply_freeze
+from trireme.serving.captions import caption_accuracy
+from trireme.training.build import apply_freeze
+from trireme.training.train import train
 
 PIL = pytest.importorskip("PIL.Image")
 ROOT = Path(__file__).resolve().parent.parent

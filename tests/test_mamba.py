@@ -15,18 +15,18 @@ import torch
 import torch.nn.functional as F
 from test_train import toy_data  # noqa: F401  (a fixture)
 
-from trireme.checkpoint.hf_mamba import mamba_family
 from trireme.config import ModelConfig, load_config
+from trireme.convert.hf_mamba import mamba_family
 from trireme.errors import ConfigError, TriremeError
-from trireme.inference.generate import generate
 from trireme.models import mamba as mamba_module
 from trireme.models.cache import InferenceCache
 from trireme.models.gpt import GPT
 from trireme.models.mamba import Mamba, MambaState
 from trireme.models.stages import layer_costs, stage_specs, sublayer_flops
 from trireme.ops.ssd import FastKernels, discretize_dt, ssd_recurrence
-from trireme.train import train
-from trireme.trainer import check_parallel
+from trireme.serving.generate import generate
+from trireme.training.build import check_parallel
+from trireme.training.train import train
 
 
 def hybrid_config(**overrides) -> ModelConfig:
@@ -233,8 +233,8 @@ def test_packed_documents_with_mamba_layers_are_refused():
 def test_the_serving_engine_decodes_a_hybrid_model_as_generate_does():
     """Continuous batching with per-request Mamba states (slots reused by later requests, prompts
     prefilled in chunks next to decoding ones) gives each prompt generate's greedy tokens."""
-    from trireme.inference.engine import Engine, EngineSettings
-    from trireme.inference.sampling import SamplingParams
+    from trireme.serving.engine import Engine, EngineSettings
+    from trireme.serving.sampling import SamplingParams
 
     model = GPT(hybrid_config(layer_pattern="M*-M-"), seed=5).eval()
     gen = torch.Generator().manual_seed(1)

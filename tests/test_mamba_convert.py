@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from tests.converted import assert_exports_back, assert_generate_matches_hf, trireme_model
-from trireme.checkpoint.convert import convert, read_trireme, write_trireme
-from trireme.checkpoint.convert_hf import write_hf
-from trireme.checkpoint.converted import Converted
 from trireme.checkpoint.store import load_checkpoint
 from trireme.cli import main
 from trireme.config import config_from_toml
+from trireme.convert.convert import convert, read_trireme, write_trireme
+from trireme.convert.converted import Converted
+from trireme.convert.hf import write_hf
 from trireme.errors import CheckpointError
 
 transformers = pytest.importorskip("transformers")

@@ -11,13 +11,13 @@ from test_train import toy_data  # noqa: F401  (a fixture)
 from test_train_parallel import losses
 
 from trireme.config import load_config
-from trireme.inference.sample import print_sample
 from trireme.models.gpt import GPT
 from trireme.parallel.context import ParallelContext
 from trireme.parallel.random import TensorParallelRNG
 from trireme.parallel.sharding import parameter_shardings
 from trireme.parallel.tensor import TensorParallel
-from trireme.train import train
+from trireme.training.sample import print_sample
+from trireme.training.train import train
 
 RTOL = 1e-5
 LAYOUTS = {  # tp2 also writes a sharded checkpoint at step 2 (and 4), resumed in one process

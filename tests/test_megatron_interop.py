@@ -12,8 +12,8 @@ import torch
 from trireme.config import load_config
 from trireme.data.indexed import IndexedDataset
 from trireme.data.preprocess import PreprocessOptions, merge_datasets, preprocess
-from trireme.train import train
-from trireme.trainer import build_trainer
+from trireme.training.build import build_trainer
+from trireme.training.train import train
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed"

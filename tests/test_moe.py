@@ -25,7 +25,7 @@ from trireme.ops.moe_permute import (
     unpermute_reference,
 )
 from trireme.parallel.context import ParallelContext
-from trireme.train import train
+from trireme.training.train import train
 
 
 def moe_config(**overrides) -> ModelConfig:

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from tests.converted import assert_exports_back, assert_generate_matches_hf, trireme_model
-from trireme.checkpoint.convert import convert
-from trireme.checkpoint.convert_hf import read_hf, write_hf
 from trireme.checkpoint.model_state import expected_shapes
 from trireme.cli import main
 from trireme.config import ModelConfig, load_config
+from trireme.convert.convert import convert
+from trireme.convert.hf import read_hf, write_hf
 from trireme.errors import CheckpointError
 from trireme.metrics import flops_per_token
 from trireme.models.gpt import GPT

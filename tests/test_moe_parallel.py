@@ -15,10 +15,10 @@ from test_train_parallel import assert_same, losses
 
 from trireme.config import load_config
 from trireme.errors import ConfigError
-from trireme.inference.sample import print_sample
 from trireme.parallel.dispatch import ExpertShard, all_gather_dispatch, all_to_all_dispatch
-from trireme.train import train
-from trireme.trainer import check_parallel
+from trireme.training.build import check_parallel
+from trireme.training.sample import print_sample
+from trireme.training.train import train
 
 TWO_RANKS = {
     "ep2": ("parallel.expert=2", "train.sample_tokens=5"),

@@ -17,13 +17,13 @@ from test_train import read_metrics, tiny_cfg, write_toy_data
 
 from trireme.config import load_config
 from trireme.errors import ConfigError, TrainingError
-from trireme.health import RunHealth
-from trireme.inference.generate import sample_next
-from trireme.inference.sample import print_sample
-from trireme.loop import run_loop
 from trireme.models.gpt import GPT
-from trireme.train import train
-from trireme.trainer import Trainer, build_trainer
+from trireme.serving.generate import sample_next
+from trireme.training.build import Trainer, build_trainer
+from trireme.training.health import RunHealth
+from trireme.training.loop import run_loop
+from trireme.training.sample import print_sample
+from trireme.training.train import train
 
 
 @pytest.fixture(scope="module")

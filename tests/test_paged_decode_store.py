@@ -138,9 +138,9 @@ torch.set_num_threads(1)
 from test_serve_engine import CONFIGS, EagerGraphs, model_of, prompts
 import trireme.models.paged as paged
 import trireme.ops.paged_attention_triton as kernels
-from trireme.inference.compiled_decode import compiled_layer
-from trireme.inference.engine import Engine, EngineSettings
-from trireme.inference.sampling import SamplingParams
+from trireme.serving.compiled_decode import compiled_layer
+from trireme.serving.engine import Engine, EngineSettings
+from trireme.serving.sampling import SamplingParams
 model = model_of(CONFIGS["llama-gqa-untied"])
 texts = prompts(5, seed=2, longest=12)
 params = [SamplingParams(max_tokens=3 + i % 4, greedy=True) for i in range(len(texts))]

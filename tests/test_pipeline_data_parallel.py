@@ -17,7 +17,7 @@ from test_data_parallel import config, reference, train_worker  # noqa: F401  (r
 from test_train import toy_data  # noqa: F401  (toy_data is a fixture)
 from test_train_parallel import assert_same, losses
 
-from trireme.train import train
+from trireme.training.train import train
 
 PP = "parallel.pipeline=2"
 UNTIED = ("model.tie_embeddings=false",)  # the tiny preset ties them

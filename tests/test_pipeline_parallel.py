@@ -22,14 +22,14 @@ from distributed import run_ranks
 
 from trireme.config import ModelConfig, OptimizerConfig, ParallelConfig
 from trireme.data.batch import Batch
-from trireme.engine.grads import PartialGradSync, parallel_grad_norm
-from trireme.engine.pipeline import PipelineSchedule, TiedEmbeddingSync
 from trireme.models.gpt import GPT, build_stage_chunks
 from trireme.optim.optimizer import build_optimizer
 from trireme.parallel.context import ParallelContext
 from trireme.parallel.mesh import ParallelDims, ParallelMesh
 from trireme.parallel.sharding import gather_full, parameter_shardings
 from trireme.parallel.tensor import build_tensor_parallel
+from trireme.step.grads import PartialGradSync, parallel_grad_norm
+from trireme.step.pipeline import PipelineSchedule, TiedEmbeddingSync
 
 SEED, STEPS, MBS = 7, 10, 2
 LOSS_RTOL, GRAD_RTOL = 1e-4, 1e-5

@@ -3,7 +3,14 @@
 import pytest
 
 from trireme.config import ModelConfig, ParallelConfig
-from trireme.engine.schedules import (
+from trireme.errors import ConfigError
+from trireme.models.gpt import GPT, build_stage_chunks
+from trireme.models.stages import (
+    bubble_fraction,
+    rank_stages,
+    stage_layer_counts,
+)
+from trireme.step.schedules import (
     BACKWARD,
     FORWARD,
     cool_down,
@@ -12,13 +19,6 @@ from trireme.engine.schedules import (
     steady,
     training_timetable,
     warm_up,
-)
-from trireme.errors import ConfigError
-from trireme.models.gpt import GPT, build_stage_chunks
-from trireme.models.stages import (
-    bubble_fraction,
-    rank_stages,
-    stage_layer_counts,
 )
 
 

@@ -31,8 +31,8 @@ from test_train import toy_data  # noqa: F401  (toy_data is a fixture)
 from test_train_parallel import assert_same, losses
 
 from trireme.optim.schedules import lr_at
-from trireme.train import train
-from trireme.trainer import build_trainer
+from trireme.training.build import build_trainer
+from trireme.training.train import train
 
 PP = "parallel.pipeline=2"
 DISTOPT = "parallel.distributed_optimizer=true"

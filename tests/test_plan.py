@@ -9,16 +9,17 @@ import json
 import pytest
 import torch
 
+from trireme.commands.plan import plan_main
 from trireme.config import load_config
 from trireme.errors import ConfigError
 from trireme.models.gpt import GPT
 from trireme.plan.activations import head_bytes, layer_bytes, shape_of
-from trireme.plan.cli import memory_check, plan_main
 from trireme.plan.enumerate import check_layout
-from trireme.plan.measure import LiveBytes
+from trireme.plan.fit import memory_check
 from trireme.plan.params import total_params
 from trireme.plan.planner import make_plan
 from trireme.plan.rates import load_rates
+from trireme.training.measure import LiveBytes
 
 
 @pytest.mark.parametrize("preset,overrides", [
@@ -145,7 +146,7 @@ def test_train_refuses_before_building_on_a_small_gpu(monkeypatch):
     layout that fits, and nothing built; train.skip_memory_check lets it through."""
     from types import SimpleNamespace
 
-    from trireme import commands
+    from trireme.commands import train as commands
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(
@@ -179,7 +180,7 @@ def test_auto_micro_batch_fits_the_device_and_grows_with_it(monkeypatch):
     said in a line; a size the user sets is left alone; no GPU: the trainer's fallback."""
     from types import SimpleNamespace
 
-    from trireme import commands
+    from trireme.commands import train as commands
     from trireme.plan.planner import best_micro_batch, predict_given
 
     chosen = {}
@@ -206,7 +207,7 @@ def test_auto_micro_batch_fits_the_device_and_grows_with_it(monkeypatch):
 
 
 def test_auto_micro_batch_without_a_gpu_is_the_largest_of_4_2_1_that_divides():
-    from trireme.trainer import check_parallel
+    from trireme.training.build import check_parallel
 
     for batch, want in [(16, 4), (6, 2), (3, 1)]:
         cfg = load_config("tiny", ["train.micro_batch_size=-1", f"train.global_batch_size={batch}"])

@@ -1,7 +1,7 @@
 """Predicted peak memory (trireme.plan.memory) against the measured one, within 10%, on CPU:
 tiny fp32 / bf16 / fp8 (emulated) / MoE models, one process and gloo groups of 2 (DDP,
 distributed optimizer, FSDP, TP + SP, interleaved PP, MoE with EP). Measured as the live tensor
-bytes after every op (trireme.plan.measure.LiveBytes: parameters, gradients, optimizer state,
+bytes after every op (trireme.training.measure.LiveBytes: parameters, gradients, optimizer state,
 activations, communication buffers; docs/plan.md)."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import pytest
 
 from tests.distributed import run_ranks
 from trireme.config import load_config
-from trireme.plan.measure import measured_training_peak
 from trireme.plan.memory import estimate_memory
 from trireme.plan.rates import load_rates
-from trireme.trainer import check_parallel
+from trireme.training.build import check_parallel
+from trireme.training.measure import measured_training_peak
 
 TOLERANCE = 0.10
 BASE = {"data.mock": True, "model.vocab_size": 1000, "train.steps": 2, "train.eval_interval": 0,

@@ -7,12 +7,13 @@ import json
 import pytest
 
 from trireme.cli import main
+from trireme.commands.plan import plan_main
 from trireme.config import load_config
 from trireme.data.tokenizer import load_tokenizer
 from trireme.errors import ConfigError
-from trireme.plan.cli import plan_main, resolve_vocab_size
+from trireme.plan.fit import resolve_vocab_size
 from trireme.plan.rates import RATES_DIR
-from trireme.trainer import check_parallel
+from trireme.training.build import check_parallel
 
 
 def test_nothing_fits_names_the_least_memory_layout_and_a_hint(capsys):

@@ -10,7 +10,7 @@ from test_train import tiny_cfg, write_toy_data
 
 from trireme.config import load_config
 from trireme.config.recorded import recorded
-from trireme.train import train
+from trireme.training.train import train
 
 
 def test_a_checkpoints_config_goes_on_from_another_directory(tmp_path, monkeypatch):

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from distributed import run_ranks
 
-from trireme.engine.stragglers import RankTimes, straggler_report
-from trireme.loop import agree
 from trireme.parallel.released import all_gather_floats, all_reduce_max
+from trireme.step.stragglers import RankTimes, straggler_report
+from trireme.training.loop import agree
 
 CALLS = 200  # gloo's worker held the tensors after 20% of calls when measured
 

@@ -21,7 +21,7 @@ from test_train import read_metrics
 from test_train_parallel import assert_same, losses
 
 from trireme.config import load_config
-from trireme.train import train
+from trireme.training.train import train
 
 TESTS = Path(__file__).parent
 ARGS = [

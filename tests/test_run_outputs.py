@@ -13,10 +13,10 @@ import torch
 from test_train import read_metrics, tiny_cfg, toy_data  # noqa: F401  (toy_data is a fixture)
 
 from trireme.errors import ConfigError, TrainingError
-from trireme.inference.sample import print_sample
 from trireme.oom import write_memory_snapshot
-from trireme.train import train
-from trireme.trainer import Trainer
+from trireme.training.build import Trainer
+from trireme.training.sample import print_sample
+from trireme.training.train import train
 
 
 def test_an_unwritable_run_dir_fails_before_training(toy_data, tmp_path):  # noqa: F811

@@ -32,7 +32,7 @@ from trireme.data.chat import (
     plain_chat_prompt,
 )
 from trireme.data.tokenizer import load_tokenizer
-from trireme.inference.openai_api import ApiError, parse_chat, parse_completion
+from trireme.serving.openai_api import ApiError, parse_chat, parse_completion
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["def ", "import os\n", "a", "The quick brown fox jumps over the lazy dog. " * 2,

@@ -7,10 +7,10 @@ import torch
 from tests.serving import CONTEXT, make_checkpoint
 from trireme.config import ModelConfig
 from trireme.errors import ConfigError
-from trireme.inference.cli import inference_context, load_for_inference
-from trireme.inference.engine import Engine, EngineSettings, RequestError
-from trireme.inference.generate import generate
-from trireme.inference.sampling import SamplingParams
+from trireme.serving.engine import Engine, EngineSettings, RequestError
+from trireme.serving.generate import generate
+from trireme.serving.loading import inference_context, load_for_inference
+from trireme.serving.sampling import SamplingParams
 
 LONG = 2 * CONTEXT
 

@@ -7,21 +7,21 @@ import contextlib
 import pytest
 import torch
 
-import trireme.inference.engine as engine_module
 import trireme.models.block as block_module
 import trireme.ops.skinny_gemm as skinny
+import trireme.serving.engine as engine_module
 from trireme.config import ModelConfig
 from trireme.data.tokenizer import load_tokenizer, train_bpe
 from trireme.errors import ConfigError
-from trireme.inference.blocks import BlockAllocator, pool_blocks
-from trireme.inference.engine import Engine, EngineSettings, QueueFull, RequestError
-from trireme.inference.generate import generate
-from trireme.inference.graphs import DecodeGraphs
-from trireme.inference.sampling import SamplingParams
-from trireme.inference.text import TextStream
 from trireme.models.cache import InferenceCache
 from trireme.models.gpt import GPT
 from trireme.models.paged import SlotState
+from trireme.serving.blocks import BlockAllocator, pool_blocks
+from trireme.serving.engine import Engine, EngineSettings, QueueFull, RequestError
+from trireme.serving.generate import generate
+from trireme.serving.graphs import DecodeGraphs
+from trireme.serving.sampling import SamplingParams
+from trireme.serving.text import TextStream
 
 VOCAB = 100
 

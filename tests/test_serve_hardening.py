@@ -20,14 +20,14 @@ import torch
 from serving import client, live_server, make_checkpoint, plain_request, stream_lines
 
 from trireme.cli import main as trireme_main
+from trireme.commands.serve import chat_format, server_url
 from trireme.data.chat import ChatFormat
 from trireme.data.tokenizer import load_tokenizer
 from trireme.errors import ConfigError
-from trireme.inference.cli import load_for_inference
-from trireme.inference.openai_api import ApiError, parse_chat, parse_completion
-from trireme.inference.runner import RATE_WINDOW_S, EngineThread
-from trireme.inference.sampling import SamplingParams, request_generator, sample_rows
-from trireme.inference.serve_cli import chat_format, server_url
+from trireme.serving.loading import load_for_inference
+from trireme.serving.openai_api import ApiError, parse_chat, parse_completion
+from trireme.serving.runner import RATE_WINDOW_S, EngineThread
+from trireme.serving.sampling import SamplingParams, request_generator, sample_rows
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -211,7 +211,7 @@ def test_a_port_in_use_is_found_before_the_model_loads(checkpoint, capsys, monke
     def no_load(*args, **kwargs):
         raise AssertionError("the model loaded before the port was checked")
 
-    monkeypatch.setattr("trireme.inference.serve_cli.load_for_inference", no_load)
+    monkeypatch.setattr("trireme.commands.serve.load_for_inference", no_load)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

@@ -10,10 +10,10 @@ import torch
 
 from trireme.config import ModelConfig
 from trireme.data.tokenizer import load_tokenizer
-from trireme.inference.engine import Engine, EngineSettings
-from trireme.inference.graphs import DecodeGraphs
-from trireme.inference.sampling import SamplingParams
 from trireme.models.gpt import GPT
+from trireme.serving.engine import Engine, EngineSettings
+from trireme.serving.graphs import DecodeGraphs
+from trireme.serving.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

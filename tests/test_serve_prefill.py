@@ -8,10 +8,10 @@ from torch.nn.attention import SDPBackend
 
 import trireme.ops.attention as attention_module
 from trireme.config import ModelConfig
-from trireme.inference.engine import Engine, EngineSettings
-from trireme.inference.generate import generate
-from trireme.inference.sampling import SamplingParams
 from trireme.models.gpt import GPT
+from trireme.serving.engine import Engine, EngineSettings
+from trireme.serving.generate import generate
+from trireme.serving.sampling import SamplingParams
 
 VOCAB = 100
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

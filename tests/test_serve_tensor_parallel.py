@@ -1,4 +1,4 @@
-"""`trireme serve` under tensor parallelism (trireme.inference.replicated) on 2 gloo ranks, each
+"""`trireme serve` under tensor parallelism (trireme.serving.replicated) on 2 gloo ranks, each
 running the command as torchrun starts it: rank 0 serves HTTP, rank 1 follows; concurrent greedy
 requests, a streamed one, and one after a client that left get what one process's engine gives,
 and SIGTERM to rank 0 drains it and stops both."""
@@ -15,11 +15,11 @@ import pytest
 from distributed import run_ranks
 from serving import client, make_checkpoint, plain_request, stream_lines
 
-import trireme.inference.replicated as replicated
-from trireme.inference.cli import load_for_inference
-from trireme.inference.engine import Engine, EngineSettings
-from trireme.inference.sampling import SamplingParams
-from trireme.inference.serve_cli import serve_main
+import trireme.serving.replicated as replicated
+from trireme.commands.serve import serve_main
+from trireme.serving.engine import Engine, EngineSettings
+from trireme.serving.loading import load_for_inference
+from trireme.serving.sampling import SamplingParams
 
 PROMPTS = ["def ", "import os\n", "a", "class Foo:\n    def", "x = [1, 2, 3]\n", "hello"]
 SETTINGS = dict(max_running=3, max_batch_tokens=24)

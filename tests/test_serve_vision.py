@@ -1,4 +1,4 @@
-"""Images in the serving engine and the chat endpoint (trireme.inference.image_parts, .images):
+"""Images in the serving engine and the chat endpoint (trireme.serving.image_parts, .images):
 the engine's greedy tokens for (image, prompt) equal `generate`'s, with prompt chunks that split
 the image placeholders and other requests in the same steps; the live server answers image data
 URLs (PNG, JPEG) with what `trireme generate --image --greedy` prints, streamed or whole; bad
@@ -19,23 +19,23 @@ import torch
 from serving import client
 from serving import live_server as serve_api_server
 
-import trireme.inference.server as server_module
+import trireme.serving.server as server_module
 from trireme.checkpoint.store import save_checkpoint
 from trireme.cli import main as trireme_main
+from trireme.commands.serve import chat_format, serve_main
 from trireme.config import Config, ModelConfig
 from trireme.data.images import load_image, pixels
 from trireme.data.multimodal import image_prompt_ids
 from trireme.data.tokenizer import load_tokenizer
 from trireme.errors import ConfigError
-from trireme.inference.cli import load_for_inference
-from trireme.inference.engine import Engine, EngineSettings, RequestError
-from trireme.inference.generate import generate
-from trireme.inference.image_parts import VisionInputs
-from trireme.inference.openai_api import parse_chat
-from trireme.inference.sampling import SamplingParams
-from trireme.inference.serve_cli import chat_format, serve_main
 from trireme.models.gpt import GPT
 from trireme.models.vision import num_image_tokens
+from trireme.serving.engine import Engine, EngineSettings, RequestError
+from trireme.serving.generate import generate
+from trireme.serving.image_parts import VisionInputs
+from trireme.serving.loading import load_for_inference
+from trireme.serving.openai_api import parse_chat
+from trireme.serving.sampling import SamplingParams
 
 PIL = pytest.importorskip("PIL.Image")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -10,9 +10,9 @@ import pytest
 import torch
 from test_serve_engine import config, model_of
 
-import trireme.inference.engine as engine_module
-from trireme.inference.engine import Engine, EngineSettings
+import trireme.serving.engine as engine_module
 from trireme.ops import paged_attention
+from trireme.serving.engine import Engine, EngineSettings
 
 triton = pytest.importorskip("triton", reason="the kernels need Triton")
 from trireme.ops import argmax_triton, paged_attention_triton  # noqa: E402

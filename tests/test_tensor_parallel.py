@@ -24,7 +24,6 @@ from trireme.checkpoint.gathered import (
     local_tensors,
 )
 from trireme.config import ModelConfig, OptimizerConfig
-from trireme.engine.grads import PartialGradSync, tensor_parallel_grad_norm
 from trireme.models.gpt import GPT
 from trireme.optim.optimizer import build_optimizer
 from trireme.parallel.context import ParallelContext
@@ -32,6 +31,7 @@ from trireme.parallel.mesh import ParallelDims, ParallelMesh
 from trireme.parallel.random import TensorParallelRNG, dropout
 from trireme.parallel.sharding import gather_full, parameter_shardings
 from trireme.parallel.tensor import build_tensor_parallel
+from trireme.step.grads import PartialGradSync, tensor_parallel_grad_norm
 
 TOLERANCE = 1e-5
 SEED = 11

@@ -7,8 +7,8 @@ from trireme.checkpoint.tokenizer_copy import TOKENIZER_DIR, keep_tokenizer, tok
 from trireme.config import config_from_toml, load_config
 from trireme.data.tokenizer import absolute_spec, load_tokenizer, train_bpe
 from trireme.errors import ConfigError, TriremeError
-from trireme.inference.cli import generate_from_checkpoint
-from trireme.train import train
+from trireme.serving.loading import generate_from_checkpoint
+from trireme.training.train import train
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "class Point:\n    x: int = 0\n"] * 20
 

@@ -13,7 +13,7 @@ from trireme.config import Config
 from trireme.data.tokenizer import train_bpe
 from trireme.data.tokenizer_mark import MARK_SUFFIX
 from trireme.errors import DataError
-from trireme.trainer import resolve_data
+from trireme.training.build import resolve_data
 
 TEXTS = ["the cat sat on the mat", "a dog ran far away", "ünïcödé and 東京", "x = 1 + 2"]
 

@@ -13,8 +13,8 @@ import pytest
 
 from trireme.config import load_config
 from trireme.data.indexed import IndexedDatasetWriter
-from trireme.train import train
-from trireme.trainer import Trainer
+from trireme.training.build import Trainer
+from trireme.training.train import train
 
 METRIC_KEYS = {
     "step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_gpu", "mfu", "mem_gib"
@@ -227,7 +227,7 @@ def test_build_model_on_device_equals_plain_construction():
     import torch
 
     from trireme.models.gpt import GPT
-    from trireme.trainer import build_model
+    from trireme.training.build import build_model
 
     cfg = load_config("tiny", ["model.vocab_size=300", "model.num_layers=2"])
     built = build_model(cfg, torch.device("cpu"))

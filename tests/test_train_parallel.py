@@ -14,9 +14,9 @@ from test_train import read_metrics, toy_data  # noqa: F401  (toy_data is a fixt
 
 from trireme.config import load_config
 from trireme.errors import ConfigError
-from trireme.inference.sample import print_sample
-from trireme.train import train
-from trireme.trainer import check_parallel
+from trireme.training.build import check_parallel
+from trireme.training.sample import print_sample
+from trireme.training.train import train
 
 ARGS = [
     "data.tokenizer=bytes", "train.device=cpu", "model.num_layers=2", "model.hidden_size=64",

@@ -14,7 +14,7 @@ from test_train_parallel import ARGS, assert_same, losses, single_process, torch
 
 from trireme.config import load_config
 from trireme.errors import ConfigError
-from trireme.trainer import check_parallel
+from trireme.training.build import check_parallel
 
 PIPELINE_ARGS = ["model.num_layers=3", "model.tie_embeddings=true",
                  "model.make_vocab_size_divisible_by=1", "schedule.decay_style=constant"]

@@ -73,15 +73,15 @@ COMMANDS = {
 # instead of the seconds torch takes to import. Each function takes the remaining argv and
 # returns an exit status.
 HEAVY_COMMANDS = {
-    "train": "trireme.commands:train_main",
-    "generate": "trireme.commands:generate_main",
-    "serve": "trireme.inference.serve_cli:serve_main",
-    "preprocess": "trireme.data.cli:preprocess_main",
-    "data": "trireme.data.cli:data_main",
-    "tokenizer": "trireme.data.cli:tokenizer_main",
-    "convert": "trireme.checkpoint.cli:convert_main",
-    "inspect": "trireme.checkpoint.cli:inspect_main",
-    "plan": "trireme.plan.cli:plan_main",
+    "train": "trireme.commands.train:train_main",
+    "generate": "trireme.commands.generate:generate_main",
+    "serve": "trireme.commands.serve:serve_main",
+    "preprocess": "trireme.commands.data:preprocess_main",
+    "data": "trireme.commands.data:data_main",
+    "tokenizer": "trireme.commands.data:tokenizer_main",
+    "convert": "trireme.commands.convert:convert_main",
+    "inspect": "trireme.commands.convert:inspect_main",
+    "plan": "trireme.commands.plan:plan_main",
 }
 
 

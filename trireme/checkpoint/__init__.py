@@ -1,5 +1,5 @@
-"""Checkpoints: saving, loading and converting. Files, roughly in import order (each imports
-only files above it):
+"""Checkpoints: saving and loading (conversion to other formats is trireme.convert). Files,
+roughly in import order (each imports only files above it):
 
     format.py            nested state <-> JSON + flat tensors; the streaming safetensors writer
     rng.py               capture / restore every random generator
@@ -11,10 +11,5 @@ only files above it):
     sharded.py           the sharded format (every rank writes what it holds, through DCP)
     store.py             the gathered format, and load_checkpoint for both (the public API)
     saver.py             the training loop's writer: either format, blocking or in the background
-    training.py          a run's gathered save, and its resume from either format
-    converted.py         the `Converted` model that every converter reads into and writes from
-    convert_hf.py        Hugging Face Llama / Mistral / Qwen2 / Qwen3 / GPT-2, both ways
-    convert_megatron.py  Megatron-Core legacy and torch_dist checkpoints, into trireme
-    convert.py           `trireme convert`: any reader paired with any writer
-    describe.py, cli.py  `trireme inspect` and the two commands' argument parsing
+    files.py             an output folder written whole or not at all; a tokenizer folder's files
 """

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from trireme.checkpoint import directory
 from trireme.checkpoint import format as fmt
-from trireme.checkpoint.converted import (
+from trireme.checkpoint.files import (
     TOKENIZER_METADATA_FILES,
     copy_tokenizer_files,
     tokenizer_files_in,

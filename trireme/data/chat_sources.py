@@ -1,6 +1,6 @@
 """Chat datasets for a run: one prefix made by `trireme preprocess --chat`, or a weighted blend
 of several (BlendedBatches), each split by data.split and packed with data.pack_conversations;
-with a note per dataset of what trains (trireme.trainer prints them on the first rank)."""
+with a note per dataset of what trains (trireme.training.build prints them on the first rank)."""
 
 from __future__ import annotations
 

@@ -212,7 +212,7 @@ class GPT(nn.Module):
         `document_ids` [b, s] keep attention within each document.
 
         `kv_cache[i]` is layer i's decoding state (trireme.models.cache); input_ids are then
-        the tokens at positions start_pos..start_pos+s-1 (see trireme.inference.generate).
+        the tokens at positions start_pos..start_pos+s-1 (see trireme.serving.generate).
         A pipeline stage other than the first takes its input activations as `hidden` (input_ids
         still give the shape); one other than the last returns its output activations [b, s, h].
 

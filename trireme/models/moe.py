@@ -27,10 +27,10 @@ without it each takes a 1/T share of the micro batch's tokens and the outputs ar
 The balancing sums are added over the TP ranks, so the losses and the load are the whole micro
 batch's (a capacity, though, counts this rank's share of the tokens, so which assignments are
 dropped depends on the TP degree); the router's and experts' gradients are partial sums that
-PartialGradSync adds up (trireme.engine.grads). The shared expert is an ordinary tensor-parallel
+PartialGradSync adds up (trireme.step.grads). The shared expert is an ordinary tensor-parallel
 MLP.
 
-Hugging Face's Mixtral and Qwen3-MoE convert both ways (trireme.checkpoint.hf_moe).
+Hugging Face's Mixtral and Qwen3-MoE convert both ways (trireme.convert.hf_moe).
 """
 
 from __future__ import annotations

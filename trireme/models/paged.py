@@ -156,7 +156,7 @@ class SlotState:
 class Carry:
     """What one layer's compiled decode forward hands the next within a step: h, the input norm
     of x (the layer's output) that `block`, the next layer, starts with, computed in the same
-    kernel as x's last residual add (trireme.inference.compiled_decode). Valid for that very x
+    kernel as x's last residual add (trireme.serving.compiled_decode). Valid for that very x
     and block only: PagedCache.forward_layer hands it on to the next call if that call's x is
     x itself and its block is `block`, else drops it; `begin` drops it too."""
 
@@ -169,8 +169,8 @@ class PagedCache:
     """The paged decoding state of a whole model: layer i's states are `cache[i]` (sublayer name
     -> PagedKV or SlotState), made by each block's `new_cache`. `ragged`: the model takes
     per-token positions with it (GPT.forward's position_ids). `compiled_layer`: when set
-    (trireme.inference.compiled_decode), decode-only steps run each block through it
-    (`forward_layer`); `compiled_prefill` (trireme.inference.compiled_prefill): the same for
+    (trireme.serving.compiled_decode), decode-only steps run each block through it
+    (`forward_layer`); `compiled_prefill` (trireme.serving.compiled_prefill): the same for
     steps with prompt chunks; other steps, and the reference, run the blocks eagerly."""
 
     ragged = True

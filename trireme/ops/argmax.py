@@ -1,5 +1,5 @@
 """A decode step's greedy token ids and per-row "logits are finite" flags, from one read of the
-logits (the serving engine's sampler, trireme.inference.sampling / engine).
+logits (the serving engine's sampler, trireme.serving.sampling / engine).
 
     logits [n, V] -> [2, n] int64:
         row 0: ids[i]    = argmax_j logits[i, j]    the first index among ties; NaN counts as
@@ -57,7 +57,7 @@ def greedy_and_finite(logits: torch.Tensor, kernel: bool | None = None) -> torch
                 return launch(logits)
             except Exception as e:  # a Triton compile error: keep serving on the plain path
                 if logits.is_cuda and torch.cuda.is_current_stream_capturing():
-                    raise  # a CUDA graph capture gives up on its own (trireme.inference.graphs)
+                    raise  # a CUDA graph capture gives up on its own (trireme.serving.graphs)
                 warnings.warn(f"the greedy / finite kernel failed ({type(e).__name__}: "
                               f"{str(e)[:200]}); using torch's argmax and isfinite instead",
                               stacklevel=2)

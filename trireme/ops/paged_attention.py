@@ -105,7 +105,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                 raise
             except Exception as e:  # a Triton compile error: keep serving on the plain path
                 if torch.cuda.is_current_stream_capturing():
-                    raise  # a CUDA graph capture gives up on its own (trireme.inference.graphs)
+                    raise  # a CUDA graph capture gives up on its own (trireme.serving.graphs)
                 warnings.warn(f"the paged decode kernel failed ({type(e).__name__}: "
                               f"{str(e)[:200]}); gathering the KV blocks instead", stacklevel=2)
                 _FAILED.append(e)

@@ -59,7 +59,7 @@ So the call equals "pools[slots] = k_new, v_new (index_copy_), then the kernel w
 bitwise for the pools, and the same keys for the attention (summed in another order: equal up
 to rounding). No race: the rows written are position last of request b, the writer's own kv
 heads, and no program reads them: request b's programs read positions < last only, and another
-request's only its own blocks (trireme.inference.blocks hands each block to one request). The
+request's only its own blocks (trireme.serving.blocks hands each block to one request). The
 CUDA graphs' padding rows (slot 0 in block 0, length 1) write that row from several programs, as
 index_copy_ with repeated indices does; they read no pool at all (only their new key), and a
 real request never reads block 0. Without NEW (a constexpr) the kernels are as before.

@@ -1,7 +1,7 @@
 """The distributed optimizer (ZeRO stage 1): fp32 masters and AdamW moments sharded over DP.
 
 Every data-parallel replica holds the whole model and the whole fp32 main-gradient buffer, laid
-out in buckets (`trireme.engine.data_parallel.grad_layout`, each bucket padded to a multiple of DP).
+out in buckets (`trireme.step.data_parallel.grad_layout`, each bucket padded to a multiple of DP).
 Replica r owns chunk r of every bucket:
 
     bucket b = [ chunk 0 | chunk 1 | ... | chunk DP-1 ]      replica r's shard = its chunks

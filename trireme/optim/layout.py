@@ -1,5 +1,5 @@
 """The flat gradient (and master-weight) buffer's layout: where each parameter sits, cut into
-buckets of whole parameters in the order the backward finishes them (trireme.engine.data_parallel
+buckets of whole parameters in the order the backward finishes them (trireme.step.data_parallel
 reduces them over the data-parallel replicas; at DP = 1 it is one bucket in model order)."""
 
 from __future__ import annotations

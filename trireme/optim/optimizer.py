@@ -11,7 +11,7 @@ A hook that runs after autograd has accumulated a parameter's gradient adds it (
 `param.main_grad` and frees `param.grad`, so accumulation over micro batches happens in fp32 and a
 low-precision gradient lives only until its hook runs. torch's AdamW updates the master views, whose
 `.grad` are the main-grad views; the updated masters are then cast back into the model's parameters.
-Data parallelism reduces the flat gradient buffer in buckets (`trireme.engine.data_parallel`); the
+Data parallelism reduces the flat gradient buffer in buckets (`trireme.step.data_parallel`); the
 distributed optimizer (`trireme.optim.distributed`) shards the masters and AdamW's moments.
 
 One training step:

@@ -335,3 +335,12 @@ def init_distributed(device_type: str = "cpu", timeout_minutes: float = 10.0) ->
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timeout)
     return DistributedEnv(rank, world_size, local_rank, created=True, store=store)
+
+
+def pick_device(name: str) -> torch.device:
+    """train.device / --device: auto (a GPU where there is one), cuda or cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device = 'cuda' but no CUDA GPU is available; use auto or cpu")
+    return torch.device(name)

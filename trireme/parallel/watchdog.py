@@ -40,29 +40,29 @@ from trireme.errors import RankFailure
 
 PACKAGE = str(Path(__file__).resolve().parents[1])  # .../trireme
 EXIT_STATUS = 3  # another rank failed (1: a bug, 2: a user error)
-# (file, function) -> the operation it waits in; a file alone covers its other functions
+# (folder/file, function) -> the operation it waits in; a file alone covers its other functions
 OPERATIONS = {
-    ("data_parallel.py", "finish"): "gradient all-reduce",
-    ("data_parallel.py", "_launch"): "gradient all-reduce",
-    ("data_parallel.py", "data_parallel_loss"): "loss all-reduce",
-    ("data_parallel.py", ""): "gradient all-reduce",
-    ("grads.py", ""): "gradient sum / norm all-reduce",
-    ("distributed.py", "_gather"): "parameter all-gather",
-    ("distributed.py", ""): "distributed-optimizer collective",
-    ("fsdp.py", ""): "FSDP collective",
-    ("pipeline.py", ""): "pipeline send / receive",
-    ("p2p.py", ""): "pipeline send / receive",
-    ("comm.py", ""): "tensor-parallel collective",
-    ("vocab.py", ""): "tensor-parallel collective",
-    ("loop.py", "agree"): "stop-flag all-reduce",
-    ("stragglers.py", ""): "log-step timing gather",
-    ("trainer.py", ""): "log-step collective",
-    ("saver.py", ""): "checkpoint save",
-    ("sharded.py", ""): "checkpoint collective",
-    ("gathered.py", ""): "checkpoint collective",
-    ("training.py", ""): "checkpoint collective",
+    ("step/data_parallel.py", "finish"): "gradient all-reduce",
+    ("step/data_parallel.py", "_launch"): "gradient all-reduce",
+    ("step/data_parallel.py", "data_parallel_loss"): "loss all-reduce",
+    ("step/data_parallel.py", ""): "gradient all-reduce",
+    ("step/grads.py", ""): "gradient sum / norm all-reduce",
+    ("optim/distributed.py", "_gather"): "parameter all-gather",
+    ("optim/distributed.py", ""): "distributed-optimizer collective",
+    ("step/fsdp.py", ""): "FSDP collective",
+    ("step/pipeline.py", ""): "pipeline send / receive",
+    ("parallel/p2p.py", ""): "pipeline send / receive",
+    ("parallel/comm.py", ""): "tensor-parallel collective",
+    ("parallel/vocab.py", ""): "tensor-parallel collective",
+    ("training/loop.py", "agree"): "stop-flag all-reduce",
+    ("step/stragglers.py", ""): "log-step timing gather",
+    ("training/build.py", ""): "log-step collective",
+    ("checkpoint/saver.py", ""): "checkpoint save",
+    ("checkpoint/sharded.py", ""): "checkpoint collective",
+    ("checkpoint/gathered.py", ""): "checkpoint collective",
+    ("training/checkpoints.py", ""): "checkpoint collective",
 }
-IN_STEP = ("engine", "optim", "parallel", "models", "ops")  # floors that run inside a step
+IN_STEP = ("step", "optim", "parallel", "models", "ops")  # floors that run inside a step
 COMM_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket", "c10d")
 
 
@@ -81,7 +81,8 @@ def where(frames: list[FrameType]) -> tuple[str, bool]:
         if not str(path).startswith(PACKAGE) or path.name == "watchdog.py":
             continue
         in_step = path.parent.name in IN_STEP
-        for key in ((path.name, frame.f_code.co_name), (path.name, "")):
+        name = f"{path.parent.name}/{path.name}"
+        for key in ((name, frame.f_code.co_name), (name, "")):
             if key in OPERATIONS:
                 return OPERATIONS[key], in_step
         return f"collective in {path.parent.name}/{path.name}:{frame.f_code.co_name}", in_step

@@ -5,8 +5,8 @@ which does not support it yet), pipeline,
 virtual_pipeline, context (+ context_mode), expert, the data-parallel mode (DDP, DDP with the
 distributed optimizer, FSDP), train.recompute and train.micro_batch_size; data parallelism is
 what is left of the GPUs. A layout is kept only if `trireme.config.validate` and
-`trireme.trainer.check_parallel` (the checks `trireme train` runs before anything starts) accept
-it, so the planner never proposes a layout the trainer refuses.
+`trireme.training.build.check_parallel` (the checks `trireme train` runs before anything
+starts) accept it, so the planner never proposes a layout the trainer refuses.
 
 Pruning (stated, so nothing surprises): tensor parallelism stays inside a node (T divides
 --gpus-per-node); context parallelism is tried when the sequence is at least 8192 tokens or the
@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from trireme.config import Config, validate
 from trireme.errors import ConfigError
 from trireme.parallel.context_parallel import MODES as CONTEXT_MODES
-from trireme.trainer import check_parallel
+from trireme.training.build import check_parallel
 
 RECOMPUTE = ("none", "selective", "full")
 DP_MODES = ("ddp", "distopt", "fsdp")

@@ -11,9 +11,9 @@ For each pipeline rank (the worst one is reported), in bytes:
                  moments by DP (gradients stay whole while micro batches accumulate, M > 1).
     activations  per micro batch in flight: every layer's kept bytes (trireme.plan.activations)
                  x tokens, the head on the last stage; 1F1B keeps up to P - p micro batches on
-                 pipeline rank p (counted by walking trireme.engine.schedules.one_f_one_b, so the
+                 pipeline rank p (counted by walking trireme.step.schedules.one_f_one_b, so the
                  interleaved schedule's chunks come out right); a stage's output is also kept
-                 (trireme.engine.pipeline), received activations wait in an inbox.
+                 (trireme.step.pipeline), received activations wait in an inbox.
     transients   the peak of the backward: one layer's gradients in flight (and under full
                  recomputation that layer's activations rebuilt), a low-precision weight
                  gradient before its hook adds it to the main gradient (the largest one);
@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 from torch.utils.weak import WeakIdKeyDictionary
 
 from trireme.config import Config
-from trireme.engine.schedules import FORWARD, one_f_one_b
 from trireme.models.stages import StageSpec, rank_stages
 from trireme.plan.activations import (
     fp8_cast_once,
@@ -50,6 +49,7 @@ from trireme.plan.activations import (
 )
 from trireme.plan.params import RankParams, layer_params, layer_symbols, stage_params
 from trireme.plan.rates import Rates
+from trireme.step.schedules import FORWARD, one_f_one_b
 
 GIB = 2**30
 
