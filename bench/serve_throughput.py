@@ -17,9 +17,9 @@ cached each decode --bound-steps steps together (no prefill in those steps); the
 bytes a step must read, weights + B x context x (K and V bytes per token of every layer), over
 --bandwidth (4.2 TB/s, the H200's HBM3e peak as measured; 4.8 TB/s nominal). The weights are
 those a step reads whole: every parameter except a token or position embedding table that is
-not also the output layer (a step reads B of its rows; `weights_read_per_step`). Until session 7
-the input table was counted too (llama3-1b's untied one: 525 MB, 0.125 ms at 4.2 TB/s), which
-made every ratio to the bound look ~12% better than it was.
+not also the output layer (a step reads B of its rows; `weights_read_per_step`). Counting the
+input table too (llama3-1b's untied one: 525 MB) would make every ratio to the bound look
+better than it is.
 
 The HF baseline (LlamaForCausalLM, SDPA, bf16) runs in a fresh process: batches of C prompts
 left-padded to the longest, `generate(max_new_tokens=min_new_tokens=output_tokens)`; TTFT is a

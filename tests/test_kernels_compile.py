@@ -2,7 +2,7 @@
 Triton's real compiler, on a machine without a GPU: the launches its Python launcher makes for a
 llama3-1b-sized call are recorded (tests/interpreted.py: recorded_launches) and compiled as
 recorded. The interpreter tests check what the kernels compute; they run Python, so a kernel can
-pass there and fail to compile (session 9: the split-K GEMM's swapped tile, which kept the
+pass there and fail to compile (as the split-K GEMM's swapped tile once did, which kept the
 serving engine from starting on the H200)."""
 
 import pytest

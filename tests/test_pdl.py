@@ -27,7 +27,7 @@ def test_only_cuda_tensors_of_sm90_launch_with_pdl(monkeypatch):
 
 
 def test_early_reads_are_on_with_pdl_unless_turned_off(monkeypatch):
-    """Measured faster with the same tokens (session 15): on by default where PDL is."""
+    """Measured faster with the same tokens (bench/RESULTS.md): on by default where PDL is."""
     t = torch.empty(1)
     monkeypatch.setattr(pdl, "launch_pdl", lambda t: True)
     monkeypatch.delenv(pdl.PREFETCH_ENV, raising=False)

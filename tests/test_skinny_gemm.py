@@ -94,7 +94,7 @@ def planned_launches():
 
 def test_every_planned_tile_compiles_for_sm90():
     """The interpreter runs Python, not Triton's compiler: a tile that runs there may not compile
-    (session 9: SWAP with 16 rows failed on the H200, and with it the engine's start)."""
+    (once SWAP with 16 rows failed on the H200, and with it the engine's start)."""
     pytest.importorskip("triton", reason="the kernel needs Triton")
     from trireme.ops.skinny_gemm_triton import _skinny_kernel
 

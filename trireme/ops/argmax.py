@@ -70,7 +70,7 @@ def warm_up(vocab: int, padded: int, dtype: torch.dtype, device: torch.device) -
     layouts a serving step hands it: a slice of [*, padded] rows (the output layer's) and
     contiguous rows (an index_select of them). Triton specializes a kernel on whether integer
     arguments divide by 16, so the two row strides may be two compiled kernels; compiling them
-    during a step would stall it for ~0.5-1 s."""
+    during a step would stall it for the compile."""
     if device.type != "cuda":
         return
     wide = torch.zeros(1, max(padded, vocab), dtype=dtype, device=device)

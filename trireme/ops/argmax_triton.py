@@ -54,7 +54,7 @@ PROGRAMS_PER_SM = 4  # stage-1 programs aimed for: about this many per SM
 # the tiling is chosen for this many rows whatever n is: its constexprs (TILES, S_BLOCK) then
 # depend only on V and the GPU, so a serving engine whose steps sample 1, 5, 64, ... rows
 # compiles the kernels once (at startup: trireme.ops.argmax.warm_up), not once per new row
-# count in the middle of serving (each Triton compile stalls the engine for ~0.5-1 s)
+# count in the middle of serving (each Triton compile stalls the engine)
 REFERENCE_ROWS = 64
 NUM_WARPS = 4
 INT32_MIN = tl.constexpr(-2147483648)  # constexpr: a global a kernel may read

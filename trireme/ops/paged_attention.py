@@ -122,7 +122,7 @@ def warm_up(k_pool: torch.Tensor, v_pool: torch.Tensor, n_heads: int, width: int
     """Compile now the kernels a serving engine's eager steps may launch on these pools: one
     query over a table of `width` blocks, at every split count (the count a step gets depends
     on its batch and its longest context, so a step could otherwise meet a new one, and its
-    Triton compile of ~0.5-1 s, in the middle of serving), without and, if `store`, with the
+    Triton compile, a stall in the middle of serving), without and, if `store`, with the
     fused store (writing zeros into row 0 of block 0, the padding block no request owns).
     Nothing on the CPU, without Triton, or where the kernel is not the one that runs."""
     d = k_pool.shape[-1]

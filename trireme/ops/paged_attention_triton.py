@@ -26,9 +26,9 @@ of SPLITS equal chunks (whole tiles) of the request's keys and writes its unnorm
 `splits` defaults to enough programs for 1.5 per SM (default_splits; SPLITS = 1 at batch 64
 with 8 kv heads, 2 per program); TILE, num_warps, num_stages and the grid's order can be set too
 (bench/serve_profile.py --kernel-configs sweeps them).
-Variant v2, the default since the H200 sweep of session 7 (SHIPPED: 2 kv heads per program,
-TILE 64, 2 warps, 2 stages: 26.4 us per layer at batch 64 where v1 as shipped takes 33.0, and
-82.6 against 102.8 at batch 256; v1 stays: TRIREME_PAGED_KERNEL=v1), keeps v1's math and
+Variant v2, the default since an H200 sweep (SHIPPED: 2 kv heads per program, TILE 64, 2
+warps, 2 stages: measured faster than v1 as shipped at batch 16-256, bench/RESULTS.md; v1
+stays: TRIREME_PAGED_KERNEL=v1), keeps v1's math and
 partials but reads differently. Program (b, c, j) serves HEADS kv heads at once
 (3-D dots [HEADS, G, D] x [HEADS, D, TILE]), so each pool row it reads is HEADS * d * 2
 contiguous bytes (HEADS = n_kv: a block's whole run) and there are HEADS times fewer programs;
@@ -350,8 +350,8 @@ def default_splits(q: torch.Tensor, programs: int, keys_at_most: int, tile: int)
     """Chunks per program of one split (`programs`: requests x kv-head groups): enough programs
     for 1.5 per SM (SPLIT_COVER), at most 16 and at most one per tile of the longest possible
     context (the tables' width: no host sync). On the H200 (llama3-1b, 640 keys, v2 as shipped)
-    that picks the measured best or within 2% of it at batch 1, 16, 64 and 256 (bench/RESULTS.md,
-    session 7)."""
+    that picks the measured best or within 2% of it at batch 1, 16, 64 and 256 (a sweep of
+    bench/serve_profile.py --kernel-configs)."""
     if not q.is_cuda:
         return 1
     wanted = -(-int(SPLIT_COVER * _sm_count(q.device)) // (q.shape[0] * programs))
@@ -365,9 +365,9 @@ ENV = "TRIREME_PAGED_KERNEL"
 SETTINGS = ("tile", "splits", "num_warps", "num_stages", "heads_first", "heads", "prefetch")
 
 
-# The launch each variant ships with (the H200 sweep of session 7, bench/serve_profile.py
-# --kernel-configs: v2 at these settings read 3.1-4.1 TB/s at batch 16-256, v1 at its own
-# 2.6-3.4); 0 in a call or unset in $TRIREME_PAGED_KERNEL means these
+# The launch each variant ships with (an H200 sweep, bench/serve_profile.py --kernel-configs:
+# v2 at these settings measured faster than v1 at its own at batch 16-256, bench/RESULTS.md);
+# 0 in a call or unset in $TRIREME_PAGED_KERNEL means these
 SHIPPED = {"v1": {"tile": 64, "num_warps": 4, "num_stages": 0, "heads": 1},
            "v2": {"tile": 64, "num_warps": 2, "num_stages": 2, "heads": 2}}
 DEFAULT = "v2"

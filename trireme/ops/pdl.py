@@ -8,9 +8,9 @@ trireme.ops.pdl_triton.enter first when their PDL constexpr is set: wait, then l
 kernel launch. Every write comes after the wait, so no kernel overwrites what an earlier one
 still reads, and every such kernel waits, so "this kernel completed" still implies "every kernel
 before it completed" for the one after it. `launch_pdl(t)` says whether to launch with it: t on
-a CUDA device of capability >= 9, unless $TRIREME_PDL=0. On the H200 it took the serving
-engine's decode step at batch 64 from 1.50-1.51 to 1.44-1.46 ms, and the same greedy tokens
-came out with and without it (bench/pdl_check.py; bench/RESULTS.md, session 10). Inductor's own
+a CUDA device of capability >= 9, unless $TRIREME_PDL=0. On the H200 it made the serving
+engine's decode step at batch 64 measurably faster (bench/RESULTS.md), and the same greedy tokens
+came out with and without it (bench/pdl_check.py). Inductor's own
 PDL (TORCHINDUCTOR_ENABLE_PDL=1, for the compiled step's elementwise kernels) measured no gain
 there and stays off.
 
@@ -22,8 +22,8 @@ waits before it lets the next one launch (enter: wait, then launch_dependents), 
 launched without PDL starts only after the one before it completed; so when kernel N + 1 starts,
 kernel N - 1 and all before it have completed. The paged kernel loads the step's lengths and
 block tables early: they are copied in before the step's graph replays (or built before its
-forward). On an H100 they took the decode step at batch 64 from 1.78-1.79 to 1.76-1.77 ms (four
-alternated fresh runs each) with the same greedy tokens (bench/RESULTS.md, session 15).
+forward). On an H100 they made the decode step at batch 64 measurably faster (four
+alternated fresh runs each) with the same greedy tokens (bench/RESULTS.md).
 """
 
 from __future__ import annotations

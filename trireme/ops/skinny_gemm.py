@@ -20,7 +20,7 @@ is a SkinnyLinear. The kernels have no backward: they run only outside autograd.
 The split count is a function of (N, K) only, so a compiled graph traced at one batch size
 serves every batch size (the op's output shape [splits, M, N] does not depend on M); the tile
 shape (rows per program, kernel variant) is picked at launch from the rows present. The plans
-come from the H200 sweep in bench/skinny_gemm.py (bench/RESULTS.md, session 8).
+come from the H200 sweep in bench/skinny_gemm.py (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from trireme.errors import ConfigError
 from trireme.ops.swiglu import swiglu
 
 MAX_ROWS = 64  # more rows: cuBLAS (the H200 sweep: the kernel loses at 256)
-MAX_WEIGHT = 64 << 20  # elements; the output layer (128256 x 2048) already runs at ~4 TB/s
+MAX_WEIGHT = 64 << 20  # elements; the output layer (128256 x 2048) already runs near the bandwidth
 MIN_CAPABILITY = (9, 0)  # the plans' tiles: sm_90's shared memory (H100 / H200)
 TARGET_PROGRAMS = 256  # programs the split aims at: about two per SM of an H100 / H200 (132)
 
@@ -54,13 +54,12 @@ class Tile:
     num_stages: int = 4
 
 
-# (N, K) -> splits, from the H200 sweep (bench/skinny_gemm.py, session 8): cuBLAS runs
-# llama3-1b's qkv and gate_up as fast at 1-64 rows (each ~6 us or at ~3.5 TB/s), but its
-# down projection (K = 4 N) at 13-13.6 us, where 4 splits take 9.8-11.3 us before their sum,
-# and its out projection (2048 x 2048) at 6.1-6.2 us, where 4 splits take 4.2-5.1 (the sums
-# fold into the next add + norm; the decode step at batch 64: 1.436 ms median of 4 against
-# 1.447 of 7 with cuBLAS, session 10, within what machines differ by: another ran it at
-# 1.452-1.460); other shapes with K >= DEEP * N: default_splits, others: cuBLAS
+# (N, K) -> splits, from the H200 sweep (bench/skinny_gemm.py; bench/RESULTS.md): cuBLAS runs
+# llama3-1b's qkv and gate_up as fast at 1-64 rows (a GEMM kernel's fixed cost, whoever writes
+# it), but 4 splits measured faster for its down projection (K = 4 N; the partial sums added
+# by the caller) and for its out projection (2048 x 2048; the sums fold into the next add +
+# norm; in the whole decode step at batch 64 the out projection's gain is within what machines
+# differ by); other shapes with K >= DEEP * N: default_splits, others: cuBLAS
 SPLITS: dict[tuple[int, int], int] = {(2048, 8192): 4, (2048, 2048): 4}
 DEEP = 4
 # (N, K, splits) -> Tile for rows <= 16 and <= MAX_ROWS; other shapes: Tile()
@@ -71,8 +70,8 @@ TILES: dict[tuple[int, int, int], tuple[Tile, Tile]] = {
 # SwiGLU's first layer [W_gate; W_up] (2F, K) -> the tile of its fused kernel (GLU: one split,
 # silu(gate) * up written, trireme.ops.skinny_gemm_triton) for rows <= 16 and <= MAX_ROWS;
 # a shape not here runs F.linear, then the activation. From the H200 sweep (bench/skinny_gemm.py
-# --glu, session 9): llama3-1b's 16384 x 2048 fused 17.4 / 17.9 / 19.4 us at 1 / 16 / 64 rows
-# against cuBLAS + the compiled activation's 19.3 / 19.8 / 21.5.
+# --glu; bench/RESULTS.md): llama3-1b's 16384 x 2048, fused, measured faster at 1-64 rows than
+# cuBLAS + the compiled activation.
 GLU_TILES: dict[tuple[int, int], tuple[Tile, Tile]] = {
     (16384, 2048): (Tile(64, 128, False, 4, 4), Tile(64, 128, False, 4, 4))}
 
@@ -300,7 +299,7 @@ def use_skinny_linears(model: nn.Module, on: bool = True) -> int:
 def warm_up(model: nn.Module) -> None:
     """Compile now the kernels the SkinnyLinears of `model` (swapped in, on a GPU where they
     run) launch: every planned shape at both tiles (rows <= 16 and more). A step meeting an
-    uncompiled one would stall ~0.5-1 s in the middle of serving. Once per weight shape, and
+    uncompiled one would stall for its compile in the middle of serving. Once per weight shape, and
     only the shapes that take a kernel."""
     weights = {tuple(m.weight.shape): m.weight for m in model.modules()
                if isinstance(m, SkinnyLinear)}

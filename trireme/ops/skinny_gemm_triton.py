@@ -3,8 +3,9 @@ needs Triton). trireme.ops.skinny_gemm has the dispatcher, the plan and the refe
 
 x [M, K] (unit column stride, rows at any stride), W [N, K] contiguous, M small (a decode step's
 batch). Such a product reads W once and is bound by that read; cuBLAS runs the decode step's
-smaller ones (2048 x 2048, 3072 x 2048, 2048 x 8192) at 1.3-2.5 TB/s on the H200, where the
-larger ones reach 4 (bench/gemm_layouts.py): too few programs read too few bytes at a time.
+smaller ones (2048 x 2048, 3072 x 2048, 2048 x 8192) well below the memory bandwidth on the
+H200, where the larger ones come near it (bench/gemm_layouts.py): too few programs read too few
+bytes at a time.
 Here program (n, s, m) takes rows n * BLOCK_N .. + BLOCK_N of W and the s-th of SPLITS equal
 chunks of K (k_chunk columns, whole BLOCK_K tiles), multiplies them by rows m * BLOCK_M .. of x
 and writes its partial sum, fp32 (bf16 / fp16 operands, fp32 accumulation in the tensor cores),

@@ -89,8 +89,8 @@ class EngineSettings:
     start; off by default until measured; if compiling fails, a ConfigError); decode_gemm:
     "triton" runs the linear layers of steps with at most 64 rows through the split-K kernel
     where it has a plan (trireme.ops.skinny_gemm: llama3-1b's down projection, and its gate-up
-    projection with SwiGLU in one kernel; the default: 1.49-1.50 ms decode steps at batch 64 on
-    the H200 against 1.58 with cuBLAS alone), "cublas" through F.linear always; off sm_90
+    projection with SwiGLU in one kernel; the default: measured faster at batch 64 on the H200
+    than cuBLAS alone, bench/RESULTS.md), "cublas" through F.linear always; off sm_90
     GPUs, on the CPU or without Triton both are F.linear. The
     model's nn.Linear layers become SkinnyLinears (or back) in place, and stay so after the
     engine (they take the kernels only outside autograd)."""
@@ -261,9 +261,9 @@ class Engine:
     def freeze_startup_objects(self) -> None:
         """On CUDA: collect once, then move every object alive now (the model, the compiled
         graphs and CUDA graphs built above: millions of objects) out of reach of Python's cycle
-        collector (gc.freeze, process-wide). A full collection walks all of them: ~0.27 s per
-        half-million objects on a CPU core, and on the H200 serving runs met 0.6-1.0 s stalls in
-        steps that did no more work than their neighbours (bench/RESULTS.md, session 7). Frozen
+        collector (gc.freeze, process-wide). A full collection walks all of them, a long pause
+        with millions of objects, and on the H200 serving runs met stalls in steps that did no
+        more work than their neighbours. Frozen
         objects are still freed by reference counting; only cycles among them are kept. Not on
         the CPU, where no graphs are built (and tests build many engines in one process)."""
         if self.device.type != "cuda":
@@ -275,7 +275,7 @@ class Engine:
         """Compile now (CUDA only) the Triton kernels the steps outside the CUDA graphs launch:
         the greedy / finite kernel for the model's logits and the paged decode kernel at every
         split count (with its fused store too when no graphs replay the decode-only steps).
-        A step that met one uncompiled stalled the engine for ~0.5-1 s, and on a fresh machine
+        A step that met one uncompiled stalled the engine for its compile, and on a fresh machine
         (an empty Triton cache) the first minutes of serving met several; it costs a few
         seconds at startup instead (cached on disk by Triton after the first time)."""
         if self.device.type != "cuda":
