@@ -1,3 +1,7 @@
+"""The tokenizers of trireme/data/tokenizer.py: bytes, the byte-level BPE trained by train_bpe
+(round trips, the end-of-document token, determinism, long texts) and load_tokenizer's errors.
+Other file formats: test_tokenizer_formats.py."""
+
 import json
 
 import pytest

@@ -1,3 +1,7 @@
+"""Tokenizer files of every kind (trireme/data/tokenizer_formats.py, fast_bpe.py): GPT-2 vocab and
+merges, tiktoken, SentencePiece, null:N, the tiktoken engine against `tokenizers`, which kind a
+path is, and `trireme tokenizer train`."""
+
 import base64
 import json
 import sys
