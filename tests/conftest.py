@@ -11,8 +11,8 @@ import inspect
 import pytest
 import torch
 
-SLOW_MODULES = {"test_bench_smoke", "test_data_bench_smoke", "test_checkpoint_kill",
-                "test_resilience", "test_train_pipeline", "test_train_parallel"}
+SLOW_MODULES = {"test_bench_smoke", "test_bench_data_smoke", "test_checkpoint_kill",
+                "test_torchrun_faults", "test_train_pipeline", "test_train_parallel"}
 STARTS_RANKS = ("run_ranks(", "torchrun(", "torch.distributed.run")
 
 

@@ -1,4 +1,5 @@
-"""`trireme train` with a fault injected on one rank: the test-only harness of test_resilience.py.
+"""`trireme train` with a fault injected on one rank: the test-only harness of
+test_torchrun_faults.py.
 
     python -m torch.distributed.run ... tests/fault_worker.py FAULT RANK STEP MARKER -- TRAIN_ARGS
 

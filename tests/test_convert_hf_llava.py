@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_checkpoint_convert import assert_close, trireme_logits_of
+from test_convert import assert_close, trireme_logits_of
 
 from trireme.cli import main
 from trireme.convert.convert import convert

@@ -1,7 +1,7 @@
-"""Resilience to bad numbers (issue 21): non-finite config values are refused; a step with a
-non-finite loss or gradient norm is skipped in every precision, warned, and a run of them stops
-the run; loss spikes are detected (and optionally rolled back); the end-of-training sample of a
-diverged model is a warning, not a traceback."""
+"""A run's numerical health (trireme/training/health.py): non-finite config values are refused;
+a step with a non-finite loss or gradient norm is skipped in every precision, warned, and a run
+of them stops the run; loss spikes are detected (and optionally rolled back); the end-of-training
+sample of a diverged model is a warning, not a traceback."""
 
 from __future__ import annotations
 

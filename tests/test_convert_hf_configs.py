@@ -1,11 +1,11 @@
-"""`trireme convert` with Hugging Face: what it used to get silently wrong.
+"""`trireme convert` with Hugging Face: what each config feature becomes (trireme/convert/hf.py).
 
 Qwen2's q/k/v-only biases (model.qkv_bias, not biases everywhere), a sliding attention window
 (the context capped at it, said in a note), config.json with both rope_parameters and a legacy
 rope_scaling (transformers 5 applies rope_scaling), the context the source supports kept through
 fine-tuning at a shorter seq_length, the fp32 master weights of a bf16 run exported at fp32,
 bos_token_id from the tokenizer, and a trireme checkpoint given as --from hf. Logits against
-`transformers` decide, as in test_checkpoint_convert.py.
+`transformers` decide, as in test_convert.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 import torch
 from distributed import run_ranks
 from safetensors.torch import load_file
-from test_checkpoint_convert import (
+from test_convert import (
     VOCAB,
     _llama_like,
     assert_close,

@@ -1,4 +1,4 @@
-"""Resilience under torchrun (gloo, CPU): a frozen or dead rank is named in one line within the
+"""Faults under torchrun (gloo, CPU): a frozen or dead rank is named in one line within the
 timeout, user errors print once, per-rank step times name a slow rank, and a run restarted by
 `torchrun --max-restarts` continues from its checkpoint with the same samples and losses, also at
 another data-parallel size.

@@ -1,4 +1,4 @@
-"""Issue 21, checkpoint side: damaged checkpoints are never skipped silently on resume
+"""Checkpoint errors are never silent: damaged checkpoints are never skipped silently on resume
 (`checkpoint.resume_step`), `trireme inspect --verify`, saves refuse NaN / Inf, and unwritable or
 full checkpoint directories give one-line errors with nothing left behind."""
 
