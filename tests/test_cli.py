@@ -1,3 +1,6 @@
+"""The `trireme` command itself (trireme/cli.py): bare `trireme` prints its usage, and
+`trireme config-doc` reads its arguments."""
+
 import pytest
 
 from trireme.cli import main
