@@ -14,10 +14,11 @@ reduce with one program per row, and an isfinite / all chain of several passes).
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
+
+from trireme.ops.optional import optional_kernel
 
 
 def greedy_and_finite_reference(logits: torch.Tensor) -> torch.Tensor:
@@ -25,15 +26,10 @@ def greedy_and_finite_reference(logits: torch.Tensor) -> torch.Tensor:
     return torch.stack([logits.argmax(dim=-1), torch.isfinite(logits).all(dim=-1).long()])
 
 
-@functools.cache
+@optional_kernel("the greedy ids and finite flags use torch's argmax and isfinite")
 def _kernel():
     """trireme.ops.argmax_triton's launcher, or None (with a warning) without Triton."""
-    try:
-        from trireme.ops.argmax_triton import greedy_and_finite as launch
-    except Exception as e:  # missing, or installed but broken
-        warnings.warn(f"Triton is unavailable ({e}); the greedy ids and finite flags use "
-                      "torch's argmax and isfinite", stacklevel=2)
-        return None
+    from trireme.ops.argmax_triton import greedy_and_finite as launch
     return launch
 
 

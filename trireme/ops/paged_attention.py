@@ -25,13 +25,13 @@ cannot race with itself: trireme.ops.paged_attention_triton).
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 
 import torch
 
 from trireme.errors import ConfigError
 from trireme.ops.attention import padded_attention
+from trireme.ops.optional import optional_kernel
 
 NewKeys = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # k_new, v_new [r, n_kv, d], slots [r]
 
@@ -51,15 +51,10 @@ def paged_decode_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     return y.squeeze(2)
 
 
-@functools.cache
+@optional_kernel("paged decode attention gathers the KV blocks and runs SDPA")
 def _kernel():
     """trireme.ops.paged_attention_triton's launcher, or None (with a warning) without Triton."""
-    try:
-        from trireme.ops.paged_attention_triton import paged_decode_attention as launch
-    except Exception as e:  # missing, or installed but broken
-        warnings.warn(f"Triton is unavailable ({e}); paged decode attention gathers the KV "
-                      "blocks and runs SDPA", stacklevel=2)
-        return None
+    from trireme.ops.paged_attention_triton import paged_decode_attention as launch
     return launch
 
 

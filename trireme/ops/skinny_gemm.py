@@ -25,9 +25,7 @@ come from the H200 sweep in bench/skinny_gemm.py (bench/RESULTS.md, session 8).
 
 from __future__ import annotations
 
-import functools
 import os
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trireme.errors import ConfigError
+from trireme.ops.optional import optional_kernel
 from trireme.ops.swiglu import swiglu
 
 MAX_ROWS = 64  # more rows: cuBLAS (the H200 sweep: the kernel loses at 256)
@@ -156,15 +155,10 @@ def _(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
     return x.new_empty(splits, x.shape[0], weight.shape[0], dtype=dtype)
 
 
-@functools.cache
+@optional_kernel("the decode steps' linear layers run through F.linear")
 def _launcher():
     """trireme.ops.skinny_gemm_triton.skinny_mm, or None (with a warning) without Triton."""
-    try:
-        from trireme.ops.skinny_gemm_triton import skinny_mm as launch
-    except Exception as e:  # missing, or installed but broken
-        warnings.warn(f"Triton is unavailable ({e}); the decode steps' linear layers run "
-                      "through F.linear", stacklevel=2)
-        return None
+    from trireme.ops.skinny_gemm_triton import skinny_mm as launch
     return launch
 
 
