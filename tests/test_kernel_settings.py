@@ -10,9 +10,12 @@ from test_serve_engine import CONFIGS, model_of, prompts
 import trireme.models.paged as paged
 import trireme.ops.skinny_gemm as skinny
 import trireme.serving.engine as engine_module
+from trireme.commands.serve import serve_parser
+from trireme.errors import ConfigError
 from trireme.ops import argmax
 from trireme.ops.kernel_settings import KernelSettings
 from trireme.serving.engine import Engine, EngineSettings
+from trireme.serving.loading import LoadedModel, engine_from_args
 from trireme.serving.sampling import SamplingParams
 
 SMALL = dict(block_size=4, max_running=2, max_batch_tokens=16)
@@ -74,3 +77,22 @@ def test_a_failing_kernel_is_turned_off_for_its_engine_only(monkeypatch):
         got = [r.output_ids for r in second.generate(texts, params)]
     assert len(tried) == 2 and "argmax" in second.kernel_failures
     assert got == want and all(len(ids) == 3 for ids in got)
+
+
+def test_the_flags_reach_the_engine():
+    """`trireme serve` / `trireme generate --input`: --pdl, --early-reads, --paged-kernel (in
+    --help), their defaults the shipped settings; a bad kernel choice stops the start."""
+    loaded = LoadedModel(model_of(CONFIGS["llama-gqa-untied"]), None, None, None, "")
+
+    def engine(*flags):
+        args = serve_parser().parse_args(["--checkpoint", "c", "--block-size", "4",
+                                          "--max-running", "2", *flags])
+        return engine_from_args(loaded, args)
+
+    assert engine().kernels == KernelSettings()
+    chosen = engine("--pdl", "off", "--early-reads", "off", "--paged-kernel", "v1,tile=32")
+    assert chosen.kernels == KernelSettings(False, False, "v1,tile=32")
+    with pytest.raises(ConfigError, match="paged_kernel 'v3': 'v3' is not a paged decode"):
+        engine("--paged-kernel", "v3")
+    text = serve_parser().format_help()
+    assert all(flag in text for flag in ("--pdl", "--early-reads", "--paged-kernel"))
