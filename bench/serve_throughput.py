@@ -60,6 +60,7 @@ if str(REPO) not in sys.path:
 
 from trireme.config import load_config  # noqa: E402
 from trireme.models.gpt import GPT  # noqa: E402
+from trireme.ops.kernel_settings import KernelFailures  # noqa: E402
 from trireme.ops.paged_attention import (  # noqa: E402
     kernel_available,
     paged_decode_attention,
@@ -111,6 +112,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode-gemm", choices=["cublas", "triton"], default="triton",
                    help="EngineSettings.decode_gemm: the linear layers of steps of at most 64 "
                    "rows through cuBLAS or the split-K Triton kernel (trireme.ops.skinny_gemm)")
+    p.add_argument("--pdl", choices=["on", "off"], default="on",
+                   help="EngineSettings.pdl: the decode kernels launch with programmatic "
+                   "dependent launch on sm_90 (trireme.ops.pdl)")
+    p.add_argument("--early-reads", choices=["on", "off"], default="on",
+                   help="EngineSettings.early_reads: with PDL, the first reads before the wait")
+    p.add_argument("--paged-kernel", default="v2", metavar="SPEC",
+                   help="EngineSettings.paged_kernel: v2 or v1, with launch settings, e.g. "
+                   "v2,heads=4,tile=32 (trireme.ops.kernel_settings)")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU")
     p.add_argument("--out", default=None)
     p.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
@@ -163,7 +172,9 @@ def engine_for(model, args, max_running: int, graphs: bool, compile: str | None 
                               compile_decode=AUTO_ON_OFF[compile] if graphs else False,
                               overlap=AUTO_ON_OFF[args.overlap],
                               compile_prefill=args.compile_prefill == "on",
-                              decode_gemm=args.decode_gemm)
+                              decode_gemm=args.decode_gemm, pdl=args.pdl == "on",
+                              early_reads=args.early_reads == "on",
+                              paged_kernel=args.paged_kernel)
     return Engine(model, settings)
 
 
@@ -351,8 +362,9 @@ def kernel_error(cfg, device: torch.device, dtype: torch.dtype) -> float | None:
     q = torch.randn(len(lengths), cfg.num_attention_heads, d, device=device, generator=gen,
                     dtype=dtype)
     lengths_t = torch.tensor(lengths, device=device)
-    got = paged_decode_attention(q, *pools, tables, lengths_t)
-    if not kernel_available():  # it failed (warned) and the gather path answered
+    failures = KernelFailures()
+    got = paged_decode_attention(q, *pools, tables, lengths_t, failures=failures)
+    if not kernel_available(failures):  # it failed (warned) and the gather path answered
         return float("nan")
     want = paged_decode_reference(q, *pools, tables, lengths_t, backend="reference")
     return (got.float() - want.float()).abs().max().item()

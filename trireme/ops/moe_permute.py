@@ -37,12 +37,11 @@ opaque to torch.compile (their fake implementations give the shapes).
 
 from __future__ import annotations
 
-import functools
-import warnings
-
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
+
+from trireme.ops.optional import optional_kernel
 
 
 def inverse_permutation(order: Tensor) -> Tensor:
@@ -118,15 +117,10 @@ def _(dy: Tensor, out_sorted: Tensor, w_sorted: Tensor, token_of: Tensor) -> tup
         return kernels.unpermute_backward(dy, out_sorted, w_sorted, token_of)
 
 
-@functools.cache
+@optional_kernel("MoE permutation's gathers and sums run as plain torch ops")
 def _triton_kernels():
     """trireme.ops.moe_permute_triton, or None (with a warning) without Triton."""
-    try:
-        import trireme.ops.moe_permute_triton as kernels
-    except Exception as e:  # missing, or installed but broken (no compiler, wrong version)
-        warnings.warn(f"MoE permutation: Triton is unavailable ({e}); its gathers and sums run "
-                      "as plain torch ops", stacklevel=2)
-        return None
+    import trireme.ops.moe_permute_triton as kernels
     return kernels
 
 
