@@ -29,7 +29,13 @@ def test_pattern_cut_into_layers_at_each_mixer():
     assert parse_layer_pattern("", 2) == ["*-", "*-"]
     assert parse_layer_pattern("*-*--*", 3) == ["*-", "*--", "*"]
     assert config(layer_pattern="**-*").layer_symbols == ["*", "*-", "*"]
-    assert sublayer_names("*--") == ["attention", "mlp", "mlp_1"]
+    cfg = config(num_layers=3, layer_pattern="*E*--M")
+    assert cfg.layer_kinds == (("attention", "moe"), ("attention", "mlp", "mlp"), ("mamba",))
+    assert cfg.kinds == ("attention", "mlp", "moe", "mamba")
+    assert cfg.has_kind("moe") and not config().has_kind("moe") and config().has_kind("mlp")
+    with pytest.raises(ValueError, match="unknown sublayer kind 'experts'"):
+        cfg.has_kind("experts")
+    assert sublayer_names(("attention", "mlp", "mlp")) == ["attention", "mlp", "mlp_1"]
 
 
 @pytest.mark.parametrize("pattern, words", [
@@ -81,7 +87,7 @@ def test_a_hybrid_pattern_trains_and_its_cache_equals_recomputation():
 
 
 def test_the_block_sets_recomputation_through_its_sublayers():
-    block = Block(config(), ParallelContext(), "*--")
+    block = Block(config(), ParallelContext(), ("attention", "mlp", "mlp"))
     block.set_recompute(full=False, selective=True)
     assert block.attention.recompute_core and block.mlp.recompute_activation
     assert block.mlp_1.recompute_activation and not block.recompute

@@ -22,7 +22,8 @@ from trireme.models import mamba as mamba_module
 from trireme.models.cache import InferenceCache
 from trireme.models.gpt import GPT
 from trireme.models.mamba import Mamba, MambaState
-from trireme.models.stages import layer_costs, stage_specs, sublayer_flops
+from trireme.models.mlp import MLP
+from trireme.models.stages import layer_costs, stage_specs
 from trireme.ops.ssd import FastKernels, discretize_dt, ssd_recurrence
 from trireme.serving.generate import generate
 from trireme.training.build import check_parallel
@@ -91,10 +92,10 @@ def test_sizes_and_flops():
     d_in, gn = heads * 8, 2 * 8
     assert mixer.in_proj.weight.shape == (2 * d_in + 2 * gn + heads, 32)
     assert mixer.conv1d.weight.shape == (d_in + 2 * gn, 1, 4)
-    flops = sublayer_flops(cfg, "M")
+    flops = Mamba.flops(cfg)
     assert flops == 32 * (2 * d_in + 2 * gn + heads) + 3.5 * d_in * 8 + d_in * 32
     costs = layer_costs(cfg)
-    assert costs[0] == sublayer_flops(cfg, "M") + sublayer_flops(cfg, "-") and costs[2] == flops
+    assert costs[0] == Mamba.flops(cfg) + MLP.flops(cfg) and costs[2] == flops
 
 
 @pytest.mark.parametrize("dtype", [torch.float64])

@@ -318,7 +318,7 @@ class RunningMean(torch.nn.Module):
 
 @torch.no_grad()
 def test_a_recurrent_mixer_keeps_per_request_slot_states(monkeypatch):
-    monkeypatch.setitem(block_module.SUBLAYERS, "M", ("mixer", RunningMean))
+    monkeypatch.setitem(block_module.SUBLAYERS, "mamba", RunningMean)
     model = model_of(config(num_layers=3, layer_pattern="M-*-M"))
     texts = prompts(6, seed=4)
     params = [SamplingParams(max_tokens=3 + i % 4, greedy=True) for i in range(len(texts))]

@@ -13,11 +13,11 @@ them, or the one they share when T > num_kv); qkv is column-parallel and out row
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from trireme.config import ModelConfig
 from trireme.models.init import InitRule
 from trireme.models.paged import PagedKV, PagedLayout
+from trireme.models.sublayer import Params, Shape, Sublayer, linear_input_bytes, norm_bytes
 from trireme.ops.attention import attention
 from trireme.ops.attention_fa4 import require_fa4
 from trireme.ops.norms import RMSNorm
@@ -32,9 +32,10 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [s, d] (or [b, s, d])
 LayerCache = tuple[torch.Tensor, torch.Tensor]  # k, v buffers: [b, n_kv, max_len, d]
 
 
-class Attention(nn.Module):
+class Attention(Sublayer):
     """Causal self-attention (module docstring). A mixer: it sees positions, and keeps a cache."""
 
+    kind = "attention"
     symbol = "*"
     mixes = True
     pages = True  # its cache can live in a paged pool (trireme.models.paged)
@@ -70,6 +71,59 @@ class Attention(nn.Module):
     def init_rules(self) -> dict[str, InitRule]:
         return {"qkv.weight": InitRule(parts=self.qkv_parts),
                 "out.weight": InitRule(residual_output=True)}
+
+    # What the rest of trireme asks of the kind (trireme.models.sublayer)
+
+    @classmethod
+    def flops(cls, cfg: ModelConfig, seq_length: int | None = None) -> float:
+        """Projections h (q + 2 kv) + q h, scores and values q s (halved for the causal mask)."""
+        h, s = cfg.hidden_size, seq_length or cfg.seq_length
+        q, kv = cfg.num_attention_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
+        return h * (q + 2 * kv) + q * h + q * s
+
+    @classmethod
+    def rank_flops(cls, cfg: ModelConfig, tensor: int) -> tuple[float, float]:
+        core = cfg.num_attention_heads * cfg.head_size * cfg.seq_length
+        return (cls.flops(cfg) - core) / tensor, core / tensor
+
+    @classmethod
+    def params(cls, cfg: ModelConfig, tensor: int, expert: int) -> Params:
+        """qkv (this rank's heads and their key/value heads, or the one they share), out, the
+        biases and QK-norm's two d-wide weights."""
+        h, d = cfg.hidden_size, cfg.head_size
+        heads, kv = cfg.num_attention_heads // tensor, max(cfg.kv_heads // tensor, 1)
+        qkv_rows = (heads + 2 * kv) * d
+        qkv = h * qkv_rows + (qkv_rows if cfg.bias or cfg.qkv_bias else 0)
+        out = heads * d * h + (h if cfg.bias else 0)
+        return Params(dense=qkv + out + (2 * d if cfg.qk_norm else 0), largest=h * qkv_rows)
+
+    @classmethod
+    def activation_bytes(cls, cfg: ModelConfig, s: Shape, mode: str) -> float:
+        """norm + qkv's input h + qkv (q + 2k) (+ the gathered K and V of the other context
+        ranks); then selective: out's input (q); none: RoPE'd q and k (q + k), the kernel's
+        output (q, also out's input) and its log-sum-exp (4 per head); fp8 keeps out's input
+        twice (+ q bytes)."""
+        lin = linear_input_bytes(s)  # qkv's kept input
+        base = norm_bytes(s) + lin * s.h + s.e * (s.q + 2 * s.k)
+        if s.context > 1 and s.context_mode == "allgather":
+            base += s.e * 2 * s.k * (s.context - 1)  # the gathered K and V of the other ranks
+        if mode == "selective":
+            return base + s.e * s.q + (s.q if s.fp8 else 0)
+        core = s.e * (s.q + s.k) + s.e * s.q + 4 * s.heads
+        return base + core + (s.q if s.fp8 else 0)
+
+    @classmethod
+    def fp8_linears(cls, s: Shape) -> dict[str, tuple[int, int]]:
+        return {"qkv": (s.h, s.q + 2 * s.k), "out": (s.q, s.h)}
+
+    @classmethod
+    def hf_names(cls, cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
+        """qkv is Hugging Face's q, k and v projections stacked ([all q; all k; all v])."""
+        names = {"qkv.weight": ("q_proj.weight", "k_proj.weight", "v_proj.weight"),
+                 "out.weight": ("o_proj.weight",)}
+        if cfg.qk_norm:
+            names.update({"q_norm.weight": ("q_norm.weight",), "k_norm.weight": ("k_norm.weight",)})
+        return names
 
     def set_recompute(self, selective: bool) -> None:
         """Selective recomputation keeps only qkv: RoPE'd q, k and the kernel's statistics are

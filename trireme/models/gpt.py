@@ -111,8 +111,8 @@ class GPT(nn.Module):
             self.rope = RotaryEmbedding(cfg.head_size, cfg.seq_length, inv_freq)
         # on the embeddings, the start of the residual stream
         self.dropout = dropout(cfg.dropout, ctx.residual_rng)
-        symbols = cfg.layer_symbols  # each layer's sublayers, e.g. "*-"
-        self.layers = nn.ModuleDict({str(i): Block(cfg, ctx, symbols[i])
+        kinds = cfg.layer_kinds  # each layer's sublayers, e.g. ("attention", "mlp")
+        self.layers = nn.ModuleDict({str(i): Block(cfg, ctx, kinds[i])
                                      for i in self.stage.layers})
         if last:
             self.final_norm = build_norm(cfg.normalization, h, cfg.norm_eps, cfg.bias,
