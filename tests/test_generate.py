@@ -19,7 +19,8 @@ from trireme.data.tokenizer import load_tokenizer
 from trireme.errors import TriremeError
 from trireme.models.cache import InferenceCache as KVCache
 from trireme.models.gpt import GPT
-from trireme.serving.generate import generate, printable_ids, sample_next
+from trireme.serving.generate import generate, printable_ids
+from trireme.serving.sampling import sample_next
 from trireme.serving.loading import generate_from_checkpoint
 from trireme.training.build import DTYPES
 

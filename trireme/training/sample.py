@@ -8,7 +8,8 @@ import sys
 import torch
 
 from trireme.errors import TrainingError
-from trireme.serving.generate import generate, printable_ids, sample_next
+from trireme.serving.generate import generate, printable_ids
+from trireme.serving.sampling import sample_next
 from trireme.step.fsdp import gathered
 from trireme.training.build import Trainer, build_runner
 
