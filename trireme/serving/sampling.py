@@ -178,8 +178,10 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
         top_p = 1.0  # no sort of the vocabulary when nobody asks for nucleus sampling
     if all(p.top_k == 0 for p in picked):
         top_k = 0
-    probs = filter_logits(logits.index_select(0, index), temperature, top_k,
-                          top_p).softmax(dim=-1)  # [m, vocab]
+    # a row whose logits are not finite ends its request ("error"); it draws from zeros so
+    # that the multinomial of the others does not fail (their draws are unchanged)
+    picked_logits = logits.index_select(0, index).nan_to_num(0.0, 0.0, 0.0)
+    probs = filter_logits(picked_logits, temperature, top_k, top_p).softmax(dim=-1)  # [m, vocab]
     own = [j for j, i in enumerate(rows) if generators[i] is not None]
     common = [j for j, i in enumerate(rows) if generators[i] is None]
     drawn = torch.empty(len(rows), dtype=torch.long, device=logits.device)
