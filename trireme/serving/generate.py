@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from trireme.errors import TrainingError, TriremeError
 from trireme.models.gpt import GPT
-from trireme.models.vision import num_image_tokens
+from trireme.models.vision import ImageRows, num_image_tokens
 from trireme.serving.blocks import blocks_for
 from trireme.serving.engine import Engine, EngineSettings
 from trireme.serving.sampling import SamplingParams, sample_next, sampling_problem, seeded
@@ -157,8 +157,11 @@ def _padded(requests: list[Request], ends: list[int], device: torch.device) -> t
 def _recomputed(model: GPT, ids: torch.Tensor, total: int, params: SamplingParams,
                 seed: int | None, ends: list[int], images: torch.Tensor | None) -> torch.Tensor:
     """[b, <= total]: `ids` extended one token at a time, each from a forward over the whole
-    sequence so far (no cache); a sequence ends at any of `ends` and is padded with the first."""
+    sequence so far (no cache); a sequence ends at any of `ends` and is padded with the first.
+    Images fill the prompt's placeholders only (a generated placeholder id is embedded as a
+    token, as the engine does); they take one prompt at a time here."""
     b, s = ids.shape
+    image_rows = _prompt_image_rows(model, ids, images)
     generator = None if seed is None else seeded(seed, ids.device)
     out = torch.empty(b, total, dtype=torch.long, device=ids.device)
     out[:, :s] = ids
@@ -166,7 +169,7 @@ def _recomputed(model: GPT, ids: torch.Tensor, total: int, params: SamplingParam
     end_ids = torch.tensor(ends, device=ids.device) if ends else None
     pos = s  # position of the next token to produce
     while pos < total:
-        logits = model(out[:, :pos], images=images)[:, -1]  # [b, vocab]
+        logits = model(out[:, :pos], image_rows=image_rows)[:, -1]  # [b, vocab]
         next_ids = sample_next(logits, temperature=params.temperature, top_k=params.top_k,
                                top_p=params.top_p, greedy=params.greedy, generator=generator)
         if model.tp is not None:  # tensor-parallel: every rank takes the first rank's ids
@@ -180,6 +183,21 @@ def _recomputed(model: GPT, ids: torch.Tensor, total: int, params: SamplingParam
         if end_ids is not None and bool(finished.all()):
             break
     return out[:, :pos]
+
+
+def _prompt_image_rows(model: GPT, ids: torch.Tensor, images: torch.Tensor | None
+                       ) -> ImageRows | None:
+    """The features of `images` at the placeholders of the one prompt `ids` [1, s]."""
+    if images is None:
+        return None
+    if ids.shape[0] != 1:
+        raise TriremeError("generate(use_cache=False) takes images with one prompt at a time")
+    index = (ids[0] == model.cfg.image_token_id).nonzero().squeeze(-1)  # [m]
+    features = model.image_features(images).flatten(0, 1)  # [k * n, h]
+    if features.shape[0] != index.numel():
+        raise TriremeError(f"{images.shape[0]} image(s) for a prompt with {index.numel()} "
+                           "placeholder tokens")
+    return ImageRows(index, features)
 
 
 def printable_ids(ids: list[int], prompt_len: int, eod: int, stop_ids: Sequence[int] = ()
