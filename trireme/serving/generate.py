@@ -134,8 +134,10 @@ def _images_of_rows(model: GPT, rows: list[list[int]], images: torch.Tensor | No
     if images is None:
         return [None] * len(rows)
     cfg = model.cfg
-    per_image = max(num_image_tokens(cfg), 1) if cfg.vision_layers else 1
-    counts = [sum(t == cfg.image_token_id for t in row) // per_image for row in rows]
+    if not cfg.vision_layers:
+        raise TriremeError("images were given to a model without a vision encoder "
+                           "(model.vision_layers = 0)")
+    counts = [sum(t == cfg.image_token_id for t in row) // num_image_tokens(cfg) for row in rows]
     if sum(counts) != images.shape[0]:
         raise TriremeError(f"{images.shape[0]} image(s) for prompts whose placeholder tokens "
                            f"take {sum(counts)}")
