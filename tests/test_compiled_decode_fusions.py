@@ -348,11 +348,12 @@ def tokens(compiled):
 
 want = tokens(False)  # eager: index_copy_, then the gather path
 real, layouts = paged.paged_decode_attention, []
-def through_kernel(q, k_pool, v_pool, tables, lengths, backend="auto", new=None):
-    if new is None:
-        return real(q, k_pool, v_pool, tables, lengths, backend)
+def through_kernel(q, k_pool, v_pool, tables, lengths, backend="auto", new=None, **engine):
+    if new is None:  # engine: its KernelSettings and KernelFailures
+        return real(q, k_pool, v_pool, tables, lengths, backend, **engine)
     layouts.append([q.is_contiguous(), new[0].is_contiguous(), new[1].is_contiguous()])
-    return kernels.paged_decode_attention(q, k_pool, v_pool, tables, lengths, new=new)
+    return kernels.paged_decode_attention(q, k_pool, v_pool, tables, lengths, new=new,
+                                          kernels=engine["kernels"])
 paged.paged_decode_attention = through_kernel
 got = tokens(True)
 print(json.dumps({"want": want, "got": got, "layouts": layouts}))

@@ -112,11 +112,11 @@ def test_trireme_train_as_shipped_within_15_percent_on_the_h200():
 def test_trireme_train_fp8_defaults_within_15_percent_on_the_h200():
     """`trireme train --config llama3-1b --data.mock=true --model.precision=fp8` with today's
     defaults' recipe named (delayed, the output layer too; micro batch 8 chosen by the planner,
-    bench/RESULTS.md session 5): tokens/s after the compiling steps, and the planner's own
+    bench/RESULTS.md, 2026-12-03): tokens/s after the compiling steps, and the planner's own
     micro batch choice."""
     from trireme.plan.planner import best_micro_batch
 
-    path = RESULTS / "session5" / "train-llama3-1b-fp8-delayed-out-metrics.jsonl"
+    path = RESULTS / "train-llama3-1b-fp8-delayed-out-metrics.jsonl"
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     measured = sum(r["tokens_per_s"] for r in lines[1:]) / len(lines[1:])  # step 3: compiling
     cfg = load_config("llama3-1b", {"data.mock": True, "model.precision": "fp8"})

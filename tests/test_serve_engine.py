@@ -358,7 +358,7 @@ def test_decode_gemm_triton_swaps_the_linears_and_keeps_the_tokens(monkeypatch):
 
 
 def test_a_split_k_kernel_that_does_not_compile_leaves_the_plain_layers(monkeypatch):
-    """A Triton compile error at the warm-up (session 9: one tile failed on the H200 and the
+    """A Triton compile error at the warm-up (once, one tile failed on the H200 and the
     engine did not start) turns the layers back and serves through cuBLAS, with a warning."""
     model = model_of(CONFIGS["llama-gqa-untied"])
     texts, params = prompts(2, seed=5), [SamplingParams(max_tokens=3, greedy=True)] * 2

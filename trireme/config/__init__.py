@@ -12,6 +12,7 @@ import tomllib
 import typing
 from typing import Any
 
+from trireme import environment
 from trireme.config.checks import validate
 from trireme.config.model import (
     AUTO_MICRO_BATCH,
@@ -129,4 +130,4 @@ def reference_markdown() -> str:
                 f"| {f.metadata.get('help', '')} |"
             )
         out.append("")
-    return "\n".join(out)
+    return "\n".join(out) + "\n" + environment.reference_markdown()

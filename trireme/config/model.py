@@ -268,10 +268,10 @@ class ModelConfig:
     fp8_cross_entropy_kernel: Literal["compiled", "triton"] = doc(
         "triton", "fused_cross_entropy with the fp8 output layer (fp8_layers \"output\"): "
         "the kernel of each chunk's softmax, loss and logits' gradient, written in e5m2. "
-        "triton: the Triton kernel's e5m2 variant (into a new tensor; 0.7% more tokens/s on "
+        "triton: the Triton kernel's e5m2 variant (into a new tensor; measured faster on "
         "llama3-1b on the H200; where Triton does not import: compiled); compiled: torch ops "
-        "through torch.compile, the reference. 300 steps of llama3-1b against bf16 (session "
-        "8): triton -0.78%, compiled +2.97% (last-10 mean; bench/RESULTS.md)."
+        "through torch.compile, the reference. 300 steps of llama3-1b against bf16: "
+        "triton -0.78%, compiled +2.97% (last-10 mean; bench/RESULTS.md)."
     )
     moe_num_experts: int = doc(8, "MoE (E in layer_pattern): routed experts per MoE sublayer.")
     moe_top_k: int = doc(2, "MoE: experts each token is sent to.")

@@ -11,13 +11,13 @@ Per micro batch on the slowest pipeline rank (its layers, on this TP rank's shar
                  the memory bandwidth (norms, RoPE, SwiGLU, casts, the loss: read and written a
                  few times each in forward and backward). 5 with model.compile fits the H200
                  profile of llama3-1b (bench/RESULTS.md), 16 eager fits the eager preset's
-                 48.3k tokens/s against 62.3k compiled at micro batch 4
+                 measured tokens/s against the compiled one's at micro batch 4
     fp8          the quantization of every fp8 linear's input x [N, K], weight W [M, K] (once
                  per micro batch) and output gradient g [N, M] (trireme.ops.fp8), priced by
                  whether the block is compiled:
                  compiled: FP8_CAST_BYTES per element of x and g (torch.compile fuses the amax,
                    scale, clamp and cast into the norm / SwiGLU kernels and writes the
-                   transposed copies in the same pass): 12 fits the H200 profile's 0.12 s of
+                   transposed copies in the same pass): 12 fits the H200 profile's time in
                    casts per llama3-1b step (bench/RESULTS.md), current scaling. That includes
                    FP8_AMAX_BYTES = 2, the read of the bf16 tensor for its amax before the cast
                    can start; delayed scaling (model.fp8_scaling) knows the scale beforehand and
@@ -223,8 +223,8 @@ def layer_seconds(cfg: Config, deg: Degrees, kind: str, tokens: float, rates: Ra
     mm = 3 * tokens * (fast / mm_rate + (lin - fast) / (bf16_rate if s.fp8 else mm_rate))
     att_f = core * tokens / (rates.attention_tflops["forward"] * 1e12)
     att_b = 2 * core * tokens / (rates.attention_tflops["backward"] * 1e12)
-    # ring context parallelism: its blocks run on the same kernels at the same rate (95-104% of
-    # one SDPA call on an H200, bench/RESULTS.md), the transfers in _context_seconds
+    # ring context parallelism: its blocks run on the same kernels at the same rate (measured
+    # against one SDPA call on an H200, bench/RESULTS.md), the transfers in _context_seconds
     plain = dataclasses.replace(s, fp8=False)  # fp8 or not, the norms, RoPE, SwiGLU run in bf16
     ew = ELEMENTWISE_PASSES[s.compiled] * layer_bytes(cfg, plain, kind, "none") * tokens / bw_mem
     fp8_f, fp8_b = fp8_seconds(cfg, s, kind, tokens, rates) if s.fp8 else (0.0, 0.0)
