@@ -11,6 +11,7 @@ from trireme.errors import ConfigError
 from trireme.models.block import Block, sublayer_names
 from trireme.models.gpt import GPT
 from trireme.models.init import declared_rules, draw_normal
+from trireme.models.paged import PagedLayout
 from trireme.models.stages import balanced_counts, layer_costs, stage_specs
 from trireme.parallel.context import ParallelContext
 from trireme.parallel.mesh import ParallelDims, ParallelMesh, flat_rank_lists
@@ -93,7 +94,8 @@ def test_the_block_sets_recomputation_through_its_sublayers():
     assert block.mlp_1.recompute_activation and not block.recompute
     block.set_recompute(full=True, selective=False)
     assert block.recompute and not block.attention.recompute_core
-    assert set(block.new_cache(1, 8, torch.device("cpu"), torch.float32)) == {"attention"}
+    states = block.new_cache(1, 8, torch.device("cpu"), torch.float32, PagedLayout(4, 2))
+    assert set(states) == {"attention"}
 
 
 def test_pipeline_stages_balance_layer_costs():

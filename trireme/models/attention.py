@@ -1,4 +1,4 @@
-"""The `*` sublayer: causal self-attention with a fused QKV projection, QK-norm, RoPE, KV cache.
+"""The `*` sublayer: causal self-attention with a fused QKV projection, QK-norm, RoPE, paged KV.
 
     qkv = x W_qkv                       [b, s, (n_heads + 2 * n_kv) * d]
     q, k, v = split(qkv) per head        [b, heads, s, d]
@@ -29,7 +29,6 @@ from trireme.parallel.random import dropout, fork_rng
 from trireme.parallel.tensor import column_linear, row_linear
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [s, d] (or [b, s, d])
-LayerCache = tuple[torch.Tensor, torch.Tensor]  # k, v buffers: [b, n_kv, max_len, d]
 
 
 class Attention(Sublayer):
@@ -131,21 +130,16 @@ class Attention(Sublayer):
         self.recompute_core = selective
 
     def new_cache(self, batch_size: int, max_len: int, device: torch.device,
-                  dtype: torch.dtype, paged: PagedLayout | None = None) -> LayerCache | PagedKV:
-        """Zeroed key and value buffers for `max_len` positions of `batch_size` sequences; with
-        `paged`, pools of blocks shared by the requests of a serving engine."""
-        if paged is not None:
-            return PagedKV(paged, self.num_kv_heads, self.head_size, device, dtype)
-        shape = (batch_size, self.num_kv_heads, max_len, self.head_size)
-        return (torch.zeros(shape, device=device, dtype=dtype),
-                torch.zeros(shape, device=device, dtype=dtype))
+                  dtype: torch.dtype, paged: PagedLayout) -> PagedKV:
+        """Zeroed key and value pools of blocks (`paged`), shared by the requests of a serving
+        engine."""
+        return PagedKV(paged, self.num_kv_heads, self.head_size, device, dtype)
 
     def forward(
         self,
         x: torch.Tensor,
         rope: Rope | None = None,
-        cache: LayerCache | None = None,
-        start_pos: int = 0,
+        cache: PagedKV | None = None,
         document_ids: torch.Tensor | None = None,
         context: ContextParallel | None = None,
     ) -> torch.Tensor:
@@ -155,7 +149,7 @@ class Attention(Sublayer):
             y = recompute(self.core, qkv, rope, document_ids=document_ids, context=context,
                           random=random, rngs=[self.head_rng])
         else:
-            y = self.core(qkv, rope, cache, start_pos, document_ids, context)
+            y = self.core(qkv, rope, cache, document_ids, context)
         return self.resid_dropout(self.out(y))
 
     def heads(self, qkv: torch.Tensor, rope: Rope | None = None
@@ -184,8 +178,7 @@ class Attention(Sublayer):
         self,
         qkv: torch.Tensor,
         rope: Rope | None = None,
-        cache: LayerCache | None = None,
-        start_pos: int = 0,
+        cache: PagedKV | None = None,
         document_ids: torch.Tensor | None = None,
         context: ContextParallel | None = None,
     ) -> torch.Tensor:
@@ -195,23 +188,16 @@ class Attention(Sublayer):
         d = self.head_size
         b, s, _ = qkv.shape  # the whole sequence (under SP, x was this rank's chunk of it)
         q, k, v = self.heads(qkv, rope)
-        if isinstance(cache, PagedKV):  # a ragged batch of many requests (models/paged.py)
+        if cache is not None:  # a ragged batch of many requests (models/paged.py)
             y = cache.attend(q, k, v, self.decode_backend)  # [1, n_heads, T, d]
             return y.transpose(1, 2).reshape(b, s, self.num_heads * d)
-        if cache is not None:  # store this chunk's keys/values, attend over everything so far
-            k_cache, v_cache = cache
-            end = start_pos + s
-            k_cache[:b, :, start_pos:end] = k
-            v_cache[:b, :, start_pos:end] = v
-            k, v = k_cache[:b, :, :end], v_cache[:b, :, :end]  # [b, n_kv, end, d]
         dropout_p = self.dropout_p if self.training else 0.0
         if context is not None:
             y = context_attention(q, k, v, context, document_ids)
             return y.transpose(1, 2).reshape(b, s, self.num_heads * d)
         with fork_rng(self.head_rng, dropout_p > 0.0):
-            backend = self.backend if cache is None else self.decode_backend
             y = attention(
-                q, k, v, causal=self.causal, backend=backend, dropout_p=dropout_p,
-                q_offset=start_pos, document_ids=document_ids, varying=cache is not None,
+                q, k, v, causal=self.causal, backend=self.backend, dropout_p=dropout_p,
+                document_ids=document_ids,
             )  # [b, n_heads, s, d]
         return y.transpose(1, 2).reshape(b, s, self.num_heads * d)  # [b, s, n_heads * d]

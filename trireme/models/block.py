@@ -12,11 +12,12 @@ activations) and its checkpoint names, each class declares (trireme.models.subla
 split, MFU, the planner and the converters read them through `SUBLAYERS`.
 
 What a sublayer tells the block (and nobody pokes its attributes from outside):
-- `mixes`: whether it mixes positions (takes rope, a cache and the start position) or not;
+- `mixes`: whether it mixes positions (takes rope and a decoding state) or not;
 - `set_recompute(selective)`: what selective recomputation may rerun inside it;
-- `new_cache(batch, max_len, device, dtype)`: the state it keeps between decoding steps (None);
-  one that declares `pages = True` (attention) also takes `paged=PagedLayout(...)` and then
-  returns its share of a serving engine's block pool (trireme.models.paged);
+- `new_cache(batch, max_len, device, dtype)`: the state it keeps between decoding steps (None),
+  one row per request slot of the serving engine; one that declares `pages = True`
+  (attention) takes `paged=PagedLayout(...)` instead and returns its share of the engine's
+  block pool (trireme.models.paged);
 - `init_rules()`: the role of each of its weights (trireme.models.init).
 """
 
@@ -86,14 +87,14 @@ class Block(nn.Module):
             getattr(self, name).set_recompute(selective)
 
     def new_cache(self, batch_size: int, max_len: int, device: torch.device,
-                  dtype: torch.dtype, paged: PagedLayout | None = None) -> dict[str, Any]:
-        """Each sublayer's decoding state, by name (sublayers that keep none are left out).
-        `paged`: sublayers that page (attention) take their pool of that layout; the others
-        keep `batch_size` rows as usual (one per request slot of the serving engine)."""
+                  dtype: torch.dtype, paged: PagedLayout) -> dict[str, Any]:
+        """Each sublayer's decoding state, by name (sublayers that keep none are left out):
+        sublayers that page (attention) take their pool of the `paged` layout; the others keep
+        `batch_size` rows (one per request slot of the serving engine)."""
         states = {}
         for name in self.sublayers:
             sublayer = getattr(self, name)
-            if paged is not None and getattr(sublayer, "pages", False):
+            if getattr(sublayer, "pages", False):
                 states[name] = sublayer.new_cache(batch_size, max_len, device, dtype, paged=paged)
             else:
                 states[name] = sublayer.new_cache(batch_size, max_len, device, dtype)
@@ -104,7 +105,6 @@ class Block(nn.Module):
         x: torch.Tensor,
         rope: Rope | None = None,
         cache: dict[str, Any] | None = None,
-        start_pos: int = 0,
         document_ids: torch.Tensor | None = None,
         context: ContextParallel | None = None,
     ) -> torch.Tensor:
@@ -113,14 +113,13 @@ class Block(nn.Module):
             # a compiled block (block.compile()) compiles the checkpoint with it.
             return recompute(self.layer, x, rope, document_ids=document_ids, context=context,
                              random=self.random and self.training, rngs=[self.rng])
-        return self.layer(x, rope, cache, start_pos, document_ids, context)
+        return self.layer(x, rope, cache, document_ids, context)
 
     def layer(
         self,
         x: torch.Tensor,
         rope: Rope | None = None,
         cache: dict[str, Any] | None = None,
-        start_pos: int = 0,
         document_ids: torch.Tensor | None = None,
         context: ContextParallel | None = None,
     ) -> torch.Tensor:
@@ -130,7 +129,7 @@ class Block(nn.Module):
             sublayer, h = getattr(self, name), getattr(self, f"{name}_norm")(x)
             if sublayer.mixes:
                 state = cache.get(name) if cache is not None else None
-                x = x + sublayer(h, rope, state, start_pos, document_ids, context)
+                x = x + sublayer(h, rope, state, document_ids, context)
             else:
                 x = x + sublayer(h)
         return x

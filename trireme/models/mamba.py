@@ -205,8 +205,7 @@ class Mamba(Sublayer):
         self,
         x: Tensor,
         rope: object = None,
-        cache: MambaState | None = None,
-        start_pos: int = 0,
+        cache: SlotState | None = None,
         document_ids: Tensor | None = None,
         context: object = None,
     ) -> Tensor:
@@ -216,10 +215,10 @@ class Mamba(Sublayer):
         zxbcdt = self.in_proj(x)  # [b, s, 2 d_in + 2 g n + heads] (this rank's)
         if isinstance(cache, SlotState):  # the serving engine's ragged step
             return self.resid_dropout(self.out_proj(self._slots(zxbcdt, cache)))
-        if self.recompute_core and cache is None and torch.is_grad_enabled():
+        if self.recompute_core and torch.is_grad_enabled():
             y = recompute(self.core, zxbcdt)
         else:
-            y = self.core(zxbcdt, cache, start_pos)
+            y = self.core(zxbcdt)
         return self.resid_dropout(self.out_proj(y))
 
     def _slots(self, zxbcdt: Tensor, cache: SlotState) -> Tensor:
