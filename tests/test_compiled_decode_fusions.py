@@ -159,7 +159,7 @@ def test_a_recurrent_mixer_first_gets_no_norm_handed_on(monkeypatch):
     """Blocks that start with a mixer with a per-request state (eager) get no norm from the
     block before, nor does that block compute one; the attention blocks still do; the logits
     are the eager forward's (no graphs: slot states)."""
-    monkeypatch.setitem(block_module.SUBLAYERS, "M", ("mixer", RunningMean))
+    monkeypatch.setitem(block_module.SUBLAYERS, "mamba", RunningMean)
     model = model_of(config(num_layers=3, layer_pattern="M-*-M", qk_norm=False))
     texts = prompts(4, seed=8, longest=12)
     params = [SamplingParams(max_tokens=3, greedy=True)] * len(texts)

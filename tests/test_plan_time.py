@@ -21,7 +21,6 @@ from trireme.ops.fp8 import fp8_linear
 from trireme.ops.fp8_training import DelayedFloat8Linear, DelayedFloat8Matmul
 from trireme.plan.activations import head_bytes, shape_of
 from trireme.plan.memory import Degrees
-from trireme.plan.params import layer_symbols
 from trireme.plan.rates import load_rates
 from trireme.plan.time import (
     FP8_AMAX_BYTES,
@@ -274,12 +273,12 @@ def test_only_the_fp8_linears_run_at_the_fp8_rate(preset, layers):
     bf16 = load_config(preset, {"data.mock": True, "model.precision": "bf16",
                                 "model.vocab_size": 32000})
     deg, tokens = Degrees.of(fp8, 1), 4096.0
-    kind = layer_symbols(fp8.model)[-1]
+    kind = fp8.model.layer_kinds[-1]
     m = fp8.model
     q, kv, f = m.num_attention_heads * m.head_size, m.kv_heads * m.head_size, m.ffn_size
     sizes = {"qkv": m.hidden_size * (q + 2 * kv), "out": q * m.hidden_size,
              "fc1": m.hidden_size * 2 * f, "fc2": f * m.hidden_size}
-    names = [n for n in json.loads(layers) if n in sizes and (n in ("qkv", "out") or "-" in kind)]
+    names = [n for n in json.loads(layers) if n in sizes and (n in ("qkv", "out") or "mlp" in kind)]
     fast = 3 * tokens * 2 * sum(sizes[n] for n in names)  # forward + backward FLOPs
     plain = layer_seconds(bf16, deg, kind, tokens, rates, 8)["matmul"]
     got = layer_seconds(fp8, deg, kind, tokens, rates, 8)["matmul"]

@@ -20,6 +20,7 @@ from trireme.config.model import (
     FP8_LAYER_NAMES,
     FP8_OUTPUT,
     KERNEL_NAMES,
+    KINDS,
     MIXERS,
     MODEL_IDENTITY,
     NOT_YET,
@@ -57,7 +58,7 @@ from trireme.errors import ConfigError
 
 __all__ = [
     "AUTO_MICRO_BATCH", "FP8_AUTO", "FP8_LAYER_NAMES", "FP8_OUTPUT", "KERNEL_NAMES", "MIXERS",
-    "MODEL_IDENTITY", "NOT_YET",
+    "KINDS", "MODEL_IDENTITY", "NOT_YET",
     "PRESET_DIR", "SECTIONS", "SYMBOLS", "CheckpointConfig", "Config", "DataConfig",
     "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "ResumeStep", "RunConfig",
     "ScheduleConfig", "TrainConfig", "apply_dict", "config_from_toml", "doc", "load_config",

@@ -92,9 +92,9 @@ def _check_model(cfg: Config, need_vocab: bool) -> None:
         symbol = pending[0]
         raise ConfigError(f"model.layer_pattern: {symbol!r} ({SYMBOLS[symbol]}) is not "
                           f"implemented yet ({NOT_YET[symbol]}); use *, - and E")
-    if "E" in m.layer_pattern:
+    if m.has_kind("moe"):
         _check_moe(m, p)
-    if "M" in m.layer_pattern:
+    if m.has_kind("mamba"):
         _check_mamba(m, p)
         for key in ("reset_attention_mask", "pack_conversations"):
             if getattr(cfg.data, key):  # the recurrent state would run across the documents

@@ -21,7 +21,7 @@ One engine step runs the model once on a ragged batch: T tokens of several reque
 
 Sublayers ask for their state through `new_cache` (trireme.models.block): one that declares
 `pages = True` (attention) gets `paged=PagedLayout(...)` and returns a `PagedKV`; any other mixer
-is asked for `new_cache(slots, max_len, ...)` as usual, one row per request slot, and at each step
+is asked for `new_cache(slots, max_len, ...)`, one row per request slot, and at each step
 receives `SlotState(state, step)`: its rows for `step.requests`' slots (a recurrent state; a
 request's first chunk has start position 0, and the slot then still holds an earlier request's
 state, to be ignored); it declares `slot_states = True` when its forward understands that
@@ -173,15 +173,13 @@ class Carry:
 
 class PagedCache:
     """The paged decoding state of a whole model: layer i's states are `cache[i]` (sublayer name
-    -> PagedKV or SlotState), made by each block's `new_cache`. `ragged`: the model takes
-    per-token positions with it (GPT.forward's position_ids). `compiled_layer`: when set
+    -> PagedKV or SlotState), made by each block's `new_cache`; the model takes per-token
+    positions with it (GPT.forward's position_ids). `compiled_layer`: when set
     (trireme.serving.compiled_decode), decode-only steps run each block through it
     (`forward_layer`); `compiled_prefill` (trireme.serving.compiled_prefill): the same for
     steps with prompt chunks; other steps, and the reference, run the blocks eagerly.
     `kernels` and `failures` (a serving engine's) go to every PagedKV: how the paged decode
     kernel launches, and the record of kernels that failed (a new one by default)."""
-
-    ragged = True
 
     def __init__(self, model: torch.nn.Module, layout: PagedLayout, slots: int,
                  device: torch.device, dtype: torch.dtype,
@@ -198,8 +196,7 @@ class PagedCache:
                 sublayer = getattr(block, sub)
                 if not isinstance(state, PagedKV) and not getattr(sublayer, "slot_states", False):
                     raise ConfigError(f"layer {name}'s {sub!r} sublayer keeps a state the paged "
-                                      "engine cannot hand it yet (it needs slot_states = True); "
-                                      "use `trireme generate` for this model")
+                                      "engine cannot hand it yet (it needs slot_states = True)")
             for state in states.values():
                 if isinstance(state, PagedKV):
                     state.kernels, state.failures = self.kernels, self.failures
@@ -242,7 +239,7 @@ class PagedCache:
             return x
         if step is not None and step.prefills and self.compiled_prefill is not None:
             return self.compiled_prefill(block, x, rope, self.layers[layer], step)
-        return block.forward(x, rope, self.layers[layer], 0)
+        return block.forward(x, rope, self.layers[layer])
 
     def nbytes(self) -> int:
         """Bytes of the key/value pools."""

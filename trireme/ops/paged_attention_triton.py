@@ -368,7 +368,8 @@ SPLIT_COVER = 1.5  # programs per SM default_splits aims at
 
 
 # The launch each variant ships with (an H200 sweep, bench/serve_profile.py --kernel-configs:
-# v2 at these settings measured faster than v1 at its own at batch 16-256, bench/RESULTS.md); 0 in a call or unset in KernelSettings.paged_kernel means these
+# v2 at these settings measured faster than v1 at its own at batch 16-256, bench/RESULTS.md);
+# 0 in a call or unset in KernelSettings.paged_kernel means these
 SHIPPED = {"v1": {"tile": 64, "num_warps": 4, "num_stages": 0, "heads": 1},
            "v2": {"tile": 64, "num_warps": 2, "num_stages": 2, "heads": 2}}
 

@@ -193,7 +193,7 @@ def run_pieces(block: torch.nn.Module, x: torch.Tensor, rope: Any, states: dict[
             y = attend(block, name, states[name], q, k, v)
         elif kind == "eager":
             normed = getattr(block, f"{name}_norm")(x)
-            x = x + getattr(block, name)(normed, rope, states.get(name), 0)
+            x = x + getattr(block, name)(normed, rope, states.get(name))
         else:
             norm = _norm_after(block, plan, i, next_norm) if fusing is not None else None
             if norm is None:

@@ -48,7 +48,7 @@ from trireme.serving.blocks import BlockAllocator, pool_blocks
 from trireme.serving.compiled_prefill import compile_prefill
 from trireme.serving.graphs import DecodeGraphs, graphs_supported
 from trireme.serving.images import RequestImages
-from trireme.serving.sampling import SamplingParams, request_generator, sample_rows
+from trireme.serving.sampling import SamplingParams, request_generator, sample_rows, seeded
 from trireme.serving.scheduler import Request, RequestOutput, Scheduler, StepPlan
 from trireme.serving.step_inputs import SlotTables, StepBatch
 from trireme.serving.tensor_parallel import agreed_min
@@ -78,7 +78,8 @@ class EngineSettings:
     from free GPU memory, or on the CPU enough for max_running full contexts, up to 1 GiB);
     max_running: requests decoded together; max_batch_tokens: tokens per step (decode + prompt
     chunks); max_queue: waiting requests before `submit` raises QueueFull; seed: the shared
-    sampler's; cuda_graphs: replay decode-only steps as CUDA graphs (trireme.serving.graphs;
+    sampler's (None: torch's default generator); cuda_graphs: replay decode-only steps as CUDA
+    graphs (trireme.serving.graphs;
     None, the default: wherever they can run, i.e. graphs_supported: CUDA, the Triton kernel,
     attention-only models; True: the same; False: never); overlap: launch each decode step
     before reading the previous one's tokens (module docstring; None: on when CUDA graphs are);
@@ -105,7 +106,7 @@ class EngineSettings:
     max_running: int = 64
     max_batch_tokens: int = 512
     max_queue: int = 256
-    seed: int = 0
+    seed: int | None = 0
     cuda_graphs: bool | None = None
     overlap: bool | None = None
     compile_decode: bool | None = None
@@ -222,7 +223,7 @@ class Engine:
                                 self.kernel_failures)
         self.scheduler = Scheduler(self.allocator, settings.block_size, settings.max_running,
                                    settings.max_batch_tokens, settings.max_queue)
-        self.generator = torch.Generator(device=self.device).manual_seed(settings.seed)
+        self.generator = None if settings.seed is None else seeded(settings.seed, self.device)
         self.graphs = None
         if (settings.cuda_graphs is not False
                 and graphs_supported(model, self.cache, settings.block_size)):

@@ -205,8 +205,8 @@ def check_context_parallel(cfg: Config) -> None:
         raise ConfigError(f"{packed_documents(cfg)} (packed documents) with parallel.context > 1 "
                           "needs parallel.context_mode = 'allgather'")
     unsupported = {"model.dropout > 0": m.dropout > 0,
-                   "mixture-of-experts layers (E)": "E" in m.layer_pattern,
-                   "Mamba-2 layers (M)": "M" in m.layer_pattern}
+                   "mixture-of-experts layers (E)": m.has_kind("moe"),
+                   "Mamba-2 layers (M)": m.has_kind("mamba")}
     for name, used in unsupported.items():
         if used:
             raise ConfigError(f"parallel.context > 1 with {name}: not implemented yet")
@@ -229,7 +229,7 @@ def check_parallel(cfg: Config, world_size: int | None = None) -> ParallelDims:
         check_vision_layout(cfg.model, p.tensor, p.context, p.sequence_parallel)
     if p.context > 1:
         check_context_parallel(cfg)
-    if p.expert > 1 and "E" not in cfg.model.layer_pattern:
+    if p.expert > 1 and not cfg.model.has_kind("moe"):
         raise ConfigError(f"parallel.expert = {p.expert} needs mixture-of-experts layers (E in "
                           "model.layer_pattern)")
     if p.data_parallel_mode not in ("ddp", "fsdp"):
@@ -543,7 +543,7 @@ def step_metrics(trainer: Trainer, results: list[dict], lr: float, seconds: floa
     if cfg.model.precision == "fp16":
         record["loss_scale"] = float(last["loss_scale"])
     moe = last.get("moe", {})
-    if p.pipeline > 1 and "E" in cfg.model.layer_pattern:
+    if p.pipeline > 1 and cfg.model.has_kind("moe"):
         moe = moe_of_all_stages(trainer, moe)
     if moe:
         record.update(moe_metrics(moe))
