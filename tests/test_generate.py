@@ -67,7 +67,7 @@ def _model(cfg: ModelConfig, seed: int = 0) -> GPT:
 def test_engine_decoding_equals_recomputation(kind):
     """generate() (the serving engine, its paged cache) continues a batch as the argmax of the
     whole sequence recomputed at each token does (the engine's logits, row for row:
-    tests/test_serve_engine.py)."""
+    tests/test_serving_engine.py)."""
     model = _model(CONFIGS[kind])
     prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
     ids = prompt

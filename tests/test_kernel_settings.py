@@ -5,7 +5,7 @@ engine's business: another engine in the process still tries it."""
 import functools
 
 import pytest
-from test_serve_engine import CONFIGS, model_of, prompts
+from test_serving_engine import CONFIGS, model_of, prompts
 
 import trireme.models.paged as paged
 import trireme.ops.skinny_gemm as skinny

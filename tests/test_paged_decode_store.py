@@ -135,7 +135,7 @@ ENGINE_SCRIPT = """
 import json, sys, torch
 sys.path.insert(0, TESTS)
 torch.set_num_threads(1)
-from test_serve_engine import CONFIGS, EagerGraphs, model_of, prompts
+from test_serving_engine import CONFIGS, EagerGraphs, model_of, prompts
 import trireme.models.paged as paged
 import trireme.ops.paged_attention_triton as kernels
 from trireme.serving.compiled_decode import compiled_layer

@@ -3,16 +3,16 @@
 compiled pre-attention and post-attention pieces with PagedKV.attend eager between them; its
 prompt and mixed steps give the eager engine's logits (fp32) and greedy tokens for several model
 shapes, its pieces compile once at engine start whatever the prompt lengths (T dynamic), apart
-from the decode pieces, and no pool reaches a compiled graph (tests/test_compiled_decode.py's
-structural test runs it too). Most tests compile with "aot_eager" (dynamo + AOT autograd, no code
-generation); a slow one with Inductor's C++ backend."""
+from the decode pieces, and no pool reaches a compiled graph
+(tests/test_serving_compiled_decode.py's structural test runs it too). Most tests compile with
+"aot_eager" (dynamo + AOT autograd, no code generation); a slow one with Inductor's C++ backend."""
 
 import os
 import shutil
 
 import pytest
 import torch
-from test_serve_engine import CONFIGS, RunningMean, config, model_of, prompts, sampled_logits
+from test_serving_engine import CONFIGS, RunningMean, config, model_of, prompts, sampled_logits
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.testing import CompileCounterWithBackend
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 from interpreted import BF16_DOT, run_in_interpreter
-from test_compiled_decode import recorded_run
-from test_compiled_prefill import recorded
 from test_paged_attention import paged_case
-from test_serve_engine import RunningMean, config, model_of, prompts
+from test_serving_compiled_decode import recorded_run
+from test_serving_compiled_prefill import recorded
+from test_serving_engine import RunningMean, config, model_of, prompts
 
 import trireme.models.block as block_module
 import trireme.serving.compiled_prefill as compiled_prefill
@@ -288,7 +288,7 @@ def test_the_gather_path_takes_strided_q_k_v():
 SCRIPT = BF16_DOT + """
 import json, sys, torch
 sys.path.insert(0, TESTS)
-from test_compiled_decode_fusions import fused_qkv_case, run_both
+from test_serving_compiled_decode_fusions import fused_qkv_case, run_both
 import trireme.ops.paged_attention_triton as kernels
 copies = []
 real = torch.Tensor.contiguous
@@ -328,7 +328,7 @@ ENGINE_SCRIPT = """
 import json, sys, torch
 sys.path.insert(0, TESTS)
 torch.set_num_threads(1)
-from test_serve_engine import EagerGraphs, config, model_of, prompts
+from test_serving_engine import EagerGraphs, config, model_of, prompts
 import trireme.models.paged as paged
 import trireme.ops.paged_attention_triton as kernels
 from trireme.serving.compiled_decode import compiled_layer

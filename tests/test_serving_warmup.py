@@ -8,7 +8,7 @@ import types
 
 import pytest
 import torch
-from test_serve_engine import config, model_of
+from test_serving_engine import config, model_of
 
 import trireme.serving.engine as engine_module
 from trireme.ops import paged_attention
