@@ -25,7 +25,7 @@ is asked for `new_cache(slots, max_len, ...)`, one row per request slot, and at 
 receives `SlotState(state, step)`: its rows for `step.requests`' slots (a recurrent state; a
 request's first chunk has start position 0, and the slot then still holds an earlier request's
 state, to be ignored); it declares `slot_states = True` when its forward understands that
-(tests/test_serve_engine.py has a small recurrent mixer that does).
+(tests/test_serving_engine.py has a small recurrent mixer that does).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ Inductor once turned in-place pool writes into whole-pool copies).
   serving step meets a compile; if torch.compile is unavailable or compiling fails, that is a
   ConfigError (the flag is an explicit "on", like --compile-decode on).
 - The eager forward (PagedCache.forward_layer without `compiled_prefill`) stays the reference:
-  tests/test_compiled_prefill.py holds this one to its logits and greedy tokens.
+  tests/test_serving_compiled_prefill.py holds this one to its logits and greedy tokens.
 """
 
 from __future__ import annotations
