@@ -108,7 +108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--serve-args", default="",
                    help="flags for trireme serve (engine options); default: module docstring")
     p.add_argument("--workdir", default="", help="where the checkpoint goes (default: a temp "
-                   "folder, removed at the end)")
+                   "folder, removed at the end); one that holds a checkpoint already is reused")
     p.add_argument("--level-timeout", type=float, default=300.0,
                    help="seconds a level may take before it is called failed")
     p.add_argument("--start-timeout", type=float, default=600.0,
@@ -602,8 +602,9 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else REPO / "bench" / "results" / f"serve_http-{name}.json"
     try:
         t = time.monotonic()
-        subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv,
-                        "--make-checkpoint", str(workdir)], check=True)
+        if not (workdir / "checkpoint").exists():  # (a --workdir used before keeps its own)
+            subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv,
+                            "--make-checkpoint", str(workdir)], check=True)
         checkpoint_s = time.monotonic() - t
         from trireme.config import load_config
 

@@ -6,7 +6,11 @@ connections on SIGTERM. Bodies are parsed by trireme.inference.openai_api rather
 FastAPI's models, so that every malformed request gets the OpenAI error shape and a 400.
 
 The engine steps on its own thread (trireme.inference.runner); a handler submits its request
-and awaits outputs that the engine thread puts on the handler's asyncio queue.
+and awaits outputs that the engine thread puts on the handler's asyncio queue. The event loop
+thread and the engine thread share Python's lock, so the engine thread hands outputs over in
+bursts (OutputRelay: one wake-up of the loop for a step's outputs, not one per request), a whole
+answer's text is gathered on the engine thread (its handler wakes once, when it is done), and a
+stream writes every event waiting for it at once.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ import contextlib
 import hmac
 import json
 import threading
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -99,6 +102,7 @@ class OpenAIServer:
     def __init__(self, runner: EngineThread, chat: ChatFormat, settings: ServerSettings) -> None:
         self.runner, self.chat, self.settings = runner, chat, settings
         self.engine = runner.engine
+        self.relay: OutputRelay | None = None  # made on the event loop, at the first request
         self.vision = VisionInputs.of(self.engine.cfg, settings.max_image_pixels)
         self.decodes = asyncio.Semaphore(IMAGE_DECODES)  # image decodes at once (chat requests)
 
@@ -158,13 +162,22 @@ class OpenAIServer:
                            kind="rate_limit_error")
 
     def submit(self, parsed: ParsedRequest) -> tuple[str, asyncio.Queue]:
-        """Queue the request in the engine; its outputs arrive on the returned asyncio queue."""
+        """Queue the request in the engine; its outputs arrive on the returned asyncio queue:
+        a stream's one by one, a whole answer's as one output at the end (its whole text)."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        if self.relay is None or self.relay.loop is not loop:
+            self.relay = OutputRelay(loop)
+        relay, queue = self.relay, asyncio.Queue()
+        if parsed.stream:
+            def put(out: RequestOutput) -> None:  # called on the engine thread
+                relay.put(queue, out)
+        else:
+            pieces: list[str] = []
 
-        def put(out: RequestOutput) -> None:  # called on the engine thread
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(queue.put_nowait, out)
+            def put(out: RequestOutput) -> None:  # (the engine thread): the text at the end
+                pieces.append(out.text)
+                if out.finished:
+                    relay.put(queue, replace(out, text="".join(pieces)))
 
         if not self.runner.alive:
             raise ApiError(503, "the server is shutting down", kind="server_error")
@@ -185,26 +198,21 @@ class OpenAIServer:
             events = self.stream_events(queue, request_id, parsed.include_usage, shape)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        text, last, checked = [], None, time.monotonic()
+        last = None
         try:
-            while last is None or not last.finished:
+            while last is None:  # one output: the whole text (submit)
                 try:
                     last = await asyncio.wait_for(queue.get(), POLL_S)
-                    text.append(last.text)
                 except TimeoutError:
-                    pass
-                if last is not None and last.finished or time.monotonic() - checked < POLL_S:
-                    continue
-                checked = time.monotonic()  # also while tokens arrive: a long answer
-                if await request.is_disconnected():
-                    self.runner.cancel(request_id)
-                    return Response(status_code=499)
+                    if await request.is_disconnected():
+                        self.runner.cancel(request_id)
+                        return Response(status_code=499)
         except asyncio.CancelledError:
             self.runner.cancel(request_id)
             raise
         if last.finish_reason not in ("stop", "length"):
             raise ended_early(last.finish_reason)
-        return JSONResponse(shape.whole("".join(text), last.finish_reason, last.prompt_tokens,
+        return JSONResponse(shape.whole(last.text, last.finish_reason, last.prompt_tokens,
                                         last.completion_tokens))
 
     async def stream_events(self, queue: asyncio.Queue, request_id: str, include_usage: bool,
@@ -215,19 +223,58 @@ class OpenAIServer:
             if shape.chat:
                 yield sse(shape.chunk(None, first=True))
             while not finished:
-                out = await queue.get()
-                finished = out.finished
-                if out.finish_reason not in (None, "stop", "length"):
-                    yield sse(ended_early(out.finish_reason).body())
-                    break
-                if out.text or finished:
-                    yield sse(shape.chunk(out.text, out.finish_reason))
-                if finished and include_usage:
-                    yield sse(shape.usage_chunk(out.prompt_tokens, out.completion_tokens))
+                # the outputs waiting now go out in one write: each write costs the event
+                # loop (and so the engine thread, which shares Python's lock) more than its
+                # bytes do
+                outputs = [await queue.get()]
+                while not queue.empty():
+                    outputs.append(queue.get_nowait())
+                events = []
+                for out in outputs:
+                    finished = out.finished  # (the last output of a request)
+                    if out.finish_reason not in (None, "stop", "length"):
+                        events.append(sse(ended_early(out.finish_reason).body()))
+                        break
+                    if out.text or finished:
+                        events.append(sse(shape.chunk(out.text, out.finish_reason)))
+                    if finished and include_usage:
+                        events.append(sse(shape.usage_chunk(out.prompt_tokens,
+                                                            out.completion_tokens)))
+                if events:
+                    yield "".join(events)
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # the client went away (or the server is stopping)
                 self.runner.cancel(request_id)
+
+
+class OutputRelay:
+    """Hands the engine thread's outputs to the event loop's queues in bursts: the first
+    output of a burst schedules one call on the loop (a write to its wake-up pipe), which
+    delivers every output put until it runs, in order. A step's outputs for 64 requests thus
+    wake the loop once rather than 64 times."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.waiting: list[tuple[asyncio.Queue, RequestOutput]] = []
+
+    def put(self, queue: asyncio.Queue, out: RequestOutput) -> None:
+        """Any thread: `out` goes on `queue`, on the loop, soon."""
+        with self.lock:
+            self.waiting.append((queue, out))
+            first = len(self.waiting) == 1
+        if first and not self.loop.is_closed():
+            try:
+                self.loop.call_soon_threadsafe(self.deliver)
+            except RuntimeError:  # the loop closed meanwhile: nobody is listening
+                pass
+
+    def deliver(self) -> None:
+        with self.lock:
+            waiting, self.waiting = self.waiting, []
+        for queue, out in waiting:
+            queue.put_nowait(out)
 
 
 def ended_early(reason: str) -> ApiError:
