@@ -206,7 +206,6 @@ def make_checkpoint(args, workdir: Path) -> None:
 def engine_worker(args, workdir: Path) -> None:
     """In a fresh process: the engine `trireme serve` builds from --serve-args, stepped by
     serve_throughput's closed loop at each level; one JSON line per (system, level)."""
-    import torch
 
     from trireme.inference.cli import engine_from_args, load_for_inference
     from trireme.inference.openai_api import parse_completion
@@ -233,23 +232,29 @@ def engine_worker(args, workdir: Path) -> None:
             row = {k: v for k, v in row.items() if k not in ("late_compiles", "slowest_steps")}
             print(json.dumps({"system": system, "mode": "-", "concurrency": concurrency,
                               "requests": count, "errors": 0, **row}), flush=True)
-    engine.tokenizer = tokenizer
     del engine
     free_memory()
-    print(json.dumps({"device": torch.cuda.get_device_name() if torch.cuda.is_available()
-                      and args.device != "cpu" else "cpu", "torch": torch.__version__}),
-          flush=True)
 
 
-def run_engine(args, workdir: Path, log: Path) -> tuple[list[dict], dict]:
+def run_engine(args, workdir: Path, log: Path) -> list[dict]:
     cmd = [sys.executable, str(Path(__file__).resolve()), *args.argv, "--engine-worker",
            str(workdir)]
     with open(log, "a") as err:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0:
-        return [{"system": "engine", "error": f"exit {proc.returncode}; see {log}"}], {}
-    return [r for r in lines if "system" in r], next((r for r in lines if "torch" in r), {})
+        rows.append({"system": "engine", "error": f"exit {proc.returncode}; see {log}"})
+    return rows
+
+
+def device_info(device: str) -> dict:
+    """The GPU's name and torch's version, from a process of their own (this one stays off the
+    GPU: its client processes are forked from it)."""
+    code = ("import json, torch; print(json.dumps({'torch': torch.__version__, 'device': "
+            f"torch.cuda.get_device_name() if {device != 'cpu'} and torch.cuda.is_available() "
+            "else 'cpu'}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    return json.loads(proc.stdout) if proc.returncode == 0 else {}
 
 
 # ---------------------------------------------------------------------------- the server
@@ -494,14 +499,15 @@ def summarize(records: list[dict], stream: bool) -> dict:
     return row
 
 
-def run_server(args, workdir: Path, log: Path, prompts: list[list[int]]) -> tuple[list[dict],
-                                                                                   dict]:
-    """One server process: warm-up, then every level and mode."""
+def run_server(args, workdir: Path, log: Path, prompts: list[list[int]], rows: list[dict],
+               saved=lambda: None) -> dict:
+    """One server process: warm-up, then every level and mode, each a row added to `rows`
+    (then `saved()` is called); returns the server's command and start time."""
     try:
         server = Server(args, workdir, log)
     except RuntimeError as e:
-        return [{"system": "http", "error": str(e)}], {}
-    rows = []
+        rows.append({"system": "http", "error": str(e)})
+        return {}
     try:
         warm = [request_body(p, 16, False) for p in prompts[:args.warmup]]
         drive(server.host, server.port, warm, max(args.warmup, 1), 1, args.level_timeout)
@@ -523,10 +529,13 @@ def run_server(args, workdir: Path, log: Path, prompts: list[list[int]]) -> tupl
                 rows.append({"system": "http", "mode": mode, "concurrency": concurrency,
                              **summarize(records, stream), "client_procs": len(cpu),
                              "client_cpu_max": max(cpu)})
+                print(f"  http {mode} C={concurrency}: "
+                      f"{rows[-1].get('output_tokens_per_s', 0):.0f} output tokens/s", flush=True)
+                saved()
     finally:
         code = server.stop()
-    return rows, {"server_command": server.command, "server_start_s": server.start_s,
-                  "server_exit": code}
+    return {"server_command": server.command, "server_start_s": server.start_s,
+            "server_exit": code}
 
 
 # ---------------------------------------------------------------------------- report
@@ -611,32 +620,10 @@ def main(argv=None) -> int:
         vocab = load_config(args.preset, args.override).model.vocab_size
         prompts = make_prompts(args, vocab)
         repeats: list[list[dict]] = []
-        info: dict = {}
+        info: dict = device_info(args.device)
         durations: list[float] = []
-        for repeat in range(args.repeats):
-            if (args.budget_s and durations
-                    and time.monotonic() - began + max(durations) > args.budget_s):
-                print(f"stopping after {repeat} repeats: --budget-s {args.budget_s:.0f}",
-                      flush=True)
-                break
-            t = time.monotonic()
-            rows = []
-            if args.engine != "off":
-                engine_rows, versions = run_engine(args, workdir, log)
-                rows += engine_rows
-                info.update(versions)
-            http_rows, server_info = run_server(args, workdir, log, prompts)
-            rows += http_rows
-            info.update(server_info)
-            durations.append(time.monotonic() - t)
-            for r in rows:
-                r["repeat"] = repeat
-            repeats.append(rows)
-            table = summary(repeats)
-            print(f"repeat {repeat + 1}: {durations[-1]:.0f} s", flush=True)
-            failed = [r for r in rows if "error" in r]
-            for r in failed:
-                print(f"  failed: {r}", flush=True)
+
+        def saved() -> None:  # after each part: what ran so far survives a timeout
             write_result(out, {
                 "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 "device": info.get("device", ""), "torch": info.get("torch", ""),
@@ -645,7 +632,32 @@ def main(argv=None) -> int:
                              if k not in ("engine_worker", "make_checkpoint", "argv")},
                 "server_command": info.get("server_command"), "checkpoint_s": checkpoint_s,
                 "server_start_s": info.get("server_start_s"), "repeat_s": durations,
-                "summary": table, "repeats": repeats})
+                "summary": summary(repeats), "repeats": repeats})
+
+        for repeat in range(args.repeats):
+            if (args.budget_s and durations
+                    and time.monotonic() - began + max(durations) > args.budget_s):
+                print(f"stopping after {repeat} repeats: --budget-s {args.budget_s:.0f}",
+                      flush=True)
+                break
+            t = time.monotonic()
+            rows: list[dict] = []
+            repeats.append(rows)
+            if args.engine != "off":
+                rows += run_engine(args, workdir, log)
+                for r in rows:
+                    print(f"  {r['system']} C={r.get('concurrency')}: "
+                          f"{r.get('output_tokens_per_s', 0):.0f} output tokens/s", flush=True)
+                saved()
+            info.update(run_server(args, workdir, log, prompts, rows, saved))
+            durations.append(time.monotonic() - t)
+            for r in rows:
+                r["repeat"] = repeat
+            print(f"repeat {repeat + 1}: {durations[-1]:.0f} s", flush=True)
+            for r in rows:
+                if "error" in r:
+                    print(f"  failed: {r}", flush=True)
+            saved()
         print(format_table(summary(repeats)))
         if any("error" in r for rows in repeats for r in rows):
             print(f"some runs failed; the log: {log}")
