@@ -36,7 +36,7 @@ from trireme.data.chat import (
 from trireme.data.tokenizer import load_tokenizer
 from trireme.inference.openai_api import Answer, ApiError, parse_chat, parse_completion
 from trireme.inference.scheduler import RequestOutput
-from trireme.inference.server import OpenAIServer, OutputRelay, sse
+from trireme.inference.server import LOOP_SHARE, OpenAIServer, OutputRelay, sse
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["def ", "import os\n", "a", "The quick brown fox jumps over the lazy dog. " * 2,
@@ -139,6 +139,7 @@ def test_a_steps_outputs_wake_the_event_loop_once_and_arrive_in_order():
                 for i, q in enumerate(queues)])
             engine.start()
             engine.join()
+            relay.not_before = 0.0  # (this test is not about the pacing)
             loop.run_until_complete(asyncio.sleep(0))  # the loop delivers the step's outputs
             assert len(wakes) == step + 1
         assert [[q.get_nowait().text for _ in range(3)] for q in queues] == [
@@ -148,10 +149,51 @@ def test_a_steps_outputs_wake_the_event_loop_once_and_arrive_in_order():
         loop.close()
 
 
+def test_a_costly_delivery_spaces_the_next_one_out():
+    """After a delivery that kept the loop busy (its cost: the time from handing the outputs
+    out to the woken readers having run), the next waits (1 / LOOP_SHARE - 1) times that long,
+    and carries everything put meanwhile; a cheap one leaves the next at once."""
+    loop = asyncio.new_event_loop()
+    now = [0.0]
+    relay = OutputRelay(loop, clock=lambda: now[0])
+    costly = 0.004  # seconds of (fake) clock each reader's wake-up takes
+    got: list[list[str]] = []
+
+    async def reader(queue: asyncio.Queue, wanted: int) -> None:
+        while sum(len(g) for g in got) < wanted:
+            batch = [(await queue.get()).text]
+            while not queue.empty():
+                batch.append(queue.get_nowait().text)
+            now[0] += costly
+            got.append(batch)
+
+    async def run() -> float:
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        task = asyncio.create_task(reader(queue, 3))
+        await asyncio.sleep(0)
+        relay.put(queue, output("a"))
+        await asyncio.sleep(0.001)  # delivered at once: nothing was delivered before
+        assert got == [["a"]]
+        assert relay.not_before == pytest.approx(costly / LOOP_SHARE)
+        began = time.monotonic()
+        relay.put(queue, output("b"))
+        relay.put(queue, output("c"))
+        await asyncio.wait_for(task, 5)
+        return time.monotonic() - began
+
+    try:
+        waited = loop.run_until_complete(run())
+    finally:
+        loop.close()
+    assert got == [["a"], ["b", "c"]]  # one delivery, after the pause
+    assert waited >= costly * (1 / LOOP_SHARE - 1) * 0.9
+
+
 @pytest.mark.parametrize("chat", [False, True])
-def test_a_streams_waiting_events_go_out_in_one_write(chat):
-    """The outputs waiting on a stream's queue are written at once: the same events, in order,
-    as when they arrive one by one; an error ends the stream after its event."""
+def test_a_streams_waiting_outputs_go_out_as_one_event(chat):
+    """The outputs waiting on a stream's queue go out as one event, their texts joined (the
+    answer's text is the same as when they arrive one by one); an error ends the stream after
+    the text before it."""
     def writes(bursts: list[list[RequestOutput]], shape: Answer) -> list[str]:
         async def run() -> list[str]:
             queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -173,13 +215,14 @@ def test_a_streams_waiting_events_go_out_in_one_write(chat):
     one_by_one = writes([[o] for o in outputs[:1]] + [outputs[1:3]] + [outputs[3:]], shape)
     together = writes([outputs], shape)
     head = [sse(shape.chunk(None, first=True))] if chat else []
-    events = [sse(shape.chunk("a")), sse(shape.chunk("b")), sse(shape.chunk("c", "length")),
-              sse(shape.usage_chunk(3, 3))]
-    assert together == head + ["".join(events), "data: [DONE]\n\n"]
-    assert one_by_one == head + [events[0], events[1], "".join(events[2:]), "data: [DONE]\n\n"]
+    usage = sse(shape.usage_chunk(3, 3))
+    done = "data: [DONE]\n\n"
+    assert together == head + [sse(shape.chunk("abc", "length")) + usage, done]
+    assert one_by_one == head + [sse(shape.chunk("a")), sse(shape.chunk("b")),
+                                 sse(shape.chunk("c", "length")) + usage, done]
     failed = writes([[output("a"), output("", "error")]], shape)
-    assert failed[-2].startswith(events[0] + "data: {\"error\"") and failed[-1].endswith(
-        "[DONE]\n\n")
+    assert failed[-2].startswith(sse(shape.chunk("a")) + "data: {\"error\"")
+    assert failed[-1] == done
 
 
 def test_stop_strings(server):

@@ -31,6 +31,8 @@ from trireme.inference.replicated import Leader, follow
 from trireme.inference.runner import EngineThread
 from trireme.parallel.mesh import launched_rank
 
+SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval while serving (serve_main)
+
 EPILOG = """\
 endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 GET /metrics (Prometheus). The API key may also come from the TRIREME_API_KEY variable.
@@ -145,6 +147,10 @@ def serve_main(argv: list[str]) -> int:
     # there before it: make that one a no-op, so that a drained server exits with status 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
+    # the engine thread and the event loop share Python's lock: a thread that wants it waits
+    # this long at most for a busy holder to let go (Python's default, 5 ms, is ~3 decode steps
+    # in which the GPU would wait for the engine's next launch)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         DrainingServer(config, runner, args.drain_timeout).run(sockets=[sock])
     finally:

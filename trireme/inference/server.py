@@ -8,9 +8,9 @@ FastAPI's models, so that every malformed request gets the OpenAI error shape an
 The engine steps on its own thread (trireme.inference.runner); a handler submits its request
 and awaits outputs that the engine thread puts on the handler's asyncio queue. The event loop
 thread and the engine thread share Python's lock, so the engine thread hands outputs over in
-bursts (OutputRelay: one wake-up of the loop for a step's outputs, not one per request), a whole
-answer's text is gathered on the engine thread (its handler wakes once, when it is done), and a
-stream writes every event waiting for it at once.
+bursts, as often as a bounded share of the loop's time allows (OutputRelay), a whole answer's
+text is gathered on the engine thread (its handler wakes once, when it is done), and a stream
+sends the text waiting for it as one event.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import contextlib
 import hmac
 import json
 import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -45,6 +46,7 @@ from trireme.inference.scheduler import RequestOutput
 POLL_S = 0.5  # how often a waiting handler checks that its client is still there
 RETRY_AFTER_S = 1  # a 429's Retry-After header (seconds)
 DRAIN_MARGIN_S = 1.0  # the engine's requests end this long before uvicorn's drain runs out
+LOOP_SHARE = 0.25  # OutputRelay: the event loop's share of the time for answers, at most about
 
 
 IMAGE_DECODES = 2  # chat requests whose images are decoded at once (the rest wait their turn)
@@ -223,23 +225,26 @@ class OpenAIServer:
             if shape.chat:
                 yield sse(shape.chunk(None, first=True))
             while not finished:
-                # the outputs waiting now go out in one write: each write costs the event
-                # loop (and so the engine thread, which shares Python's lock) more than its
-                # bytes do
+                # the outputs waiting now go out as one event (their texts joined) in one
+                # write: each write costs the event loop (and so the engine thread, which
+                # shares Python's lock) far more than its bytes do
                 outputs = [await queue.get()]
                 while not queue.empty():
                     outputs.append(queue.get_nowait())
+                last = outputs[-1]  # (a request's finished output is its last)
+                finished = last.finished
+                text = "".join(out.text for out in outputs)
                 events = []
-                for out in outputs:
-                    finished = out.finished  # (the last output of a request)
-                    if out.finish_reason not in (None, "stop", "length"):
-                        events.append(sse(ended_early(out.finish_reason).body()))
-                        break
-                    if out.text or finished:
-                        events.append(sse(shape.chunk(out.text, out.finish_reason)))
+                if last.finish_reason not in (None, "stop", "length"):
+                    if text:
+                        events.append(sse(shape.chunk(text)))
+                    events.append(sse(ended_early(last.finish_reason).body()))
+                else:
+                    if text or finished:
+                        events.append(sse(shape.chunk(text, last.finish_reason)))
                     if finished and include_usage:
-                        events.append(sse(shape.usage_chunk(out.prompt_tokens,
-                                                            out.completion_tokens)))
+                        events.append(sse(shape.usage_chunk(last.prompt_tokens,
+                                                            last.completion_tokens)))
                 if events:
                     yield "".join(events)
             yield "data: [DONE]\n\n"
@@ -249,32 +254,57 @@ class OpenAIServer:
 
 
 class OutputRelay:
-    """Hands the engine thread's outputs to the event loop's queues in bursts: the first
-    output of a burst schedules one call on the loop (a write to its wake-up pipe), which
-    delivers every output put until it runs, in order. A step's outputs for 64 requests thus
-    wake the loop once rather than 64 times."""
+    """Hands the engine thread's outputs to the event loop's queues in bursts, and keeps the
+    loop's share of the time bounded.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+    The first output of a burst schedules one call on the loop (a write to its wake-up pipe),
+    which delivers every output put until it runs, in order: a step's outputs for 64 requests
+    wake the loop once. After a delivery the loop measures what it cost (putting the outputs on
+    their queues and the woken streams writing them: each write runs through the ASGI stack,
+    tens of microseconds) and delivers again no sooner than LOOP_SHARE of the time allows
+    (after (1 / LOOP_SHARE - 1) x that cost). With few streams a delivery costs microseconds
+    and every token goes out as it comes; with many, each delivery carries several tokens per
+    stream (written as one event), and the engine thread, which needs the same Python lock to
+    step, keeps most of the time.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, clock=time.perf_counter) -> None:
+        self.loop, self.clock = loop, clock
         self.lock = threading.Lock()
         self.waiting: list[tuple[asyncio.Queue, RequestOutput]] = []
+        self.scheduled = False  # a delivery is on its way (under the lock)
+        self.not_before = 0.0  # (clock) no delivery before this; set on the loop
 
     def put(self, queue: asyncio.Queue, out: RequestOutput) -> None:
         """Any thread: `out` goes on `queue`, on the loop, soon."""
         with self.lock:
             self.waiting.append((queue, out))
-            first = len(self.waiting) == 1
-        if first and not self.loop.is_closed():
-            try:
-                self.loop.call_soon_threadsafe(self.deliver)
-            except RuntimeError:  # the loop closed meanwhile: nobody is listening
-                pass
+            if self.scheduled:
+                return
+            self.scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._schedule)
+        except RuntimeError:  # the loop is closed: nobody is listening
+            pass
+
+    def _schedule(self) -> None:
+        wait = self.not_before - self.clock()
+        if wait > 0:
+            self.loop.call_later(wait, self.deliver)
+        else:
+            self.deliver()
 
     def deliver(self) -> None:
+        start = self.clock()
         with self.lock:
-            waiting, self.waiting = self.waiting, []
+            waiting, self.waiting, self.scheduled = self.waiting, [], False
         for queue, out in waiting:
-            queue.put_nowait(out)
+            queue.put_nowait(out)  # (wakes the queue's reader: it runs after this call)
+        self.loop.call_soon(self._delivered, start)  # after the woken readers' steps
+
+    def _delivered(self, start: float) -> None:
+        now = self.clock()
+        self.not_before = now + (now - start) * (1 / LOOP_SHARE - 1)
 
 
 def ended_early(reason: str) -> ApiError:
