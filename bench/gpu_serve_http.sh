@@ -5,6 +5,7 @@
 # the same checkpoint, HTTP only. JSON and logs under $OUT (default bench/results).
 #   bash bench/gpu_serve_http.sh                    # REPEATS=3 BUDGET_S=420 for the record
 #   BASE=/path/to/old/checkout bash bench/gpu_serve_http.sh
+#   EXTRA="--engine plain" adds flags to this tree's run
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
@@ -15,7 +16,7 @@ LEVELS=${LEVELS:-1,64,256}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT" "$WORK"
 timeout ${NEW_TIMEOUT_S:-480} python3 bench/serve_http.py --workdir "$WORK" --repeats "$REPEATS" \
-    --budget-s "$BUDGET_S" --concurrency "$LEVELS" --out "$OUT/serve_http-new.json" \
+    --budget-s "$BUDGET_S" --concurrency "$LEVELS" --out "$OUT/serve_http-new.json" ${EXTRA:-} \
     2>&1 | tee "$OUT/serve_http-new.log"
 cp "$WORK/serve_http.log" "$OUT/serve_http-new-server.log" 2>/dev/null
 if [ -n "${BASE:-}" ]; then
