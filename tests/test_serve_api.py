@@ -36,7 +36,13 @@ from trireme.data.chat import (
 from trireme.data.tokenizer import load_tokenizer
 from trireme.inference.openai_api import Answer, ApiError, parse_chat, parse_completion
 from trireme.inference.scheduler import RequestOutput
-from trireme.inference.server import LOOP_SHARE, OpenAIServer, OutputRelay, sse
+from trireme.inference.server import (
+    LOOP_SHARE,
+    MAX_PAUSE_S,
+    OpenAIServer,
+    OutputRelay,
+    sse,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["def ", "import os\n", "a", "The quick brown fox jumps over the lazy dog. " * 2,
@@ -187,6 +193,14 @@ def test_a_costly_delivery_spaces_the_next_one_out():
         loop.close()
     assert got == [["a"], ["b", "c"]]  # one delivery, after the pause
     assert waited >= costly * (1 / LOOP_SHARE - 1) * 0.9
+    relay.loop = asyncio.new_event_loop()  # a delivery that took a second (a GC pause, say):
+    try:  # the next waits MAX_PAUSE_S, not three seconds
+        relay.deliver()
+        now[0] += 1.0
+        relay.loop.run_until_complete(asyncio.sleep(0))
+        assert relay.not_before == pytest.approx(now[0] + MAX_PAUSE_S)
+    finally:
+        relay.loop.close()
 
 
 @pytest.mark.parametrize("chat", [False, True])

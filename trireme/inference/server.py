@@ -47,6 +47,7 @@ POLL_S = 0.5  # how often a waiting handler checks that its client is still ther
 RETRY_AFTER_S = 1  # a 429's Retry-After header (seconds)
 DRAIN_MARGIN_S = 1.0  # the engine's requests end this long before uvicorn's drain runs out
 LOOP_SHARE = 0.25  # OutputRelay: the event loop's share of the time for answers, at most about
+MAX_PAUSE_S = 0.05  # OutputRelay: the longest pause between deliveries (after a GC pause, say)
 
 
 IMAGE_DECODES = 2  # chat requests whose images are decoded at once (the rest wait their turn)
@@ -262,10 +263,10 @@ class OutputRelay:
     wake the loop once. After a delivery the loop measures what it cost (putting the outputs on
     their queues and the woken streams writing them: each write runs through the ASGI stack,
     tens of microseconds) and delivers again no sooner than LOOP_SHARE of the time allows
-    (after (1 / LOOP_SHARE - 1) x that cost). With few streams a delivery costs microseconds
-    and every token goes out as it comes; with many, each delivery carries several tokens per
-    stream (written as one event), and the engine thread, which needs the same Python lock to
-    step, keeps most of the time.
+    (after (1 / LOOP_SHARE - 1) x that cost, MAX_PAUSE_S at most). With few streams a delivery
+    costs microseconds and every token goes out as it comes; with many, each delivery carries
+    several tokens per stream (written as one event), and the engine thread, which needs the
+    same Python lock to step, keeps most of the time.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, clock=time.perf_counter) -> None:
@@ -304,7 +305,7 @@ class OutputRelay:
 
     def _delivered(self, start: float) -> None:
         now = self.clock()
-        self.not_before = now + (now - start) * (1 / LOOP_SHARE - 1)
+        self.not_before = now + min((now - start) * (1 / LOOP_SHARE - 1), MAX_PAUSE_S)
 
 
 def ended_early(reason: str) -> ApiError:
