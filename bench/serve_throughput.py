@@ -194,10 +194,24 @@ def run_level(model, args, prompts: list[list[int]], concurrency: int) -> dict:
     graphs, compiled = graphs_active(engine), compiled_active(engine)
     prefill, prefill_s = engine.cache.compiled_prefill is not None, engine.prefill_compile_s
     params = SamplingParams(max_tokens=args.output_tokens, greedy=True, ignore_eos=True)
+    measured = closed_loop(engine, prompts[:count], concurrency, params)
+    graphs, compiled = graphs and graphs_active(engine), compiled and compiled_active(engine)
+    del engine
+    free_memory()
+    return {"system": "trireme", "concurrency": concurrency, "prompts": count, "graphs": graphs,
+            "compiled": compiled, "compiled_prefill": prefill,
+            "prefill_compile_s": prefill_s, **measured}
+
+
+def closed_loop(engine: Engine, prompts: list[list[int]], concurrency: int,
+                params: SamplingParams) -> dict:
+    """Run every prompt through `engine` with `concurrency` requests in flight (a new one
+    joins as one ends), stepping on this thread; output tokens/s, TTFT, TPOT and end-to-end
+    latency p50 / p99, and where the steps' time went."""
     finished_at: dict[str, float] = {}
     on_output = lambda out: finished_at.__setitem__(out.request_id, time.monotonic()) if (
         out.finished) else None
-    todo, requests, steps = list(prompts[:count]), [], []
+    todo, requests, steps = list(prompts), [], []
     pauses, late = GcPauses(), LateCompiles()
     gc.callbacks.append(pauses)
     start = time.monotonic()  # the engine stamps requests with time.monotonic too
@@ -210,16 +224,13 @@ def run_level(model, args, prompts: list[list[int]], concurrency: int) -> dict:
     ttft = [r.first_token_at - r.arrival for r in requests]
     tpot = [(finished_at[r.request_id] - r.first_token_at) / max(len(r.output_ids) - 1, 1)
             for r in requests]
+    latency = [finished_at[r.request_id] - r.arrival for r in requests]
     tokens = sum(len(r.output_ids) for r in requests)
-    graphs, compiled = graphs and graphs_active(engine), compiled and compiled_active(engine)
-    del engine
-    free_memory()
-    return {"system": "trireme", "concurrency": concurrency, "prompts": count, "graphs": graphs,
-            "compiled": compiled, "compiled_prefill": prefill,
-            "prefill_compile_s": prefill_s,
-            "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
+    return {"output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
             "ttft_p50_ms": 1e3 * percentile(ttft, 0.5), "ttft_p99_ms": 1e3 * percentile(ttft, 0.99),
             "tpot_p50_ms": 1e3 * percentile(tpot, 0.5), "tpot_p99_ms": 1e3 * percentile(tpot, 0.99),
+            "latency_p50_ms": 1e3 * percentile(latency, 0.5),
+            "latency_p99_ms": 1e3 * percentile(latency, 0.99),
             **step_summary(steps), "gc_pauses_ms": pauses.long, "late_compiles": late.since()}
 
 

@@ -174,6 +174,33 @@ def test_serve_throughput_cpu_smoke(tmp_path):
     assert data["settings"]["compile_decode"] == "auto"
 
 
+def test_serve_http_cpu_smoke(tmp_path):
+    """bench/serve_http.py saves a tiny checkpoint, starts `trireme serve` on it in a process of
+    its own, drives it over HTTP (streamed and whole) and runs the engine alone at the same load:
+    every request makes all its tokens; nothing fails."""
+    out = tmp_path / "http.json"
+    cmd = [sys.executable, str(REPO / "bench" / "serve_http.py"), "--smoke", "--out", str(out)]
+    env = {**{k: v for k, v in os.environ.items() if k != "OUT"}, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "TTFT p50/p99 ms" in proc.stdout
+    data = json.loads(out.read_text())
+    for key in ("date", "device", "torch", "git_commit", "settings", "server_command"):
+        assert data[key] is not None, key
+    assert data["server_command"].startswith("trireme serve --checkpoint")
+    rows = {(r["system"], r["mode"], r["concurrency"]): r for r in data["summary"]}
+    kinds = [("engine", "-"), ("engine+text", "-"), ("http", "stream"), ("http", "whole")]
+    assert set(rows) == {(s, m, c) for s, m in kinds for c in (1, 4)}, sorted(rows)
+    for (system, mode, _), r in rows.items():
+        assert r["errors"] == 0 and r["output_tokens_per_s"] > 0 and r["latency_p50_ms"] > 0
+        assert (r["ttft_p50_ms"] is not None) == (mode != "whole"), r
+        assert r["vs_engine"] > 0 and (system != "engine" or r["vs_engine"] == 1.0)
+    for r in data["repeats"][0]:
+        assert r["output_tokens"] == r["requests"] * 8, r  # ignore_eos: all 8 tokens each
+        if r["system"] == "http":
+            assert r["min_tokens"] == 8 and r["client_procs"] >= 1
+
+
 def test_serve_profile_and_batch_host_cpu_smoke(tmp_path):
     env = {**{k: v for k, v in os.environ.items() if k != "OUT"}, "OMP_NUM_THREADS": "1"}
     out = tmp_path / "profile.json"

@@ -3,6 +3,7 @@ settings must never fail other requests, odd bodies get 400s (never a 500 or a t
 whole answer is cancelled when its client leaves while tokens still come, and a drain that runs
 out answers the requests left (503, or a stream's last error event) instead of cutting them."""
 
+import asyncio
 import http.client
 import json
 import math
@@ -20,7 +21,7 @@ import torch
 from serving import client, live_server, make_checkpoint, plain_request, stream_lines
 
 from trireme.cli import main as trireme_main
-from trireme.commands.serve import chat_format, server_url
+from trireme.commands.serve import bind, chat_format, server_url
 from trireme.data.chat import ChatFormat
 from trireme.data.tokenizer import load_tokenizer
 from trireme.errors import ConfigError
@@ -220,6 +221,37 @@ def test_a_port_in_use_is_found_before_the_model_loads(checkpoint, capsys, monke
                              "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{port}" in err and err.count("\n") == 1, err
+
+
+def test_served_connections_send_small_writes_at_once():
+    """The listening socket `trireme serve` binds gives its connections TCP_NODELAY under
+    asyncio's own loop (uvicorn without uvloop): made without its protocol named, Nagle's
+    algorithm stayed on, and each answer's second write (a body after its headers, every event
+    of a stream after the first) waited ~40 ms for the client's delayed acknowledgement."""
+    listening = bind("127.0.0.1", 0)
+
+    async def accepted_nodelay() -> int:
+        loop = asyncio.get_running_loop()
+        made = loop.create_future()
+
+        class Accept(asyncio.Protocol):
+            def connection_made(self, transport) -> None:
+                sock = transport.get_extra_info("socket")
+                made.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+        server = await loop.create_server(Accept, sock=listening)
+        _, writer = await asyncio.open_connection(*listening.getsockname()[:2])
+        try:
+            return await asyncio.wait_for(made, 10)
+        finally:
+            writer.close()
+            server.close()
+
+    loop = asyncio.new_event_loop()  # the standard library's loop, whatever the policy
+    try:
+        assert loop.run_until_complete(accepted_nodelay()) != 0
+    finally:
+        loop.close()
 
 
 def test_a_second_signal_ends_the_drain_with_answers(checkpoint, monkeypatch):

@@ -3,11 +3,13 @@ return what `trireme generate --greedy` returns for each prompt alone; streaming
 answer; stop strings, bad input (400 / 401 / 413), the bounded queue (429), metrics, chat
 templates, disconnects and SIGTERM; and the offline batch mode."""
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,7 +34,15 @@ from trireme.data.chat import (
     plain_chat_prompt,
 )
 from trireme.data.tokenizer import load_tokenizer
-from trireme.serving.openai_api import ApiError, parse_chat, parse_completion
+from trireme.serving.openai_api import Answer, ApiError, parse_chat, parse_completion
+from trireme.serving.scheduler import RequestOutput
+from trireme.serving.server import (
+    LOOP_SHARE,
+    MAX_PAUSE_S,
+    OpenAIServer,
+    OutputRelay,
+    sse,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["def ", "import os\n", "a", "The quick brown fox jumps over the lazy dog. " * 2,
@@ -114,6 +124,119 @@ def test_streaming_equals_the_whole_answer(server):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == (
         whole.choices[0].message.content)
     assert whole.usage.prompt_tokens == len(plain_chat_prompt(messages).encode())
+
+
+def output(text: str, reason: str | None = None, tokens: int = 1) -> RequestOutput:
+    return RequestOutput("r", text, [0], reason is not None, reason, 3, tokens)
+
+
+def test_a_steps_outputs_wake_the_event_loop_once_and_arrive_in_order():
+    """OutputRelay: the outputs the engine thread puts for one step (here 4 requests) wake the
+    event loop once, not once per request, and reach each request's queue in order."""
+    loop = asyncio.new_event_loop()
+    wakes = []
+    schedule = loop.call_soon_threadsafe
+    loop.call_soon_threadsafe = lambda *args: (wakes.append(args), schedule(*args))[1]
+    relay, queues = OutputRelay(loop), [asyncio.Queue() for _ in range(4)]
+    try:
+        for step in range(3):
+            engine = threading.Thread(target=lambda step=step: [
+                relay.put(q, output(f"{i}.{step}", "length" if step == 2 else None))
+                for i, q in enumerate(queues)])
+            engine.start()
+            engine.join()
+            relay.not_before = 0.0  # (this test is not about the pacing)
+            loop.run_until_complete(asyncio.sleep(0))  # the loop delivers the step's outputs
+            assert len(wakes) == step + 1
+        assert [[q.get_nowait().text for _ in range(3)] for q in queues] == [
+            [f"{i}.{step}" for step in range(3)] for i in range(4)]
+        assert all(q.empty() for q in queues)
+    finally:
+        loop.close()
+
+
+def test_a_costly_delivery_spaces_the_next_one_out():
+    """After a delivery that kept the loop busy (its cost: the time from handing the outputs
+    out to the woken readers having run), the next waits (1 / LOOP_SHARE - 1) times that long,
+    and carries everything put meanwhile; a cheap one leaves the next at once."""
+    loop = asyncio.new_event_loop()
+    now = [0.0]
+    relay = OutputRelay(loop, clock=lambda: now[0])
+    costly = 0.004  # seconds of (fake) clock each reader's wake-up takes
+    got: list[list[str]] = []
+
+    async def reader(queue: asyncio.Queue, wanted: int) -> None:
+        while sum(len(g) for g in got) < wanted:
+            batch = [(await queue.get()).text]
+            while not queue.empty():
+                batch.append(queue.get_nowait().text)
+            now[0] += costly
+            got.append(batch)
+
+    async def run() -> float:
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        task = asyncio.create_task(reader(queue, 3))
+        await asyncio.sleep(0)
+        relay.put(queue, output("a"))
+        await asyncio.sleep(0.001)  # delivered at once: nothing was delivered before
+        assert got == [["a"]]
+        assert relay.not_before == pytest.approx(costly / LOOP_SHARE)
+        began = time.monotonic()
+        relay.put(queue, output("b"))
+        relay.put(queue, output("c"))
+        await asyncio.wait_for(task, 5)
+        return time.monotonic() - began
+
+    try:
+        waited = loop.run_until_complete(run())
+    finally:
+        loop.close()
+    assert got == [["a"], ["b", "c"]]  # one delivery, after the pause
+    assert waited >= costly * (1 / LOOP_SHARE - 1) * 0.9
+    relay.loop = asyncio.new_event_loop()  # a delivery that took a second (a GC pause, say):
+    try:  # the next waits MAX_PAUSE_S, not three seconds
+        relay.deliver()
+        now[0] += 1.0
+        relay.loop.run_until_complete(asyncio.sleep(0))
+        assert relay.not_before == pytest.approx(now[0] + MAX_PAUSE_S)
+    finally:
+        relay.loop.close()
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_streams_waiting_outputs_go_out_as_one_event(chat):
+    """The outputs waiting on a stream's queue go out as one event, their texts joined (the
+    answer's text is the same as when they arrive one by one); an error ends the stream after
+    the text before it."""
+    def writes(bursts: list[list[RequestOutput]], shape: Answer) -> list[str]:
+        async def run() -> list[str]:
+            queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+            stream = OpenAIServer.stream_events(None, queue, "r", True, shape)
+            out = [await anext(stream)] if chat else []  # the role chunk comes first
+            for burst in bursts:
+                for o in burst:
+                    queue.put_nowait(o)
+                out.append(await anext(stream))
+            out.append(await anext(stream))
+            with pytest.raises(StopAsyncIteration):
+                await anext(stream)
+            return out
+
+        return asyncio.run(run())
+
+    shape = Answer("tiny", chat=chat)
+    outputs = [output("a"), output(""), output("b", tokens=2), output("c", "length", 3)]
+    one_by_one = writes([[o] for o in outputs[:1]] + [outputs[1:3]] + [outputs[3:]], shape)
+    together = writes([outputs], shape)
+    head = [sse(shape.chunk(None, first=True))] if chat else []
+    usage = sse(shape.usage_chunk(3, 3))
+    done = "data: [DONE]\n\n"
+    assert together == head + [sse(shape.chunk("abc", "length")) + usage, done]
+    assert one_by_one == head + [sse(shape.chunk("a")), sse(shape.chunk("b")),
+                                 sse(shape.chunk("c", "length")) + usage, done]
+    failed = writes([[output("a"), output("", "error")]], shape)
+    assert failed[-2].startswith(sse(shape.chunk("a")) + "data: {\"error\"")
+    assert failed[-1] == done
 
 
 def test_stop_strings(server):

@@ -6,7 +6,11 @@ connections on SIGTERM. Bodies are parsed by trireme.serving.openai_api rather t
 FastAPI's models, so that every malformed request gets the OpenAI error shape and a 400.
 
 The engine steps on its own thread (trireme.serving.runner); a handler submits its request
-and awaits outputs that the engine thread puts on the handler's asyncio queue.
+and awaits outputs that the engine thread puts on the handler's asyncio queue. The event loop
+thread and the engine thread share Python's lock, so the engine thread hands outputs over in
+bursts, as often as a bounded share of the loop's time allows (OutputRelay), a whole answer's
+text is gathered on the engine thread (its handler wakes once, when it is done), and a stream
+sends the text waiting for it as one event.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from trireme.serving.scheduler import RequestOutput
 POLL_S = 0.5  # how often a waiting handler checks that its client is still there
 RETRY_AFTER_S = 1  # a 429's Retry-After header (seconds)
 DRAIN_MARGIN_S = 1.0  # the engine's requests end this long before uvicorn's drain runs out
+LOOP_SHARE = 0.25  # OutputRelay: the event loop's share of the time for answers, at most about
+MAX_PAUSE_S = 0.05  # OutputRelay: the longest pause between deliveries (after a GC pause, say)
 
 
 IMAGE_DECODES = 2  # chat requests whose images are decoded at once (the rest wait their turn)
@@ -99,6 +105,7 @@ class OpenAIServer:
     def __init__(self, runner: EngineThread, chat: ChatFormat, settings: ServerSettings) -> None:
         self.runner, self.chat, self.settings = runner, chat, settings
         self.engine = runner.engine
+        self.relay: OutputRelay | None = None  # made on the event loop, at the first request
         self.vision = VisionInputs.of(self.engine.cfg, settings.max_image_pixels)
         self.decodes = asyncio.Semaphore(IMAGE_DECODES)  # image decodes at once (chat requests)
 
@@ -158,13 +165,22 @@ class OpenAIServer:
                            kind="rate_limit_error")
 
     def submit(self, parsed: ParsedRequest) -> tuple[str, asyncio.Queue]:
-        """Queue the request in the engine; its outputs arrive on the returned asyncio queue."""
+        """Queue the request in the engine; its outputs arrive on the returned asyncio queue:
+        a stream's one by one, a whole answer's as one output at the end (its whole text)."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        if self.relay is None or self.relay.loop is not loop:
+            self.relay = OutputRelay(loop)
+        relay, queue = self.relay, asyncio.Queue()
+        if parsed.stream:
+            def put(out: RequestOutput) -> None:  # called on the engine thread
+                relay.put(queue, out)
+        else:
+            pieces: list[str] = []
 
-        def put(out: RequestOutput) -> None:  # called on the engine thread
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(queue.put_nowait, out)
+            def put(out: RequestOutput) -> None:  # (the engine thread): the text at the end
+                pieces.append(out.text)
+                if out.finished:
+                    relay.put(queue, replace(out, text="".join(pieces)))
 
         if not self.runner.alive:
             raise ApiError(503, "the server is shutting down", kind="server_error")
@@ -185,26 +201,21 @@ class OpenAIServer:
             events = self.stream_events(queue, request_id, parsed.include_usage, shape)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        text, last, checked = [], None, time.monotonic()
+        last = None
         try:
-            while last is None or not last.finished:
+            while last is None:  # one output: the whole text (submit)
                 try:
                     last = await asyncio.wait_for(queue.get(), POLL_S)
-                    text.append(last.text)
                 except TimeoutError:
-                    pass
-                if last is not None and last.finished or time.monotonic() - checked < POLL_S:
-                    continue
-                checked = time.monotonic()  # also while tokens arrive: a long answer
-                if await request.is_disconnected():
-                    self.runner.cancel(request_id)
-                    return Response(status_code=499)
+                    if await request.is_disconnected():
+                        self.runner.cancel(request_id)
+                        return Response(status_code=499)
         except asyncio.CancelledError:
             self.runner.cancel(request_id)
             raise
         if last.finish_reason not in ("stop", "length"):
             raise ended_early(last.finish_reason)
-        return JSONResponse(shape.whole("".join(text), last.finish_reason, last.prompt_tokens,
+        return JSONResponse(shape.whole(last.text, last.finish_reason, last.prompt_tokens,
                                         last.completion_tokens))
 
     async def stream_events(self, queue: asyncio.Queue, request_id: str, include_usage: bool,
@@ -215,19 +226,86 @@ class OpenAIServer:
             if shape.chat:
                 yield sse(shape.chunk(None, first=True))
             while not finished:
-                out = await queue.get()
-                finished = out.finished
-                if out.finish_reason not in (None, "stop", "length"):
-                    yield sse(ended_early(out.finish_reason).body())
-                    break
-                if out.text or finished:
-                    yield sse(shape.chunk(out.text, out.finish_reason))
-                if finished and include_usage:
-                    yield sse(shape.usage_chunk(out.prompt_tokens, out.completion_tokens))
+                # the outputs waiting now go out as one event (their texts joined) in one
+                # write: each write costs the event loop (and so the engine thread, which
+                # shares Python's lock) far more than its bytes do
+                outputs = [await queue.get()]
+                while not queue.empty():
+                    outputs.append(queue.get_nowait())
+                last = outputs[-1]  # (a request's finished output is its last)
+                finished = last.finished
+                text = "".join(out.text for out in outputs)
+                events = []
+                if last.finish_reason not in (None, "stop", "length"):
+                    if text:
+                        events.append(sse(shape.chunk(text)))
+                    events.append(sse(ended_early(last.finish_reason).body()))
+                else:
+                    if text or finished:
+                        events.append(sse(shape.chunk(text, last.finish_reason)))
+                    if finished and include_usage:
+                        events.append(sse(shape.usage_chunk(last.prompt_tokens,
+                                                            last.completion_tokens)))
+                if events:
+                    yield "".join(events)
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # the client went away (or the server is stopping)
                 self.runner.cancel(request_id)
+
+
+class OutputRelay:
+    """Hands the engine thread's outputs to the event loop's queues in bursts, and keeps the
+    loop's share of the time bounded.
+
+    The first output of a burst schedules one call on the loop (a write to its wake-up pipe),
+    which delivers every output put until it runs, in order: a step's outputs for 64 requests
+    wake the loop once. After a delivery the loop measures what it cost (putting the outputs on
+    their queues and the woken streams writing them: each write runs through the ASGI stack,
+    tens of microseconds) and delivers again no sooner than LOOP_SHARE of the time allows
+    (after (1 / LOOP_SHARE - 1) x that cost, MAX_PAUSE_S at most). With few streams a delivery
+    costs microseconds and every token goes out as it comes; with many, each delivery carries
+    several tokens per stream (written as one event), and the engine thread, which needs the
+    same Python lock to step, keeps most of the time.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, clock=time.perf_counter) -> None:
+        self.loop, self.clock = loop, clock
+        self.lock = threading.Lock()
+        self.waiting: list[tuple[asyncio.Queue, RequestOutput]] = []
+        self.scheduled = False  # a delivery is on its way (under the lock)
+        self.not_before = 0.0  # (clock) no delivery before this; set on the loop
+
+    def put(self, queue: asyncio.Queue, out: RequestOutput) -> None:
+        """Any thread: `out` goes on `queue`, on the loop, soon."""
+        with self.lock:
+            self.waiting.append((queue, out))
+            if self.scheduled:
+                return
+            self.scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._schedule)
+        except RuntimeError:  # the loop is closed: nobody is listening
+            pass
+
+    def _schedule(self) -> None:
+        wait = self.not_before - self.clock()
+        if wait > 0:
+            self.loop.call_later(wait, self.deliver)
+        else:
+            self.deliver()
+
+    def deliver(self) -> None:
+        start = self.clock()
+        with self.lock:
+            waiting, self.waiting, self.scheduled = self.waiting, [], False
+        for queue, out in waiting:
+            queue.put_nowait(out)  # (wakes the queue's reader: it runs after this call)
+        self.loop.call_soon(self._delivered, start)  # after the woken readers' steps
+
+    def _delivered(self, start: float) -> None:
+        now = self.clock()
+        self.not_before = now + min((now - start) * (1 / LOOP_SHARE - 1), MAX_PAUSE_S)
 
 
 def ended_early(reason: str) -> ApiError:
