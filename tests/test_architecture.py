@@ -18,14 +18,15 @@ FLOORS = [
     ("trireme.ops",),
     ("trireme.parallel",),
     ("trireme.models",),
+    ("trireme.parallel.layout",),  # asks the models' stage split and vision encoder
     ("trireme.optim",),
     ("trireme.step",),
     ("trireme.checkpoint",),
     ("trireme.convert",),
     ("trireme.metrics", "trireme.oom", "trireme.cpu_threads"),
+    ("trireme.plan",),
     ("trireme.serving",),
     ("trireme.training",),
-    ("trireme.plan",),
     ("trireme.cli", "trireme.commands", "trireme.__main__"),
 ]
 

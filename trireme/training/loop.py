@@ -20,11 +20,13 @@ from tqdm import tqdm
 from trireme.checkpoint.root_lock import exclusive
 from trireme.checkpoint.saver import Saver
 from trireme.cpu_threads import cpu_threads_note
-from trireme.metrics import MetricsLogger, WandbRun
+from trireme.metrics import MetricsLogger, WandbRun, log_line, moe_metrics, step_record
+from trireme.models.stages import bubble_fraction
 from trireme.oom import is_out_of_memory, out_of_memory
 from trireme.optim.schedules import lr_at
 from trireme.parallel.released import all_reduce_max, settle
-from trireme.training.build import Trainer, log_line, now, step_metrics
+from trireme.step.stragglers import straggler_report
+from trireme.training.build import Trainer, now
 from trireme.training.checkpoints import load_latest, maybe_resume, save_gathered
 from trireme.training.health import RunHealth
 from trireme.training.run_files import write_run_config
@@ -362,3 +364,38 @@ def agree(trainer: Trainer, flag: bool) -> bool:
     if trainer.env.world_size == 1:
         return flag
     return bool(all_reduce_max(float(flag), trainer.device))
+
+
+def step_metrics(trainer: Trainer, results: list[dict], lr: float, seconds: float) -> dict:
+    """Read back the numbers of the steps since the last log (the one host sync)."""
+    cfg = trainer.cfg
+    record = step_record(cfg, results, lr, seconds, trainer.state.step,
+                         trainer.state.consumed_samples, trainer.mesh.dims.world_size,
+                         trainer.device)
+    p, last = cfg.parallel, results[-1]
+    if p.pipeline > 1:
+        record["pipeline_bubble"] = bubble_fraction(p.pipeline, p.virtual_pipeline,
+                                                    trainer.num_micro_batches)
+    if trainer.env.world_size > 1 and cfg.logging.straggler_factor:  # one small all_gather
+        record.update(straggler_report(trainer.runner.times, cfg.logging.straggler_factor,
+                                       trainer.device))
+    else:  # nobody compares them: drop the step's CUDA events, else they pile up all run
+        trainer.runner.times.take()
+    if cfg.model.precision == "fp16":
+        record["loss_scale"] = float(last["loss_scale"])
+    moe = last.get("moe", {})
+    if p.pipeline > 1 and "E" in cfg.model.layer_pattern:
+        moe = moe_of_all_stages(trainer, moe)
+    if moe:
+        record.update(moe_metrics(moe))
+    return record
+
+
+def moe_of_all_stages(trainer: Trainer, moe: dict[str, dict[str, torch.Tensor]]) -> dict:
+    """Under pipeline parallelism each stage holds its own MoE sublayers: the routing numbers
+    of all of them, gathered over this rank's pipeline group (one small all_gather_object at a
+    log step, where the ranks have synchronized anyway)."""
+    mine = {name: {k: float(v) for k, v in stats.items()} for name, stats in moe.items()}
+    stages: list[dict] = [{} for _ in range(trainer.mesh.size("pipeline"))]
+    torch.distributed.all_gather_object(stages, mine, group=trainer.mesh.group("pipeline"))
+    return {name: stats for stage in stages for name, stats in stage.items()}
