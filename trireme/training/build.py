@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trireme.checkpoint.state import TrainingState
 from trireme.checkpoint.tokenizer_copy import moved_copy
 from trireme.config import AUTO_MICRO_BATCH, Config, ModelConfig, validate
 from trireme.cpu_threads import set_cpu_threads
@@ -66,6 +67,12 @@ class TrainState:
 
     step: int = 0
     consumed_samples: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step, self.consumed_samples = int(state["step"]), int(state["consumed_samples"])
 
 
 @dataclass
@@ -117,6 +124,12 @@ class Trainer:
         """Micro batches per step on each DP replica: global / (micro x DP)."""
         train = self.cfg.train
         return train.global_batch_size // (train.micro_batch_size * self.data_parallel)
+
+    def checkpointed(self) -> TrainingState:
+        """What a checkpoint saves and loads of this run (trireme.checkpoint.state): the model
+        chunks, the optimizer and the progress (`state`), loaded in place."""
+        return TrainingState(self.cfg, self.chunks, self.optimizer, self.state, self.mesh,
+                             self.device, self.env.world_size, self.pipeline is not None)
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> dict:
         """One optimizer step over the given micro batches; returns tensors (no host sync)."""

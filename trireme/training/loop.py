@@ -52,7 +52,7 @@ def print_line(progress, text: str, main: bool = True) -> None:
 def run_loop(trainer: Trainer) -> bool:
     """Train until train.steps (or train.max_minutes), logging, evaluating and checkpointing.
     False when a stop signal ended the run early."""
-    saver = Saver(trainer, save_gathered)  # also gives resume its gloo group
+    saver = Saver(trainer.checkpointed(), save_gathered)  # also gives resume its gloo group
     with exclusive(owned_root(trainer)):  # no second run saves into the same root meanwhile
         return train_from_checkpoint(trainer, saver)
 
@@ -65,7 +65,7 @@ def owned_root(trainer: Trainer) -> Path | None:
 
 def train_from_checkpoint(trainer: Trainer, saver: Saver) -> bool:
     """Resume (if there is a checkpoint), then train; run_loop's result."""
-    maybe_resume(trainer, saver)
+    maybe_resume(saver.run, saver)
     run = RunOutput.open(trainer)
     stop = StopRequest()
     try:
@@ -258,7 +258,7 @@ def roll_back(trainer: Trainer, saver: Saver, run: RunOutput) -> bool:
     warning) when there is no checkpoint to go back to."""
     spike_step, consumed = trainer.state.step, trainer.state.consumed_samples
     saver.wait()  # a save in flight is the latest checkpoint once complete
-    path = load_latest(trainer, saver)
+    path = load_latest(saver.run, saver)
     if path is None:
         run.warn(f"trireme: warning: no checkpoint in {trainer.cfg.checkpoint.dir} to roll back "
                  f"to after the loss spike at step {spike_step}; going on")
