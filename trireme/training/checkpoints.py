@@ -264,4 +264,4 @@ def _load_gathered(run: TrainingState, path: Path, weights_only: bool = False) -
     run.progress.load_state_dict({"step": int(ckpt.trainer["step"]),
                                   "consumed_samples": int(ckpt.trainer["consumed_samples"])})
     restore_rng_state(ckpt.trainer["rng"])
-    gathered.restore_rng_states(run.chunks[0], ckpt.run.get("tensor_parallel_rng", {}))
+    gathered.restore_rng_states(run.chunks[0], ckpt.trainer.get("tensor_parallel_rng", {}))
