@@ -19,11 +19,13 @@ from tqdm import tqdm
 
 from trireme.checkpoint.root_lock import exclusive
 from trireme.checkpoint.saver import Saver
+from trireme.config import ParallelConfig
 from trireme.cpu_threads import cpu_threads_note
 from trireme.metrics import MetricsLogger, WandbRun, log_line, moe_metrics, step_record
 from trireme.models.stages import bubble_fraction
 from trireme.oom import is_out_of_memory, out_of_memory
 from trireme.optim.schedules import lr_at
+from trireme.parallel.layout import Layout
 from trireme.parallel.released import all_reduce_max, settle
 from trireme.step.stragglers import straggler_report
 from trireme.training.build import Trainer, now
@@ -33,8 +35,9 @@ from trireme.training.run_files import write_run_config
 from trireme.words import count_of
 
 
-def make_progress(trainer: Trainer, total: int, initial: int):
-    if not trainer.cfg.logging.progress or not trainer.is_main:
+def make_progress(shown: bool, total: int, initial: int):
+    """The progress bar (None when not `shown`: logging.progress off, or not global rank 0)."""
+    if not shown:
         return None
     return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
                 file=sys.stderr, leave=False)
@@ -53,14 +56,15 @@ def run_loop(trainer: Trainer) -> bool:
     """Train until train.steps (or train.max_minutes), logging, evaluating and checkpointing.
     False when a stop signal ended the run early."""
     saver = Saver(trainer.checkpointed(), save_gathered)  # also gives resume its gloo group
-    with exclusive(owned_root(trainer)):  # no second run saves into the same root meanwhile
+    # no second run saves into the same root meanwhile
+    with exclusive(owned_root(trainer.cfg.checkpoint.dir, trainer.is_main)):
         return train_from_checkpoint(trainer, saver)
 
 
-def owned_root(trainer: Trainer) -> Path | None:
-    """The checkpoint root the run saves into, on global rank 0 (the rank that locks it)."""
-    root = trainer.cfg.checkpoint.dir
-    return Path(root) if root and trainer.is_main else None
+def owned_root(root: str, is_main: bool) -> Path | None:
+    """The checkpoint root (checkpoint.dir) the run saves into, on global rank 0 (the rank
+    that locks it)."""
+    return Path(root) if root and is_main else None
 
 
 def train_from_checkpoint(trainer: Trainer, saver: Saver) -> bool:
@@ -119,11 +123,14 @@ class RunOutput:
                                  Path(run_dir), cfg.to_dict())
             logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, wandb=wandb,
                                    resumed_step=resumed)
-        run = cls(trainer, logger, make_progress(trainer, cfg.train.steps, trainer.state.step))
+        progress = make_progress(cfg.logging.progress and trainer.is_main, cfg.train.steps,
+                                 trainer.state.step)
+        run = cls(trainer, logger, progress)
         num_parameters = sum(chunk.num_parameters() for chunk in trainer.chunks)
         cpu = trainer.device.type == "cpu"
         threads = cpu_threads_note(cfg.train.cpu_threads) if cpu else ""
-        run.print(f"trireme: {num_parameters / 1e6:.2f}M parameters{layout_note(trainer)}, "
+        note = layout_note(cfg.parallel, trainer.layout)
+        run.print(f"trireme: {num_parameters / 1e6:.2f}M parameters{note}, "
                   f"{count_of(cfg.train.steps, 'step')} on {trainer.device}{threads}, "
                   f"run dir {run_dir}")
         if cfg.schedule.warmup_steps >= cfg.train.steps > trainer.state.step:
@@ -335,16 +342,15 @@ def stop_signals_raise() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def layout_note(trainer: Trainer) -> str:
+def layout_note(p: ParallelConfig, layout: Layout) -> str:
     """E.g. ' per rank (pipeline 2, tensor parallel 2, sequence parallel, data parallel 2, ddp)'."""
-    tp, p = trainer.model.tp, trainer.cfg.parallel
     parts = []
-    if trainer.pipeline is not None:
+    if layout.pipeline > 1:
         virtual = f" x {p.virtual_pipeline} virtual" if p.virtual_pipeline > 1 else ""
         parts.append(f"pipeline {p.pipeline}{virtual}")
-    if tp is not None:
-        parts.append(f"tensor parallel {tp.size}")
-        if tp.sequence_parallel:
+    if layout.tensor > 1:
+        parts.append(f"tensor parallel {layout.tensor}")
+        if p.sequence_parallel:
             parts.append("sequence parallel")
     if p.expert > 1:
         parts.append(f"expert parallel {p.expert}")
@@ -352,10 +358,10 @@ def layout_note(trainer: Trainer) -> str:
     per_rank = " per rank" if parts else ""
     if p.context > 1:
         parts.append(f"context parallel {p.context}, {p.context_mode}")
-    if trainer.data_parallel > 1:
+    if layout.data > 1:
         mode = ("fsdp" if p.data_parallel_mode == "fsdp" else
                 "distributed optimizer" if p.distributed_optimizer else "ddp")
-        parts.append(f"data parallel {trainer.data_parallel}, {mode}")
+        parts.append(f"data parallel {layout.data}, {mode}")
     return f"{per_rank} ({', '.join(parts)})" if parts else ""
 
 
