@@ -1,6 +1,6 @@
 """Throughput of several systems, each measured in fresh processes, alternated, >= 3 repeats: the
 honest comparison (one process measuring two systems lets the first warm or fragment the GPU for
-the second; bench/RESULTS.md saw the same HF baseline at 29.9k and 45.8k tokens/s that way).
+the second: the same HF baseline measured a third slower that way; bench/RESULTS.md).
 
     python bench/fresh_compare.py --preset llama3-1b --repeats 3 \\
         --system "train" --system "hf:--compile-hf --hf-tf32"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One GPU session's worth of checks: the CUDA paths of the test suite, an end-to-end run of the
+# Checks for a GPU machine: the CUDA paths of the test suite, an end-to-end run of the
 # main job on the GPU, and the llama3-1b throughput against Hugging Face. Logs go to $OUT.
-# Deliberately not run here (a GPU session runs them on purpose; see bench/README.md):
+# Deliberately not run here (each is run on purpose; see bench/README.md):
 # train_throughput.py --dp-path, profile_step.py, loss_parity.py.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD TRIREME_COMMIT=${TRIREME_COMMIT:-unknown}

@@ -135,7 +135,8 @@ def separate_store() -> None:
     def attend_decode(self, q, k, v, backend="auto"):
         self.store(k, v)
         return paged_decode_attention(q, self.k_pool, self.v_pool, self.step.decode_tables,
-                                      self.step.decode_lengths, backend)
+                                      self.step.decode_lengths, backend, kernels=self.kernels,
+                                      failures=self.failures)
 
     PagedKV.attend_decode = attend_decode
 
@@ -381,7 +382,7 @@ def launch_settings(args, n_kv: int) -> list[tuple[str, dict]]:
     256 rows of keys per tile: heads x tile <= 256)."""
     ints = {a: [int(v) for v in getattr(args, a).split(",")]
             for a in ("tiles", "warps", "splits", "stages", "heads_first", "heads", "prefetch")}
-    settings = [("default", {})]  # as shipped (or as $TRIREME_PAGED_KERNEL says)
+    settings = [("default", {})]  # as shipped (KernelSettings().paged_kernel)
     for variant in args.variants.split(","):
         if variant == "v1":
             extra = [{"heads_first": bool(x)} for x in ints["heads_first"]]
@@ -475,7 +476,7 @@ def summarise(rows: list[dict], batch: int) -> None:
     if mine:
         best = min(mine, key=lambda r: r["us"])
         spec = ",".join([best["variant"]] + [f"{k}={int(best[k])}" for k in keys if k in best])
-        print(f"  fastest at batch {batch}: {best['us']:.1f} us: TRIREME_PAGED_KERNEL={spec}")
+        print(f"  fastest at batch {batch}: {best['us']:.1f} us: --paged-kernel {spec}")
 
 
 def write_json(out: Path, args, device: torch.device, rows: list[dict],

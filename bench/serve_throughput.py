@@ -17,9 +17,9 @@ cached each decode --bound-steps steps together (no prefill in those steps); the
 bytes a step must read, weights + B x context x (K and V bytes per token of every layer), over
 --bandwidth (4.2 TB/s, the H200's HBM3e peak as measured; 4.8 TB/s nominal). The weights are
 those a step reads whole: every parameter except a token or position embedding table that is
-not also the output layer (a step reads B of its rows; `weights_read_per_step`). Until session 7
-the input table was counted too (llama3-1b's untied one: 525 MB, 0.125 ms at 4.2 TB/s), which
-made every ratio to the bound look ~12% better than it was.
+not also the output layer (a step reads B of its rows; `weights_read_per_step`). Counting the
+input table too (llama3-1b's untied one: 525 MB) would make every ratio to the bound look
+better than it is.
 
 The HF baseline (LlamaForCausalLM, SDPA, bf16) runs in a fresh process: batches of C prompts
 left-padded to the longest, `generate(max_new_tokens=min_new_tokens=output_tokens)`; TTFT is a
@@ -60,6 +60,7 @@ if str(REPO) not in sys.path:
 
 from trireme.config import load_config  # noqa: E402
 from trireme.models.gpt import GPT  # noqa: E402
+from trireme.ops.kernel_settings import KernelFailures  # noqa: E402
 from trireme.ops.paged_attention import (  # noqa: E402
     kernel_available,
     paged_decode_attention,
@@ -111,6 +112,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode-gemm", choices=["cublas", "triton"], default="triton",
                    help="EngineSettings.decode_gemm: the linear layers of steps of at most 64 "
                    "rows through cuBLAS or the split-K Triton kernel (trireme.ops.skinny_gemm)")
+    p.add_argument("--pdl", choices=["on", "off"], default="on",
+                   help="EngineSettings.pdl: the decode kernels launch with programmatic "
+                   "dependent launch on sm_90 (trireme.ops.pdl)")
+    p.add_argument("--early-reads", choices=["on", "off"], default="on",
+                   help="EngineSettings.early_reads: with PDL, the first reads before the wait")
+    p.add_argument("--paged-kernel", default="v2", metavar="SPEC",
+                   help="EngineSettings.paged_kernel: v2 or v1, with launch settings, e.g. "
+                   "v2,heads=4,tile=32 (trireme.ops.kernel_settings)")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU")
     p.add_argument("--out", default=None)
     p.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
@@ -163,7 +172,9 @@ def engine_for(model, args, max_running: int, graphs: bool, compile: str | None 
                               compile_decode=AUTO_ON_OFF[compile] if graphs else False,
                               overlap=AUTO_ON_OFF[args.overlap],
                               compile_prefill=args.compile_prefill == "on",
-                              decode_gemm=args.decode_gemm)
+                              decode_gemm=args.decode_gemm, pdl=args.pdl == "on",
+                              early_reads=args.early_reads == "on",
+                              paged_kernel=args.paged_kernel)
     return Engine(model, settings)
 
 
@@ -351,8 +362,9 @@ def kernel_error(cfg, device: torch.device, dtype: torch.dtype) -> float | None:
     q = torch.randn(len(lengths), cfg.num_attention_heads, d, device=device, generator=gen,
                     dtype=dtype)
     lengths_t = torch.tensor(lengths, device=device)
-    got = paged_decode_attention(q, *pools, tables, lengths_t)
-    if not kernel_available():  # it failed (warned) and the gather path answered
+    failures = KernelFailures()
+    got = paged_decode_attention(q, *pools, tables, lengths_t, failures=failures)
+    if not kernel_available(failures):  # it failed (warned) and the gather path answered
         return float("nan")
     want = paged_decode_reference(q, *pools, tables, lengths_t, backend="reference")
     return (got.float() - want.float()).abs().max().item()

@@ -39,7 +39,6 @@ import train_throughput as tt  # noqa: E402
 
 from trireme.config import ModelConfig  # noqa: E402
 from trireme.models.mamba import Mamba  # noqa: E402
-from trireme.models.stages import sublayer_flops  # noqa: E402
 from trireme.ops.ssd import discretize_dt, fast_ssd_kernels, ssd_scan  # noqa: E402
 from trireme.parallel.context import ParallelContext  # noqa: E402
 
@@ -162,7 +161,7 @@ def bench_layer(args, hidden: int, seq: int, device, dtype) -> list[dict]:
     cfg, paths = layer_paths(args, hidden, device, dtype)
     x = torch.randn(args.batch, seq, hidden, device=device, dtype=dtype, requires_grad=True)
     dy = torch.randn_like(x)
-    flops = 6 * sublayer_flops(cfg, "M") * args.batch * seq
+    flops = 6 * Mamba.flops(cfg) * args.batch * seq
     results = []
     for name, module in paths.items():
         row = {"part": "layer", "path": name, "hidden": hidden, "seq": seq}

@@ -219,6 +219,118 @@ def test_the_checks_catch_a_cycle_and_an_upward_import():
     assert floor("trireme.step.b") > floor("trireme.models.a")
 
 
+# --------------------------------------------------------------------------------------------
+# Environment variables: every one the package reads or sets is listed in trireme/environment.py
+# (and printed by `trireme config-doc`); its own settings are config keys and flags.
+
+ENVIRON_METHODS = {"get": "read", "setdefault": "set", "pop": "set"}
+
+
+def _names(key: ast.expr, parents: dict[ast.AST, ast.AST]) -> list[str] | None:
+    """The variable names a key expression stands for: a string, or the loop variable of an
+    enclosing comprehension over a literal tuple / list of strings; None when computed."""
+    if isinstance(key, ast.Constant) and isinstance(key.value, str):
+        return [key.value]
+    node = key
+    while isinstance(key, ast.Name) and node in parents:
+        node = parents[node]
+        for gen in getattr(node, "generators", []):
+            if (isinstance(gen.target, ast.Name) and gen.target.id == key.id
+                    and isinstance(gen.iter, (ast.Tuple, ast.List))
+                    and all(isinstance(e, ast.Constant) and isinstance(e.value, str)
+                            for e in gen.iter.elts)):
+                return [e.value for e in gen.iter.elts]
+    return None
+
+
+def _environ_use(node: ast.AST, parents: dict[ast.AST, ast.AST]
+                 ) -> tuple[str, ast.expr | None] | None:
+    """("read" / "set", the key expression) of one use of os.environ / os.getenv / os.putenv,
+    ("other", None) for any other use of them, None for a node that is none of them."""
+    if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and node.value.id == "os" and node.attr in ("environ", "getenv", "putenv")):
+        return None
+    up = parents.get(node)
+    call = parents.get(up) if isinstance(up, ast.Attribute) else up
+    if node.attr != "environ":  # os.getenv(key) / os.putenv(key, value)
+        if isinstance(up, ast.Call) and up.func is node and up.args:
+            return ("read" if node.attr == "getenv" else "set"), up.args[0]
+    elif isinstance(up, ast.Attribute) and up.attr in ENVIRON_METHODS:
+        if isinstance(call, ast.Call) and call.func is up and call.args:
+            return ENVIRON_METHODS[up.attr], call.args[0]
+    elif isinstance(up, ast.Subscript) and up.value is node:
+        return ("read" if isinstance(up.ctx, ast.Load) else "set"), up.slice
+    elif (isinstance(up, ast.Compare) and len(up.ops) == 1 and up.comparators[0] is node
+          and isinstance(up.ops[0], (ast.In, ast.NotIn))):
+        return "read", up.left
+    return "other", None
+
+
+def environment_uses(sources: dict[str, str]) -> tuple[dict[str, set[str]], list[str]]:
+    """({"read": names, "set": names}, the uses no name can be read from: a computed key, the
+    environment handed on whole, `from os import environ`) of the sources (where -> text)."""
+    found: dict[str, set[str]] = {"read": set(), "set": set()}
+    unclear = []
+    for where, text in sources.items():
+        tree = ast.parse(text, where)
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "os" and any(
+                    a.name in ("environ", "getenv", "putenv") for a in node.names):
+                unclear.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+            use = _environ_use(node, parents)
+            if use is None:
+                continue
+            kind, key = use
+            names = _names(key, parents) if key is not None else None
+            if kind == "other" or names is None:
+                unclear.append(f"{where}:{node.lineno}: {ast.unparse(parents.get(node, node))}")
+            else:
+                found[kind].update(names)
+    return found, unclear
+
+
+def package_environment_uses() -> tuple[dict[str, set[str]], list[str]]:
+    return environment_uses({str(path.relative_to(PACKAGE.parent)): path.read_text()
+                             for path in sorted(PACKAGE.rglob("*.py"))})
+
+
+def test_the_package_reads_only_the_listed_environment_variables():
+    """No setting of trireme's own hides in an environment variable (issue 41): every variable
+    read is one of trireme.environment.READ (the launcher's and the system's, and
+    TRIREME_API_KEY), every one set is in SET, and each listed one is used (the list, printed
+    in docs/config.md, stays true)."""
+    from trireme import environment
+
+    found, unclear = package_environment_uses()
+    assert not unclear, "environment uses that name no variable: " + "; ".join(unclear)
+    assert found["read"] <= set(environment.READ), found["read"] - set(environment.READ)
+    assert found["set"] <= set(environment.SET), found["set"] - set(environment.SET)
+    assert found["read"] == set(environment.READ) and found["set"] == set(environment.SET)
+    assert [v for v in found["read"] if v.startswith("TRIREME_")] == ["TRIREME_API_KEY"]
+    assert not set(environment.REMOVED) & (set(environment.READ) | set(environment.SET))
+
+
+def test_the_environment_scan_catches_every_kind_of_read():
+    source = """
+import os, subprocess
+a = os.environ.get("A", "1")
+b = os.getenv("B")
+c = "C" in os.environ and os.environ["D"]
+missing = [v for v in ("E", "F") if v not in os.environ]
+os.environ.setdefault("S", "1")
+os.environ["T"] = "2"
+name = "G"
+g = os.environ.get(name)
+subprocess.run(["true"], env=os.environ)
+"""
+    found, unclear = environment_uses({"x.py": source})
+    assert found == {"read": {"A", "B", "C", "D", "E", "F"}, "set": {"S", "T"}}
+    assert [u.split(":")[1] for u in unclear] == ["10", "11"]
+    _, unclear = environment_uses({"y.py": "from os import environ\nx = environ['A']\n"})
+    assert unclear == ["y.py:1: from os import environ"]
+
+
 if __name__ == "__main__":  # the figures for a note: cycles, upward, hidden imports, longest
     edges, hidden, optional = scan()
     up = sum(floor(t) > floor(m) for m, ts in edges.items() for t in ts)

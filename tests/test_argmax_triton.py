@@ -133,23 +133,30 @@ def test_kernels_compile_for_sm90(tmp_path):
 
 
 def test_a_failing_kernel_warns_once_and_falls_back(monkeypatch):
+    """The failure is its engine's (the KernelFailures handed in): that engine does not try the
+    kernel again, another one does."""
     from trireme.ops import argmax
+    from trireme.ops.kernel_settings import KernelFailures
 
     calls = []
 
-    def broken(logits):
+    def broken(logits, kernels):
         calls.append(logits.shape)
         raise RuntimeError("no such kernel")
 
     monkeypatch.setattr(argmax, "_kernel", lambda: broken)
-    monkeypatch.setattr(argmax, "_FAILED", [])
     z = torch.randn(3, 10)
     z[1, 4] = float("nan")
+    failures = KernelFailures()
     with pytest.warns(UserWarning, match="greedy / finite kernel failed.*no such kernel"):
-        first = argmax.greedy_and_finite(z, kernel=True)
-    assert torch.equal(first, greedy_and_finite_reference(z)) and not argmax.kernel_available()
-    assert torch.equal(argmax.greedy_and_finite(z, kernel=True), first)  # not tried again
-    assert calls == [(3, 10)]
+        first = argmax.greedy_and_finite(z, kernel=True, failures=failures)
+    assert torch.equal(first, greedy_and_finite_reference(z))
+    assert not argmax.kernel_available(failures) and argmax.kernel_available(KernelFailures())
+    assert torch.equal(argmax.greedy_and_finite(z, kernel=True, failures=failures), first)
+    assert calls == [(3, 10)]  # not tried again
+    with pytest.warns(UserWarning, match="greedy / finite kernel failed"):
+        argmax.greedy_and_finite(z, kernel=True, failures=KernelFailures())  # another engine's
+    assert calls == [(3, 10)] * 2
 
 
 def test_split_fills_the_gpu_with_power_of_two_chunks():

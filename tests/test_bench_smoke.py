@@ -205,7 +205,7 @@ def test_serve_mixed_cpu_smoke(tmp_path):
     assert all(r["wall_ms"] > 0 and r["kernels"] > 0 for r in rows.values())
 
 
-@pytest.mark.parametrize("switch", [[], ["--env", "TRIREME_PDL_PREFETCH", "--values", "0,1"]])
+@pytest.mark.parametrize("switch", [[], ["--switch", "early_reads"]])
 def test_pdl_check_cpu_smoke(tmp_path, switch):
     """bench/pdl_check.py runs two engines on the CPU (where PDL never applies) and finds the
     same tokens: the script works; on the GPU it is what holds PDL (or another switch, run
@@ -218,7 +218,7 @@ def test_pdl_check_cpu_smoke(tmp_path, switch):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
     assert data["same"] and data["differ"] == [] and data["requests"] == 8, data
-    assert data["env"] == (switch[1] if switch else "TRIREME_PDL")
+    assert data["switch"] == (switch[1] if switch else "pdl") and data["values"] == ["off", "on"]
 
 
 @pytest.mark.parametrize("tied", [False, True])

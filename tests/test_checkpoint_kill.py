@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from test_train import read_metrics, tiny_cfg, toy_data  # noqa: F401  (toy_data
 from trireme.checkpoint.store import latest_checkpoint, load_checkpoint
 from trireme.training.train import train
 
+SLOW_SAVE = Path(__file__).parent / "slow_save.py"  # `trireme train`, one save paused
 EXTRA = ["checkpoint.format=sharded", "train.eval_interval=0", "schedule.decay_style=constant",
          "train.steps=6", "checkpoint.interval=2"]
 
@@ -37,8 +39,8 @@ def test_kill_during_save_keeps_the_previous_checkpoint(toy_data, tmp_path, asyn
             "logging.tensorboard=false", "schedule.warmup_steps=3", "optimizer.lr=1e-2",
             "optimizer.min_lr=1e-3", "train.device=cpu", *EXTRA, f"checkpoint.dir={ckpt}",
             f"checkpoint.async_save={async_save}"]
-    env = {**os.environ, "TRIREME_TEST_SAVE_DELAY": "4:120", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "trireme", "train", *cli_args(args)],
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the save of step 4 pauses for 120 s
+    proc = subprocess.Popen([sys.executable, str(SLOW_SAVE), "4", "120", "--", *cli_args(args)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120

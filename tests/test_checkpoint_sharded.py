@@ -4,6 +4,7 @@ import shutil
 
 import pytest
 import torch
+from slow_save import slow_writer
 from test_train import read_metrics, tiny_cfg, toy_data  # noqa: F401  (toy_data is a fixture)
 
 from trireme.checkpoint import sharded
@@ -89,7 +90,7 @@ def test_a_crash_during_an_async_save_still_completes_it(toy_data, tmp_path, mon
     error propagates, and the checkpoint is finished (not lost with the process)."""
     from trireme.training.build import Trainer
 
-    monkeypatch.setenv("TRIREME_TEST_SAVE_DELAY", "4:1.5")  # the write of step 4 takes 1.5 s
+    monkeypatch.setattr(sharded, "WRITER", slow_writer(4, 1.5))  # the write of step 4: 1.5 s
     real_step = Trainer.train_step
 
     def failing_step(self, micro_batches, lr):

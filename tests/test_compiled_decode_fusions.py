@@ -159,7 +159,7 @@ def test_a_recurrent_mixer_first_gets_no_norm_handed_on(monkeypatch):
     """Blocks that start with a mixer with a per-request state (eager) get no norm from the
     block before, nor does that block compute one; the attention blocks still do; the logits
     are the eager forward's (no graphs: slot states)."""
-    monkeypatch.setitem(block_module.SUBLAYERS, "M", ("mixer", RunningMean))
+    monkeypatch.setitem(block_module.SUBLAYERS, "mamba", RunningMean)
     model = model_of(config(num_layers=3, layer_pattern="M-*-M", qk_norm=False))
     texts = prompts(4, seed=8, longest=12)
     params = [SamplingParams(max_tokens=3, greedy=True)] * len(texts)
@@ -348,11 +348,12 @@ def tokens(compiled):
 
 want = tokens(False)  # eager: index_copy_, then the gather path
 real, layouts = paged.paged_decode_attention, []
-def through_kernel(q, k_pool, v_pool, tables, lengths, backend="auto", new=None):
-    if new is None:
-        return real(q, k_pool, v_pool, tables, lengths, backend)
+def through_kernel(q, k_pool, v_pool, tables, lengths, backend="auto", new=None, **engine):
+    if new is None:  # engine: its KernelSettings and KernelFailures
+        return real(q, k_pool, v_pool, tables, lengths, backend, **engine)
     layouts.append([q.is_contiguous(), new[0].is_contiguous(), new[1].is_contiguous()])
-    return kernels.paged_decode_attention(q, k_pool, v_pool, tables, lengths, new=new)
+    return kernels.paged_decode_attention(q, k_pool, v_pool, tables, lengths, new=new,
+                                          kernels=engine["kernels"])
 paged.paged_decode_attention = through_kernel
 got = tokens(True)
 print(json.dumps({"want": want, "got": got, "layouts": layouts}))

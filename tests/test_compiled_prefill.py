@@ -89,7 +89,7 @@ def test_compiled_prompt_and_mixed_steps_give_the_eager_logits_without_recompili
 
 @torch.no_grad()
 def test_a_recurrent_mixer_runs_eagerly_between_the_compiled_pieces(monkeypatch):
-    monkeypatch.setitem(block_module.SUBLAYERS, "M", ("mixer", RunningMean))
+    monkeypatch.setitem(block_module.SUBLAYERS, "mamba", RunningMean)
     model = model_of(config(num_layers=3, layer_pattern="M-*-M"))
     texts = prompts(5, seed=4, longest=20)
     params = [SamplingParams(max_tokens=3 + i % 3, greedy=True) for i in range(len(texts))]

@@ -1,5 +1,6 @@
-"""KV-cache generation equals full recomputation; the samplers behave; `trireme generate` loads
-the model with no random init, and generates what a fully initialized model does."""
+"""generate() (through the serving engine) equals full recomputation; the samplers behave;
+`trireme generate` loads the model with no random init, and generates what a fully initialized
+model does."""
 
 import os
 import subprocess
@@ -16,11 +17,11 @@ from trireme.checkpoint.store import load_model_state, save_checkpoint
 from trireme.cli import main as cli_main
 from trireme.config import Config, ModelConfig
 from trireme.data.tokenizer import load_tokenizer
-from trireme.errors import TriremeError
-from trireme.models.cache import InferenceCache as KVCache
+from trireme.errors import TrainingError, TriremeError
 from trireme.models.gpt import GPT
-from trireme.serving.generate import generate, printable_ids, sample_next
+from trireme.serving.generate import generate, printable_ids
 from trireme.serving.loading import generate_from_checkpoint
+from trireme.serving.sampling import sample_next
 from trireme.training.build import DTYPES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,33 +64,46 @@ def _model(cfg: ModelConfig, seed: int = 0) -> GPT:
 
 
 @pytest.mark.parametrize("kind", CONFIGS)
-def test_cache_decoding_equals_recomputation(kind):
+def test_engine_decoding_equals_recomputation(kind):
+    """generate() (the serving engine, its paged cache) continues a batch as the argmax of the
+    whole sequence recomputed at each token does (the engine's logits, row for row:
+    tests/test_serve_engine.py)."""
     model = _model(CONFIGS[kind])
     prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
-    cache = KVCache.for_model(model, batch_size=2, max_len=20)
     ids = prompt
     with torch.no_grad():
-        logits = model(ids, kv_cache=cache)[:, -1]
         for _ in range(12):
-            full = model(ids)[:, -1]  # the reference: recompute everything
-            torch.testing.assert_close(logits, full, atol=1e-4, rtol=1e-4)
-            next_ids = full.argmax(-1, keepdim=True)  # [2, 1]
-            assert torch.equal(logits.argmax(-1, keepdim=True), next_ids)
-            logits = model(next_ids, kv_cache=cache, start_pos=ids.shape[1])[:, -1]
+            next_ids = model(ids)[:, -1].argmax(-1, keepdim=True)  # [2, 1]: recomputed
             ids = torch.cat([ids, next_ids], dim=1)
     cached = generate(model, prompt, 12, greedy=True)
     recomputed = generate(model, prompt, 12, greedy=True, use_cache=False)
     assert torch.equal(cached, ids) and torch.equal(recomputed, ids)
 
 
-def test_chunked_prefill_equals_one_prefill():
+def test_sampling_without_a_seed_follows_torch_manual_seed():
+    """Without a seed the rows draw from torch's default generator, as before the engine ran
+    generate(): torch.manual_seed makes them reproducible."""
+    model = _model(gpt2_config(), seed=3)
+    prompt = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(21)
+        runs.append(generate(model, prompt, 15, temperature=1.5))
+    assert torch.equal(runs[0], runs[1])
+    torch.manual_seed(21)
+    assert torch.equal(runs[0], generate(model, prompt, 15, temperature=1.5, use_cache=False))
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+@pytest.mark.parametrize("settings", [{"greedy": True}, {"temperature": 0.8, "top_k": 40}])
+def test_non_finite_logits_are_a_training_error(use_cache, settings):
+    """A model whose weights diverged: one line, whether greedy or sampled (the engine's
+    multinomial never sees the NaN rows)."""
     model = _model(llama_config())
-    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(2))
-    cache = KVCache.for_model(model, 1, 12)
     with torch.no_grad():
-        model(ids[:, :7], kv_cache=cache)
-        chunk = model(ids[:, 7:], kv_cache=cache, start_pos=7)  # 5 queries at offset 7
-        torch.testing.assert_close(chunk, model(ids)[:, 7:], atol=1e-4, rtol=1e-4)
+        model.embedding.weight.fill_(float("nan"))
+    with pytest.raises(TrainingError, match="logits are not finite"):
+        generate(model, [1, 2, 3], 4, seed=0, use_cache=use_cache, **settings)
 
 
 def test_top_k_one_and_tiny_top_p_equal_greedy():

@@ -2,9 +2,9 @@
 
 `trireme generate` on 2 gloo processes (as under torchrun) must write what one process writes:
 the same completions for a file of prompts through the serving engine (greedy, seeded and
-unseeded sampling, a stop string) and the same text for one prompt through the contiguous
-cache, while each rank's KV cache holds only its own key / value heads; and the logits of a
-prefill and three decode steps through the cache must be the one-process model's (within
+unseeded sampling, a stop string) and the same text for one prompt (`--prompt`, the engine too),
+while each rank's KV cache holds only its own key / value heads; and the logits the engine
+samples from, for a prefill and three decode steps, must be the one-process model's (within
 fp32 rounding: the row-parallel sums add in another order).
 """
 
@@ -21,6 +21,7 @@ import pytest
 import torch
 from distributed import run_ranks
 
+import trireme.serving.engine as engine_module
 from trireme.checkpoint import format as fmt
 from trireme.checkpoint import sharded
 from trireme.checkpoint.model_state import model_from_state
@@ -28,10 +29,10 @@ from trireme.checkpoint.store import load_checkpoint, save_checkpoint
 from trireme.commands.generate import generate_main
 from trireme.config import Config, ModelConfig, load_config
 from trireme.errors import ConfigError
-from trireme.models.cache import InferenceCache
 from trireme.models.gpt import GPT
-from trireme.serving.engine import EngineSettings
+from trireme.serving.engine import Engine, EngineSettings
 from trireme.serving.loading import generate_from_checkpoint, load_for_inference
+from trireme.serving.sampling import SamplingParams
 from trireme.training.train import train
 
 LINES = [
@@ -78,15 +79,23 @@ def run_generate(ckpt: str, tmp_path, output: str) -> str:
 
 
 @torch.no_grad()
-def cached_logits(model: GPT) -> torch.Tensor:
-    """[4, 2, vocab]: a prompt's last logits, then three decode steps', through the KV cache."""
-    ids = torch.tensor([[5, 9, 200, 31, 7], [1, 2, 3, 4, 5]])
-    cache = InferenceCache.for_model(model, 2, 16)
-    steps = [model(ids, kv_cache=cache)[:, -1]]
-    for pos in range(5, 8):
-        next_ids = steps[-1].argmax(-1, keepdim=True)  # [2, 1]
-        steps.append(model(next_ids, kv_cache=cache, start_pos=pos)[:, -1])
-    return torch.stack(steps)
+def engine_logits(model: GPT) -> torch.Tensor:
+    """[8, vocab]: the logits the engine samples two prompts' tokens from (their last positions,
+    then three greedy decode steps), through the paged KV cache."""
+    rows, real = [], engine_module.sample_rows
+
+    def recording(logits, *args, **kwargs):
+        rows.extend(logits.clone())
+        return real(logits, *args, **kwargs)
+
+    engine_module.sample_rows = recording
+    try:
+        engine = Engine(model, EngineSettings(block_size=4, max_running=2))
+        engine.generate([[5, 9, 200, 31, 7], [1, 2, 3, 4, 5]],
+                        [SamplingParams(max_tokens=4, greedy=True)] * 2)
+    finally:
+        engine_module.sample_rows = real
+    return torch.stack(rows)
 
 
 def _ranks(rank: int, world_size: int, ckpt: str, tmp_path) -> None:
@@ -99,7 +108,7 @@ def _ranks(rank: int, world_size: int, ckpt: str, tmp_path) -> None:
     if rank == 0:
         (tmp_path / "tp.txt").write_text(text)
     reference = model_from_state(loaded.cfg.model, load_checkpoint(ckpt).model, "cpu")
-    got, want = cached_logits(loaded.model), cached_logits(reference.eval())
+    got, want = engine_logits(loaded.model), engine_logits(reference.eval())
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 

@@ -2,7 +2,7 @@
 Triton's real compiler, on a machine without a GPU: the launches its Python launcher makes for a
 llama3-1b-sized call are recorded (tests/interpreted.py: recorded_launches) and compiled as
 recorded. The interpreter tests check what the kernels compute; they run Python, so a kernel can
-pass there and fail to compile (session 9: the split-K GEMM's swapped tile, which kept the
+pass there and fail to compile (as the split-K GEMM's swapped tile once did, which kept the
 serving engine from starting on the H200)."""
 
 import pytest
@@ -100,7 +100,7 @@ def test_the_decode_step_kernels_compile_with_pdl(monkeypatch):
                                                         programs=PROGRAMS_PER_SM * 132)}
     for name, call in calls.items():
         module = importlib.import_module(f"trireme.ops.{name}")
-        monkeypatch.setattr(module, "launch_pdl", lambda t: True)
+        monkeypatch.setattr(module, "launch_pdl", lambda t, kernels: True)
         kernels = compile_recorded_for_sm90(module, call)
         assert kernels, name
         for kernel in kernels:  # the wait comes before the kernel touches global memory
@@ -128,7 +128,7 @@ def _spill_bytes(ptx: str) -> int:
 
 
 def test_early_reads_are_l2_prefetches_before_the_wait(monkeypatch):
-    """With $TRIREME_PDL_PREFETCH (trireme.ops.pdl.early_reads) the split-K GEMMs and the paged
+    """With early reads (trireme.ops.pdl.early_reads) the split-K GEMMs and the paged
     kernel prefetch into the L2, before griddepcontrol.wait, weight tiles and the first tile of
     pooled keys and values: no store, atomic or async copy comes before the wait (the paged
     kernel loads its step inputs there: 64-bit loads; q and the new keys, bf16, come after;
@@ -152,10 +152,10 @@ def test_early_reads_are_l2_prefetches_before_the_wait(monkeypatch):
                  paged.paged_decode_attention(qkv[:, :32], pool, pool, tables, lengths,
                                               variant="v2", new=new))}
     for module, call in calls.items():
-        monkeypatch.setattr(module, "launch_pdl", lambda t: True)
+        monkeypatch.setattr(module, "launch_pdl", lambda t, kernels: True)
         spills = {}
         for early in (False, True):
-            monkeypatch.setattr(module, "early_reads", lambda t, early=early: early)
+            monkeypatch.setattr(module, "early_reads", lambda t, kernels, e=early: e)
             for kernel in compile_recorded_for_sm90(module, call):
                 lines = kernel.asm["ptx"].splitlines()
                 wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)

@@ -11,6 +11,7 @@ from trireme.errors import ConfigError
 from trireme.models.block import Block, sublayer_names
 from trireme.models.gpt import GPT
 from trireme.models.init import declared_rules, draw_normal
+from trireme.models.paged import PagedLayout
 from trireme.models.stages import balanced_counts, layer_costs, stage_specs
 from trireme.parallel.context import ParallelContext
 from trireme.parallel.mesh import ParallelDims, ParallelMesh, flat_rank_lists
@@ -29,7 +30,13 @@ def test_pattern_cut_into_layers_at_each_mixer():
     assert parse_layer_pattern("", 2) == ["*-", "*-"]
     assert parse_layer_pattern("*-*--*", 3) == ["*-", "*--", "*"]
     assert config(layer_pattern="**-*").layer_symbols == ["*", "*-", "*"]
-    assert sublayer_names("*--") == ["attention", "mlp", "mlp_1"]
+    cfg = config(num_layers=3, layer_pattern="*E*--M")
+    assert cfg.layer_kinds == (("attention", "moe"), ("attention", "mlp", "mlp"), ("mamba",))
+    assert cfg.kinds == ("attention", "mlp", "moe", "mamba")
+    assert cfg.has_kind("moe") and not config().has_kind("moe") and config().has_kind("mlp")
+    with pytest.raises(ValueError, match="unknown sublayer kind 'experts'"):
+        cfg.has_kind("experts")
+    assert sublayer_names(("attention", "mlp", "mlp")) == ["attention", "mlp", "mlp_1"]
 
 
 @pytest.mark.parametrize("pattern, words", [
@@ -81,13 +88,14 @@ def test_a_hybrid_pattern_trains_and_its_cache_equals_recomputation():
 
 
 def test_the_block_sets_recomputation_through_its_sublayers():
-    block = Block(config(), ParallelContext(), "*--")
+    block = Block(config(), ParallelContext(), ("attention", "mlp", "mlp"))
     block.set_recompute(full=False, selective=True)
     assert block.attention.recompute_core and block.mlp.recompute_activation
     assert block.mlp_1.recompute_activation and not block.recompute
     block.set_recompute(full=True, selective=False)
     assert block.recompute and not block.attention.recompute_core
-    assert set(block.new_cache(1, 8, torch.device("cpu"), torch.float32)) == {"attention"}
+    states = block.new_cache(1, 8, torch.device("cpu"), torch.float32, PagedLayout(4, 2))
+    assert set(states) == {"attention"}
 
 
 def test_pipeline_stages_balance_layer_costs():

@@ -19,10 +19,10 @@ from trireme.config import ModelConfig, load_config
 from trireme.convert.hf_mamba import mamba_family
 from trireme.errors import ConfigError, TriremeError
 from trireme.models import mamba as mamba_module
-from trireme.models.cache import InferenceCache
 from trireme.models.gpt import GPT
 from trireme.models.mamba import Mamba, MambaState
-from trireme.models.stages import layer_costs, stage_specs, sublayer_flops
+from trireme.models.mlp import MLP
+from trireme.models.stages import layer_costs, stage_specs
 from trireme.ops.ssd import FastKernels, discretize_dt, ssd_recurrence
 from trireme.parallel.layout import resolve_layout
 from trireme.serving.generate import generate
@@ -91,29 +91,31 @@ def test_sizes_and_flops():
     d_in, gn = heads * 8, 2 * 8
     assert mixer.in_proj.weight.shape == (2 * d_in + 2 * gn + heads, 32)
     assert mixer.conv1d.weight.shape == (d_in + 2 * gn, 1, 4)
-    flops = sublayer_flops(cfg, "M")
+    flops = Mamba.flops(cfg)
     assert flops == 32 * (2 * d_in + 2 * gn + heads) + 3.5 * d_in * 8 + d_in * 32
     costs = layer_costs(cfg)
-    assert costs[0] == sublayer_flops(cfg, "M") + sublayer_flops(cfg, "-") and costs[2] == flops
+    assert costs[0] == Mamba.flops(cfg) + MLP.flops(cfg) and costs[2] == flops
 
 
 @pytest.mark.parametrize("dtype", [torch.float64])
-def test_state_cache_decoding_equals_recomputation(dtype):
+def test_state_decoding_equals_recomputation(dtype):
+    """The state the mixer keeps per sequence (a serving engine's slot rows): a prefill, one
+    token at a time, then a chunk, each continuing from the state, equal one pass over the
+    whole sequence; a state given start position 0 starts afresh."""
     torch.manual_seed(0)
     model = GPT(hybrid_config(), seed=1).to(dtype).eval()
-    ids = torch.randint(0, 61, (2, 21))
+    mamba = model.layers["0"].mamba
     with torch.no_grad():
-        full = model(ids)  # [b, s, vocab], no cache
-        cache = InferenceCache.for_model(model, batch_size=2, max_len=30)
-        assert isinstance(cache[0]["mamba"], MambaState)
-        steps = [model(ids[:, :9], kv_cache=cache)]  # prefill 9 (chunks of 8: one ragged)
+        zxbcdt = mamba.in_proj(torch.randn(2, 21, 32, dtype=dtype))
+        full = mamba.core(zxbcdt)  # [b, s, d_in], no state
+        state = mamba.new_cache(2, 30, zxbcdt.device, dtype)
+        assert isinstance(state, MambaState)
+        steps = [mamba.core(zxbcdt[:, :9], state, 0)]  # prefill 9 (chunks of 8: one ragged)
         for pos in range(9, 14):  # then one token at a time
-            steps.append(model(ids[:, pos:pos + 1], kv_cache=cache, start_pos=pos))
-        steps.append(model(ids[:, 14:], kv_cache=cache, start_pos=14))  # a chunk of 7 again
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-9, atol=1e-9)
-    # a reused cache starts afresh at position 0
-    with torch.no_grad():
-        again = model(ids[:, :5], kv_cache=cache)
+            steps.append(mamba.core(zxbcdt[:, pos:pos + 1], state, pos))
+        steps.append(mamba.core(zxbcdt[:, 14:], state, 14))  # a chunk of 7 again
+        torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-9, atol=1e-9)
+        again = mamba.core(zxbcdt[:, :5], state, 0)
     torch.testing.assert_close(again, full[:, :5], rtol=1e-9, atol=1e-9)
 
 
@@ -242,5 +244,6 @@ def test_the_serving_engine_decodes_a_hybrid_model_as_generate_does():
     params = [SamplingParams(max_tokens=4 + i % 3, greedy=True) for i in range(len(texts))]
     engine = Engine(model, EngineSettings(block_size=4, max_running=2, max_batch_tokens=9))
     for prompt, p, request in zip(texts, params, engine.generate(texts, params)):
-        want = generate(model, prompt, p.max_tokens, greedy=True).tolist()[len(prompt):]
+        want = generate(model, prompt, p.max_tokens, greedy=True,
+                        use_cache=False).tolist()[len(prompt):]
         assert request.output_ids == want

@@ -18,7 +18,7 @@ from test_train import read_metrics, tiny_cfg, write_toy_data
 from trireme.config import load_config
 from trireme.errors import ConfigError, TrainingError
 from trireme.models.gpt import GPT
-from trireme.serving.generate import sample_next
+from trireme.serving.sampling import sample_next
 from trireme.training.build import Trainer, build_trainer
 from trireme.training.health import RunHealth
 from trireme.training.loop import run_loop

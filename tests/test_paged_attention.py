@@ -76,9 +76,10 @@ def test_triton_paged_decode_kernel_equals_the_gather_path():
 
 
 VARIANTS_SCRIPT = BF16_DOT + """
-import json, os, sys, torch
+import json, sys, torch
 sys.path.insert(0, TESTS)
 from test_paged_attention import paged_case
+from trireme.ops.kernel_settings import KernelSettings
 from trireme.ops.paged_attention import paged_decode_reference
 import trireme.ops.paged_attention_triton as kernels
 # (n_heads, n_kv, d, block, lengths): GQA 4:1 and 1:1, d 64 / 128, blocks 16 / 32, lengths 1,
@@ -100,7 +101,7 @@ for n_heads, n_kv, d, block, lengths in shapes:
         got = kernels.paged_decode_attention(*case, variant=variant, **kw)
         key = f"{variant} {kw}"
         errors[key] = max(errors.get(key, 0.0), (got - want).abs().max().item())
-calls = []  # $TRIREME_PAGED_KERNEL picks v1 (not the default) when no variant is passed
+calls = []  # KernelSettings.paged_kernel picks v1 (not the default) when no variant is passed
 for name in ("_paged_decode_kernel", "_paged_decode_v2_kernel"):
     jit = getattr(kernels, name)
     class Seen:
@@ -108,40 +109,55 @@ for name in ("_paged_decode_kernel", "_paged_decode_v2_kernel"):
             calls.append((name, grid))
             return jit[grid]
     setattr(kernels, name, Seen())
-os.environ["TRIREME_PAGED_KERNEL"] = "v1,tile=16,num_warps=2"  # settings too
+chosen = KernelSettings(paged_kernel="v1,tile=16,num_warps=2")  # settings too
 case = paged_case(8, 2, [5, 40], block=16, d=64)
-env = (kernels.paged_decode_attention(*case) - paged_decode_reference(*case)).abs().max().item()
-env_calls = list(calls)
+got = kernels.paged_decode_attention(*case, kernels=chosen)
+chosen_err = (got - paged_decode_reference(*case)).abs().max().item()
+chosen_calls = list(calls)
 bf16 = [t.bfloat16() if t.is_floating_point() else t for t in paged_case(8, 2, [5, 70], block=16)]
 got = kernels.paged_decode_attention(*bf16, variant="v2", heads=2, tile=16).float()
 want = paged_decode_reference(*[t.float() if t.is_floating_point() else t for t in bf16])
-print(json.dumps({"errors": errors, "env": env, "calls": env_calls,
+print(json.dumps({"errors": errors, "chosen": chosen_err, "calls": chosen_calls,
                   "bf16": (got - want).abs().max().item()}))
 """
 
 
 def test_paged_decode_kernel_variants_equal_the_gather_path():
     """v1 and v2 (kv heads per program, prefetched tiles) against the gather reference through
-    the interpreter; $TRIREME_PAGED_KERNEL=v1 selects v1 (v2 is the default)."""
+    the interpreter; KernelSettings.paged_kernel "v1" (`--paged-kernel v1`) selects v1 (v2 is
+    the default)."""
     pytest.importorskip("triton")
     script = VARIANTS_SCRIPT.replace("TESTS", repr(str(Path(__file__).parent)))
     out = json.loads(run_in_interpreter(script).splitlines()[-1])
     assert len(out["errors"]) == 6 and max(out["errors"].values()) < 1e-4, out
-    assert out["calls"] == [["_paged_decode_kernel", [2, 2, 1]]] and out["env"] < 1e-4, out
+    assert out["calls"] == [["_paged_decode_kernel", [2, 2, 1]]] and out["chosen"] < 1e-4, out
     assert out["bf16"] < 2e-2, out  # bf16 dot operands (p rounded to bf16) against fp32
+
+
+def test_the_paged_kernel_choice_is_parsed_and_checked():
+    """KernelSettings.paged_kernel (`--paged-kernel`): a variant, then launch settings; an
+    unknown name or setting is a one-line error when the engine's settings are checked."""
+    from trireme.errors import ConfigError
+    from trireme.ops.kernel_settings import KernelSettings, parse_paged_kernel
+    from trireme.serving.engine import EngineSettings
+
+    assert parse_paged_kernel(KernelSettings().paged_kernel) == ("v2", {})  # the default
+    assert parse_paged_kernel("v1") == ("v1", {})
+    assert parse_paged_kernel("v2, heads=2,tile=32") == ("v2", {"heads": 2, "tile": 32})
+    with pytest.raises(ConfigError, match="paged_kernel 'v3': 'v3' is not.*v1, v2"):
+        parse_paged_kernel("v3")
+    with pytest.raises(ConfigError, match="'warps=8' is not a launch setting.*num_warps"):
+        parse_paged_kernel("v2,warps=8")
+    with pytest.raises(ConfigError, match="paged_kernel 'v2,tile=x': 'tile=x' is not a launch"):
+        EngineSettings(paged_kernel="v2,tile=x").check()
+    EngineSettings(paged_kernel="v1,heads_first=1").check()
 
 
 def test_paged_decode_kernel_settings_are_checked():
     pytest.importorskip("triton")
     from trireme.errors import ConfigError
-    from trireme.ops.paged_attention_triton import env_choice, paged_decode_attention
+    from trireme.ops.paged_attention_triton import paged_decode_attention
 
-    assert env_choice("") == ("v2", {}) and env_choice("v1") == ("v1", {})
-    assert env_choice("v2, heads=2,tile=32") == ("v2", {"heads": 2, "tile": 32})
-    with pytest.raises(ConfigError, match="TRIREME_PAGED_KERNEL='v3': 'v3' is not.*v1, v2"):
-        env_choice("v3")
-    with pytest.raises(ConfigError, match="'warps=8' is not a launch setting.*num_warps"):
-        env_choice("v2,warps=8")
     case = paged_case(8, 4, [3, 9], block=4)
     for heads in (3, 8, 16):  # not a power of two, more than the kv heads
         with pytest.raises(ConfigError, match=f"heads={heads} kv heads per program"):

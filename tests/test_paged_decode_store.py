@@ -156,11 +156,12 @@ def tokens(graphs, compiled):
 
 want = tokens(False, False)  # index_copy_, then the gather path
 real, fused = paged.paged_decode_attention, []
-def through_kernel(q, k_pool, v_pool, tables, lengths, backend="auto", new=None):
-    if new is None:
-        return real(q, k_pool, v_pool, tables, lengths, backend)
+def through_kernel(q, k_pool, v_pool, tables, lengths, backend="auto", new=None, **engine):
+    if new is None:  # engine: its KernelSettings and KernelFailures
+        return real(q, k_pool, v_pool, tables, lengths, backend, **engine)
     fused.append(q.shape[0])  # the CPU dispatcher would gather: run the kernel as CUDA would
-    return kernels.paged_decode_attention(q, k_pool, v_pool, tables, lengths, new=new)
+    return kernels.paged_decode_attention(q, k_pool, v_pool, tables, lengths, new=new,
+                                          kernels=engine["kernels"])
 paged.paged_decode_attention = through_kernel
 got, calls = {}, {}
 for name, graphs, compiled in [("eager", False, False), ("graphs", True, False),
@@ -185,27 +186,37 @@ def test_engine_decode_steps_through_the_fused_kernel_give_the_same_tokens():
 
 def test_a_failing_kernel_falls_back_and_still_stores(monkeypatch):
     """When the kernel fails (a Triton compile error), the call warns, stores the new keys with
-    index_copy_ and attends on the gather path: the same output and pools."""
+    index_copy_ and attends on the gather path: the same output and pools. The failure is
+    recorded in the caller's KernelFailures (an engine's), whose owner does not try the kernel
+    again; a caller with a record of its own still does."""
     import contextlib
 
     import trireme.ops.paged_attention as dispatch
+    from trireme.ops.kernel_settings import KernelFailures
 
     calls = []
 
-    def failing(*args, new=None):
+    def failing(*args, new=None, kernels=None):
         calls.append(new)
         raise RuntimeError("no kernel today")
 
     monkeypatch.setattr(dispatch, "_fits_kernel", lambda q, k_pool, backend: True)
     monkeypatch.setattr(dispatch, "_kernel", lambda: failing)
-    monkeypatch.setattr(dispatch, "_FAILED", [])
     monkeypatch.setattr(dispatch.torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(dispatch.torch.cuda, "is_current_stream_capturing", lambda: False)
     case, new = new_case(4, 2, [1, 6, 9], block=4, d=16)
     want, k_want, v_want = stored_then_attended(case, new)
     q, k_pool, v_pool, tables, lengths = case
+    failures, others = KernelFailures(), KernelFailures()
     with pytest.warns(UserWarning, match="paged decode kernel failed.*no kernel today"):
-        got = dispatch.paged_decode_attention(q, k_pool, v_pool, tables, lengths, new=new)
-    assert calls == [new] and len(dispatch._FAILED) == 1
+        got = dispatch.paged_decode_attention(q, k_pool, v_pool, tables, lengths, new=new,
+                                              failures=failures)
+    assert calls == [new] and list(failures.errors) == ["paged_attention"]
+    assert not dispatch.kernel_available(failures) and not others.errors
     assert torch.equal(k_pool, k_want) and torch.equal(v_pool, v_want)
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+    dispatch.paged_decode_attention(q, k_pool, v_pool, tables, lengths, failures=failures)
+    assert len(calls) == 1  # not tried again for the owner of `failures`
+    with pytest.warns(UserWarning, match="paged decode kernel failed"):  # another engine's
+        dispatch.paged_decode_attention(q, k_pool, v_pool, tables, lengths, failures=others)
+    assert len(calls) == 2 and "paged_attention" in others

@@ -60,7 +60,7 @@ def test_kept_activations_match_what_autograd_saves(mode, fused):
         model(ids, labels)
     shape = shape_of(cfg, norm_fused=False, gpu=False)
     tokens = b * s
-    predicted = sum(layer_bytes(cfg, shape, sym, mode) for sym in cfg.model.layer_symbols)
+    predicted = sum(layer_bytes(cfg, shape, kinds, mode) for kinds in cfg.model.layer_kinds)
     predicted = predicted * tokens + head_bytes(cfg, shape, tokens).kept + 8 * tokens
     rope = 2 * 128 * 32 * 4 if mode != "full" else 0  # the shared cos / sin table
     measured = sum(saved.values()) - rope

@@ -67,10 +67,11 @@ def test_compiled_block_keeps_what_the_planner_counts(precision):
     # the compiled graph's RMSNorm keeps its input and 1 / rms, as the fused CUDA kernel does
     shape = dataclasses.replace(shape_of(cfg, norm_fused=True, gpu=False), compiled=True,
                                 activation_recomputed=True)
-    predicted = layer_bytes(cfg, shape, "*-", "none") * b * s + fp8_weight_bytes(cfg, shape, "*-")
+    layer = ("attention", "mlp")
+    predicted = layer_bytes(cfg, shape, layer, "none") * b * s + fp8_weight_bytes(cfg, shape, layer)
     assert abs(predicted / measured - 1) < 0.01, (predicted, measured)
     if precision == "fp8":  # and the eager count would have been well above it
         eager = dataclasses.replace(shape, compiled=False)
-        weights = fp8_weight_elements(cfg, eager, "*-")  # current scaling: 1 byte each
-        over = layer_bytes(cfg, eager, "*-", "none") * b * s + weights
+        weights = fp8_weight_elements(cfg, eager, layer)  # current scaling: 1 byte each
+        over = layer_bytes(cfg, eager, layer, "none") * b * s + weights
         assert over > 1.2 * measured

@@ -120,7 +120,8 @@ def test_engine_greedy_equals_generate_with_images(positions, image_files):
     while engine.has_work():
         engine.step()
     for (ids, image), request in zip(jobs, requests):
-        expected = generate(model, ids, 12, greedy=True, eos_id=tok.eod, images=image)
+        expected = generate(model, ids, 12, greedy=True, eos_id=tok.eod, images=image,
+                            use_cache=False)
         assert request.output_ids == expected[len(ids):].tolist()
         assert request.images is None  # the features went with the prefill
     # the images matter: another image gives other tokens for the first question

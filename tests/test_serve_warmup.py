@@ -12,6 +12,7 @@ from test_serve_engine import config, model_of
 
 import trireme.serving.engine as engine_module
 from trireme.ops import paged_attention
+from trireme.ops.kernel_settings import KernelSettings
 from trireme.serving.engine import Engine, EngineSettings
 
 triton = pytest.importorskip("triton", reason="the kernels need Triton")
@@ -31,8 +32,10 @@ def test_default_splits_only_picks_warmed_counts(monkeypatch):
 
 def test_paged_warm_up_launches_every_split_count(monkeypatch):
     calls = []
+    chosen = KernelSettings(pdl=False, paged_kernel="v1")
 
-    def launch(q, k_pool, v_pool, tables, lengths, *, splits, new):
+    def launch(q, k_pool, v_pool, tables, lengths, *, splits, new, kernels):
+        assert kernels is chosen  # the engine's settings (the variant, PDL) reach the launch
         calls.append((splits, new is not None))
         assert lengths.tolist() == [1] and tables.shape == (1, 3)
         if new is not None:  # the padding block's row 0: no request owns it
@@ -42,10 +45,10 @@ def test_paged_warm_up_launches_every_split_count(monkeypatch):
     monkeypatch.setattr(paged_attention, "_fits_kernel", lambda *a: True)
     monkeypatch.setattr(paged_attention, "_kernel", lambda: launch)
     pool = torch.zeros(4, 16, 2, 8)
-    paged_attention.warm_up(pool, pool, n_heads=4, width=3, store=False)
+    paged_attention.warm_up(pool, pool, n_heads=4, width=3, store=False, kernels=chosen)
     assert calls == [(s, False) for s in paged_attention.WARM_SPLITS]
     calls.clear()
-    paged_attention.warm_up(pool, pool, n_heads=4, width=3, store=True)
+    paged_attention.warm_up(pool, pool, n_heads=4, width=3, store=True, kernels=chosen)
     assert sorted(calls) == sorted((s, new) for s in paged_attention.WARM_SPLITS
                                    for new in (False, True))
 
@@ -81,15 +84,18 @@ def test_the_engine_warms_both_kernels_on_a_gpu(monkeypatch):
     monkeypatch.setattr(engine_module.paged_attention, "warm_up",
                         lambda *a, **k: calls.__setitem__("paged", (a, k)))
     model = model_of(config())
-    engine = Engine(model, EngineSettings(block_size=4, max_running=2))
+    engine = Engine(model, EngineSettings(block_size=4, max_running=2, pdl=False,
+                                          paged_kernel="v1"))
     assert calls == {}  # the CPU: nothing to compile
     engine.device = torch.device("cuda")  # as if on a GPU, without graphs
     engine.warm_kernels()
     cfg = model.cfg
+    chosen = KernelSettings(pdl=False, paged_kernel="v1")  # the engine's: as they will launch
     assert calls["argmax"] == (cfg.vocab_size, model.padded_vocab_size, engine.dtype,
-                               engine.device)
+                               engine.device, chosen)
     (k_pool, v_pool, heads), kw = calls["paged"]
-    assert heads == cfg.num_attention_heads and kw == {"width": 1, "store": True}
+    assert heads == cfg.num_attention_heads
+    assert kw == {"width": 1, "store": True, "kernels": chosen}
     assert k_pool is engine.cache.states()[0].k_pool
 
 

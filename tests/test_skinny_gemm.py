@@ -94,7 +94,7 @@ def planned_launches():
 
 def test_every_planned_tile_compiles_for_sm90():
     """The interpreter runs Python, not Triton's compiler: a tile that runs there may not compile
-    (session 9: SWAP with 16 rows failed on the H200, and with it the engine's start)."""
+    (once SWAP with 16 rows failed on the H200, and with it the engine's start)."""
     pytest.importorskip("triton", reason="the kernel needs Triton")
     from trireme.ops.skinny_gemm_triton import _skinny_kernel
 
@@ -132,10 +132,10 @@ def test_plan_splits_and_limits():
 
 
 def test_plan_traces_under_compile_without_warnings(monkeypatch):
-    """The compiled decode step traces plan (and its reading of $TRIREME_SKINNY_SPLITS)."""
+    """The compiled decode step traces plan (and its reading of SPLITS)."""
     import warnings
 
-    monkeypatch.setenv("TRIREME_SKINNY_SPLITS", "3072x2048:2")
+    monkeypatch.setitem(skinny.SPLITS, (3072, 2048), 2)
     torch._dynamo.reset()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -145,16 +145,42 @@ def test_plan_traces_under_compile_without_warnings(monkeypatch):
     assert not [w for w in caught if "skinny_gemm" in str(w.message)], caught
 
 
-def test_env_names_more_plans(monkeypatch):
-    from trireme.errors import ConfigError
-
-    monkeypatch.setenv("TRIREME_SKINNY_SPLITS", "2048x2048:2, 3072x2048:1")
+def test_splits_names_plans(monkeypatch):
+    """A shape in SPLITS takes its split count (even one not deep enough for a default plan),
+    if that count tiles K."""
+    monkeypatch.setitem(skinny.SPLITS, (2048, 2048), 2)
+    monkeypatch.setitem(skinny.SPLITS, (3072, 2048), 1)
     assert plan(2048, 2048) == 2 and plan(3072, 2048) == 1 and plan(2048, 8192) == 4
-    monkeypatch.setenv("TRIREME_SKINNY_SPLITS", "2048x2048:3")  # K = 2048: not 3 x 128 x k
+    monkeypatch.setitem(skinny.SPLITS, (2048, 2048), 3)  # K = 2048: not 3 x 128 x k
     assert plan(2048, 2048) is None
-    monkeypatch.setenv("TRIREME_SKINNY_SPLITS", "2048*2048:4")
-    with pytest.raises(ConfigError, match="'2048\\*2048:4' is not NxK:SPLITS"):
-        plan(2048, 2048)
+
+
+def test_skinny_linears_launch_as_the_engine_says(monkeypatch):
+    """use_skinny_linears hands its KernelSettings to every SkinnyLinear (also to those an
+    earlier call turned), whose ops get its PDL and early-reads switches; turned back, the
+    layers forget them."""
+    from trireme.ops.kernel_settings import KernelSettings
+
+    seen = []
+
+    def op(rows, weight, splits, pdl=True, early_reads=True):
+        seen.append((pdl, early_reads))
+        return skinny_mm_reference(rows, weight, splits)
+
+    monkeypatch.setattr(skinny, "skinny_mm", op)
+    monkeypatch.setattr(skinny, "usable", lambda x, w: 2)  # the kernel path, on the CPU
+    model = nn.Sequential(nn.Linear(256, 64))
+    x = torch.randn(3, 256)
+    use_skinny_linears(model, kernels=KernelSettings(pdl=False))
+    model(x)
+    use_skinny_linears(model, kernels=KernelSettings(early_reads=False))  # already turned
+    model(x)
+    assert seen == [(False, True), (True, False)]
+    use_skinny_linears(model, on=False)
+    assert "kernels" not in vars(model[0])
+    use_skinny_linears(model)
+    model(x)
+    assert seen[-1] == (True, True)  # the shipped settings
 
 
 @pytest.mark.parametrize("bias", [False, True])

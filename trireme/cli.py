@@ -94,13 +94,13 @@ def _resolve(command: str):
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help"):
+    if not argv or argv[0] in ("-h", "--help"):  # bare `trireme` starts nothing: its usage
         print(__doc__.strip())
         return 0
     if argv and argv[0] in ("-V", "--version"):
         print(f"trireme {__version__}")
         return 0
-    # No subcommand (or only overrides): train, the main job.
+    # Only overrides (`trireme --train.steps=3`): train, the main job.
     command = argv.pop(0) if argv and not argv[0].startswith("-") else "train"
     if command not in COMMANDS and command not in HEAVY_COMMANDS:
         names = ", ".join([*HEAVY_COMMANDS, *COMMANDS])

@@ -9,9 +9,10 @@ compare with published tables:
               + 6 * L * q * s                                 QK^T and PV, halved by the causal mask
 
 with q = heads * head_dim, kv = groups * head_dim, k_ffn = 3 for SwiGLU and 2 for GeLU;
-6 = 3 (forward and backward) x 2 (a multiply-add is two FLOPs). Under model.layer_pattern the
-attention terms count once per `*` sublayer and the MLP term once per `-`; an `E` sublayer counts
-its active parameters only, h*E (router) + 3*h*(top_k*F_moe + F_shared) (docs/performance.md).
+6 = 3 (forward and backward) x 2 (a multiply-add is two FLOPs). Under model.layer_pattern each
+sublayer counts what its class declares (`flops`, trireme.models.sublayer): the attention terms
+once per `*` sublayer, the MLP term once per `-`; an `E` sublayer counts its active parameters
+only, h*E (router) + 3*h*(top_k*F_moe + F_shared) (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 from trireme.config import Config, ModelConfig
 from trireme.errors import ConfigError, TrainingError
-from trireme.models.stages import sublayer_flops
+from trireme.models.block import SUBLAYERS
 from trireme.step.stragglers import straggler_note
 
 # Dense bf16 tensor-core peak per GPU, FLOP/s, from the vendor datasheets. Matched in order against
@@ -49,12 +50,12 @@ NOMINAL_PEAK_FLOPS = 1e12
 
 def flops_per_token(cfg: ModelConfig, seq_length: int | None = None) -> float:
     """Training FLOPs (forward + backward) per token of `cfg`, Megatron's formula, summed over
-    the sublayers of model.layer_pattern (trireme.models.stages.sublayer_flops).
+    the sublayers of model.layer_pattern (each class's `flops`, trireme.models.sublayer).
 
     `seq_length` defaults to `cfg.seq_length`; the output layer uses the padded vocabulary.
     """
-    layers = sum(sublayer_flops(cfg, symbol, seq_length)
-                 for layer in cfg.layer_symbols for symbol in layer)
+    layers = sum(SUBLAYERS[kind].flops(cfg, seq_length)
+                 for layer in cfg.layer_kinds for kind in layer)
     return 6.0 * (layers + cfg.hidden_size * cfg.padded_vocab_size)
 
 

@@ -5,14 +5,12 @@ DCP's global planning then dedups replicated chunks and checks that the chunks t
 `PieceLoadPlanner` asks DCP for the parts of the stored chunks that overlap each piece and hands
 out the piece's own view as the destination, so the data lands in place. `SafeReader` is DCP's
 file reader with `.metadata` read by the restricted unpickler (torch's reader calls pickle.load
-on it) and errors naming the data file; `Writer` is DCP's file writer (and a test hook).
+on it) and errors naming the data file; `Writer` is DCP's file writer.
 Only public DCP classes are subclassed or built here.
 """
 
 from __future__ import annotations
 
-import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +33,6 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.futures import Future
 
-from trireme.checkpoint.directory import step_dir_name
 from trireme.checkpoint.safe_pickle import load_dcp_metadata
 from trireme.errors import CheckpointError
 
@@ -138,18 +135,12 @@ class SafeReader(FileSystemReader):
 
 
 class Writer(FileSystemWriter):
-    """DCP's file writer; `written` lists the data files this rank wrote. For the tests that
-    kill a run in the middle of a save, TRIREME_TEST_SAVE_DELAY="STEP:SECONDS" sleeps after the
-    shards of step STEP are written (before DCP's .metadata, trireme's meta.json and the
-    rename)."""
+    """DCP's file writer; `written` lists the data files this rank wrote."""
 
     def write_data(self, plan, planner):
         future = super().write_data(plan, planner)
         # the data files this rank wrote (sharded.write records their sha256 in meta.json)
         self.written = sorted({r.storage_data.relative_path for r in future.wait()})
-        step, _, seconds = os.environ.get("TRIREME_TEST_SAVE_DELAY", "").partition(":")
-        if seconds and step_dir_name(int(step)) in Path(self.path).name:
-            time.sleep(float(seconds))
         return future
 
     def storage_meta(self):

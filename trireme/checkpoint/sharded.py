@@ -63,7 +63,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
                         "uninitialized", category=UserWarning)
 
 FORMAT_NAME = "sharded"
-WRITER = Writer  # tests replace it with a failing one
+WRITER = Writer  # tests replace it (a failing writer, or one that pauses: tests/slow_save.py)
 RNG_DIR = "rng"
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's moments: "optimizer/<moment>/<name>" keys
 

@@ -12,6 +12,7 @@ import tomllib
 import typing
 from typing import Any
 
+from trireme import environment
 from trireme.config.checks import validate
 from trireme.config.model import (
     AUTO_MICRO_BATCH,
@@ -19,6 +20,7 @@ from trireme.config.model import (
     FP8_LAYER_NAMES,
     FP8_OUTPUT,
     KERNEL_NAMES,
+    KINDS,
     MIXERS,
     MODEL_IDENTITY,
     NOT_YET,
@@ -56,7 +58,7 @@ from trireme.errors import ConfigError
 
 __all__ = [
     "AUTO_MICRO_BATCH", "FP8_AUTO", "FP8_LAYER_NAMES", "FP8_OUTPUT", "KERNEL_NAMES", "MIXERS",
-    "MODEL_IDENTITY", "NOT_YET",
+    "KINDS", "MODEL_IDENTITY", "NOT_YET",
     "PRESET_DIR", "SECTIONS", "SYMBOLS", "CheckpointConfig", "Config", "DataConfig",
     "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "ResumeStep", "RunConfig",
     "ScheduleConfig", "TrainConfig", "apply_dict", "config_from_toml", "doc", "load_config",
@@ -129,4 +131,4 @@ def reference_markdown() -> str:
                 f"| {f.metadata.get('help', '')} |"
             )
         out.append("")
-    return "\n".join(out)
+    return "\n".join(out) + "\n" + environment.reference_markdown()

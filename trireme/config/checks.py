@@ -92,9 +92,9 @@ def _check_model(cfg: Config, need_vocab: bool) -> None:
         symbol = pending[0]
         raise ConfigError(f"model.layer_pattern: {symbol!r} ({SYMBOLS[symbol]}) is not "
                           f"implemented yet ({NOT_YET[symbol]}); use *, - and E")
-    if "E" in m.layer_pattern:
+    if m.has_kind("moe"):
         _check_moe(m, p)
-    if "M" in m.layer_pattern:
+    if m.has_kind("mamba"):
         _check_mamba(m, p)
         for key in ("reset_attention_mask", "pack_conversations"):
             if getattr(cfg.data, key):  # the recurrent state would run across the documents
@@ -242,11 +242,11 @@ def check_degrees(cfg: Config) -> None:
     small function, called from trireme.parallel.layout.resolve_layout)."""
     m, p = cfg.model, cfg.parallel
     check_fp8_tensor(m, p)
-    if "E" in m.layer_pattern:
+    if m.has_kind("moe"):
         check_expert_split(m, p)
         check_expert_capacity(m, p)
         check_moe_tensor(m, p)
-    if "M" in m.layer_pattern:
+    if m.has_kind("mamba"):
         check_mamba_tensor(m, p)
 
 

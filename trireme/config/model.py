@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,12 +34,26 @@ class ResumeStep(str):
 
 MIXERS = "*M"  # sublayers that mix across positions; each starts a layer
 SYMBOLS = {"*": "self-attention", "-": "MLP", "E": "mixture-of-experts MLP", "M": "Mamba-2 mixer"}
+# symbol -> the sublayer's kind: its class in trireme.models.block.SUBLAYERS and its module name
+KINDS = {"*": "attention", "-": "mlp", "E": "moe", "M": "mamba"}
 NOT_YET: dict[str, str] = {}  # symbols whose sublayer has not landed (symbol -> issue)
 
 
 def parse_layer_pattern(pattern: str, num_layers: int) -> list[str]:
     """`pattern` (model.layer_pattern) cut into layers, each a mixer and the sublayers after it;
     the empty pattern is the standard transformer. One-line ConfigError for a bad pattern."""
+    return list(_parsed(pattern, num_layers)[0])
+
+
+@functools.cache
+def _parsed(pattern: str, num_layers: int) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:
+    """(each layer's symbols, each layer's kinds): the pattern parsed once (a pure function of
+    its two arguments; the planner asks thousands of times)."""
+    layers = _cut(pattern, num_layers)
+    return tuple(layers), tuple(tuple(KINDS[symbol] for symbol in layer) for layer in layers)
+
+
+def _cut(pattern: str, num_layers: int) -> list[str]:
     if not pattern:
         return ["*-"] * num_layers
     unknown = sorted(set(pattern) - set(SYMBOLS))
@@ -95,10 +110,9 @@ def identity_fields(cfg: ModelConfig) -> tuple[str, ...]:
         fields += ROPE_IDENTITY
         if cfg.rope_scaling != "none":
             fields += ROPE_SCALING_IDENTITY
-    symbols = "".join(cfg.layer_symbols)
-    if "E" in symbols:
+    if cfg.has_kind("moe"):
         fields += MOE_IDENTITY
-    if "M" in symbols:
+    if cfg.has_kind("mamba"):
         fields += MAMBA_IDENTITY
     if cfg.vision_layers:
         fields += VISION_IDENTITY
@@ -268,10 +282,10 @@ class ModelConfig:
     fp8_cross_entropy_kernel: Literal["compiled", "triton"] = doc(
         "triton", "fused_cross_entropy with the fp8 output layer (fp8_layers \"output\"): "
         "the kernel of each chunk's softmax, loss and logits' gradient, written in e5m2. "
-        "triton: the Triton kernel's e5m2 variant (into a new tensor; 0.7% more tokens/s on "
+        "triton: the Triton kernel's e5m2 variant (into a new tensor; measured faster on "
         "llama3-1b on the H200; where Triton does not import: compiled); compiled: torch ops "
-        "through torch.compile, the reference. 300 steps of llama3-1b against bf16 (session "
-        "8): triton -0.78%, compiled +2.97% (last-10 mean; bench/RESULTS.md)."
+        "through torch.compile, the reference. 300 steps of llama3-1b against bf16: "
+        "triton -0.78%, compiled +2.97% (last-10 mean; bench/RESULTS.md)."
     )
     moe_num_experts: int = doc(8, "MoE (E in layer_pattern): routed experts per MoE sublayer.")
     moe_top_k: int = doc(2, "MoE: experts each token is sent to.")
@@ -381,6 +395,25 @@ class ModelConfig:
     def layer_symbols(self) -> list[str]:
         """Each layer's sublayers, e.g. ["*-", "*-"]: the pattern cut before every mixer."""
         return parse_layer_pattern(self.layer_pattern, self.num_layers)
+
+    @property
+    def layer_kinds(self) -> tuple[tuple[str, ...], ...]:
+        """Each layer's sublayer kinds, e.g. (("attention", "mlp"), ...): model.layer_pattern
+        parsed (once per pattern); a kind names its class in trireme.models.block.SUBLAYERS."""
+        return _parsed(self.layer_pattern, self.num_layers)[1]
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The sublayer kinds the model has, each once, in KINDS order."""
+        present = {kind for layer in self.layer_kinds for kind in layer}
+        return tuple(kind for kind in KINDS.values() if kind in present)
+
+    def has_kind(self, kind: str) -> bool:
+        """Whether some layer has a sublayer of `kind` ("attention", "mlp", "moe", "mamba")."""
+        if kind not in KINDS.values():
+            raise ValueError(f"unknown sublayer kind {kind!r}; the kinds are "
+                             f"{', '.join(KINDS.values())}")
+        return any(kind in layer for layer in self.layer_kinds)
 
     def fused_loss(self, on_gpu: bool) -> bool:
         """Whether the output layer and loss run chunked (fused_cross_entropy; auto: on a GPU)."""

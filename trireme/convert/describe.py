@@ -41,17 +41,16 @@ def model_summary(cfg: ModelConfig) -> str:
     vocab = f"vocab {cfg.vocab_size}"
     if cfg.padded_vocab_size != cfg.vocab_size:
         vocab += f" (padded {cfg.padded_vocab_size})"
-    symbols = "".join(cfg.layer_symbols)
-    attention = "*" in symbols  # a pure Mamba-2 model has no heads, positions or MLP to name
+    attention = cfg.has_kind("attention")  # a pure Mamba-2 model: no heads, positions or MLP
     extras = [x for x, on in (("qk-norm", cfg.qk_norm and attention), ("biases", cfg.bias),
                               ("q/k/v biases", cfg.qkv_bias and not cfg.bias and attention)) if on]
     if cfg.max_position_embeddings > cfg.seq_length:
         extras.append(f"supports {cfg.max_position_embeddings} positions")
-    moe_layers = sum("E" in layer for layer in cfg.layer_symbols)
+    moe_layers = sum("moe" in layer for layer in cfg.layer_kinds)
     if moe_layers:
         extras.append(f"{moe_layers} MoE layers ({cfg.moe_num_experts} experts x "
                       f"{cfg.moe_ffn_size}, top-{cfg.moe_top_k}, {cfg.moe_router})")
-    mamba_layers = symbols.count("M")
+    mamba_layers = sum(layer.count("mamba") for layer in cfg.layer_kinds)
     if mamba_layers:
         extras.append(f"{mamba_layers} Mamba-2 layers ({cfg.mamba_heads} heads x "
                       f"{cfg.mamba_head_dim}, d_state {cfg.mamba_state_dim}, "
@@ -61,7 +60,7 @@ def model_summary(cfg: ModelConfig) -> str:
                       f"{cfg.vision_hidden_size}, {cfg.vision_image_size}px images in "
                       f"{cfg.vision_patch_size}px patches)")
     parts = [f"{heads} (head {cfg.head_size})"] if attention else []
-    if "-" in symbols or "E" in symbols:
+    if cfg.has_kind("mlp") or cfg.has_kind("moe"):
         parts.append(f"ffn {cfg.ffn_size} {cfg.activation}")
     if attention:
         parts.append(position)

@@ -63,7 +63,15 @@ from trireme.convert.hf_moe import (
     moe_fields,
     moe_hf_config,
 )
-from trireme.convert.hf_table import Entry, export_state, their_shapes, to_ours, weight_dtype
+from trireme.convert.hf_table import (
+    Entry,
+    export_state,
+    sublayer_entries,
+    their_shapes,
+    to_ours,
+    weight_dtype,
+    with_biases,
+)
 from trireme.data.chat import generation_eos_ids
 from trireme.data.tokenizer import load_tokenizer
 from trireme.errors import CheckpointError, TriremeError
@@ -85,48 +93,29 @@ def _llama_table(cfg: ModelConfig, qkv_bias: bool, out_bias: bool, mlp_bias: boo
                  kind: str = "llama") -> list[Entry]:
     """The table of a Llama-style model; `kind` names the MoE family of its `E` sublayers."""
     table = [Entry("embedding.weight", ("model.embed_tokens.weight",), "vocab")]
-    for i, layer in enumerate(cfg.layer_symbols):
-        table += _attention_entries(cfg, i, qkv_bias, out_bias)
-        table += moe_entries(cfg, kind, i) if layer == "*E" else _mlp_entries(cfg, i, mlp_bias)
+    for i, layer in enumerate(cfg.layer_kinds):  # each attention, then an MLP or MoE
+        for sublayer in layer:
+            table += LLAMA_ENTRIES[sublayer](cfg, i, kind, (qkv_bias, out_bias, mlp_bias))
     table.append(Entry("final_norm.weight", ("model.norm.weight",)))
     if not cfg.tie_embeddings:
         table.append(Entry("output.weight", ("lm_head.weight",), "vocab"))
     return table
 
 
-def _attention_entries(cfg: ModelConfig, i: int, qkv_bias: bool, out_bias: bool) -> list[Entry]:
-    q, kv = cfg.num_attention_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
-    ours, a = f"layers.{i}.", f"model.layers.{i}.self_attn."
-    table = [
-        Entry(ours + "attention_norm.weight", (f"model.layers.{i}.input_layernorm.weight",)),
-        Entry(ours + "attention.qkv.weight", tuple(f"{a}{x}_proj.weight" for x in "qkv"),
-              "cat", (q, kv, kv)),
-        Entry(ours + "attention.out.weight", (a + "o_proj.weight",)),
-    ]
-    if cfg.qk_norm:
-        table += [Entry(ours + "attention.q_norm.weight", (a + "q_norm.weight",)),
-                  Entry(ours + "attention.k_norm.weight", (a + "k_norm.weight",))]
-    if qkv_bias:
-        table.append(Entry(ours + "attention.qkv.bias",
-                           tuple(f"{a}{x}_proj.bias" for x in "qkv"), "cat", (q, kv, kv)))
-    if out_bias:
-        table.append(Entry(ours + "attention.out.bias", (a + "o_proj.bias",)))
-    return table
+def _attention_entries(cfg: ModelConfig, i: int, kind: str, biases: Biases) -> list[Entry]:
+    rows = sublayer_entries(cfg, "attention", f"layers.{i}.attention.",
+                            f"model.layers.{i}.self_attn.")
+    qkv, out = rows[:2]
+    norm = Entry(f"layers.{i}.attention_norm.weight", (f"model.layers.{i}.input_layernorm.weight",))
+    return [norm, *rows, *with_biases([qkv] if biases[0] else []),
+            *with_biases([out] if biases[1] else [])]
 
 
-def _mlp_entries(cfg: ModelConfig, i: int, mlp_bias: bool) -> list[Entry]:
-    ours, m, ffn = f"layers.{i}.", f"model.layers.{i}.mlp.", cfg.ffn_size
-    table = [
-        Entry(ours + "mlp_norm.weight", (f"model.layers.{i}.post_attention_layernorm.weight",)),
-        Entry(ours + "mlp.fc1.weight", (m + "gate_proj.weight", m + "up_proj.weight"), "cat",
-              (ffn, ffn)),
-        Entry(ours + "mlp.fc2.weight", (m + "down_proj.weight",)),
-    ]
-    if mlp_bias:
-        table += [Entry(ours + "mlp.fc1.bias", (m + "gate_proj.bias", m + "up_proj.bias"),
-                        "cat", (ffn, ffn)),
-                  Entry(ours + "mlp.fc2.bias", (m + "down_proj.bias",))]
-    return table
+def _mlp_entries(cfg: ModelConfig, i: int, kind: str, biases: Biases) -> list[Entry]:
+    rows = sublayer_entries(cfg, "mlp", f"layers.{i}.mlp.", f"model.layers.{i}.mlp.")
+    norm = Entry(f"layers.{i}.mlp_norm.weight",
+                 (f"model.layers.{i}.post_attention_layernorm.weight",))
+    return [norm, *rows, *with_biases(rows if biases[2] else [])]
 
 
 def _gpt2_table(cfg: ModelConfig) -> list[Entry]:
@@ -152,6 +141,9 @@ def _gpt2_table(cfg: ModelConfig) -> list[Entry]:
 
 
 Biases = tuple[bool, bool, bool]  # q/k/v, output projection, MLP
+# kind -> the table rows of layer i's sublayer of that kind (its norm included) in the Llama
+# family: (cfg, i, the MoE family, biases) -> rows
+LLAMA_ENTRIES = {"attention": _attention_entries, "mlp": _mlp_entries, "moe": moe_entries}
 QWEN_MAX_WINDOW_LAYERS = 28  # transformers' default max_window_layers (Qwen2, Qwen3)
 
 
@@ -322,9 +314,9 @@ def _choose_architecture(cfg: ModelConfig, state: dict[str, Tensor]) -> tuple[st
     """The Hugging Face architecture (and its bias switches) that holds this model exactly."""
     shape = (cfg.position_embedding, cfg.normalization, cfg.activation)
     attention_bias = cfg.bias or cfg.qkv_bias  # Qwen3's covers q/k/v and o (o's zero if absent)
-    if "M" in cfg.layer_pattern:
+    if cfg.has_kind("mamba"):
         return mamba_family(cfg), (cfg.bias, cfg.bias, False)
-    if shape == ("rope", "rmsnorm", "swiglu") and "E" in cfg.layer_pattern:
+    if shape == ("rope", "rmsnorm", "swiglu") and cfg.has_kind("moe"):
         return choose_moe_architecture(cfg), (attention_bias, attention_bias, False)
     other = sorted({layer for layer in cfg.layer_symbols if layer != "*-"})
     if other:  # the dense families' every layer is attention then one MLP

@@ -34,30 +34,28 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from trireme.config import ModelConfig
-from trireme.convert.hf_table import Entry
+from trireme.config import KINDS, MIXERS, ModelConfig
+from trireme.convert.hf_table import Entry, sublayer_entries
 from trireme.errors import CheckpointError
 from trireme.models.block import sublayer_names
 
 MAMBA_TYPES = ("mamba2", "nemotron_h")
-BLOCK_SYMBOLS = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
-MIXER_TENSORS = ("in_proj.weight", "conv1d.weight", "dt_bias", "A_log", "D", "norm.weight",
-                 "out_proj.weight")
+# Nemotron-H's layers_block_type -> the sublayer kind of that block
+BLOCK_KINDS = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp",
+               "moe": "moe"}
+SYMBOL_OF = {kind: symbol for symbol, kind in KINDS.items()}
 DEFAULT_SEQ_LENGTH = 4096  # Mamba-2 has no positional limit; trireme's generation stops here
 
 
 def mamba2_entries(cfg: ModelConfig) -> list[Entry]:
     """The table of a Mamba2ForCausalLM model."""
     table = [Entry("embedding.weight", ("backbone.embeddings.weight",), "vocab")]
-    names = list(MIXER_TENSORS)
-    if cfg.mamba_conv_bias:
-        names.append("conv1d.bias")
-    if cfg.bias:
-        names += ["in_proj.bias", "out_proj.bias"]
+    biases = ("in_proj.bias", "out_proj.bias") if cfg.bias else ()
     for i in range(cfg.num_layers):
-        theirs = f"backbone.layers.{i}."
+        ours, theirs = f"layers.{i}.mamba.", f"backbone.layers.{i}."
         table.append(Entry(f"layers.{i}.mamba_norm.weight", (theirs + "norm.weight",)))
-        table += [Entry(f"layers.{i}.mamba.{n}", (f"{theirs}mixer.{n}",)) for n in names]
+        table += sublayer_entries(cfg, "mamba", ours, theirs + "mixer.")
+        table += [Entry(ours + n, (f"{theirs}mixer.{n}",)) for n in biases]
     table.append(Entry("final_norm.weight", ("backbone.norm_f.weight",)))
     if not cfg.tie_embeddings:
         table.append(Entry("output.weight", ("lm_head.weight",), "vocab"))
@@ -139,30 +137,20 @@ def mamba2_hf_config(cfg: ModelConfig) -> dict:
 
 
 def _sublayers(cfg: ModelConfig) -> list[tuple[int, str, str]]:
-    """(trireme layer, sublayer name, symbol) of every sublayer in pattern order."""
+    """(trireme layer, sublayer name, kind) of every sublayer in pattern order."""
     out = []
-    for j, symbols in enumerate(cfg.layer_symbols):
-        out += [(j, name, sym) for name, sym in zip(sublayer_names(symbols), symbols)]
+    for j, kinds in enumerate(cfg.layer_kinds):
+        out += [(j, name, kind) for name, kind in zip(sublayer_names(kinds), kinds)]
     return out
 
 
 def nemotron_h_entries(cfg: ModelConfig) -> list[Entry]:
-    """The table of a NemotronHForCausalLM model: HF block i is the pattern's sublayer i."""
+    """The table of a NemotronHForCausalLM model: HF block i is the pattern's sublayer i, its
+    mixer holding the sublayer's weights under the names its class declares."""
     table = [Entry("embedding.weight", ("backbone.embeddings.weight",), "vocab")]
-    q, kv = cfg.num_attention_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
-    mixer = [*MIXER_TENSORS, *(("conv1d.bias",) if cfg.mamba_conv_bias else ())]
-    for i, (j, name, symbol) in enumerate(_sublayers(cfg)):
-        ours, theirs = f"layers.{j}.{name}.", f"backbone.layers.{i}.mixer."
+    for i, (j, name, kind) in enumerate(_sublayers(cfg)):
         table.append(Entry(f"layers.{j}.{name}_norm.weight", (f"backbone.layers.{i}.norm.weight",)))
-        if symbol == "M":
-            table += [Entry(ours + n, (theirs + n,)) for n in mixer]
-        elif symbol == "*":
-            table += [Entry(ours + "qkv.weight", tuple(f"{theirs}{x}_proj.weight" for x in "qkv"),
-                            "cat", (q, kv, kv)),
-                      Entry(ours + "out.weight", (theirs + "o_proj.weight",))]
-        else:
-            table += [Entry(ours + "fc1.weight", (theirs + "up_proj.weight",)),
-                      Entry(ours + "fc2.weight", (theirs + "down_proj.weight",))]
+        table += sublayer_entries(cfg, kind, f"layers.{j}.{name}.", f"backbone.layers.{i}.mixer.")
     table.append(Entry("final_norm.weight", ("backbone.norm_f.weight",)))
     if not cfg.tie_embeddings:
         table.append(Entry("output.weight", ("lm_head.weight",), "vocab"))
@@ -172,7 +160,7 @@ def nemotron_h_entries(cfg: ModelConfig) -> list[Entry]:
 def nemotron_h_model_config(hf: dict, has_lm_head: bool) -> tuple[ModelConfig, list[str]]:
     """The ModelConfig and notes for a nemotron_h config.json."""
     kinds = hf.get("layers_block_type") or []
-    unknown = sorted({k for k in kinds if k not in BLOCK_SYMBOLS or k == "moe"})
+    unknown = sorted({k for k in kinds if k not in BLOCK_KINDS or k == "moe"})
     if unknown or not kinds:
         raise CheckpointError(f"config.json: layers_block_type {unknown or kinds} is not "
                               "supported (Mamba, attention and MLP blocks convert; MoE not yet)")
@@ -189,8 +177,8 @@ def nemotron_h_model_config(hf: dict, has_lm_head: bool) -> tuple[ModelConfig, l
     h, heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or h // heads
     cfg = ModelConfig(
-        num_layers=sum(BLOCK_SYMBOLS[k] in "*M" for k in kinds),
-        layer_pattern="".join(BLOCK_SYMBOLS[k] for k in kinds), hidden_size=h,
+        num_layers=sum(SYMBOL_OF[BLOCK_KINDS[k]] in MIXERS for k in kinds),
+        layer_pattern="".join(SYMBOL_OF[BLOCK_KINDS[k]] for k in kinds), hidden_size=h,
         num_attention_heads=heads, num_query_groups=hf.get("num_key_value_heads") or heads,
         head_dim=0 if head_dim * heads == h else head_dim, ffn_hidden_size=hf["intermediate_size"],
         vocab_size=hf["vocab_size"], seq_length=hf.get("max_position_embeddings", 4096),
@@ -213,11 +201,11 @@ def nemotron_h_model_config(hf: dict, has_lm_head: bool) -> tuple[ModelConfig, l
 def check_nemotron_h_exportable(cfg: ModelConfig) -> None:
     """A one-line error unless NemotronHForCausalLM holds this hybrid exactly."""
     lacking = [what for what, present in (
-        ("mixture-of-experts layers", "E" in cfg.layer_pattern),
+        ("mixture-of-experts layers", cfg.has_kind("moe")),
         (f"position_embedding = {cfg.position_embedding!r} (it has none)",
-         cfg.position_embedding != "none" and "*" in cfg.layer_pattern),
+         cfg.position_embedding != "none" and cfg.has_kind("attention")),
         (f"activation = {cfg.activation!r} (it has relu2)",
-         cfg.activation != "relu2" and "-" in cfg.layer_pattern),
+         cfg.activation != "relu2" and cfg.has_kind("mlp")),
         ("layernorm", cfg.normalization != "rmsnorm"), ("qk-norm", cfg.qk_norm),
     ) if present]
     if lacking:
@@ -227,10 +215,10 @@ def check_nemotron_h_exportable(cfg: ModelConfig) -> None:
 
 def nemotron_h_hf_config(cfg: ModelConfig) -> dict:
     """The keys of a nemotron_h config.json."""
-    kinds = {symbol: kind for kind, symbol in BLOCK_SYMBOLS.items()}
+    blocks = {kind: block for block, kind in BLOCK_KINDS.items()}
     return {
         "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
-        "layers_block_type": [kinds[s] for s in cfg.layer_pattern],
+        "layers_block_type": [blocks[kind] for layer in cfg.layer_kinds for kind in layer],
         "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_size,
         "intermediate_size": cfg.ffn_size, "mlp_hidden_act": "relu2",
@@ -259,7 +247,7 @@ def nemotron_h_with_head(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
 def mamba_family(cfg: ModelConfig) -> str:
     """The Hugging Face family for a model with Mamba layers: mamba2 for "MMM...", else
     nemotron_h; a one-line error when that cannot hold it."""
-    if set(cfg.layer_pattern) == {"M"}:
+    if cfg.kinds == ("mamba",):
         check_mamba2_exportable(cfg)
         return "mamba2"
     check_nemotron_h_exportable(cfg)

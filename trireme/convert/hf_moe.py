@@ -20,27 +20,29 @@ sparse layer and `*-` per dense one (whose MLP has `intermediate_size`).
 from __future__ import annotations
 
 from trireme.config import ModelConfig
-from trireme.convert.hf_table import Entry
+from trireme.convert.hf_table import Entry, sublayer_entries
 from trireme.errors import CheckpointError
 
 MOE_TYPES = ("mixtral", "qwen3_moe")
-# model_type -> (the MLP's module, the router, an expert's gate, up and down projections)
+# model_type -> (the MLP's module, an expert's gate, up and down projections); the router's name
+# is the one trireme.models.moe.MoE declares (hf_names)
 NAMES = {
-    "mixtral": ("block_sparse_moe", "gate", "w1", "w3", "w2"),
-    "qwen3_moe": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
+    "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+    "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
 }
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
-def moe_entries(cfg: ModelConfig, kind: str, i: int) -> list[Entry]:
-    """The table rows of layer i's MoE sublayer (its norm included)."""
-    block, router, gate, up, down = NAMES[kind]
+def moe_entries(cfg: ModelConfig, i: int, kind: str, biases: tuple[bool, ...] = ()) -> list[Entry]:
+    """The table rows of layer i's MoE sublayer (its norm included) in family `kind` (biases:
+    none)."""
+    block, gate, up, down = NAMES[kind]
     ours, m = f"layers.{i}.", f"model.layers.{i}.{block}."
     experts = range(cfg.moe_num_experts)
     ffn = cfg.moe_ffn_size
     return [
         Entry(ours + "moe_norm.weight", (f"model.layers.{i}.post_attention_layernorm.weight",)),
-        Entry(ours + "moe.router.weight", (f"{m}{router}.weight",)),
+        *sublayer_entries(cfg, "moe", ours + "moe.", m),
         Entry(ours + "moe.experts.fc1",
               tuple(f"{m}experts.{e}.{p}.weight" for e in experts for p in (gate, up)),
               "experts", (ffn, ffn)),

@@ -24,6 +24,7 @@ from torch import Tensor
 from trireme.checkpoint.model_state import expected_shapes, listing
 from trireme.config import ModelConfig
 from trireme.errors import CheckpointError
+from trireme.models.block import SUBLAYERS
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,36 @@ class Entry:
     theirs: tuple[str, ...]
     kind: str = "copy"  # copy | cat | conv1d | vocab | experts | patch
     sizes: tuple[int, ...] = ()  # cat: rows of each part; experts: rows of each part of a group
+
+
+def part_sizes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Rows of each part of our fused weights, by tensor name within the sublayer: the
+    attention's qkv (q, k, v) and SwiGLU's fc1 (gate, up)."""
+    q, kv = cfg.num_attention_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
+    return {"qkv.weight": (q, kv, kv), "fc1.weight": (cfg.ffn_size, cfg.ffn_size)}
+
+
+def sublayer_entries(cfg: ModelConfig, kind: str, ours: str, theirs: str) -> list[Entry]:
+    """The rows of one sublayer's weights under the names its class declares (`hf_names`,
+    trireme.models.sublayer): `ours` and `theirs` are the two prefixes, e.g. "layers.3.mlp."
+    and "model.layers.3.mlp."; a weight of several Hugging Face tensors is their rows stacked."""
+    sizes = part_sizes(cfg)
+    rows = []
+    for mine, parts in SUBLAYERS[kind].hf_names(cfg).items():
+        names = tuple(theirs + part for part in parts)
+        rows.append(Entry(ours + mine, names, "cat", sizes[mine]) if len(parts) > 1
+                    else Entry(ours + mine, names))
+    return rows
+
+
+def with_biases(rows: list[Entry]) -> list[Entry]:
+    """The bias rows of weight rows: the same names with `.bias` for `.weight`."""
+    return [Entry(_bias(e.ours), tuple(_bias(n) for n in e.theirs), e.kind, e.sizes)
+            for e in rows]
+
+
+def _bias(name: str) -> str:
+    return name.removesuffix(".weight") + ".bias"
 
 
 def to_ours(entry: Entry, parts: list[Tensor], cfg: ModelConfig) -> Tensor:

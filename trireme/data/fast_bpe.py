@@ -4,7 +4,8 @@ A GPT-2-style byte-level BPE splits text with a regex, maps each piece's UTF-8 b
 characters, and merges adjacent symbols by merge rank. When every merge creates a token whose id
 grows with the merge's rank, and every multi-byte token is the result of a merge, "merge the
 adjacent pair whose merged token has the lowest id" (tiktoken's rule) and "apply the merge of lowest
-rank" (the `tokenizers` rule) give the same ids, and tiktoken's Rust core does it about 3x faster.
+rank" (the `tokenizers` rule) give the same ids, and tiktoken's Rust core does it faster
+(bench/preprocess_throughput.py; bench/RESULTS.md).
 
 `tiktoken_engine(json)` builds that engine when the file qualifies and says why not otherwise.
 Preprocessing also checks the first documents of every worker against `tokenizers` and falls back

@@ -95,7 +95,7 @@ class NullTokenizer(Tokenizer):
 
 
 # Past this many characters HFTokenizer.encode goes through `tokenizers`' batch call, the same
-# ids: its single-text call holds Python's GIL throughout (a 4 MB text: ~5 s in which no other
+# ids: its single-text call holds Python's GIL throughout (seconds for a text of megabytes: no other
 # thread of the process runs), the batch call releases it.
 LONG_TEXT = 1 << 16
 
@@ -104,7 +104,7 @@ class HFTokenizer(Tokenizer):
     """A Hugging Face `tokenizer.json` run by the `tokenizers` library.
 
     With `fast=True`, a plain byte-level BPE (GPT-2 style; see `fast_bpe.py`) encodes with an
-    equivalent tiktoken engine when the `tiktoken` package is there, about 3x faster; `fast_reason`
+    equivalent tiktoken engine when the `tiktoken` package is there, measured faster; `fast_reason`
     says why not otherwise. Decoding always uses `tokenizers`.
     """
 

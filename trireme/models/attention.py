@@ -1,4 +1,4 @@
-"""The `*` sublayer: causal self-attention with a fused QKV projection, QK-norm, RoPE, KV cache.
+"""The `*` sublayer: causal self-attention with a fused QKV projection, QK-norm, RoPE, paged KV.
 
     qkv = x W_qkv                       [b, s, (n_heads + 2 * n_kv) * d]
     q, k, v = split(qkv) per head        [b, heads, s, d]
@@ -13,11 +13,11 @@ them, or the one they share when T > num_kv); qkv is column-parallel and out row
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from trireme.config import ModelConfig
 from trireme.models.init import InitRule
 from trireme.models.paged import PagedKV, PagedLayout
+from trireme.models.sublayer import Params, Shape, Sublayer, linear_input_bytes, norm_bytes
 from trireme.ops.attention import attention
 from trireme.ops.attention_fa4 import require_fa4
 from trireme.ops.norms import RMSNorm
@@ -29,12 +29,12 @@ from trireme.parallel.random import dropout, fork_rng
 from trireme.parallel.tensor import column_linear, row_linear
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [s, d] (or [b, s, d])
-LayerCache = tuple[torch.Tensor, torch.Tensor]  # k, v buffers: [b, n_kv, max_len, d]
 
 
-class Attention(nn.Module):
+class Attention(Sublayer):
     """Causal self-attention (module docstring). A mixer: it sees positions, and keeps a cache."""
 
+    kind = "attention"
     symbol = "*"
     mixes = True
     pages = True  # its cache can live in a paged pool (trireme.models.paged)
@@ -71,27 +71,75 @@ class Attention(nn.Module):
         return {"qkv.weight": InitRule(parts=self.qkv_parts),
                 "out.weight": InitRule(residual_output=True)}
 
+    # What the rest of trireme asks of the kind (trireme.models.sublayer)
+
+    @classmethod
+    def flops(cls, cfg: ModelConfig, seq_length: int | None = None) -> float:
+        """Projections h (q + 2 kv) + q h, scores and values q s (halved for the causal mask)."""
+        h, s = cfg.hidden_size, seq_length or cfg.seq_length
+        q, kv = cfg.num_attention_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
+        return h * (q + 2 * kv) + q * h + q * s
+
+    @classmethod
+    def rank_flops(cls, cfg: ModelConfig, tensor: int) -> tuple[float, float]:
+        core = cfg.num_attention_heads * cfg.head_size * cfg.seq_length
+        return (cls.flops(cfg) - core) / tensor, core / tensor
+
+    @classmethod
+    def params(cls, cfg: ModelConfig, tensor: int, expert: int) -> Params:
+        """qkv (this rank's heads and their key/value heads, or the one they share), out, the
+        biases and QK-norm's two d-wide weights."""
+        h, d = cfg.hidden_size, cfg.head_size
+        heads, kv = cfg.num_attention_heads // tensor, max(cfg.kv_heads // tensor, 1)
+        qkv_rows = (heads + 2 * kv) * d
+        qkv = h * qkv_rows + (qkv_rows if cfg.bias or cfg.qkv_bias else 0)
+        out = heads * d * h + (h if cfg.bias else 0)
+        return Params(dense=qkv + out + (2 * d if cfg.qk_norm else 0), largest=h * qkv_rows)
+
+    @classmethod
+    def activation_bytes(cls, cfg: ModelConfig, s: Shape, mode: str) -> float:
+        """norm + qkv's input h + qkv (q + 2k) (+ the gathered K and V of the other context
+        ranks); then selective: out's input (q); none: RoPE'd q and k (q + k), the kernel's
+        output (q, also out's input) and its log-sum-exp (4 per head); fp8 keeps out's input
+        twice (+ q bytes)."""
+        lin = linear_input_bytes(s)  # qkv's kept input
+        base = norm_bytes(s) + lin * s.h + s.e * (s.q + 2 * s.k)
+        if s.context > 1 and s.context_mode == "allgather":
+            base += s.e * 2 * s.k * (s.context - 1)  # the gathered K and V of the other ranks
+        if mode == "selective":
+            return base + s.e * s.q + (s.q if s.fp8 else 0)
+        core = s.e * (s.q + s.k) + s.e * s.q + 4 * s.heads
+        return base + core + (s.q if s.fp8 else 0)
+
+    @classmethod
+    def fp8_linears(cls, s: Shape) -> dict[str, tuple[int, int]]:
+        return {"qkv": (s.h, s.q + 2 * s.k), "out": (s.q, s.h)}
+
+    @classmethod
+    def hf_names(cls, cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
+        """qkv is Hugging Face's q, k and v projections stacked ([all q; all k; all v])."""
+        names = {"qkv.weight": ("q_proj.weight", "k_proj.weight", "v_proj.weight"),
+                 "out.weight": ("o_proj.weight",)}
+        if cfg.qk_norm:
+            names.update({"q_norm.weight": ("q_norm.weight",), "k_norm.weight": ("k_norm.weight",)})
+        return names
+
     def set_recompute(self, selective: bool) -> None:
         """Selective recomputation keeps only qkv: RoPE'd q, k and the kernel's statistics are
         rebuilt in the backward."""
         self.recompute_core = selective
 
     def new_cache(self, batch_size: int, max_len: int, device: torch.device,
-                  dtype: torch.dtype, paged: PagedLayout | None = None) -> LayerCache | PagedKV:
-        """Zeroed key and value buffers for `max_len` positions of `batch_size` sequences; with
-        `paged`, pools of blocks shared by the requests of a serving engine."""
-        if paged is not None:
-            return PagedKV(paged, self.num_kv_heads, self.head_size, device, dtype)
-        shape = (batch_size, self.num_kv_heads, max_len, self.head_size)
-        return (torch.zeros(shape, device=device, dtype=dtype),
-                torch.zeros(shape, device=device, dtype=dtype))
+                  dtype: torch.dtype, paged: PagedLayout) -> PagedKV:
+        """Zeroed key and value pools of blocks (`paged`), shared by the requests of a serving
+        engine."""
+        return PagedKV(paged, self.num_kv_heads, self.head_size, device, dtype)
 
     def forward(
         self,
         x: torch.Tensor,
         rope: Rope | None = None,
-        cache: LayerCache | None = None,
-        start_pos: int = 0,
+        cache: PagedKV | None = None,
         document_ids: torch.Tensor | None = None,
         context: ContextParallel | None = None,
     ) -> torch.Tensor:
@@ -101,7 +149,7 @@ class Attention(nn.Module):
             y = recompute(self.core, qkv, rope, document_ids=document_ids, context=context,
                           random=random, rngs=[self.head_rng])
         else:
-            y = self.core(qkv, rope, cache, start_pos, document_ids, context)
+            y = self.core(qkv, rope, cache, document_ids, context)
         return self.resid_dropout(self.out(y))
 
     def heads(self, qkv: torch.Tensor, rope: Rope | None = None
@@ -130,8 +178,7 @@ class Attention(nn.Module):
         self,
         qkv: torch.Tensor,
         rope: Rope | None = None,
-        cache: LayerCache | None = None,
-        start_pos: int = 0,
+        cache: PagedKV | None = None,
         document_ids: torch.Tensor | None = None,
         context: ContextParallel | None = None,
     ) -> torch.Tensor:
@@ -141,23 +188,16 @@ class Attention(nn.Module):
         d = self.head_size
         b, s, _ = qkv.shape  # the whole sequence (under SP, x was this rank's chunk of it)
         q, k, v = self.heads(qkv, rope)
-        if isinstance(cache, PagedKV):  # a ragged batch of many requests (models/paged.py)
+        if cache is not None:  # a ragged batch of many requests (models/paged.py)
             y = cache.attend(q, k, v, self.decode_backend)  # [1, n_heads, T, d]
             return y.transpose(1, 2).reshape(b, s, self.num_heads * d)
-        if cache is not None:  # store this chunk's keys/values, attend over everything so far
-            k_cache, v_cache = cache
-            end = start_pos + s
-            k_cache[:b, :, start_pos:end] = k
-            v_cache[:b, :, start_pos:end] = v
-            k, v = k_cache[:b, :, :end], v_cache[:b, :, :end]  # [b, n_kv, end, d]
         dropout_p = self.dropout_p if self.training else 0.0
         if context is not None:
             y = context_attention(q, k, v, context, document_ids)
             return y.transpose(1, 2).reshape(b, s, self.num_heads * d)
         with fork_rng(self.head_rng, dropout_p > 0.0):
-            backend = self.backend if cache is None else self.decode_backend
             y = attention(
-                q, k, v, causal=self.causal, backend=backend, dropout_p=dropout_p,
-                q_offset=start_pos, document_ids=document_ids, varying=cache is not None,
+                q, k, v, causal=self.causal, backend=self.backend, dropout_p=dropout_p,
+                document_ids=document_ids,
             )  # [b, n_heads, s, d]
         return y.transpose(1, 2).reshape(b, s, self.num_heads * d)  # [b, s, n_heads * d]

@@ -31,8 +31,6 @@ fused_cross_entropy computes the output layer and the loss in chunks of tokens
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,6 +41,7 @@ from trireme.models.attention import Rope
 from trireme.models.block import Block
 from trireme.models.init import InitRule, init_parameters
 from trireme.models.moe import MoE
+from trireme.models.paged import PagedCache
 from trireme.models.stages import StageSpec, rank_stages
 from trireme.models.vision import ImageRows, Projector, VisionEncoder, merge_images
 from trireme.ops.cross_entropy import cross_entropy
@@ -56,9 +55,6 @@ from trireme.parallel.context_parallel import ContextParallel, context_loss_scal
 from trireme.parallel.random import dropout
 from trireme.parallel.tensor import TensorParallel, column_linear
 from trireme.parallel.vocab import padded_vocab_size, parallel_output, vocab_embedding
-
-if TYPE_CHECKING:
-    from trireme.models.cache import InferenceCache
 
 __all__ = ["GPT", "build_stage_chunks"]
 
@@ -111,8 +107,8 @@ class GPT(nn.Module):
             self.rope = RotaryEmbedding(cfg.head_size, cfg.seq_length, inv_freq)
         # on the embeddings, the start of the residual stream
         self.dropout = dropout(cfg.dropout, ctx.residual_rng)
-        symbols = cfg.layer_symbols  # each layer's sublayers, e.g. "*-"
-        self.layers = nn.ModuleDict({str(i): Block(cfg, ctx, symbols[i])
+        kinds = cfg.layer_kinds  # each layer's sublayers, e.g. ("attention", "mlp")
+        self.layers = nn.ModuleDict({str(i): Block(cfg, ctx, kinds[i])
                                      for i in self.stage.layers})
         if last:
             self.final_norm = build_norm(cfg.normalization, h, cfg.norm_eps, cfg.bias,
@@ -195,8 +191,7 @@ class GPT(nn.Module):
         labels: torch.Tensor | None = None,
         *,
         loss_mask: torch.Tensor | None = None,
-        kv_cache: InferenceCache | None = None,
-        start_pos: int = 0,
+        kv_cache: PagedCache | None = None,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         hidden: torch.Tensor | None = None,
@@ -211,13 +206,11 @@ class GPT(nn.Module):
         Packed documents (training only): `position_ids` [b, s] restart positions per document;
         `document_ids` [b, s] keep attention within each document.
 
-        `kv_cache[i]` is layer i's decoding state (trireme.models.cache); input_ids are then
-        the tokens at positions start_pos..start_pos+s-1 (see trireme.serving.generate).
         A pipeline stage other than the first takes its input activations as `hidden` (input_ids
         still give the shape); one other than the last returns its output activations [b, s, h].
 
-        Serving (trireme.models.paged): a ragged `kv_cache` (a PagedCache) takes the tokens of
-        many requests packed as input_ids [1, T] with their `position_ids` [1, T];
+        Decoding (the serving engine, trireme.models.paged): `kv_cache`, a PagedCache, takes the
+        tokens of many requests packed as input_ids [1, T] with their `position_ids` [1, T];
         `output_index` [n] picks the token positions whose logits are wanted ([1, n, vocab]).
 
         `images` [b_img, 3, H, W] (normalized pixels; a vision model, first stage): their
@@ -225,18 +218,16 @@ class GPT(nn.Module):
         num_image_tokens(cfg) per image (trireme.models.vision). Serving passes `image_rows`
         instead: features already projected, for the given rows of the packed batch.
         """
-        self._check_inputs(input_ids, start_pos, kv_cache, position_ids, document_ids)
+        self._check_inputs(input_ids, kv_cache, position_ids, document_ids)
         self._maybe_compile(input_ids.device)
         context = self._context(context_split)
-        rope = self._rope(input_ids, start_pos, position_ids,
-                          ragged=getattr(kv_cache, "ragged", False))
+        rope = self._rope(input_ids, position_ids, ragged=kv_cache is not None)
         if self.stage.first:
-            x = self.dropout(self._embed(input_ids, start_pos, position_ids, images,
-                                         image_rows))
+            x = self.dropout(self._embed(input_ids, position_ids, images, image_rows))
         else:  # the previous stage's activations (under SP [b, s / T, h])
             x = hidden
-        out = self._blocks_and_head(x, rope, labels, loss_mask, kv_cache, start_pos,
-                                    document_ids, context, output_index)
+        out = self._blocks_and_head(x, rope, labels, loss_mask, kv_cache, document_ids, context,
+                                    output_index)
         if context is not None and labels is not None and self.stage.last:
             out = out * context_loss_scale(labels, loss_mask, context)  # the sequence's mean
         return out
@@ -248,10 +239,10 @@ class GPT(nn.Module):
             raise TriremeError("context_split inputs need parallel.context > 1")
         return self.ctx.context if context_split else None
 
-    def _check_inputs(self, input_ids, start_pos, kv_cache, position_ids, document_ids) -> None:
-        end = start_pos + input_ids.shape[1]
-        ragged = getattr(kv_cache, "ragged", False)  # a PagedCache takes per-token positions
-        if self.cfg.position_embedding == "learned" and end > self.cfg.seq_length and not ragged:
+    def _check_inputs(self, input_ids, kv_cache, position_ids, document_ids) -> None:
+        end = input_ids.shape[1]
+        if self.cfg.position_embedding == "learned" and end > self.cfg.seq_length and (
+                kv_cache is None):
             raise TriremeError(
                 f"positions up to {end} exceed model.seq_length = {self.cfg.seq_length} "
                 "(learned position embeddings have no rows past it)"
@@ -262,12 +253,12 @@ class GPT(nn.Module):
                 "cannot be split along the sequence; build the model without it "
                 "(parallel.sequence_parallel = false), or pass use_cache=False"
             )
-        if (position_ids is not None and not ragged or document_ids is not None) and (
-                kv_cache is not None):
-            raise TriremeError("position_ids / document_ids are for training, not a KV cache")
+        if kv_cache is not None and (position_ids is None or document_ids is not None):
+            raise TriremeError("a KV cache (PagedCache) takes the tokens' position_ids, and no "
+                               "document_ids (those are for training)")
 
-    def _rope(self, input_ids: torch.Tensor, start_pos: int,
-              position_ids: torch.Tensor | None, ragged: bool = False) -> Rope | None:
+    def _rope(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
+              ragged: bool = False) -> Rope | None:
         """cos, sin for the positions of `input_ids` (None with learned positions). `ragged`
         (serving): looked up in the whole table, with no host sync for the largest position."""
         if self.rope is None:
@@ -277,7 +268,7 @@ class GPT(nn.Module):
             return cos[position_ids], sin[position_ids]  # [b, s, d]
         if position_ids is not None:
             return self.rope(input_ids.device, position_ids=position_ids)  # 2 x [b, s, d]
-        return self.rope(input_ids.device, offset=start_pos, length=input_ids.shape[1])  # [s, d]
+        return self.rope(input_ids.device, length=input_ids.shape[1])  # [s, d]
 
     def image_features(self, images: torch.Tensor) -> torch.Tensor:
         """[b_img, n, h]: the projected features of normalized images [b_img, 3, H, W]."""
@@ -286,7 +277,7 @@ class GPT(nn.Module):
                                "(model.vision_layers = 0)")
         return self.projector(self.vision(images))
 
-    def _embed(self, input_ids: torch.Tensor, start_pos: int, position_ids: torch.Tensor | None,
+    def _embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
                images: torch.Tensor | None = None, image_rows: ImageRows | None = None
                ) -> torch.Tensor:
         """[b, s, h] token (+ learned position) embeddings; under SP this rank's [b, s / T, h].
@@ -299,8 +290,7 @@ class GPT(nn.Module):
         if self.cfg.position_embedding != "learned":
             return x
         if position_ids is None:
-            positions = torch.arange(start_pos, start_pos + input_ids.shape[1],
-                                     device=input_ids.device)  # [s]
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)  # [s]
             seq_dim = 0
         else:
             positions, seq_dim = position_ids, 1  # [b, s]
@@ -314,8 +304,7 @@ class GPT(nn.Module):
         rope: Rope | None,
         labels: torch.Tensor | None,
         loss_mask: torch.Tensor | None,
-        kv_cache: InferenceCache | None,
-        start_pos: int,
+        kv_cache: PagedCache | None,
         document_ids: torch.Tensor | None = None,
         context: ContextParallel | None = None,
         output_index: torch.Tensor | None = None,
@@ -323,10 +312,8 @@ class GPT(nn.Module):
         for name, block in self.layers.items():
             if kv_cache is None:
                 x = block(x, rope, document_ids=document_ids, context=context)
-            elif hasattr(kv_cache, "forward_layer"):  # serving (PagedCache): it picks how
+            else:  # decoding: the cache picks how (trireme.models.paged)
                 x = kv_cache.forward_layer(block, x, rope, int(name))
-            else:  # decoding: shapes change every step, so run the blocks eagerly
-                x = block.forward(x, rope, kv_cache[int(name)], start_pos)
         if not self.stage.last:
             return x  # [b, s, h]: the next stage's input
         if output_index is not None:

@@ -42,6 +42,7 @@ from trireme.config import ModelConfig
 from trireme.errors import TriremeError
 from trireme.models.init import InitRule
 from trireme.models.paged import SlotState
+from trireme.models.sublayer import Sublayer
 from trireme.ops.recompute import recompute
 from trireme.ops.ssd import (
     FastKernels,
@@ -100,12 +101,17 @@ def draw_ones(seed: int, name: str, shape: tuple[int, ...], device: torch.device
     return torch.ones(shape, device=device)
 
 
-class Mamba(nn.Module):
+MIXER_TENSORS = ("in_proj.weight", "conv1d.weight", "dt_bias", "A_log", "D", "norm.weight",
+                 "out_proj.weight")  # its weights, conv1d.bias aside
+
+
+class Mamba(Sublayer):
     """The Mamba-2 mixer (module docstring). A mixer: it sees positions and keeps a state, one
     row per sequence, which the serving engine hands over per request (slot_states)."""
 
     slot_states = True
 
+    kind = "mamba"
     symbol = "M"
     mixes = True
 
@@ -133,6 +139,22 @@ class Mamba(nn.Module):
         self.resid_dropout = dropout(cfg.dropout, ctx.residual_rng)
         self.recompute_core = False  # selective recomputation: see set_recompute
         self.kernels = cfg.mamba_kernels  # auto, torch, triton or mamba_ssm (model.mamba_kernels)
+
+    # What the rest of trireme asks of the kind (trireme.models.sublayer). The planner does not
+    # count its parameters and activations yet, nor split its FLOPs over tensor parallelism.
+
+    @classmethod
+    def flops(cls, cfg: ModelConfig, seq_length: int | None = None) -> float:
+        """Megatron's estimate: in_proj, the scan (7 d_in n / 2), out_proj."""
+        h, d_in, heads = cfg.hidden_size, cfg.mamba_inner_size, cfg.mamba_heads
+        in_proj = h * (2 * d_in + 2 * cfg.mamba_num_groups * cfg.mamba_state_dim + heads)
+        return in_proj + 3.5 * d_in * cfg.mamba_state_dim + d_in * h
+
+    @classmethod
+    def hf_names(cls, cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
+        """The same names on both sides (Mamba-2's and Nemotron-H's mixer)."""
+        names = [*MIXER_TENSORS, *(("conv1d.bias",) if cfg.mamba_conv_bias else ())]
+        return {name: (name,) for name in names}
 
     def init_rules(self) -> dict[str, InitRule]:
         cfg, d_in = self.cfg, self.cfg.mamba_inner_size
@@ -183,8 +205,7 @@ class Mamba(nn.Module):
         self,
         x: Tensor,
         rope: object = None,
-        cache: MambaState | None = None,
-        start_pos: int = 0,
+        cache: SlotState | None = None,
         document_ids: Tensor | None = None,
         context: object = None,
     ) -> Tensor:
@@ -194,10 +215,10 @@ class Mamba(nn.Module):
         zxbcdt = self.in_proj(x)  # [b, s, 2 d_in + 2 g n + heads] (this rank's)
         if isinstance(cache, SlotState):  # the serving engine's ragged step
             return self.resid_dropout(self.out_proj(self._slots(zxbcdt, cache)))
-        if self.recompute_core and cache is None and torch.is_grad_enabled():
+        if self.recompute_core and torch.is_grad_enabled():
             y = recompute(self.core, zxbcdt)
         else:
-            y = self.core(zxbcdt, cache, start_pos)
+            y = self.core(zxbcdt)
         return self.resid_dropout(self.out_proj(y))
 
     def _slots(self, zxbcdt: Tensor, cache: SlotState) -> Tensor:

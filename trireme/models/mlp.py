@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from trireme.config import ModelConfig
 from trireme.models.init import InitRule
+from trireme.models.sublayer import Params, Shape, Sublayer, linear_input_bytes, norm_bytes
 from trireme.ops.liger import liger_swiglu, require_liger
 from trireme.ops.recompute import recompute
 from trireme.ops.skinny_gemm import SkinnyLinear
@@ -23,9 +23,17 @@ from trireme.parallel.random import dropout
 from trireme.parallel.tensor import column_linear, row_linear
 
 
-class MLP(nn.Module):
+def mlp_params(cfg: ModelConfig, tensor: int, ffn: int, gated: bool) -> Params:
+    """An MLP of width `ffn` on one of `tensor` ranks: fc1 (gate and up when `gated`), fc2."""
+    h, f = cfg.hidden_size, ffn // tensor
+    fc1 = h * f * (2 if gated else 1) + (f * (2 if gated else 1) if cfg.bias else 0)
+    return Params(dense=fc1 + f * h + (h if cfg.bias else 0), largest=h * f * (2 if gated else 1))
+
+
+class MLP(Sublayer):
     """The feed-forward sublayer (module docstring). Not a mixer: each position on its own."""
 
+    kind = "mlp"
     symbol = "-"
     mixes = False
 
@@ -47,6 +55,42 @@ class MLP(nn.Module):
     def init_rules(self) -> dict[str, InitRule]:
         return {"fc1.weight": InitRule(parts=self.fc1_parts),
                 "fc2.weight": InitRule(residual_output=True)}
+
+    # What the rest of trireme asks of the kind (trireme.models.sublayer)
+
+    @classmethod
+    def flops(cls, cfg: ModelConfig, seq_length: int | None = None) -> float:
+        """h ffn x 3 (SwiGLU: gate, up, down) or x 2."""
+        return cfg.hidden_size * cfg.ffn_size * (3 if cfg.activation == "swiglu" else 2)
+
+    @classmethod
+    def rank_flops(cls, cfg: ModelConfig, tensor: int) -> tuple[float, float]:
+        return cls.flops(cfg) / tensor, 0.0
+
+    @classmethod
+    def params(cls, cfg: ModelConfig, tensor: int, expert: int) -> Params:
+        return mlp_params(cfg, tensor, cfg.ffn_size, cfg.activation == "swiglu")
+
+    @classmethod
+    def activation_bytes(cls, cfg: ModelConfig, s: Shape, mode: str) -> float:
+        """norm + fc1's input h + fc1 (2F SwiGLU, F otherwise) + fc2's input (F), and SwiGLU's
+        silu(gate) (F) unless recomputed (selective, the fused SwiGLU, a compiled block)."""
+        lin = linear_input_bytes(s)
+        if not s.swiglu:
+            return norm_bytes(s) + lin * s.h + s.e * s.ffn + lin * s.ffn
+        silu = 0 if mode == "selective" or s.activation_recomputed else s.e * s.ffn
+        return norm_bytes(s) + lin * s.h + s.e * 2 * s.ffn + silu + lin * s.ffn
+
+    @classmethod
+    def fp8_linears(cls, s: Shape) -> dict[str, tuple[int, int]]:
+        return {"fc1": (s.h, s.ffn * (2 if s.swiglu else 1)), "fc2": (s.ffn, s.h)}
+
+    @classmethod
+    def hf_names(cls, cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
+        """SwiGLU's fc1 is the gate and up projections stacked; an ungated fc1 is up alone."""
+        up = ("gate_proj.weight", "up_proj.weight") if cfg.activation == "swiglu" else (
+            "up_proj.weight",)
+        return {"fc1.weight": up, "fc2.weight": ("down_proj.weight",)}
 
     def set_recompute(self, selective: bool) -> None:
         """Selective recomputation reruns SwiGLU's activation in the backward instead of keeping

@@ -43,7 +43,8 @@ from torch import Tensor, nn
 
 from trireme.config import ModelConfig
 from trireme.models.init import InitRule
-from trireme.models.mlp import MLP
+from trireme.models.mlp import MLP, mlp_params
+from trireme.models.sublayer import Params, Shape, Sublayer, norm_bytes
 from trireme.ops.moe import (
     attach_aux_loss,
     balance_losses,
@@ -87,9 +88,10 @@ class Experts(nn.Module):
         return {"fc1": cut, "fc2": cut}
 
 
-class MoE(nn.Module):
+class MoE(Sublayer):
     """The mixture-of-experts sublayer (module docstring). Not a mixer: positions stay apart."""
 
+    kind = "moe"
     symbol = "E"
     mixes = False
 
@@ -122,6 +124,50 @@ class MoE(nn.Module):
         if self.expert_bias.is_floating_point() and self.expert_bias.dtype != torch.float32:
             self.expert_bias = self.expert_bias.float()
         return out
+
+    # What the rest of trireme asks of the kind (trireme.models.sublayer)
+
+    @classmethod
+    def flops(cls, cfg: ModelConfig, seq_length: int | None = None) -> float:
+        """The active parameters: the router h E, the top-k experts and the shared expert
+        3 h (top_k F_moe + F_shared). Not split by tensor parallelism (rank_flops)."""
+        h = cfg.hidden_size
+        experts = cfg.moe_top_k * cfg.moe_ffn_size + cfg.moe_shared_ffn_hidden_size
+        return h * cfg.moe_num_experts + 3 * h * experts
+
+    @classmethod
+    def params(cls, cfg: ModelConfig, tensor: int, expert: int) -> Params:
+        """The router and the shared expert (dense), this expert rank's E / P routed experts."""
+        h = cfg.hidden_size
+        dense = h * cfg.moe_num_experts
+        if cfg.moe_shared_ffn_hidden_size:
+            dense += mlp_params(cfg, tensor, cfg.moe_shared_ffn_hidden_size, gated=True).dense
+        local = cfg.moe_num_experts // expert
+        return Params(dense=dense, experts=local * 3 * h * cfg.moe_ffn_size,
+                      largest=local * 2 * h * cfg.moe_ffn_size)
+
+    @classmethod
+    def activation_bytes(cls, cfg: ModelConfig, s: Shape, mode: str) -> float:
+        """Approximate (not yet checked by measurement): norm, the router's logits and
+        probabilities (4 E x 2), then per routed copy (top_k of them) its row (h), fc1
+        (2 F_moe), silu (F_moe), the product (F_moe), its output (h); the shared expert's
+        h + 4 F_shared / T."""
+        f = cfg.moe_ffn_size
+        routed = cfg.moe_top_k * s.e * (2 * s.h + 4 * f)
+        shared = 0.0
+        if cfg.moe_shared_ffn_hidden_size:
+            fs = cfg.moe_shared_ffn_hidden_size // s.tensor
+            shared = s.e * (s.h + 4 * fs)
+        return norm_bytes(s) + 8 * cfg.moe_num_experts + routed + shared
+
+    @classmethod
+    def routed_copies(cls, cfg: ModelConfig) -> int:
+        return cfg.moe_top_k
+
+    @classmethod
+    def hf_names(cls, cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
+        """The router (the experts' names differ by family: trireme.convert.hf_moe)."""
+        return {"router.weight": ("gate.weight",)}
 
     def set_recompute(self, selective: bool) -> None:
         pass  # nothing to rerun selectively: full recomputation reruns the whole block

@@ -21,7 +21,7 @@ One engine step runs the model once on a ragged batch: T tokens of several reque
 
 Sublayers ask for their state through `new_cache` (trireme.models.block): one that declares
 `pages = True` (attention) gets `paged=PagedLayout(...)` and returns a `PagedKV`; any other mixer
-is asked for `new_cache(slots, max_len, ...)` as usual, one row per request slot, and at each step
+is asked for `new_cache(slots, max_len, ...)`, one row per request slot, and at each step
 receives `SlotState(state, step)`: its rows for `step.requests`' slots (a recurrent state; a
 request's first chunk has start position 0, and the slot then still holds an earlier request's
 state, to be ignored); it declares `slot_states = True` when its forward understands that
@@ -38,6 +38,7 @@ import torch
 
 from trireme.errors import ConfigError
 from trireme.ops.attention import attention
+from trireme.ops.kernel_settings import DEFAULT_KERNELS, KernelFailures, KernelSettings
 from trireme.ops.paged_attention import gather_blocks, paged_decode_attention
 
 
@@ -69,7 +70,8 @@ class PagedStep:
 
 class PagedKV:
     """One attention sublayer's key/value pools; `attend` stores a step's keys and values and
-    attends each token over its own request's keys."""
+    attends each token over its own request's keys. `kernels` and `failures`: how the paged
+    decode kernel launches and the record of failed kernels (its PagedCache's: the engine's)."""
 
     def __init__(self, layout: PagedLayout, n_kv: int, head_size: int, device: torch.device,
                  dtype: torch.dtype) -> None:
@@ -78,6 +80,8 @@ class PagedKV:
         self.v_pool = torch.zeros(shape, device=device, dtype=dtype)
         self.block_size = layout.block_size
         self.step: PagedStep | None = None  # set by PagedCache.begin before each forward
+        self.kernels: KernelSettings = DEFAULT_KERNELS
+        self.failures = KernelFailures()
 
     def nbytes(self) -> int:
         return 2 * self.k_pool.numel() * self.k_pool.element_size()
@@ -105,7 +109,8 @@ class PagedKV:
         step = self.step
         assert step is not None, "PagedKV used outside a step (PagedCache.begin)"
         return paged_decode_attention(q, self.k_pool, self.v_pool, step.decode_tables,
-                                      step.decode_lengths, backend, new=(k, v, step.slot_ids))
+                                      step.decode_lengths, backend, new=(k, v, step.slot_ids),
+                                      kernels=self.kernels, failures=self.failures)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                backend: str = "auto") -> torch.Tensor:
@@ -122,7 +127,8 @@ class PagedKV:
         if step.num_decode:
             q_dec = q[0, :, : step.num_decode].transpose(0, 1)  # [n_dec, H, d]
             y = paged_decode_attention(q_dec, self.k_pool, self.v_pool, step.decode_tables,
-                                       step.decode_lengths, backend)  # [n_dec, H, d]
+                                       step.decode_lengths, backend, kernels=self.kernels,
+                                       failures=self.failures)  # [n_dec, H, d]
             parts.append(y.transpose(0, 1).unsqueeze(0))  # [1, H, n_dec, d]
         for first, count, table, start in step.prefills:
             if start == 0:  # a whole prompt (or its first chunk): its keys are this step's
@@ -167,17 +173,21 @@ class Carry:
 
 class PagedCache:
     """The paged decoding state of a whole model: layer i's states are `cache[i]` (sublayer name
-    -> PagedKV or SlotState), made by each block's `new_cache`. `ragged`: the model takes
-    per-token positions with it (GPT.forward's position_ids). `compiled_layer`: when set
+    -> PagedKV or SlotState), made by each block's `new_cache`; the model takes per-token
+    positions with it (GPT.forward's position_ids). `compiled_layer`: when set
     (trireme.serving.compiled_decode), decode-only steps run each block through it
     (`forward_layer`); `compiled_prefill` (trireme.serving.compiled_prefill): the same for
-    steps with prompt chunks; other steps, and the reference, run the blocks eagerly."""
-
-    ragged = True
+    steps with prompt chunks; other steps, and the reference, run the blocks eagerly.
+    `kernels` and `failures` (a serving engine's) go to every PagedKV: how the paged decode
+    kernel launches, and the record of kernels that failed (a new one by default)."""
 
     def __init__(self, model: torch.nn.Module, layout: PagedLayout, slots: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype,
+                 kernels: KernelSettings = DEFAULT_KERNELS,
+                 failures: KernelFailures | None = None) -> None:
         self.layout = layout
+        self.kernels = kernels
+        self.failures = failures if failures is not None else KernelFailures()
         self.layers: dict[int, dict[str, Any]] = {}
         self.blocks: dict[int, torch.nn.Module] = {}
         for name, block in model.layers.items():
@@ -186,8 +196,10 @@ class PagedCache:
                 sublayer = getattr(block, sub)
                 if not isinstance(state, PagedKV) and not getattr(sublayer, "slot_states", False):
                     raise ConfigError(f"layer {name}'s {sub!r} sublayer keeps a state the paged "
-                                      "engine cannot hand it yet (it needs slot_states = True); "
-                                      "use `trireme generate` for this model")
+                                      "engine cannot hand it yet (it needs slot_states = True)")
+            for state in states.values():
+                if isinstance(state, PagedKV):
+                    state.kernels, state.failures = self.kernels, self.failures
             self.layers[int(name)] = {sub: s if isinstance(s, PagedKV) else SlotState(s)
                                       for sub, s in states.items()}
             self.blocks[int(name)] = block
@@ -227,7 +239,7 @@ class PagedCache:
             return x
         if step is not None and step.prefills and self.compiled_prefill is not None:
             return self.compiled_prefill(block, x, rope, self.layers[layer], step)
-        return block.forward(x, rope, self.layers[layer], 0)
+        return block.forward(x, rope, self.layers[layer])
 
     def nbytes(self) -> int:
         """Bytes of the key/value pools."""

@@ -3,7 +3,7 @@
 The model's layers (a mixer and the sublayers after it, trireme.models.block) are cut into
 `pipeline * virtual_pipeline` contiguous stages, in model order: evenly when every layer costs the
 same (the standard transformer), else balanced by their cost (`layer_costs`: the forward FLOPs per
-token of each sublayer symbol), or as parallel.pipeline_layers says.
+token each sublayer class declares), or as parallel.pipeline_layers says.
 Pipeline rank p holds the stages p, p + P, p + 2P, ... (its "model chunks", one per virtual
 stage, Megatron's interleaved assignment), so with P = 2 and 2 virtual stages:
 
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from trireme.config import ModelConfig, ParallelConfig
 from trireme.errors import ConfigError
+from trireme.models.block import SUBLAYERS
 from trireme.words import count_of
 
 
@@ -43,26 +44,16 @@ class StageSpec:
         return range(self.start, self.stop)
 
 
-def sublayer_flops(cfg: ModelConfig, symbol: str, seq_length: int | None = None) -> float:
-    """Forward FLOPs per token of one sublayer, / 2 (Megatron's formula, trireme.metrics)."""
-    h, s = cfg.hidden_size, seq_length or cfg.seq_length
-    q, kv = cfg.num_attention_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
-    mlp = h * cfg.ffn_size * (3 if cfg.activation == "swiglu" else 2)
-    if symbol == "*":
-        return h * (q + 2 * kv) + q * h + q * s  # projections, scores and values (causal)
-    if symbol == "E":  # the active parameters: router, top-k experts, the shared expert
-        experts = cfg.moe_top_k * cfg.moe_ffn_size + cfg.moe_shared_ffn_hidden_size
-        return h * cfg.moe_num_experts + 3 * h * experts
-    if symbol == "M":  # Megatron's estimate: in_proj, the scan (7 d_in n / 2), out_proj
-        d_in, heads = cfg.mamba_inner_size, cfg.mamba_heads
-        in_proj = h * (2 * d_in + 2 * cfg.mamba_num_groups * cfg.mamba_state_dim + heads)
-        return in_proj + 3.5 * d_in * cfg.mamba_state_dim + d_in * h
-    return mlp  # "-"
+def layer_flops(cfg: ModelConfig, kinds: tuple[str, ...], seq_length: int | None = None
+                ) -> float:
+    """Forward FLOPs per token of one layer, / 2: each sublayer's `flops` (Megatron's formula,
+    trireme.models.sublayer), summed in order."""
+    return sum(SUBLAYERS[kind].flops(cfg, seq_length) for kind in kinds)
 
 
 def layer_costs(cfg: ModelConfig) -> list[float]:
     """The cost of each layer: the FLOPs of its sublayers."""
-    return [sum(sublayer_flops(cfg, symbol) for symbol in layer) for layer in cfg.layer_symbols]
+    return [layer_flops(cfg, kinds) for kinds in cfg.layer_kinds]
 
 
 def balanced_counts(costs: list[float], stages: int) -> list[int]:

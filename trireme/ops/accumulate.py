@@ -7,10 +7,9 @@ runs at about half the memory bandwidth); without Triton the plain path runs, wi
 
 from __future__ import annotations
 
-import functools
-import warnings
-
 import torch
+
+from trireme.ops.optional import optional_kernel
 
 
 def accumulate_reference(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -18,15 +17,10 @@ def accumulate_reference(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.add_(src)
 
 
-@functools.cache
+@optional_kernel("fp32 gradients accumulate through torch's add")
 def _triton_accumulate():
     """trireme.ops.accumulate_triton.accumulate, or None (with a warning) without Triton."""
-    try:
-        from trireme.ops.accumulate_triton import accumulate as launch
-    except Exception as e:  # missing, or installed but broken
-        warnings.warn(f"Triton is unavailable ({e}); fp32 gradients accumulate through torch's "
-                      "add", stacklevel=2)
-        return None
+    from trireme.ops.accumulate_triton import accumulate as launch
     return launch
 
 

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from trireme.ops.kernel_settings import DEFAULT_KERNELS, KernelSettings
 from trireme.ops.pdl import launch_pdl
 from trireme.ops.pdl_triton import enter
 
@@ -54,7 +55,7 @@ PROGRAMS_PER_SM = 4  # stage-1 programs aimed for: about this many per SM
 # the tiling is chosen for this many rows whatever n is: its constexprs (TILES, S_BLOCK) then
 # depend only on V and the GPU, so a serving engine whose steps sample 1, 5, 64, ... rows
 # compiles the kernels once (at startup: trireme.ops.argmax.warm_up), not once per new row
-# count in the middle of serving (each Triton compile stalls the engine for ~0.5-1 s)
+# count in the middle of serving (each Triton compile stalls the engine)
 REFERENCE_ROWS = 64
 NUM_WARPS = 4
 INT32_MIN = tl.constexpr(-2147483648)  # constexpr: a global a kernel may read
@@ -149,13 +150,15 @@ def split(n: int, n_cols: int, programs: int, block: int = BLOCK,
 
 def greedy_and_finite(logits: torch.Tensor, *, block: int | None = None,
                       min_chunk: int | None = None, programs: int | None = None,
-                      num_warps: int | None = None) -> torch.Tensor:
+                      num_warps: int | None = None,
+                      kernels: KernelSettings = DEFAULT_KERNELS) -> torch.Tensor:
     """[2, n] int64: row 0 the argmax ids of logits [n, V] (the first index among ties),
     row 1 whether each row is all finite (1 / 0), by the module docstring's two kernels.
     `block` (a power of two), `min_chunk`, `programs` and `num_warps` override the launch
     (tests, benchmark; default: BLOCK, MIN_CHUNK, PROGRAMS_PER_SM per SM or 4 programs off
     CUDA, NUM_WARPS (1 for tiles under 1024 columns)). Without `programs` the tiling is the
-    one for REFERENCE_ROWS rows whatever n is (one compiled kernel per V)."""
+    one for REFERENCE_ROWS rows whatever n is (one compiled kernel per V). `kernels`: whether
+    to launch with PDL (trireme.ops.pdl)."""
     n, n_cols = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -171,7 +174,7 @@ def greedy_and_finite(logits: torch.Tensor, *, block: int | None = None,
     # Triton launches on the current device (the interpreter: the CPU)
     where = torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext()
     num_warps = num_warps or (NUM_WARPS if block >= 1024 else 1)
-    pdl = launch_pdl(logits)
+    pdl = launch_pdl(logits, kernels)
     with where:
         _chunk_kernel[(n, s)](logits, part, logits.stride(0), n_cols, n * s, s, BLOCK=block,
                               TILES=tiles, PDL=pdl, num_warps=num_warps, launch_pdl=pdl)

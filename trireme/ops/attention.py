@@ -42,8 +42,8 @@ _SDPA_BACKENDS = {
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
     "math": SDPBackend.MATH,
 }
-# On Hopper cuDNN's kernel is the fastest for training: 350 TFLOP/s causal fwd+bwd against flash's
-# 225 (B2 H32 S4096 D64 bf16, MHA and GQA alike, torch 2.11). SDPA takes the first kernel in the
+# On Hopper cuDNN's kernel measured the fastest for training, against flash (causal fwd+bwd, MHA
+# and GQA alike, torch 2.11; bench/RESULTS.md). SDPA takes the first kernel in the
 # order that supports the call (dtype, head size, mask, dropout).
 _HOPPER_ORDER = [
     SDPBackend.CUDNN_ATTENTION,
@@ -53,8 +53,8 @@ _HOPPER_ORDER = [
 ]
 # Calls whose shapes vary from call to call (a KV cache: a new key length every step; serving: a
 # new prompt length every request, new chunk lengths every step) never go to cuDNN: it builds an
-# execution plan for each new shape (~5 ms of CPU per decode call on the H200, 10x a decode step;
-# tens of ms for a prompt, more than the prompt's own compute), while flash and the
+# execution plan for each new shape (on the H200 longer than a decode step, and for a prompt
+# more than the prompt's own compute: bench/RESULTS.md), while flash and the
 # memory-efficient kernel need none. cuDNN is left out rather than put last: math takes any call.
 VARYING_ORDER = [
     SDPBackend.FLASH_ATTENTION,

@@ -8,7 +8,7 @@ key) or "causal" (a square block whose mask is the lower triangle: a rank's own 
 whose positions rise in local order). Any other mask takes the plain path of attention_lse.
 
 - CUDA, bf16 / fp16, head dim a multiple of 8 up to 256: cuDNN's kernel on Hopper and later
-  (about 1.5x FlashAttention-2 there), else the flash kernel (FlashAttention-2).
+  (measured faster than FlashAttention-2 there), else the flash kernel (FlashAttention-2).
 - CPU, any float dtype: PyTorch's CPU flash kernel, which is also how the tests check this path.
 - Otherwise (CUDA fp32, odd head dims) `choose_kernel` says "plain" and attention_lse runs.
 

@@ -20,8 +20,8 @@ cast to the logits' dtype (rounded to nearest even). The lanes keep their own su
 the scalar running max, so each tile costs one cross-lane max and one exp per element; the sum
 is reduced once at the end. (Measured on the H200 against this: a running max per lane, with no
 cross-lane step but two exps per element, and the whole row as one tile held in registers, read
-once; both were slower at the llama3 and GPT-2 vocabularies, bench/results/session6/
-ce_kernels.log, and were removed.) A label < 0 (-100: ignored) counts with weight 0: a zero loss
+once; both were slower at the llama3 and GPT-2 vocabularies (bench/kernel_choices.py --ops
+ce_step), and were removed.) A label < 0 (-100: ignored) counts with weight 0: a zero loss
 term and a zero gradient row. Traffic per element: two reads and one write (the compiled torch
 version makes about four passes: max, sum of exp + target, gradient). The per-row loss terms go
 to a [c] fp32 buffer, summed by torch (no atomics: a deterministic sum).

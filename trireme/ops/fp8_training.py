@@ -152,8 +152,8 @@ class DelayedFloat8Linear(Float8Linear):
     """
 
     # True: W cast once per step. Off: on an H100, llama3-1b at two micro batches per step, the
-    # plain path trained 0.45% faster (80,987 against 80,625 tokens/s, three alternated fresh
-    # runs each; bench/RESULTS.md, session 15) and keeps no q(W) between steps (2 bytes per
+    # plain path measured faster (three alternated fresh runs each, bench/RESULTS.md)
+    # and keeps no q(W) between steps (2 bytes per
     # weight). The planner follows this switch (trireme.plan.activations.fp8_cast_once).
     cache_weight = False
     compile_cast = False  # the step's cast through torch.compile on a GPU (model.compile)

@@ -54,7 +54,6 @@ place) or `_loss_and_grad_e5m2` compiled (the reference; eagerly, `compile` off:
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -62,6 +61,7 @@ import torch
 from trireme.errors import TriremeError
 from trireme.ops.fp8 import E5M2, quantize
 from trireme.ops.fp8_head import Float8Head
+from trireme.ops.optional import optional_kernel
 
 __all__ = ["SOFTMAX_KERNELS", "chunk_step", "fp8_chunk_step", "fused_linear_cross_entropy",
            "token_weights"]
@@ -146,15 +146,10 @@ def _compiled_loss_and_grad_e5m2() -> Callable:
     return torch.compile(_loss_and_grad_e5m2, dynamic=False)
 
 
-@functools.cache
+@optional_kernel("the fused cross-entropy's softmax runs through torch")
 def _triton_launcher() -> Callable | None:
     """trireme.ops.cross_entropy_triton's launcher, or None (with a warning) without Triton."""
-    try:
-        from trireme.ops.cross_entropy_triton import loss_and_grad
-    except Exception as e:  # missing, or installed but broken
-        warnings.warn(f"Triton is unavailable ({e}); the fused cross-entropy's softmax runs "
-                      "through torch", stacklevel=2)
-        return None
+    from trireme.ops.cross_entropy_triton import loss_and_grad
     return loss_and_grad
 
 

@@ -29,20 +29,19 @@ The two passes that read N rows and write T (`gather_sum`) or that read 2 N rows
 (`unpermute_backward`) are custom ops: on CUDA one Triton kernel each
 (trireme.ops.moe_permute_triton), which reads every row once; elsewhere, or without Triton, their
 plain references (`gather_sum_reference`, `unpermute_backward_reference`). On an H200 at the
-fine-grained shape (T 32k, k 8, h 2048: N rows are 1 GiB in bf16) the gather_sum kernel takes
-0.28 ms and the backward kernel 0.37 ms, where a plain gather + sum took 0.95 ms, embedding_bag's
-weighted sum 2.0 ms, the reference's index_add 4.6 ms (a copy of N rows: 0.5 ms). Both ops are
+fine-grained shape (T 32k, k 8, h 2048: N rows are 1 GiB in bf16) both kernels measured faster
+than a plain gather + sum, embedding_bag's weighted sum and the reference's index_add (the MoE
+sublayer's figures: bench/RESULTS.md). Both ops are
 opaque to torch.compile (their fake implementations give the shapes).
 """
 
 from __future__ import annotations
 
-import functools
-import warnings
-
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
+
+from trireme.ops.optional import optional_kernel
 
 
 def inverse_permutation(order: Tensor) -> Tensor:
@@ -118,15 +117,10 @@ def _(dy: Tensor, out_sorted: Tensor, w_sorted: Tensor, token_of: Tensor) -> tup
         return kernels.unpermute_backward(dy, out_sorted, w_sorted, token_of)
 
 
-@functools.cache
+@optional_kernel("MoE permutation's gathers and sums run as plain torch ops")
 def _triton_kernels():
     """trireme.ops.moe_permute_triton, or None (with a warning) without Triton."""
-    try:
-        import trireme.ops.moe_permute_triton as kernels
-    except Exception as e:  # missing, or installed but broken (no compiler, wrong version)
-        warnings.warn(f"MoE permutation: Triton is unavailable ({e}); its gathers and sums run "
-                      "as plain torch ops", stacklevel=2)
-        return None
+    import trireme.ops.moe_permute_triton as kernels
     return kernels
 
 

@@ -26,9 +26,9 @@ of SPLITS equal chunks (whole tiles) of the request's keys and writes its unnorm
 `splits` defaults to enough programs for 1.5 per SM (default_splits; SPLITS = 1 at batch 64
 with 8 kv heads, 2 per program); TILE, num_warps, num_stages and the grid's order can be set too
 (bench/serve_profile.py --kernel-configs sweeps them).
-Variant v2, the default since the H200 sweep of session 7 (SHIPPED: 2 kv heads per program,
-TILE 64, 2 warps, 2 stages: 26.4 us per layer at batch 64 where v1 as shipped takes 33.0, and
-82.6 against 102.8 at batch 256; v1 stays: TRIREME_PAGED_KERNEL=v1), keeps v1's math and
+Variant v2, the default since an H200 sweep (SHIPPED: 2 kv heads per program, TILE 64, 2
+warps, 2 stages: measured faster than v1 as shipped at batch 16-256, bench/RESULTS.md; v1
+stays: `--paged-kernel v1`), keeps v1's math and
 partials but reads differently. Program (b, c, j) serves HEADS kv heads at once
 (3-D dots [HEADS, G, D] x [HEADS, D, TILE]), so each pool row it reads is HEADS * d * 2
 contiguous bytes (HEADS = n_kv: a block's whole run) and there are HEADS times fewer programs;
@@ -71,13 +71,18 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from trireme.errors import ConfigError
+from trireme.ops.kernel_settings import (
+    DEFAULT_KERNELS,
+    PAGED_VARIANTS,
+    KernelSettings,
+    parse_paged_kernel,
+)
 from trireme.ops.pdl import early_reads, launch_pdl
 from trireme.ops.pdl_triton import enter, l2_prefetch
 
@@ -350,8 +355,8 @@ def default_splits(q: torch.Tensor, programs: int, keys_at_most: int, tile: int)
     """Chunks per program of one split (`programs`: requests x kv-head groups): enough programs
     for 1.5 per SM (SPLIT_COVER), at most 16 and at most one per tile of the longest possible
     context (the tables' width: no host sync). On the H200 (llama3-1b, 640 keys, v2 as shipped)
-    that picks the measured best or within 2% of it at batch 1, 16, 64 and 256 (bench/RESULTS.md,
-    session 7)."""
+    that picks the measured best or within 2% of it at batch 1, 16, 64 and 256 (a sweep of
+    bench/serve_profile.py --kernel-configs)."""
     if not q.is_cuda:
         return 1
     wanted = -(-int(SPLIT_COVER * _sm_count(q.device)) // (q.shape[0] * programs))
@@ -360,35 +365,13 @@ def default_splits(q: torch.Tensor, programs: int, keys_at_most: int, tile: int)
 
 SPLIT_COVER = 1.5  # programs per SM default_splits aims at
 
-VARIANTS = ("v1", "v2")
-ENV = "TRIREME_PAGED_KERNEL"
-SETTINGS = ("tile", "splits", "num_warps", "num_stages", "heads_first", "heads", "prefetch")
 
 
-# The launch each variant ships with (the H200 sweep of session 7, bench/serve_profile.py
-# --kernel-configs: v2 at these settings read 3.1-4.1 TB/s at batch 16-256, v1 at its own
-# 2.6-3.4); 0 in a call or unset in $TRIREME_PAGED_KERNEL means these
+# The launch each variant ships with (an H200 sweep, bench/serve_profile.py --kernel-configs:
+# v2 at these settings measured faster than v1 at its own at batch 16-256, bench/RESULTS.md);
+# 0 in a call or unset in KernelSettings.paged_kernel means these
 SHIPPED = {"v1": {"tile": 64, "num_warps": 4, "num_stages": 0, "heads": 1},
            "v2": {"tile": 64, "num_warps": 2, "num_stages": 2, "heads": 2}}
-DEFAULT = "v2"
-
-
-@functools.lru_cache(maxsize=8)
-def env_choice(spec: str) -> tuple[str, dict[str, int]]:
-    """The kernel and launch settings $TRIREME_PAGED_KERNEL names: "" (DEFAULT as shipped), "v1",
-    "v2", or e.g. "v2,heads=2,tile=32,num_warps=8" (any of SETTINGS)."""
-    name, *pairs = [part.strip() for part in spec.split(",")] if spec else [DEFAULT]
-    if name not in VARIANTS:
-        raise ConfigError(f"{ENV}={spec!r}: {name!r} is not a paged decode kernel; use one of "
-                          f"{', '.join(VARIANTS)} (or leave it unset)")
-    settings = {}
-    for pair in pairs:
-        key, _, value = pair.partition("=")
-        if key not in SETTINGS or not value.isdigit():
-            raise ConfigError(f"{ENV}={spec!r}: {pair!r} is not a launch setting; write "
-                              f"name=integer with name one of {', '.join(SETTINGS)}")
-        settings[key] = int(value)
-    return name, settings
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -396,13 +379,15 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                            splits: int = 0, num_warps: int = 0, num_stages: int = 0,
                            heads_first: bool = False, variant: str = "",
                            heads: int = 0, prefetch: bool = False,
-                           new: NewKeys | None = None) -> torch.Tensor:
+                           new: NewKeys | None = None,
+                           kernels: KernelSettings = DEFAULT_KERNELS) -> torch.Tensor:
     """[r, n_heads, d] (contiguous): each request's query heads over its first lengths[r] keys
     (q [r, n_heads, d], k_new, v_new: any row and head strides, read in place when the column
     stride is 1, as the compiled decode step's views of its qkv output); with `new`
     (k_new, v_new [r, n_kv, d], slots [r]) key lengths[r] - 1 is k_new[r], stored into the
     pools' row slots[r] by the kernel too (module docstring: store, then attend). `variant`
-    picks the kernel ("": $TRIREME_PAGED_KERNEL's, with its settings: env_choice). `tile` (keys
+    picks the kernel ("": kernels.paged_kernel's, with its settings: parse_paged_kernel;
+    `kernels` also says whether to launch with PDL and early reads: trireme.ops.pdl). `tile` (keys
     per iteration), `splits` (a power of two; default: default_splits), num_warps, num_stages
     tune the launch (0: the variant's SHIPPED setting; the tile at least the block size);
     heads_first (the grid's order: a request's kv heads side by side) only v1's, `heads` (kv
@@ -411,11 +396,11 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     kw = dict(tile=tile, splits=splits, num_warps=num_warps, num_stages=num_stages,
               heads_first=bool(heads_first), heads=heads, prefetch=bool(prefetch))
     if not variant:
-        variant, settings = env_choice(os.environ.get(ENV, ""))
+        variant, settings = parse_paged_kernel(kernels.paged_kernel)
         kw.update(settings)
-    if variant not in VARIANTS:
+    if variant not in PAGED_VARIANTS:
         raise ConfigError(f"variant={variant!r} is not a paged decode kernel; use one of "
-                          f"{', '.join(VARIANTS)}")
+                          f"{', '.join(PAGED_VARIANTS)}")
     n_kv = k_pool.shape[2]
     shipped = SHIPPED[variant]
     for key in ("tile", "num_warps", "num_stages"):
@@ -431,7 +416,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         if kw[key] & (kw[key] - 1):
             raise ConfigError(f"{key}={kw[key]} must be a power of two (or 0: the default)")
     return _launch(q, k_pool, v_pool, tables, lengths, variant, **{**kw, "heads": heads},
-                   new=new_keys(new, q, k_pool, v_pool))
+                   new=new_keys(new, q, k_pool, v_pool), kernels=kernels)
 
 
 def new_keys(new: NewKeys | None, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
@@ -455,7 +440,8 @@ def new_keys(new: NewKeys | None, q: torch.Tensor, k_pool: torch.Tensor, v_pool:
 
 def _launch(q, k_pool, v_pool, tables, lengths, variant: str, tile: int, splits: int,
             num_warps: int, num_stages: int, heads_first: bool, heads: int,
-            prefetch: bool, new: NewKeys | None = None) -> torch.Tensor:
+            prefetch: bool, new: NewKeys | None = None,
+            kernels: KernelSettings = DEFAULT_KERNELS) -> torch.Tensor:
     """paged_decode_attention's launch, its settings (and `new`: new_keys) checked."""
     r, n_heads, d = q.shape
     n_kv = k_pool.shape[2]
@@ -479,14 +465,15 @@ def _launch(q, k_pool, v_pool, tables, lengths, variant: str, tile: int, splits:
     consts = dict(GROUPS=groups, GROUPS_POW2=max(16, triton.next_power_of_2(groups)), D=d,
                   BLOCK=block, TILE=tile, SPLITS=splits, NEW=new is not None,
                   num_warps=num_warps, **stages)
-    pdl = launch_pdl(q)  # v2 and the merge (trireme.ops.pdl)
+    pdl = launch_pdl(q, kernels)  # v2 and the merge (trireme.ops.pdl)
     if variant == "v1":
         grid = (n_kv, r, splits) if heads_first else (r, n_kv, splits)
         _paged_decode_kernel[grid](*args, HEADS_FIRST=bool(heads_first), **consts)
     else:
         _paged_decode_v2_kernel[(r, n_kv // heads, splits)](
             *args, HEADS=heads, PREFETCH=bool(prefetch), PDL=pdl, launch_pdl=pdl,
-            EARLY=early_reads(q) and not prefetch, LINE=128 // k_pool.element_size(), **consts)
+            EARLY=early_reads(q, kernels) and not prefetch, LINE=128 // k_pool.element_size(),
+            **consts)
     if splits > 1:
         _merge_splits_kernel[(r, n_heads)](*parts, out, out.stride(0), out.stride(1), D=d,
                                            SPLITS=splits, num_warps=1, PDL=pdl, launch_pdl=pdl)

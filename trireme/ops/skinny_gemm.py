@@ -11,7 +11,8 @@ is F.linear. `SkinnyLinear` is an nn.Linear whose forward is skinny_linear, and
 `use_skinny_linears(model)` turns a model's plain nn.Linear layers into it (the same module
 objects: state dicts and checkpoints do not change), or back: the serving engine does one or
 the other by EngineSettings.decode_gemm ("triton" / "cublas") and `unavailable` (the
-kernels' plans are for sm_90).
+kernels' plans are for sm_90). A SkinnyLinear launches as its `kernels` (the engine's
+KernelSettings: PDL and early reads, trireme.ops.pdl) say.
 
 `SkinnyLinear.swiglu(x)` is SwiGLU's first layer and activation as one kernel (GLU_TILES: the
 shapes measured to gain; else F.linear, then silu(gate) * up), which the MLP calls when its fc1
@@ -20,25 +21,23 @@ is a SkinnyLinear. The kernels have no backward: they run only outside autograd.
 The split count is a function of (N, K) only, so a compiled graph traced at one batch size
 serves every batch size (the op's output shape [splits, M, N] does not depend on M); the tile
 shape (rows per program, kernel variant) is picked at launch from the rows present. The plans
-come from the H200 sweep in bench/skinny_gemm.py (bench/RESULTS.md, session 8).
+come from the H200 sweep in bench/skinny_gemm.py (bench/RESULTS.md).
 """
 
 from __future__ import annotations
 
-import functools
-import os
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trireme.errors import ConfigError
+from trireme.ops.kernel_settings import DEFAULT_KERNELS, KernelSettings
+from trireme.ops.optional import optional_kernel
 from trireme.ops.swiglu import swiglu
 
 MAX_ROWS = 64  # more rows: cuBLAS (the H200 sweep: the kernel loses at 256)
-MAX_WEIGHT = 64 << 20  # elements; the output layer (128256 x 2048) already runs at ~4 TB/s
+MAX_WEIGHT = 64 << 20  # elements; the output layer (128256 x 2048) already runs near the bandwidth
 MIN_CAPABILITY = (9, 0)  # the plans' tiles: sm_90's shared memory (H100 / H200)
 TARGET_PROGRAMS = 256  # programs the split aims at: about two per SM of an H100 / H200 (132)
 
@@ -54,13 +53,12 @@ class Tile:
     num_stages: int = 4
 
 
-# (N, K) -> splits, from the H200 sweep (bench/skinny_gemm.py, session 8): cuBLAS runs
-# llama3-1b's qkv and gate_up as fast at 1-64 rows (each ~6 us or at ~3.5 TB/s), but its
-# down projection (K = 4 N) at 13-13.6 us, where 4 splits take 9.8-11.3 us before their sum,
-# and its out projection (2048 x 2048) at 6.1-6.2 us, where 4 splits take 4.2-5.1 (the sums
-# fold into the next add + norm; the decode step at batch 64: 1.436 ms median of 4 against
-# 1.447 of 7 with cuBLAS, session 10, within what machines differ by: another ran it at
-# 1.452-1.460); other shapes with K >= DEEP * N: default_splits, others: cuBLAS
+# (N, K) -> splits, from the H200 sweep (bench/skinny_gemm.py; bench/RESULTS.md): cuBLAS runs
+# llama3-1b's qkv and gate_up as fast at 1-64 rows (a GEMM kernel's fixed cost, whoever writes
+# it), but 4 splits measured faster for its down projection (K = 4 N; the partial sums added
+# by the caller) and for its out projection (2048 x 2048; the sums fold into the next add +
+# norm; in the whole decode step at batch 64 the out projection's gain is within what machines
+# differ by); other shapes with K >= DEEP * N: default_splits, others: cuBLAS
 SPLITS: dict[tuple[int, int], int] = {(2048, 8192): 4, (2048, 2048): 4}
 DEEP = 4
 # (N, K, splits) -> Tile for rows <= 16 and <= MAX_ROWS; other shapes: Tile()
@@ -71,8 +69,8 @@ TILES: dict[tuple[int, int, int], tuple[Tile, Tile]] = {
 # SwiGLU's first layer [W_gate; W_up] (2F, K) -> the tile of its fused kernel (GLU: one split,
 # silu(gate) * up written, trireme.ops.skinny_gemm_triton) for rows <= 16 and <= MAX_ROWS;
 # a shape not here runs F.linear, then the activation. From the H200 sweep (bench/skinny_gemm.py
-# --glu, session 9): llama3-1b's 16384 x 2048 fused 17.4 / 17.9 / 19.4 us at 1 / 16 / 64 rows
-# against cuBLAS + the compiled activation's 19.3 / 19.8 / 21.5.
+# --glu; bench/RESULTS.md): llama3-1b's 16384 x 2048, fused, measured faster at 1-64 rows than
+# cuBLAS + the compiled activation.
 GLU_TILES: dict[tuple[int, int], tuple[Tile, Tile]] = {
     (16384, 2048): (Tile(64, 128, False, 4, 4), Tile(64, 128, False, 4, 4))}
 
@@ -86,31 +84,15 @@ def default_splits(n: int, k: int, tile: Tile = Tile()) -> int:
     return splits
 
 
-ENV = "TRIREME_SKINNY_SPLITS"  # e.g. "2048x2048:4,3072x2048:1": more (N, K) -> splits
-
-
-def env_splits(spec: str) -> dict[tuple[int, int], int]:
-    """$TRIREME_SKINNY_SPLITS parsed: NxK:SPLITS pairs, comma-separated (for measuring a shape's
-    plan without editing SPLITS). Not cached: plan runs inside the compiled decode step, where
-    torch.compile traces it (and warns about a cache wrapper, which it ignores)."""
-    found = {}
-    for part in filter(None, (x.strip() for x in spec.split(","))):
-        shape, _, splits = part.partition(":")
-        n, _, k = shape.partition("x")
-        if not (n.isdigit() and k.isdigit() and splits.isdigit() and int(splits) > 0):
-            raise ConfigError(f"{ENV}={spec!r}: {part!r} is not NxK:SPLITS (e.g. 2048x2048:4)")
-        found[int(n), int(k)] = int(splits)
-    return found
-
-
 def plan(n: int, k: int) -> int | None:
     """Splits for a weight [n, k], or None when the shape does not tile (or is too large to
-    gain: MAX_WEIGHT). SPLITS and $TRIREME_SKINNY_SPLITS name shapes; others take
-    default_splits when K >= DEEP x N."""
-    named = {**SPLITS, **env_splits(os.environ.get(ENV, ""))}
-    if n * k > MAX_WEIGHT or ((n, k) not in named and k < DEEP * n):
+    gain: MAX_WEIGHT). SPLITS names shapes (to measure another shape's plan: bench/skinny_gemm.py
+    times the kernel at each split count); others take default_splits when K >= DEEP x N.
+    Not cached: torch.compile traces it inside the compiled decode step (and warns about a
+    cache wrapper, which it ignores)."""
+    if n * k > MAX_WEIGHT or ((n, k) not in SPLITS and k < DEEP * n):
         return None
-    splits = named.get((n, k)) or default_splits(n, k)
+    splits = SPLITS.get((n, k)) or default_splits(n, k)
     tiles = TILES.get((n, k, splits), (Tile(),) * 2)
     if any(n % t.block_n or k % (splits * t.block_k) for t in tiles):
         return None
@@ -136,10 +118,13 @@ def skinny_mm_reference(x: torch.Tensor, weight: torch.Tensor, splits: int) -> t
 
 
 @torch.library.custom_op("trireme::skinny_mm", mutates_args=(),
-                         schema="(Tensor x, Tensor weight, int splits) -> Tensor")
-def skinny_mm(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+                         schema="(Tensor x, Tensor weight, int splits, bool pdl=True, "
+                                "bool early_reads=True) -> Tensor")
+def skinny_mm(x: torch.Tensor, weight: torch.Tensor, splits: int, pdl: bool = True,
+              early_reads: bool = True) -> torch.Tensor:
     """part [splits, M, N] (module docstring) for x [M, K], weight [N, K]: the Triton kernel on
-    CUDA (this is the implementation for the other devices: the reference)."""
+    CUDA, launched with KernelSettings(pdl, early_reads) (this is the implementation for the
+    other devices: the reference)."""
     return skinny_mm_reference(x, weight, splits)
 
 
@@ -151,55 +136,58 @@ def skinny_swiglu_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tens
 
 
 @skinny_mm.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, splits: int, pdl: bool = True,
+      early_reads: bool = True) -> torch.Tensor:
     dtype = torch.float32 if splits > 1 else x.dtype
     return x.new_empty(splits, x.shape[0], weight.shape[0], dtype=dtype)
 
 
-@functools.cache
+@optional_kernel("the decode steps' linear layers run through F.linear")
 def _launcher():
     """trireme.ops.skinny_gemm_triton.skinny_mm, or None (with a warning) without Triton."""
-    try:
-        from trireme.ops.skinny_gemm_triton import skinny_mm as launch
-    except Exception as e:  # missing, or installed but broken
-        warnings.warn(f"Triton is unavailable ({e}); the decode steps' linear layers run "
-                      "through F.linear", stacklevel=2)
-        return None
+    from trireme.ops.skinny_gemm_triton import skinny_mm as launch
     return launch
 
 
 @skinny_mm.register_kernel("cuda")
-def _(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, splits: int, pdl: bool = True,
+      early_reads: bool = True) -> torch.Tensor:
     launch = _launcher()
     if launch is None:
         return skinny_mm_reference(x, weight, splits)
     tile, block_m = tile_for(x.shape[0], weight.shape[0], weight.shape[1], splits)
     return launch(x, weight, splits, tile.block_n, tile.block_k, block_m, tile.swap,
-                  tile.num_warps, tile.num_stages)
+                  tile.num_warps, tile.num_stages,
+                  kernels=KernelSettings(pdl=pdl, early_reads=early_reads))
 
 
 @torch.library.custom_op("trireme::skinny_swiglu", mutates_args=(),
-                         schema="(Tensor x, Tensor weight) -> Tensor")
-def skinny_swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+                         schema="(Tensor x, Tensor weight, bool pdl=True, "
+                                "bool early_reads=True) -> Tensor")
+def skinny_swiglu(x: torch.Tensor, weight: torch.Tensor, pdl: bool = True,
+                  early_reads: bool = True) -> torch.Tensor:
     """silu(gate) * up [M, F] for x [M, K], weight [W_gate; W_up] [2F, K]: the fused Triton
     kernel on CUDA (this is the implementation for the other devices: the reference)."""
     return skinny_swiglu_reference(x, weight)
 
 
 @skinny_swiglu.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, pdl: bool = True,
+      early_reads: bool = True) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0] // 2)
 
 
 @skinny_swiglu.register_kernel("cuda")
-def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, pdl: bool = True,
+      early_reads: bool = True) -> torch.Tensor:
     launch = _launcher()
     tiles = GLU_TILES.get(tuple(weight.shape))
     if launch is None or tiles is None:
         return skinny_swiglu_reference(x, weight)
     tile, block_m = _by_rows(tiles, x.shape[0])
     return launch(x, weight, 1, tile.block_n, tile.block_k, block_m, tile.swap, tile.num_warps,
-                  tile.num_stages, glu=True)[0]
+                  tile.num_stages, glu=True,
+                  kernels=KernelSettings(pdl=pdl, early_reads=early_reads))[0]
 
 
 def unavailable(device: torch.device) -> str | None:
@@ -238,16 +226,17 @@ def glu_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  splits: int | None = None) -> torch.Tensor:
+                  splits: int | None = None,
+                  kernels: KernelSettings = DEFAULT_KERNELS) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [..., K]; through `trireme::skinny_mm` when `usable`
-    (or always, with `splits` given: tests run it on the CPU)."""
+    (or always, with `splits` given: tests run it on the CPU), launched as `kernels` say."""
     splits = splits or usable(x, weight)
     if splits is None:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    part = skinny_mm(rows, weight, splits)  # [splits, M, N]
+    part = skinny_mm(rows, weight, splits, kernels.pdl, kernels.early_reads)  # [splits, M, N]
     y = part[0]
     for s in range(1, splits):  # additions, not a sum(0) reduction: Inductor fuses them into
         y = y + part[s]  # the next kernel (the residual add and norm)
@@ -259,32 +248,38 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def skinny_swiglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                         fused: bool | None = None) -> torch.Tensor:
+                         fused: bool | None = None,
+                         kernels: KernelSettings = DEFAULT_KERNELS) -> torch.Tensor:
     """silu(gate) * up of h = F.linear(x, weight, bias) = [gate; up], x [..., K] -> [..., F]:
     one `trireme::skinny_swiglu` when `glu_usable` (`fused` True: always, e.g. the reference on
-    the CPU in tests; no bias), else F.linear and the activation."""
+    the CPU in tests; no bias), launched as `kernels` say, else F.linear and the activation."""
     if fused if fused is not None else (bias is None and glu_usable(x, weight)):
         rows = x.reshape(-1, x.shape[-1])
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-        return skinny_swiglu(rows, weight).view(*x.shape[:-1], -1)
+        return skinny_swiglu(rows, weight, kernels.pdl, kernels.early_reads).view(
+            *x.shape[:-1], -1)
     return swiglu(F.linear(x, weight, bias))
 
 
 class SkinnyLinear(nn.Linear):
     """nn.Linear whose forward is skinny_linear (module docstring); `swiglu(x)` is SwiGLU's
-    activation of its output, fused into the kernel where it has a plan."""
+    activation of its output, fused into the kernel where it has a plan. `kernels`: how its
+    kernels launch (use_skinny_linears sets the engine's)."""
+
+    kernels: KernelSettings = DEFAULT_KERNELS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return skinny_linear(x, self.weight, self.bias)
+        return skinny_linear(x, self.weight, self.bias, kernels=self.kernels)
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        return skinny_swiglu_linear(x, self.weight, self.bias)
+        return skinny_swiglu_linear(x, self.weight, self.bias, kernels=self.kernels)
 
 
-def use_skinny_linears(model: nn.Module, on: bool = True) -> int:
-    """Turn every plain nn.Linear of `model` into a SkinnyLinear (or, with `on` False, every
-    SkinnyLinear back into an nn.Linear), in place: the same module objects, their class
-    changed; the number turned."""
+def use_skinny_linears(model: nn.Module, on: bool = True,
+                       kernels: KernelSettings = DEFAULT_KERNELS) -> int:
+    """Turn every plain nn.Linear of `model` into a SkinnyLinear launching as `kernels` say (or,
+    with `on` False, every SkinnyLinear back into an nn.Linear), in place: the same module
+    objects, their class changed; the number turned."""
     before, after = (nn.Linear, SkinnyLinear) if on else (SkinnyLinear, nn.Linear)
     turned = 0
     for module in model.modules():
@@ -293,6 +288,10 @@ def use_skinny_linears(model: nn.Module, on: bool = True) -> int:
         if type(module) is before and getattr(module, "_compiled_call_impl", None) is None:
             module.__class__ = after  # the same object: parameters, hooks, references
             turned += 1
+            if not on:
+                module.__dict__.pop("kernels", None)
+        if on and type(module) is SkinnyLinear:  # turned now or by an earlier engine
+            module.kernels = kernels
     return turned
 
 
@@ -300,14 +299,14 @@ def use_skinny_linears(model: nn.Module, on: bool = True) -> int:
 def warm_up(model: nn.Module) -> None:
     """Compile now the kernels the SkinnyLinears of `model` (swapped in, on a GPU where they
     run) launch: every planned shape at both tiles (rows <= 16 and more). A step meeting an
-    uncompiled one would stall ~0.5-1 s in the middle of serving. Once per weight shape, and
+    uncompiled one would stall for its compile in the middle of serving. Once per weight shape, and
     only the shapes that take a kernel."""
-    weights = {tuple(m.weight.shape): m.weight for m in model.modules()
-               if isinstance(m, SkinnyLinear)}
-    for shape, w in weights.items():
+    layers = {(tuple(m.weight.shape), m.kernels): m.weight for m in model.modules()
+              if isinstance(m, SkinnyLinear)}
+    for (shape, kernels), w in layers.items():
         for rows in (1, MAX_ROWS):
             x = w.new_zeros(rows, w.shape[1])
             if plan(*shape) is not None:
-                skinny_linear(x, w)
+                skinny_linear(x, w, kernels=kernels)
             if GLU_TILES.get(shape) is not None:
-                skinny_swiglu_linear(x, w)
+                skinny_swiglu_linear(x, w, kernels=kernels)

@@ -3,8 +3,9 @@ needs Triton). trireme.ops.skinny_gemm has the dispatcher, the plan and the refe
 
 x [M, K] (unit column stride, rows at any stride), W [N, K] contiguous, M small (a decode step's
 batch). Such a product reads W once and is bound by that read; cuBLAS runs the decode step's
-smaller ones (2048 x 2048, 3072 x 2048, 2048 x 8192) at 1.3-2.5 TB/s on the H200, where the
-larger ones reach 4 (bench/gemm_layouts.py): too few programs read too few bytes at a time.
+smaller ones (2048 x 2048, 3072 x 2048, 2048 x 8192) well below the memory bandwidth on the
+H200, where the larger ones come near it (bench/gemm_layouts.py): too few programs read too few
+bytes at a time.
 Here program (n, s, m) takes rows n * BLOCK_N .. + BLOCK_N of W and the s-th of SPLITS equal
 chunks of K (k_chunk columns, whole BLOCK_K tiles), multiplies them by rows m * BLOCK_M .. of x
 and writes its partial sum, fp32 (bf16 / fp16 operands, fp32 accumulation in the tensor cores),
@@ -29,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from trireme.ops.kernel_settings import DEFAULT_KERNELS, KernelSettings
 from trireme.ops.pdl import early_reads, launch_pdl
 from trireme.ops.pdl_triton import enter, l2_prefetch
 
@@ -98,11 +100,13 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, m_rows, n_cols, k_chunk, x_row_stride,
 
 def skinny_mm(x: torch.Tensor, weight: torch.Tensor, splits: int, block_n: int, block_k: int,
               block_m: int = 16, swap: bool = False, num_warps: int = 4,
-              num_stages: int = 4, glu: bool = False) -> torch.Tensor:
+              num_stages: int = 4, glu: bool = False,
+              kernels: KernelSettings = DEFAULT_KERNELS) -> torch.Tensor:
     """part [splits, M, N] fp32 (splits > 1) or y [1, M, N] in x's dtype (splits == 1) for
     x [M, K], weight [N, K] (module docstring); with `glu` (splits 1) y [1, M, N / 2] =
     silu(x W_gate^T) * (x W_up^T) for weight = [W_gate; W_up], rounded once. The caller checks
-    the shapes divide: N (N / 2 with glu) % block_n == 0 and K % (splits * block_k) == 0."""
+    the shapes divide: N (N / 2 with glu) % block_n == 0 and K % (splits * block_k) == 0.
+    `kernels`: whether to launch with PDL and early reads (trireme.ops.pdl)."""
     m_rows, k = x.shape
     n_cols = weight.shape[0] // 2 if glu else weight.shape[0]
     if (n_cols % block_n or k % (splits * block_k) or weight.shape[1] != k or x.stride(1) != 1
@@ -117,11 +121,11 @@ def skinny_mm(x: torch.Tensor, weight: torch.Tensor, splits: int, block_n: int, 
     grid = (n_cols // block_n, splits, triton.cdiv(m_rows, block_m))
     # Triton launches on the current device (the interpreter: the CPU)
     where = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
-    pdl = launch_pdl(x)
+    pdl = launch_pdl(x, kernels)
     with where:
         _skinny_kernel[grid](x, weight, out, m_rows, n_cols, k // splits, x.stride(0),
                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap, K=k,
                              GLU=glu, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
-                             launch_pdl=pdl,
-                             PREFETCH=early_reads(x) and block_k >= 64 and x.element_size() == 2)
+                             launch_pdl=pdl, PREFETCH=early_reads(x, kernels) and block_k >= 64
+                             and x.element_size() == 2)
     return out

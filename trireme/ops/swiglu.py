@@ -28,12 +28,11 @@ backward, so there the two keep the same tensors and the gain is speed only.
 
 from __future__ import annotations
 
-import functools
-import warnings
-
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+
+from trireme.ops.optional import optional_kernel
 
 __all__ = ["swiglu", "fused_swiglu", "swiglu_backward", "swiglu_backward_reference"]
 
@@ -69,15 +68,10 @@ def _(h: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     return h.new_empty(h.shape)  # contiguous, as the real implementations return it
 
 
-@functools.cache
+@optional_kernel("model.fused_swiglu's SwiGLU backward runs as plain torch ops")
 def _triton_launcher():
     """trireme.ops.swiglu_triton.swiglu_backward, or None (with a warning) without Triton."""
-    try:
-        from trireme.ops.swiglu_triton import swiglu_backward as launch
-    except Exception as e:  # missing, or installed but broken (no compiler, wrong version)
-        warnings.warn(f"model.fused_swiglu: Triton is unavailable ({e}); the SwiGLU backward runs "
-                      "as plain torch ops", stacklevel=2)
-        return None
+    from trireme.ops.swiglu_triton import swiglu_backward as launch
     return launch
 
 

@@ -122,8 +122,8 @@ def check_context_parallel(cfg: Config) -> None:
         raise ConfigError(f"{packed_documents(cfg)} (packed documents) with parallel.context > 1 "
                           "needs parallel.context_mode = 'allgather'")
     unsupported = {"model.dropout > 0": m.dropout > 0,
-                   "mixture-of-experts layers (E)": "E" in m.layer_pattern,
-                   "Mamba-2 layers (M)": "M" in m.layer_pattern}
+                   "mixture-of-experts layers (E)": m.has_kind("moe"),
+                   "Mamba-2 layers (M)": m.has_kind("mamba")}
     for name, used in unsupported.items():
         if used:
             raise ConfigError(f"parallel.context > 1 with {name}: not implemented yet")
@@ -137,7 +137,7 @@ def packed_documents(cfg: Config) -> str:
 
 def check_expert_parallel(cfg: Config) -> None:
     """Expert parallelism needs experts to split."""
-    if cfg.parallel.expert > 1 and "E" not in cfg.model.layer_pattern:
+    if cfg.parallel.expert > 1 and not cfg.model.has_kind("moe"):
         raise ConfigError(f"parallel.expert = {cfg.parallel.expert} needs mixture-of-experts "
                           "layers (E in model.layer_pattern)")
 

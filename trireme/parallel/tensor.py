@@ -107,7 +107,7 @@ def check_tensor_parallel(cfg: ModelConfig, size: int, sequence_parallel: bool) 
     """Raise a one-line ConfigError unless `cfg` splits over `size` tensor-parallel ranks."""
     if size == 1:
         return
-    attention = "*" in "".join(cfg.layer_symbols)  # a Mamba-only model has no attention heads
+    attention = cfg.has_kind("attention")  # a Mamba-only model has no attention heads
     if attention and cfg.num_attention_heads % size:
         raise ConfigError(
             f"model.num_attention_heads = {cfg.num_attention_heads} is not divisible by "

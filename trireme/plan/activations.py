@@ -3,8 +3,8 @@
 Notation: e = bytes of an activation element (4 fp32, 2 bf16 / fp16 / fp8), h hidden, q = n * d
 and k = g * d the query and key/value widths of this TP rank (n / T, max(g / T, 1) heads), F the
 MLP width / T, N the tokens of a micro batch on this rank (b * s / C). What each op saves
-(trireme.models.attention, mlp, block; checked op by op with saved-tensor hooks in
-tests/test_plan.py):
+(each sublayer class's `activation_bytes`: trireme.models.attention, mlp, moe; checked op by op
+with saved-tensor hooks in tests/test_plan.py):
 
     norm (rmsnorm)  fused kernel (CUDA): its input (e) and 1 / rms (4);
                     the decomposed CPU op: x and x / rms in fp32 (4 + 4) and 1 / rms (4)
@@ -56,31 +56,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trireme.config import FP8_OUTPUT, Config
+from trireme.models.block import SUBLAYERS
+from trireme.models.sublayer import Shape, norm_bytes
 from trireme.ops.fp8_training import DelayedFloat8Linear
-
-
-@dataclass(frozen=True)
-class Shape:
-    """The per-rank sizes activations depend on."""
-
-    e: int  # bytes per activation element
-    h: int
-    q: int  # query width on this TP rank
-    k: int  # key/value width on this TP rank
-    heads: int  # query heads on this TP rank
-    ffn: int  # MLP width on this TP rank
-    tensor: int
-    sequence_parallel: bool
-    context: int
-    context_mode: str
-    fp8: bool
-    norm_fused: bool
-    layernorm: bool
-    swiglu: bool
-    activation_recomputed: bool  # fused SwiGLU or a compiled block: silu(gate) not kept
-    compiled: bool  # model.compile on a GPU (the CPU always runs eagerly)
-    fused_loss: bool  # model.fused_cross_entropy, "auto" resolved for the device
-    loss_in_place: bool = False  # its Triton softmax on a GPU: the gradient over the logits
 
 
 def shape_of(cfg: Config, norm_fused: bool, gpu: bool) -> Shape:
@@ -101,79 +79,23 @@ def shape_of(cfg: Config, norm_fused: bool, gpu: bool) -> Shape:
         and not (m.precision == "fp8" and FP8_OUTPUT in m.fp8_layer_names()))
 
 
-def norm_bytes(s: Shape) -> float:
-    """Bytes per token one norm keeps (per token of the full micro batch on this rank)."""
-    if s.layernorm:
-        per = s.e * s.h + 8
-    elif s.norm_fused:
-        per = s.e * s.h + 4
-    else:
-        per = 8 * s.h + 4
-    return per / (s.tensor if s.sequence_parallel else 1)
-
-
-def _linear_input_bytes(s: Shape) -> int:
-    """Bytes per element a linear keeps of its input: e; 1 in fp8 (its quantized copy); none in
-    a compiled fp8 block (recomputed from the norm's input or fc1's output, module docstring)."""
-    if not s.fp8:
-        return s.e
-    return 0 if s.compiled else 1
-
-
-def attention_bytes(s: Shape, mode: str) -> float:
-    """Bytes per token an attention sublayer keeps (its norm included)."""
-    lin = _linear_input_bytes(s)  # qkv's kept input
-    base = norm_bytes(s) + lin * s.h + s.e * (s.q + 2 * s.k)
-    if s.context > 1 and s.context_mode == "allgather":
-        base += s.e * 2 * s.k * (s.context - 1)  # the gathered K and V of the other ranks
-    if mode == "selective":
-        return base + s.e * s.q + (s.q if s.fp8 else 0)
-    core = s.e * (s.q + s.k) + s.e * s.q + 4 * s.heads
-    return base + core + (s.q if s.fp8 else 0)
-
-
-def mlp_bytes(s: Shape, mode: str) -> float:
-    """Bytes per token a dense MLP sublayer keeps (its norm included)."""
-    lin = _linear_input_bytes(s)
-    if not s.swiglu:
-        return norm_bytes(s) + lin * s.h + s.e * s.ffn + lin * s.ffn
-    silu = 0 if mode == "selective" or s.activation_recomputed else s.e * s.ffn
-    return norm_bytes(s) + lin * s.h + s.e * 2 * s.ffn + silu + lin * s.ffn
-
-
-def moe_bytes(cfg: Config, s: Shape) -> float:
-    """Bytes per token an MoE sublayer keeps (approximate; module docstring)."""
-    m = cfg.model
-    f = m.moe_ffn_size
-    routed = m.moe_top_k * s.e * (2 * s.h + 4 * f)
-    shared = 0.0
-    if m.moe_shared_ffn_hidden_size:
-        fs = m.moe_shared_ffn_hidden_size // s.tensor
-        shared = s.e * (s.h + 4 * fs)
-    return norm_bytes(s) + 8 * m.moe_num_experts + routed + shared
-
-
-def layer_bytes(cfg: Config, s: Shape, symbols: str, mode: str) -> float:
-    """Bytes per token one layer keeps under recompute `mode` ("none", "selective", "full")."""
+def layer_bytes(cfg: Config, s: Shape, kinds: tuple[str, ...], mode: str) -> float:
+    """Bytes per token one layer keeps under recompute `mode` ("none", "selective", "full"):
+    what each sublayer class declares (`activation_bytes`, trireme.models.sublayer)."""
     if mode == "full":
         return s.e * s.h / (s.tensor if s.sequence_parallel else 1)
     total = 0.0
-    for symbol in symbols:
-        if symbol == "*":
-            total += attention_bytes(s, mode)
-        elif symbol == "-":
-            total += mlp_bytes(s, mode)
-        elif symbol == "E":
-            total += moe_bytes(cfg, s)
+    for kind in kinds:
+        total += SUBLAYERS[kind].activation_bytes(cfg.model, s, mode)
     return total
 
 
-def fp8_weight_bytes(cfg: Config, s: Shape, symbols: str) -> float:
+def fp8_weight_bytes(cfg: Config, s: Shape, kinds: tuple[str, ...]) -> float:
     """fp8: the quantized weights each fp8 linear keeps per micro batch (1 byte each; none when
     compiled: recomputed from the parameters in the backward; none when cast once per step)."""
     if s.compiled or fp8_cast_once(cfg, s):
         return 0.0
-    return fp8_weight_elements(cfg, s, symbols)
+    return fp8_weight_elements(cfg, s, kinds)
 
 
 def fp8_cast_once(cfg: Config, s: Shape) -> bool:
@@ -185,21 +107,18 @@ def fp8_cast_once(cfg: Config, s: Shape) -> bool:
             and DelayedFloat8Linear.cache_weight)
 
 
-def fp8_weight_elements(cfg: Config, s: Shape, symbols: str) -> float:
-    """The weight elements of the fp8 linears of layers `symbols`."""
-    return float(sum(i * o for i, o in fp8_linears(cfg, s, symbols))) if s.fp8 else 0.0
+def fp8_weight_elements(cfg: Config, s: Shape, kinds: tuple[str, ...]) -> float:
+    """The weight elements of the fp8 linears of a layer with sublayers `kinds`."""
+    return float(sum(i * o for i, o in fp8_linears(cfg, s, kinds))) if s.fp8 else 0.0
 
 
-def fp8_linears(cfg: Config, s: Shape, symbols: str) -> list[tuple[int, int]]:
-    """(inputs, outputs) of each fp8 linear of layers `symbols` (model.fp8_layers; never the
-    routed experts)."""
+def fp8_linears(cfg: Config, s: Shape, kinds: tuple[str, ...]) -> list[tuple[int, int]]:
+    """(inputs, outputs) of each fp8 linear of a layer with sublayers `kinds` (model.fp8_layers
+    of those each class declares; never the routed experts)."""
     layers = set(cfg.model.fp8_layer_names())
-    sizes = {"qkv": (s.h, s.q + 2 * s.k), "out": (s.q, s.h),
-             "fc1": (s.h, s.ffn * (2 if s.swiglu else 1)), "fc2": (s.ffn, s.h)}
     found = []
-    for symbol in symbols:
-        names = ("qkv", "out") if symbol == "*" else ("fc1", "fc2") if symbol == "-" else ()
-        found += [sizes[n] for n in names if n in layers]
+    for kind in kinds:
+        found += [size for name, size in SUBLAYERS[kind].fp8_linears(s).items() if name in layers]
     return found
 
 

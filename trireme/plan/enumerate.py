@@ -136,7 +136,7 @@ def _micro_batches(per_replica: int, given: int) -> list[int]:
 def candidate_layouts(cfg: Config, world: int, per_node: int) -> Iterator[Choice]:
     """Every layout to try (module docstring), before validation."""
     m = cfg.model
-    moe = "E" in m.layer_pattern
+    moe = m.has_kind("moe")
     contexts = [1]
     if m.seq_length >= 8192 or cfg.parallel.context > 1:
         contexts = [c for c in (1, 2, 4, 8) if world % c == 0]

@@ -46,7 +46,7 @@ from trireme.plan.activations import (
     layer_bytes,
     shape_of,
 )
-from trireme.plan.params import RankParams, layer_params, layer_symbols, stage_params
+from trireme.plan.params import RankParams, layer_params, stage_params
 from trireme.plan.rates import Rates
 from trireme.step.schedules import FORWARD, one_f_one_b
 
@@ -102,13 +102,13 @@ def optimizer_step_bytes(cfg: Config, lay: Layout, params: RankParams, rates: Ra
 def chunk_activation_bytes(cfg: Config, rates: Rates, stage, tokens: int, mode_of) -> float:
     """Bytes one micro batch keeps in one model chunk (stage) until its backward."""
     s = shape_of(cfg, rates.norm_fused, rates.gpu)
-    symbols = layer_symbols(cfg.model)
+    layers = cfg.model.layer_kinds
     total = 0.0
-    kinds = Counter((symbols[i], mode_of(j)) for j, i in enumerate(stage.layers))
-    for (kind, mode), count in kinds.items():  # alike layers computed once
-        total += count * layer_bytes(cfg, s, kind, mode) * tokens
+    alike = Counter((layers[i], mode_of(j)) for j, i in enumerate(stage.layers))
+    for (kinds, mode), count in alike.items():  # alike layers computed once
+        total += count * layer_bytes(cfg, s, kinds, mode) * tokens
         if mode != "full":
-            total += count * fp8_weight_bytes(cfg, s, kind)
+            total += count * fp8_weight_bytes(cfg, s, kinds)
     if stage.first:
         total += 8 * tokens  # the embedding keeps the token ids
     if stage.last:
@@ -158,9 +158,10 @@ def backward_transient(cfg: Config, rates: Rates, tokens: int, recompute: str) -
     """Gradients in flight in one layer's backward and, under full recomputation, the layer's
     rebuilt activations (module docstring)."""
     s = shape_of(cfg, rates.norm_fused, rates.gpu)
-    symbols = layer_symbols(cfg.model)
-    widest = max(layer_bytes(cfg, s, sym, "none") for sym in set(symbols))
-    ffn = s.ffn if "-" in "".join(symbols) else cfg.model.moe_ffn_size * cfg.model.moe_top_k
+    m = cfg.model
+    widest = max(layer_bytes(cfg, s, kinds, "none") for kinds in set(m.layer_kinds))
+    # the dense MLP's width, or in a model without one the routed experts' of a token
+    ffn = s.ffn if m.has_kind("mlp") else m.moe_ffn_size * m.moe_top_k
     if recompute == "full":  # the rebuilt layer and the residual stream's gradient
         return (widest + 2 * s.e * s.h) * tokens
     return s.e * tokens * (2 * s.h + 3 * ffn)
@@ -178,8 +179,8 @@ def rank_params(cfg: Config, lay: Layout, rank: int) -> RankParams:
 
 def rank_fp8_weights(cfg: Config, s, stages: list[StageSpec]) -> float:
     """The weight elements of the fp8 linears in `stages` (a pipeline rank's chunks)."""
-    symbols = layer_symbols(cfg.model)
-    return sum(fp8_weight_elements(cfg, s, symbols[i]) for st in stages for i in st.layers)
+    layers = cfg.model.layer_kinds
+    return sum(fp8_weight_elements(cfg, s, layers[i]) for st in stages for i in st.layers)
 
 
 def rank_memory(cfg: Config, lay: Layout, rank: int, rates: Rates) -> MemoryEstimate:
@@ -228,8 +229,8 @@ def _comm_bytes(cfg: Config, lay: Layout, params: RankParams) -> float:
     if lay.data_context == 1:
         return 0.0
     if p.data_parallel_mode == "fsdp":
-        block = max(layer_params(cfg.model, sym, lay.tensor, lay.expert)[0]
-                    for sym in set(layer_symbols(cfg.model)))
+        block = max(layer_params(cfg.model, kinds, lay.tensor, lay.expert).dense
+                    for kinds in set(cfg.model.layer_kinds))
         # one block's gathered parameters and unsharded gradients, and about one whole unsharded
         # copy of the parameters at the backward's start (FSDP2's all-gather outputs: the
         # root's parameters stay gathered; fitted to the CPU measurement, see docs/plan.md)

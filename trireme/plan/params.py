@@ -2,7 +2,8 @@
 under tensor, pipeline and expert parallelism.
 
 Per layer (h hidden, d head size, n / g query / key-value heads, F the MLP width, T tensor degree,
-E experts, P expert degree), matching trireme.models (attention.py, mlp.py, moe.py):
+E experts, P expert degree), each sublayer's norm and what its class declares (`params` in
+trireme.models attention.py, mlp.py, moe.py; Mamba-2's are not counted yet):
 
     norm          h (+ h bias for a LayerNorm with model.bias)
     attention     h * (n / T + 2 * max(g / T, 1)) * d  +  (n / T) * d * h   (+ biases, QK-norm 2d)
@@ -20,21 +21,11 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from torch.utils.weak import WeakIdKeyDictionary
-
 from trireme.config import ModelConfig
-from trireme.models.block import sublayer_names
+from trireme.models.block import SUBLAYERS
 from trireme.models.stages import StageSpec
+from trireme.models.sublayer import Params
 from trireme.parallel.vocab import padded_vocab_size
-
-_SYMBOLS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def layer_symbols(cfg: ModelConfig) -> list[str]:
-    """cfg.layer_symbols, parsed once per model config (the planner asks thousands of times)."""
-    if cfg not in _SYMBOLS:
-        _SYMBOLS[cfg] = cfg.layer_symbols
-    return _SYMBOLS[cfg]
 
 
 @dataclass(frozen=True)
@@ -56,45 +47,15 @@ def _norm(cfg: ModelConfig) -> int:
     return 2 * h if cfg.normalization == "layernorm" and cfg.bias else h
 
 
-def attention_params(cfg: ModelConfig, tensor: int) -> int:
-    h, d = cfg.hidden_size, cfg.head_size
-    heads, kv = cfg.num_attention_heads // tensor, max(cfg.kv_heads // tensor, 1)
-    qkv_rows = (heads + 2 * kv) * d
-    qkv = h * qkv_rows + (qkv_rows if cfg.bias or cfg.qkv_bias else 0)
-    out = heads * d * h + (h if cfg.bias else 0)
-    return qkv + out + (2 * d if cfg.qk_norm else 0)
-
-
-def mlp_params(cfg: ModelConfig, tensor: int, ffn: int | None = None, swiglu: bool | None = None
-               ) -> int:
-    h, f = cfg.hidden_size, (ffn or cfg.ffn_size) // tensor
-    gated = cfg.activation == "swiglu" if swiglu is None else swiglu
-    fc1 = h * f * (2 if gated else 1) + (f * (2 if gated else 1) if cfg.bias else 0)
-    return fc1 + f * h + (h if cfg.bias else 0)
-
-
-def moe_params(cfg: ModelConfig, tensor: int, expert: int) -> tuple[int, int]:
-    """(dense, routed experts) of one MoE sublayer on one rank."""
-    h = cfg.hidden_size
-    dense = h * cfg.moe_num_experts
-    if cfg.moe_shared_ffn_hidden_size:
-        dense += mlp_params(cfg, tensor, cfg.moe_shared_ffn_hidden_size, swiglu=True)
-    return dense, cfg.moe_num_experts // expert * 3 * h * cfg.moe_ffn_size
-
-
-def layer_params(cfg: ModelConfig, symbols: str, tensor: int, expert: int) -> tuple[int, int]:
-    """(dense, experts) parameters of one layer with sublayers `symbols` (e.g. "*-")."""
-    dense, experts = 0, 0
-    for symbol in symbols:
-        dense += _norm(cfg)
-        if symbol == "*":
-            dense += attention_params(cfg, tensor)
-        elif symbol == "-":
-            dense += mlp_params(cfg, tensor)
-        elif symbol == "E":
-            d, e = moe_params(cfg, tensor, expert)
-            dense, experts = dense + d, experts + e
-    return dense, experts
+def layer_params(cfg: ModelConfig, kinds: tuple[str, ...], tensor: int, expert: int) -> Params:
+    """The parameters of one layer with sublayers `kinds` on one rank: each one's norm and what
+    its class declares (`params`, trireme.models.sublayer); `largest` the biggest weight."""
+    dense, experts, largest = 0, 0, 0
+    for kind in kinds:
+        p = SUBLAYERS[kind].params(cfg, tensor, expert)
+        dense, experts = dense + _norm(cfg) + p.dense, experts + p.experts
+        largest = max(largest, p.largest)
+    return Params(dense, experts, largest)
 
 
 def stage_params(cfg: ModelConfig, stage: StageSpec, tensor: int, expert: int,
@@ -108,29 +69,17 @@ def stage_params(cfg: ModelConfig, stage: StageSpec, tensor: int, expert: int,
         largest = vocab
     if stage.first and cfg.position_embedding == "learned":
         dense += cfg.seq_length * h
-    symbols = layer_symbols(cfg)
-    for kind, count in Counter(symbols[i] for i in stage.layers).items():  # alike layers once
-        d, e = layer_params(cfg, kind, tensor, expert)
-        dense, experts = dense + count * d, experts + count * e
-        largest = max(largest, _largest_in_layer(cfg, kind, tensor, expert))
+    layers = cfg.layer_kinds
+    for kinds, count in Counter(layers[i] for i in stage.layers).items():  # alike layers once
+        p = layer_params(cfg, kinds, tensor, expert)
+        dense, experts = dense + count * p.dense, experts + count * p.experts
+        largest = max(largest, p.largest)
     if stage.last:
         dense += _norm(cfg)
         if not cfg.tie_embeddings:
             dense += vocab
             largest = max(largest, vocab)
     return RankParams(dense, experts, largest)
-
-
-def _largest_in_layer(cfg: ModelConfig, symbols: str, tensor: int, expert: int) -> int:
-    h, d = cfg.hidden_size, cfg.head_size
-    heads, kv = cfg.num_attention_heads // tensor, max(cfg.kv_heads // tensor, 1)
-    sizes = [h * (heads + 2 * kv) * d]
-    if "-" in symbols:
-        sizes.append(h * cfg.ffn_size // tensor * (2 if cfg.activation == "swiglu" else 1))
-    if "E" in symbols:
-        sizes.append(cfg.moe_num_experts // expert * 2 * h * cfg.moe_ffn_size)
-    assert sublayer_names(symbols)  # every symbol is a known sublayer
-    return max(sizes)
 
 
 def total_params(cfg: ModelConfig) -> int:

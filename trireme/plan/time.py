@@ -11,13 +11,13 @@ Per micro batch on the slowest pipeline rank (its layers, on this TP rank's shar
                  the memory bandwidth (norms, RoPE, SwiGLU, casts, the loss: read and written a
                  few times each in forward and backward). 5 with model.compile fits the H200
                  profile of llama3-1b (bench/RESULTS.md), 16 eager fits the eager preset's
-                 48.3k tokens/s against 62.3k compiled at micro batch 4
+                 measured tokens/s against the compiled one's at micro batch 4
     fp8          the quantization of every fp8 linear's input x [N, K], weight W [M, K] (once
                  per micro batch) and output gradient g [N, M] (trireme.ops.fp8), priced by
                  whether the block is compiled:
                  compiled: FP8_CAST_BYTES per element of x and g (torch.compile fuses the amax,
                    scale, clamp and cast into the norm / SwiGLU kernels and writes the
-                   transposed copies in the same pass): 12 fits the H200 profile's 0.12 s of
+                   transposed copies in the same pass): 12 fits the H200 profile's time in
                    casts per llama3-1b step (bench/RESULTS.md), current scaling. That includes
                    FP8_AMAX_BYTES = 2, the read of the bf16 tensor for its amax before the cast
                    can start; delayed scaling (model.fp8_scaling) knows the scale beforehand and
@@ -76,7 +76,7 @@ from dataclasses import dataclass
 
 from trireme.config import Config
 from trireme.metrics import flops_per_token
-from trireme.models.stages import sublayer_flops
+from trireme.models.block import SUBLAYERS
 from trireme.parallel.layout import Layout
 from trireme.plan.activations import (
     fp8_cast_once,
@@ -88,7 +88,6 @@ from trireme.plan.activations import (
     shape_of,
 )
 from trireme.plan.memory import rank_fp8_weights
-from trireme.plan.params import layer_symbols
 from trireme.plan.rates import Rates
 
 ELEMENTWISE_PASSES = {True: 5.0, False: 16.0}  # compiled blocks / eager
@@ -119,39 +118,34 @@ def _bandwidth(rates: Rates, stride: int, size: int, per_node: int) -> float:
     return gbps * 1e9
 
 
-def _layer_matmul_flops(cfg: Config, symbols: str, tensor: int) -> tuple[float, float]:
+def _layer_matmul_flops(cfg: Config, kinds: tuple[str, ...], tensor: int) -> tuple[float, float]:
     """(forward matmul FLOPs per token excluding the attention core, attention core forward
-    FLOPs per token) of one layer on one TP rank."""
-    m = cfg.model
-    s = m.seq_length
+    FLOPs per token) of one layer on one TP rank: each sublayer class's `rank_flops`."""
     lin, core = 0.0, 0.0
-    for sym in symbols:
-        f = sublayer_flops(m, sym)
-        if sym == "*":
-            q = m.num_attention_heads * m.head_size
-            core += 2 * q * s / tensor  # QK^T and PV, 2 FLOPs each, halved for causality
-            lin += 2 * (f - q * s) / tensor
-        else:
-            lin += 2 * f / (tensor if sym == "-" else 1)
+    for kind in kinds:
+        linear, attention = SUBLAYERS[kind].rank_flops(cfg.model, tensor)
+        core += 2 * attention  # QK^T and PV, 2 FLOPs each, halved for causality
+        lin += 2 * linear
     return lin, core
 
 
-def _fp8_elements(cfg: Config, s, symbols: str) -> tuple[float, float]:
+def _fp8_elements(cfg: Config, s, kinds: tuple[str, ...]) -> tuple[float, float]:
     """Per token: (the inputs, the output gradients) the fp8 linears of a layer quantize."""
-    linears = fp8_linears(cfg, s, symbols)
+    linears = fp8_linears(cfg, s, kinds)
     return float(sum(i for i, _ in linears)), float(sum(o for _, o in linears))
 
 
-def fp8_seconds(cfg: Config, s, symbols: str, tokens: float, rates: Rates) -> tuple[float, float]:
+def fp8_seconds(cfg: Config, s, kinds: tuple[str, ...], tokens: float, rates: Rates
+                ) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's fp8 quantization for a micro batch of `tokens`
     (module docstring: fused when compiled, pass by pass when eager)."""
-    x, g = (tokens * n for n in _fp8_elements(cfg, s, symbols))
+    x, g = (tokens * n for n in _fp8_elements(cfg, s, kinds))
     bw_mem = rates.memory_tbps * 1e12
     if s.compiled:
         per = FP8_CAST_BYTES - (FP8_AMAX_BYTES if cfg.model.fp8_scaling_mode() == "delayed"
                                 else 0.0)
         return per * x / bw_mem, per * g / bw_mem
-    w = fp8_weight_bytes(cfg, s, symbols)  # 1 byte each: the weight elements
+    w = fp8_weight_bytes(cfg, s, kinds)  # 1 byte each: the weight elements
     bw_t = (rates.transpose_tbps or rates.memory_tbps) * 1e12
     forward = FP8_EAGER_BYTES * (x + w) / bw_mem
     backward = FP8_EAGER_BYTES * g / bw_mem + FP8_TRANSPOSE_BYTES * (x + w + g) / bw_t
@@ -174,12 +168,12 @@ def micro_batch_seconds(cfg: Config, lay: Layout, rank: int, rates: Rates,
     """Compute and in-line communication of one micro batch on pipeline rank `rank`."""
     m, t = cfg.model, cfg.train
     tokens = t.micro_batch_size * m.seq_length / lay.context
-    symbols = layer_symbols(m)
+    layers = m.layer_kinds
     out = dict(matmul=0.0, attention=0.0, elementwise=0.0, recompute=0.0, tp=0.0, cp=0.0,
                ep=0.0)
     for stage in lay.rank_stages(rank):
-        for kind, count in Counter(symbols[i] for i in stage.layers).items():  # alike: once
-            for key, value in layer_seconds(cfg, lay, kind, tokens, rates, per_node).items():
+        for kinds, count in Counter(layers[i] for i in stage.layers).items():  # alike: once
+            for key, value in layer_seconds(cfg, lay, kinds, tokens, rates, per_node).items():
                 out[key] += count * value
         if stage.last:
             mm, ew = head_seconds(cfg, lay, tokens, rates)
@@ -210,25 +204,26 @@ def head_seconds(cfg: Config, lay: Layout, tokens: float, rates: Rates) -> tuple
     return mm, ew + casts + transposes
 
 
-def layer_seconds(cfg: Config, lay: Layout, kind: str, tokens: float, rates: Rates,
-                  per_node: int) -> dict[str, float]:
-    """One layer with sublayers `kind` (e.g. "*-"), one micro batch of `tokens` on this rank."""
+def layer_seconds(cfg: Config, lay: Layout, kinds: tuple[str, ...], tokens: float,
+                  rates: Rates, per_node: int) -> dict[str, float]:
+    """One layer with sublayers `kinds` (e.g. ("attention", "mlp")), one micro batch of `tokens`
+    on this rank."""
     m, t = cfg.model, cfg.train
     s = shape_of(cfg, rates.norm_fused, rates.gpu)
     bw_mem = rates.memory_tbps * 1e12
     bf16_rate = rates.matmul_tflops["bf16"] * 1e12
     mm_rate = rates.matmul_tflops.get(m.precision, rates.matmul_tflops["bf16"]) * 1e12
-    lin, core = _layer_matmul_flops(cfg, kind, lay.tensor)
+    lin, core = _layer_matmul_flops(cfg, kinds, lay.tensor)
     # fp8: only the fp8 linears at the fp8 rate (the experts, Mamba's and unnamed linears: bf16)
-    fast = 2 * fp8_weight_elements(cfg, s, kind)
+    fast = 2 * fp8_weight_elements(cfg, s, kinds)
     mm = 3 * tokens * (fast / mm_rate + (lin - fast) / (bf16_rate if s.fp8 else mm_rate))
     att_f = core * tokens / (rates.attention_tflops["forward"] * 1e12)
     att_b = 2 * core * tokens / (rates.attention_tflops["backward"] * 1e12)
-    # ring context parallelism: its blocks run on the same kernels at the same rate (95-104% of
-    # one SDPA call on an H200, bench/RESULTS.md), the transfers in _context_seconds
+    # ring context parallelism: its blocks run on the same kernels at the same rate (measured
+    # against one SDPA call on an H200, bench/RESULTS.md), the transfers in _context_seconds
     plain = dataclasses.replace(s, fp8=False)  # fp8 or not, the norms, RoPE, SwiGLU run in bf16
-    ew = ELEMENTWISE_PASSES[s.compiled] * layer_bytes(cfg, plain, kind, "none") * tokens / bw_mem
-    fp8_f, fp8_b = fp8_seconds(cfg, s, kind, tokens, rates) if s.fp8 else (0.0, 0.0)
+    ew = ELEMENTWISE_PASSES[s.compiled] * layer_bytes(cfg, plain, kinds, "none") * tokens / bw_mem
+    fp8_f, fp8_b = fp8_seconds(cfg, s, kinds, tokens, rates) if s.fp8 else (0.0, 0.0)
     out = dict(matmul=mm, attention=att_f + att_b, elementwise=ew + fp8_f + fp8_b,
                recompute=0.0, tp=0.0, cp=0.0, ep=0.0)
     if t.recompute == "selective":
@@ -238,11 +233,12 @@ def layer_seconds(cfg: Config, lay: Layout, kind: str, tokens: float, rates: Rat
     if lay.tensor > 1:
         msg = s.e * s.h * tokens
         bw = _bandwidth(rates, 1, lay.tensor, per_node)
-        out["tp"] = 2 * len(kind) * 2 * (lay.tensor - 1) / lay.tensor * msg / bw
+        out["tp"] = 2 * len(kinds) * 2 * (lay.tensor - 1) / lay.tensor * msg / bw
     if lay.context > 1:
         out["cp"] = _context_seconds(cfg, lay, s, tokens, rates, per_node)
-    if "E" in kind and lay.expert > 1:
-        rows = tokens * m.moe_top_k * s.e * s.h
+    copies = sum(SUBLAYERS[kind].routed_copies(m) for kind in kinds)  # per token, routed
+    if copies and lay.expert > 1:
+        rows = tokens * copies * s.e * s.h
         bw = _bandwidth(rates, lay.tensor, lay.expert, per_node)
         out["ep"] = 4 * (lay.expert - 1) / lay.expert * rows / bw
     return out

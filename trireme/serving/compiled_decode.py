@@ -29,7 +29,7 @@ so no compiled graph ever takes a KV pool as an input. Two fusions save small ke
  (A first version traced the whole block
 with the store inside; Inductor functionalized the in-place index_copy_ on the pools, graph
 inputs, into an out-of-place copy of the whole pool plus a copy back, every layer, every step:
-121 ms steps on the H200 instead of ~2 ms.) The eager pieces run inside the CUDA graph capture
+steps tens of times slower on the H200.) The eager pieces run inside the CUDA graph capture
 (trireme.serving.graphs) like the compiled ones, so their launches cost nothing at replay.
 
 - One compiled `pre`, `_project`, `post` and `post_norm` serve every block (they differ only in
@@ -193,7 +193,7 @@ def run_pieces(block: torch.nn.Module, x: torch.Tensor, rope: Any, states: dict[
             y = attend(block, name, states[name], q, k, v)
         elif kind == "eager":
             normed = getattr(block, f"{name}_norm")(x)
-            x = x + getattr(block, name)(normed, rope, states.get(name), 0)
+            x = x + getattr(block, name)(normed, rope, states.get(name))
         else:
             norm = _norm_after(block, plan, i, next_norm) if fusing is not None else None
             if norm is None:

@@ -42,12 +42,13 @@ from trireme.models.paged import PagedCache, PagedKV, PagedLayout
 from trireme.models.vision import ImageRows, num_image_tokens
 from trireme.ops import argmax, paged_attention, skinny_gemm
 from trireme.ops.argmax import greedy_and_finite
+from trireme.ops.kernel_settings import KernelFailures, KernelSettings, parse_paged_kernel
 from trireme.ops.skinny_gemm import use_skinny_linears
 from trireme.serving.blocks import BlockAllocator, pool_blocks
 from trireme.serving.compiled_prefill import compile_prefill
 from trireme.serving.graphs import DecodeGraphs, graphs_supported
 from trireme.serving.images import RequestImages
-from trireme.serving.sampling import SamplingParams, request_generator, sample_rows
+from trireme.serving.sampling import SamplingParams, request_generator, sample_rows, seeded
 from trireme.serving.scheduler import Request, RequestOutput, Scheduler, StepPlan
 from trireme.serving.step_inputs import SlotTables, StepBatch
 from trireme.serving.tensor_parallel import agreed_min
@@ -77,7 +78,8 @@ class EngineSettings:
     from free GPU memory, or on the CPU enough for max_running full contexts, up to 1 GiB);
     max_running: requests decoded together; max_batch_tokens: tokens per step (decode + prompt
     chunks); max_queue: waiting requests before `submit` raises QueueFull; seed: the shared
-    sampler's; cuda_graphs: replay decode-only steps as CUDA graphs (trireme.serving.graphs;
+    sampler's (None: torch's default generator); cuda_graphs: replay decode-only steps as CUDA
+    graphs (trireme.serving.graphs;
     None, the default: wherever they can run, i.e. graphs_supported: CUDA, the Triton kernel,
     attention-only models; True: the same; False: never); overlap: launch each decode step
     before reading the previous one's tokens (module docstring; None: on when CUDA graphs are);
@@ -89,11 +91,14 @@ class EngineSettings:
     start; off by default until measured; if compiling fails, a ConfigError); decode_gemm:
     "triton" runs the linear layers of steps with at most 64 rows through the split-K kernel
     where it has a plan (trireme.ops.skinny_gemm: llama3-1b's down projection, and its gate-up
-    projection with SwiGLU in one kernel; the default: 1.49-1.50 ms decode steps at batch 64 on
-    the H200 against 1.58 with cuBLAS alone), "cublas" through F.linear always; off sm_90
+    projection with SwiGLU in one kernel; the default: measured faster at batch 64 on the H200
+    than cuBLAS alone, bench/RESULTS.md), "cublas" through F.linear always; off sm_90
     GPUs, on the CPU or without Triton both are F.linear. The
     model's nn.Linear layers become SkinnyLinears (or back) in place, and stay so after the
-    engine (they take the kernels only outside autograd)."""
+    engine (they take the kernels only outside autograd). pdl, early_reads, paged_kernel: how
+    the decode kernels launch (trireme.ops.kernel_settings.KernelSettings: programmatic
+    dependent launch on sm_90, the early reads before its wait, the paged kernel's variant and
+    launch settings); their defaults are the measured ones."""
 
     block_size: int = 16
     num_blocks: int = 0
@@ -101,12 +106,15 @@ class EngineSettings:
     max_running: int = 64
     max_batch_tokens: int = 512
     max_queue: int = 256
-    seed: int = 0
+    seed: int | None = 0
     cuda_graphs: bool | None = None
     overlap: bool | None = None
     compile_decode: bool | None = None
     compile_prefill: bool = False
     decode_gemm: str = "triton"
+    pdl: bool = True
+    early_reads: bool = True
+    paged_kernel: str = "v2"
 
     def check(self) -> None:
         for name in ("block_size", "max_running", "max_batch_tokens", "max_queue"):
@@ -117,6 +125,7 @@ class EngineSettings:
                               f"{self.decode_gemm!r}")
         if self.num_blocks < 0 or self.max_memory_gib < 0:
             raise TriremeError("num_blocks and max_memory_gib must not be negative")
+        parse_paged_kernel(self.paged_kernel)  # a ConfigError now rather than at the first step
         if self.compile_decode and self.cuda_graphs is False:
             raise ConfigError("compile_decode on (--compile-decode on) is captured in the "
                               "decode CUDA graphs, which are off (--cuda-graphs off): turn them "
@@ -133,6 +142,10 @@ class EngineSettings:
                               "with several processes) yet; leave them at auto or off")
         return replace(self, cuda_graphs=False, overlap=False, compile_decode=False,
                        decode_gemm="cublas")
+
+    def kernels(self) -> KernelSettings:
+        """What the decode kernels are told (pdl, early_reads, paged_kernel)."""
+        return KernelSettings(self.pdl, self.early_reads, self.paged_kernel)
 
     def compiles_decode(self) -> bool:
         """compile_decode resolved: auto (None) follows cuda_graphs (on unless they are off).
@@ -190,6 +203,8 @@ class Engine:
         self.cfg = model.cfg
         weight = model.embedding.weight
         self.device, self.dtype = weight.device, weight.dtype
+        self.kernels = settings.kernels()
+        self.kernel_failures = KernelFailures()  # this engine's: no other engine's fallback
         self.use_decode_gemm(settings.decode_gemm)
         self.tokenizer = tokenizer
         self.eos_id = eos_id if eos_id is not None else (tokenizer.eod if tokenizer else None)
@@ -204,10 +219,11 @@ class Engine:
         num_blocks = agreed_min(num_blocks, self.group, self.device)  # the same pool everywhere
         self.allocator = BlockAllocator(num_blocks)
         self.cache = PagedCache(model, PagedLayout(num_blocks, settings.block_size),
-                                settings.max_running, self.device, self.dtype)
+                                settings.max_running, self.device, self.dtype, self.kernels,
+                                self.kernel_failures)
         self.scheduler = Scheduler(self.allocator, settings.block_size, settings.max_running,
                                    settings.max_batch_tokens, settings.max_queue)
-        self.generator = torch.Generator(device=self.device).manual_seed(settings.seed)
+        self.generator = None if settings.seed is None else seeded(settings.seed, self.device)
         self.graphs = None
         if (settings.cuda_graphs is not False
                 and graphs_supported(model, self.cache, settings.block_size)):
@@ -246,7 +262,7 @@ class Engine:
         "triton", compiled now, before any graph captures them; else, with "cublas", or if a
         kernel fails to compile here (a warning says why), the plain layers again."""
         on = choice == "triton" and skinny_gemm.unavailable(self.device) is None
-        use_skinny_linears(self.model, on=on)
+        use_skinny_linears(self.model, on=on, kernels=self.kernels)
         if not on:
             return
         try:
@@ -261,9 +277,9 @@ class Engine:
     def freeze_startup_objects(self) -> None:
         """On CUDA: collect once, then move every object alive now (the model, the compiled
         graphs and CUDA graphs built above: millions of objects) out of reach of Python's cycle
-        collector (gc.freeze, process-wide). A full collection walks all of them: ~0.27 s per
-        half-million objects on a CPU core, and on the H200 serving runs met 0.6-1.0 s stalls in
-        steps that did no more work than their neighbours (bench/RESULTS.md, session 7). Frozen
+        collector (gc.freeze, process-wide). A full collection walks all of them, a long pause
+        with millions of objects, and on the H200 serving runs met stalls in steps that did no
+        more work than their neighbours. Frozen
         objects are still freed by reference counting; only cycles among them are kept. Not on
         the CPU, where no graphs are built (and tests build many engines in one process)."""
         if self.device.type != "cuda":
@@ -275,18 +291,18 @@ class Engine:
         """Compile now (CUDA only) the Triton kernels the steps outside the CUDA graphs launch:
         the greedy / finite kernel for the model's logits and the paged decode kernel at every
         split count (with its fused store too when no graphs replay the decode-only steps).
-        A step that met one uncompiled stalled the engine for ~0.5-1 s, and on a fresh machine
+        A step that met one uncompiled stalled the engine for its compile, and on a fresh machine
         (an empty Triton cache) the first minutes of serving met several; it costs a few
         seconds at startup instead (cached on disk by Triton after the first time)."""
         if self.device.type != "cuda":
             return
         argmax.warm_up(self.cfg.vocab_size, self.model.padded_vocab_size, self.dtype,
-                       self.device)
+                       self.device, self.kernels)
         kv = next((s for s in self.cache.states() if isinstance(s, PagedKV)), None)
         if kv is not None:
             heads = self.cfg.num_attention_heads // self.model.ctx.size("tensor")  # this rank's
             paged_attention.warm_up(kv.k_pool, kv.v_pool, heads,
-                                    width=1, store=self.graphs is None)
+                                    width=1, store=self.graphs is None, kernels=self.kernels)
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -518,7 +534,8 @@ class Engine:
     def _sample(self, sampled: list[Request], logits: torch.Tensor) -> Launched:
         """Sample the rows on the device and start copying the ids (and whether each row's
         logits were finite) to the host; nothing waits here."""
-        both = greedy_and_finite(logits)  # [2, n]: argmax ids, finite flags (one read)
+        both = greedy_and_finite(logits, kernels=self.kernels,  # [2, n]: argmax ids, finite
+                                 failures=self.kernel_failures)  # flags (one read)
         next_ids = sample_rows(logits, [r.params for r in sampled],
                                [r.generator for r in sampled], self.generator, greedy=both[0])
         if not all(r.params.is_greedy for r in sampled):  # some rows drew their ids

@@ -1,88 +1,33 @@
-"""Autoregressive generation with a preallocated cache (trireme.models.cache), and the samplers.
+"""`generate`: continue prompts with a model in this process, through the serving engine.
 
-The prompt goes through the model once (prefill, filling the cache at positions 0..s-1); then each
-new token is one forward of length 1 at position start_pos, attending over the cached keys/values.
-`use_cache=False` recomputes the whole sequence every step: slow, but a reference for the cache.
+The prompts ([b, s]) are b requests of one engine (trireme.serving.engine) sized for them: a
+pool with the blocks of b full sequences, b slots, every prompt prefilled in the first step,
+then one decode step per token for the rows still running; a single prompt is a batch of one.
+The engine runs plainly (no CUDA graphs, compiled forward or overlap: nothing to capture or
+compile for one call). The rows sample together as the engine samples requests without a seed
+of their own: from one generator (`seed`'s, else torch's default one), one draw for all the
+rows each step. `use_cache=False` recomputes the whole sequence every step instead (the plain
+forward, no engine): slow, the reference the engine's tokens are checked against.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from trireme.errors import TrainingError, TriremeError
-from trireme.models.cache import InferenceCache
 from trireme.models.gpt import GPT
+from trireme.models.vision import ImageRows, num_image_tokens
+from trireme.serving.blocks import blocks_for
+from trireme.serving.engine import Engine, EngineSettings
+from trireme.serving.sampling import SamplingParams, sample_next, sampling_problem, seeded
+from trireme.serving.scheduler import Request
 
-# A temperature below this samples as greedy: that is its limit, and 1 / T overflows fp32 (the
-# logits' division) for T near 1e-38, which would make every probability NaN.
-GREEDY_BELOW = 1e-5
-SEED_RANGE = 2**64  # generators take 64-bit seeds: any other integer is reduced modulo this
-
-
-def seeded(seed: int, device: torch.device | str) -> torch.Generator:
-    """A generator on `device` seeded by any integer (reduced modulo 2^64, as torch reads a
-    negative seed in range)."""
-    return torch.Generator(device=device).manual_seed(seed % SEED_RANGE)
-
-
-def sample_next(
-    logits: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    greedy: bool = False,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Next token ids [b] from logits [b, vocab]: greedy (or temperature < GREEDY_BELOW), else a
-    sample of softmax(logits / temperature) restricted to the top_k tokens (0: all) and to the
-    smallest set whose probability reaches top_p (nucleus; 1.0: all). Non-finite logits (a model
-    whose weights diverged) raise a one-line TrainingError."""
-    if not bool(torch.isfinite(logits).all()):
-        raise TrainingError("the model's logits are not finite (NaN or inf): its weights "
-                            "diverged in training; nothing to sample")
-    if greedy or temperature < GREEDY_BELOW:
-        return logits.argmax(dim=-1)
-    probs = filter_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
-
-
-def filter_logits(
-    logits: torch.Tensor,
-    temperature: float | torch.Tensor,
-    top_k: int | torch.Tensor = 0,
-    top_p: float | torch.Tensor = 1.0,
-) -> torch.Tensor:
-    """fp32 logits [b, vocab] / temperature, -inf outside the top_k best (0: none dropped) and
-    outside the smallest set whose probability reaches top_p. Each setting is one number, or a
-    [b] tensor with one per row (the serving engine samples rows of different requests)."""
-    logits = logits.float() / _per_row(temperature, logits)
-    vocab = logits.shape[-1]
-    if isinstance(top_k, torch.Tensor):
-        k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)  # [b], vocab: keep all
-        kth_best = logits.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1).unsqueeze(-1))
-        logits = logits.masked_fill(logits < kth_best, float("-inf"))
-    elif 0 < top_k < vocab:
-        kth_best = logits.topk(top_k, dim=-1).values[:, -1:]  # [b, 1]
-        logits = logits.masked_fill(logits < kth_best, float("-inf"))
-    if isinstance(top_p, torch.Tensor) or top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [b, vocab]
-        probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # probability of the better tokens
-        drop_sorted = mass_before >= _per_row(top_p, logits)
-        drop_sorted[:, 0] = False  # the best token always stays, even for top_p = 0
-        drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def _per_row(value: float | torch.Tensor, logits: torch.Tensor) -> float | torch.Tensor:
-    """A number as it is; a [b] tensor as [b, 1], to broadcast over the vocabulary."""
-    return value.to(logits.device, torch.float32).unsqueeze(-1) if isinstance(
-        value, torch.Tensor) else value
+NOT_FINITE = ("the model's logits are not finite (NaN or inf): its weights diverged in training; "
+              "nothing to sample")
 
 
 def first_non_finite(modules) -> str | None:
@@ -132,8 +77,9 @@ def generate(
     and the loop stops once every sequence has; `stop_ids` (e.g. generation_config.json's end of
     turn) end a sequence as eos_id does (padded with eos_id, else the first of them). `seed`
     makes sampling reproducible. The model's training/eval mode is restored afterwards.
-    `images` [b, 3, S, S] (a vision model): their features replace the prompt's image
-    placeholder tokens (trireme.models.vision).
+    `images` [b_img, 3, S, S] (a vision model): their features replace the prompts' image
+    placeholder tokens, in order (trireme.models.vision). Non-finite logits (weights that
+    diverged) raise a one-line TrainingError.
     """
     # refused as `trireme generate` refuses the flags (a NaN temperature was torch's
     # "probability tensor contains inf, nan" in the middle of the generation)
@@ -145,27 +91,115 @@ def generate(
     ids = _as_batch(prompt_ids, device)
     _check_prompt(ids, model.cfg)
     total = min(ids.shape[1] + max(max_new_tokens, 0), model.cfg.seq_length)
-    generator = None
-    if seed is not None:
-        generator = seeded(seed, device)
-
-    def pick(logits: torch.Tensor) -> torch.Tensor:  # [b, vocab] -> [b]
-        ids = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p,
-                          greedy=greedy, generator=generator)
-        if model.tp is not None:  # tensor-parallel: every rank takes the first rank's ids
-            group = model.tp.group
-            dist.broadcast(ids, src=dist.get_global_rank(group, 0), group=group)
-        return ids
-
+    params = SamplingParams(max_tokens=max(total - ids.shape[1], 1), temperature=temperature,
+                            top_k=top_k, top_p=top_p, greedy=greedy)
+    ends = [*([] if eos_id is None else [eos_id]), *stop_ids]
     was_training = model.training
     model.eval()
     try:
-        end_ids = [*([] if eos_id is None else [eos_id]), *stop_ids]
-        ends = torch.tensor(end_ids, device=device) if end_ids else None
-        out = _decode(model, ids, total, pick, ends, use_cache, images)
+        if total <= ids.shape[1]:
+            out = ids  # no room for a token
+        elif use_cache:
+            out = _through_engine(model, ids, params, seed, ends, images)
+        else:
+            out = _recomputed(model, ids, total, params, seed, ends, images)
     finally:
         model.train(was_training)
     return out[0] if one_dim else out
+
+
+def _through_engine(model: GPT, ids: torch.Tensor, params: SamplingParams, seed: int | None,
+                    ends: list[int], images: torch.Tensor | None) -> torch.Tensor:
+    """[b, <= total]: every row of `ids` a request of one engine (module docstring); a row that
+    ends before the others is padded with ends[0]."""
+    b, s = ids.shape
+    block_size = EngineSettings.block_size
+    settings = EngineSettings(
+        num_blocks=b * blocks_for(s + params.max_tokens, block_size) + 1,  # (+ block 0)
+        max_running=b, max_batch_tokens=b * s, max_queue=b, seed=seed, cuda_graphs=False,
+        overlap=False, compile_decode=False, decode_gemm="cublas")
+    engine = Engine(model, settings, eos_id=ends[0] if ends else None, stop_ids=tuple(ends))
+    rows = ids.tolist()
+    requests = [engine.submit(row, params, images=row_images)
+                for row, row_images in zip(rows, _images_of_rows(model, rows, images))]
+    while engine.has_work():
+        engine.step()
+    return _padded(requests, ends, ids.device)
+
+
+def _images_of_rows(model: GPT, rows: list[list[int]], images: torch.Tensor | None
+                    ) -> list[torch.Tensor | None]:
+    """Each row's images ([k, 3, S, S] or None): as many of `images`, in order, as its
+    placeholder tokens take."""
+    if images is None:
+        return [None] * len(rows)
+    cfg = model.cfg
+    if not cfg.vision_layers:
+        raise TriremeError("images were given to a model without a vision encoder "
+                           "(model.vision_layers = 0)")
+    counts = [sum(t == cfg.image_token_id for t in row) // num_image_tokens(cfg) for row in rows]
+    if sum(counts) != images.shape[0]:
+        raise TriremeError(f"{images.shape[0]} image(s) for prompts whose placeholder tokens "
+                           f"take {sum(counts)}")
+    bounds = list(itertools.accumulate(counts, initial=0))
+    return [images[a:z] if z > a else None for a, z in zip(bounds, bounds[1:])]
+
+
+def _padded(requests: list[Request], ends: list[int], device: torch.device) -> torch.Tensor:
+    """[b, longest]: each request's prompt and output, padded with ends[0]; TrainingError if a
+    request's logits were not finite."""
+    if any(r.finish_reason == "error" for r in requests):
+        raise TrainingError(NOT_FINITE)
+    rows = [r.prompt_ids + r.output_ids for r in requests]
+    longest = max(len(row) for row in rows)
+    pad = ends[0] if ends else 0  # (without ends every row reaches the same length)
+    return torch.tensor([row + [pad] * (longest - len(row)) for row in rows], device=device)
+
+
+def _recomputed(model: GPT, ids: torch.Tensor, total: int, params: SamplingParams,
+                seed: int | None, ends: list[int], images: torch.Tensor | None) -> torch.Tensor:
+    """[b, <= total]: `ids` extended one token at a time, each from a forward over the whole
+    sequence so far (no cache); a sequence ends at any of `ends` and is padded with the first.
+    Images fill the prompt's placeholders only (a generated placeholder id is embedded as a
+    token, as the engine does); they take one prompt at a time here."""
+    b, s = ids.shape
+    image_rows = _prompt_image_rows(model, ids, images)
+    generator = None if seed is None else seeded(seed, ids.device)
+    out = torch.empty(b, total, dtype=torch.long, device=ids.device)
+    out[:, :s] = ids
+    finished = torch.zeros(b, dtype=torch.bool, device=ids.device)
+    end_ids = torch.tensor(ends, device=ids.device) if ends else None
+    pos = s  # position of the next token to produce
+    while pos < total:
+        logits = model(out[:, :pos], image_rows=image_rows)[:, -1]  # [b, vocab]
+        next_ids = sample_next(logits, temperature=params.temperature, top_k=params.top_k,
+                               top_p=params.top_p, greedy=params.greedy, generator=generator)
+        if model.tp is not None:  # tensor-parallel: every rank takes the first rank's ids
+            group = model.tp.group
+            dist.broadcast(next_ids, src=dist.get_global_rank(group, 0), group=group)
+        if end_ids is not None:
+            next_ids = next_ids.masked_fill(finished, end_ids[0])
+            finished |= torch.isin(next_ids, end_ids)
+        out[:, pos] = next_ids
+        pos += 1
+        if end_ids is not None and bool(finished.all()):
+            break
+    return out[:, :pos]
+
+
+def _prompt_image_rows(model: GPT, ids: torch.Tensor, images: torch.Tensor | None
+                       ) -> ImageRows | None:
+    """The features of `images` at the placeholders of the one prompt `ids` [1, s]."""
+    if images is None:
+        return None
+    if ids.shape[0] != 1:
+        raise TriremeError("generate(use_cache=False) takes images with one prompt at a time")
+    index = (ids[0] == model.cfg.image_token_id).nonzero().squeeze(-1)  # [m]
+    features = model.image_features(images).flatten(0, 1)  # [k * n, h]
+    if features.shape[0] != index.numel():
+        raise TriremeError(f"{images.shape[0]} image(s) for a prompt with {index.numel()} "
+                           "placeholder tokens")
+    return ImageRows(index, features)
 
 
 def printable_ids(ids: list[int], prompt_len: int, eod: int, stop_ids: Sequence[int] = ()
@@ -179,49 +213,9 @@ def printable_ids(ids: list[int], prompt_len: int, eod: int, stop_ids: Sequence[
     return [i for i in ids[:prompt_len] if i != eod] + new
 
 
-def sampling_problem(temperature: float, top_k: int, top_p: float) -> str | None:
-    """What is wrong with these sampling settings (one line naming the field), or None; the
-    serving engine's SamplingParams.problem and `generate` share it."""
-    if not 0.0 <= temperature < float("inf"):
-        return f"temperature must be a finite number >= 0, got {temperature}"
-    if top_k < 0:
-        return f"top_k must be >= 0 (0: no limit), got {top_k}"
-    if not 0.0 <= top_p <= 1.0:
-        return f"top_p must be in [0, 1], got {top_p}"
-    return None
-
-
 def _check_prompt(ids: torch.Tensor, cfg) -> None:
     if ids.shape[1] > cfg.seq_length:
         raise TriremeError(f"prompt has {ids.shape[1]} tokens but model.seq_length is "
                            f"{cfg.seq_length}; shorten the prompt")
     if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
         raise TriremeError(f"prompt ids must be in [0, {cfg.vocab_size}) (model.vocab_size)")
-
-
-def _decode(model: GPT, ids: torch.Tensor, total: int, pick, ends: torch.Tensor | None,
-            use_cache: bool, images: torch.Tensor | None = None) -> torch.Tensor:
-    """[b, <= total]: `ids` extended one token at a time by `pick` (prefill, then decode); a
-    sequence ends at any of `ends` and is padded with the first."""
-    b, s = ids.shape
-    out = torch.empty(b, total, dtype=torch.long, device=ids.device)
-    out[:, :s] = ids
-    finished = torch.zeros(b, dtype=torch.bool, device=ids.device)
-    cache = InferenceCache.for_model(model, b, total) if use_cache else None
-    pos = s  # position of the next token to produce
-    if pos < total:  # prefill; the logits have no padded ids, so none can be sampled
-        logits = model(ids, kv_cache=cache, images=images)[:, -1]  # [b, vocab]
-    while pos < total:
-        next_ids = pick(logits)  # [b]
-        if ends is not None:
-            next_ids = next_ids.masked_fill(finished, ends[0])
-            finished |= torch.isin(next_ids, ends)
-        out[:, pos] = next_ids
-        pos += 1
-        if pos == total or (ends is not None and bool(finished.all())):
-            break
-        if cache is not None:
-            logits = model(out[:, pos - 1 : pos], kv_cache=cache, start_pos=pos - 1)[:, -1]
-        else:
-            logits = model(out[:, :pos], images=images)[:, -1]
-    return out[:, :pos]

@@ -50,7 +50,7 @@ def graphs_supported(model: GPT, cache: PagedCache, block_size: int) -> bool:
     decode_auto = cfg.attention_backend in ("auto", "fa4")  # fa4 decodes on the auto path
     return (model.embedding.weight.is_cuda and decode_auto and only_attention
             and block_size & (block_size - 1) == 0 and cfg.head_size & (cfg.head_size - 1) == 0
-            and kernel_available())
+            and kernel_available(cache.failures))
 
 
 def first_line(e: Exception) -> str:
@@ -147,7 +147,8 @@ class DecodeGraphs:
         side.synchronize()
         self.warmup_s += time.perf_counter() - start
         torch.cuda.current_stream().wait_stream(side)
-        if not kernel_available():  # it failed in the warm-up: the gather path is no graph's
+        if not kernel_available(self.cache.failures):  # it failed in the warm-up (for this
+            # engine): the gather path is no graph's
             raise RuntimeError("the paged decode kernel is unavailable")
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):

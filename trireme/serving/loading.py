@@ -225,6 +225,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        "Triton kernels where measured faster, llama3-1b's down projection "
                        "and gate-up + SwiGLU, on sm_90 GPUs; F.linear elsewhere) or cublas "
                        "(F.linear always; docs/serving.md)")
+    group.add_argument("--pdl", choices=["on", "off"], default="on",
+                       help="launch trireme's decode kernels with programmatic dependent launch "
+                       "on sm_90 and later GPUs (default on; docs/serving.md)")
+    group.add_argument("--early-reads", choices=["on", "off"], default="on",
+                       help="with --pdl, the decode kernels' first reads of what no kernel of "
+                       "the step writes (weights, earlier keys) before they wait for the kernel "
+                       "before them (default on; docs/serving.md)")
+    group.add_argument("--paged-kernel", default="v2", metavar="SPEC",
+                       help="the paged decode attention kernel: v2 (default) or v1, optionally "
+                       "with launch settings, e.g. v2,heads=4,tile=32,num_warps=4 "
+                       "(docs/serving.md)")
 
 
 def shared_seed(loaded: LoadedModel, seed: int | None) -> int:
@@ -266,5 +277,6 @@ def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> Engine:
         cuda_graphs=AUTO_ON_OFF[args.cuda_graphs],
         compile_decode=AUTO_ON_OFF[args.compile_decode],
         compile_prefill=args.compile_prefill == "on", decode_gemm=args.decode_gemm,
-        overlap=AUTO_ON_OFF[args.overlap])
+        overlap=AUTO_ON_OFF[args.overlap], pdl=args.pdl == "on",
+        early_reads=args.early_reads == "on", paged_kernel=args.paged_kernel)
     return Engine(loaded.model, settings, tokenizer=loaded.tokenizer, stop_ids=end_ids(loaded))

@@ -1,10 +1,11 @@
-"""Per-request sampling settings, and the sampler that serves a whole step's rows at once.
+"""The samplers: per-request sampling settings, the sampler that serves a whole step's rows at
+once, and the rule they share (filter_logits: temperature, top-k, top-p).
 
 Each row of a step's logits belongs to one request with its own settings. Greedy rows take the
 argmax (the first index among ties; trireme.ops.argmax.greedy_and_finite: one Triton split
 reduction on CUDA, which also gives the engine its per-row finite flags); the others are
 filtered together (temperature, top-k, top-p as per-row tensors, through
-trireme.serving.generate.filter_logits, the same rule as `trireme generate`) and drawn by one
+filter_logits, the rule of sample_next too) and drawn by one
 multinomial, except rows with their own `seed`, which draw from their request's generator (the
 request's tokens then do not depend on what else runs beside it).
 """
@@ -16,8 +17,88 @@ from dataclasses import dataclass
 
 import torch
 
+from trireme.errors import TrainingError
 from trireme.ops.argmax import greedy_and_finite
-from trireme.serving.generate import GREEDY_BELOW, filter_logits, sampling_problem, seeded
+
+# A temperature below this samples as greedy: that is its limit, and 1 / T overflows fp32 (the
+# logits' division) for T near 1e-38, which would make every probability NaN.
+GREEDY_BELOW = 1e-5
+SEED_RANGE = 2**64  # generators take 64-bit seeds: any other integer is reduced modulo this
+
+
+def seeded(seed: int, device: torch.device | str) -> torch.Generator:
+    """A generator on `device` seeded by any integer (reduced modulo 2^64, as torch reads a
+    negative seed in range)."""
+    return torch.Generator(device=device).manual_seed(seed % SEED_RANGE)
+
+
+def sample_next(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Next token ids [b] from logits [b, vocab]: greedy (or temperature < GREEDY_BELOW), else a
+    sample of softmax(logits / temperature) restricted to the top_k tokens (0: all) and to the
+    smallest set whose probability reaches top_p (nucleus; 1.0: all). Non-finite logits (a model
+    whose weights diverged) raise a one-line TrainingError."""
+    if not bool(torch.isfinite(logits).all()):
+        raise TrainingError("the model's logits are not finite (NaN or inf): its weights "
+                            "diverged in training; nothing to sample")
+    if greedy or temperature < GREEDY_BELOW:
+        return logits.argmax(dim=-1)
+    probs = filter_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+def filter_logits(
+    logits: torch.Tensor,
+    temperature: float | torch.Tensor,
+    top_k: int | torch.Tensor = 0,
+    top_p: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
+    """fp32 logits [b, vocab] / temperature, -inf outside the top_k best (0: none dropped) and
+    outside the smallest set whose probability reaches top_p. Each setting is one number, or a
+    [b] tensor with one per row (the serving engine samples rows of different requests)."""
+    logits = logits.float() / _per_row(temperature, logits)
+    vocab = logits.shape[-1]
+    if isinstance(top_k, torch.Tensor):
+        k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)  # [b], vocab: keep all
+        kth_best = logits.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1).unsqueeze(-1))
+        logits = logits.masked_fill(logits < kth_best, float("-inf"))
+    elif 0 < top_k < vocab:
+        kth_best = logits.topk(top_k, dim=-1).values[:, -1:]  # [b, 1]
+        logits = logits.masked_fill(logits < kth_best, float("-inf"))
+    if isinstance(top_p, torch.Tensor) or top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [b, vocab]
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # probability of the better tokens
+        drop_sorted = mass_before >= _per_row(top_p, logits)
+        drop_sorted[:, 0] = False  # the best token always stays, even for top_p = 0
+        drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def _per_row(value: float | torch.Tensor, logits: torch.Tensor) -> float | torch.Tensor:
+    """A number as it is; a [b] tensor as [b, 1], to broadcast over the vocabulary."""
+    return value.to(logits.device, torch.float32).unsqueeze(-1) if isinstance(
+        value, torch.Tensor) else value
+
+
+def sampling_problem(temperature: float, top_k: int, top_p: float) -> str | None:
+    """What is wrong with these sampling settings (one line naming the field), or None; the
+    serving engine's SamplingParams.problem and `generate` share it."""
+    if not 0.0 <= temperature < float("inf"):
+        return f"temperature must be a finite number >= 0, got {temperature}"
+    if top_k < 0:
+        return f"top_k must be >= 0 (0: no limit), got {top_k}"
+    if not 0.0 <= top_p <= 1.0:
+        return f"top_p must be in [0, 1], got {top_p}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -97,8 +178,10 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
         top_p = 1.0  # no sort of the vocabulary when nobody asks for nucleus sampling
     if all(p.top_k == 0 for p in picked):
         top_k = 0
-    probs = filter_logits(logits.index_select(0, index), temperature, top_k,
-                          top_p).softmax(dim=-1)  # [m, vocab]
+    # a row whose logits are not finite ends its request ("error"); it draws from zeros so
+    # that the multinomial of the others does not fail (their draws are unchanged)
+    picked_logits = logits.index_select(0, index).nan_to_num(0.0, 0.0, 0.0)
+    probs = filter_logits(picked_logits, temperature, top_k, top_p).softmax(dim=-1)  # [m, vocab]
     own = [j for j, i in enumerate(rows) if generators[i] is not None]
     common = [j for j, i in enumerate(rows) if generators[i] is None]
     drawn = torch.empty(len(rows), dtype=torch.long, device=logits.device)

@@ -68,7 +68,7 @@ class SlotTables:
         """The lists as int64 device tensors, views of one tensor sent at once, each starting
         at a multiple of 16 bytes (odd lists padded by an element): Triton specializes a kernel
         on whether its pointer arguments are 16-byte aligned, so a step whose lengths happened
-        to start at an odd element met a second compile of the paged kernel, a ~1 s stall in
+        to start at an odd element met a second compile of the paged kernel, a stall in
         the middle of serving (bench/serve_throughput.py's "compiled while serving")."""
         padded = [p + [0] * (len(p) % 2) for p in parts]
         flat = self.to_device([v for p in padded for v in p])

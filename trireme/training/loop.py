@@ -390,7 +390,7 @@ def step_metrics(trainer: Trainer, results: list[dict], lr: float, seconds: floa
     if cfg.model.precision == "fp16":
         record["loss_scale"] = float(last["loss_scale"])
     moe = last.get("moe", {})
-    if p.pipeline > 1 and "E" in cfg.model.layer_pattern:
+    if p.pipeline > 1 and cfg.model.has_kind("moe"):
         moe = moe_of_all_stages(trainer, moe)
     if moe:
         record.update(moe_metrics(moe))

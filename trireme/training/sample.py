@@ -1,5 +1,7 @@
 """The sample printed at the end of `trireme train`: a few tokens from the trained model, under
-any layout (every rank takes part; under pipeline parallelism through the stages)."""
+any layout (every rank takes part). It runs on the serving engine, as every generation does
+(trireme.serving.generate); under pipeline parallelism, the one exception, through the
+training schedule's stages instead (docs/architecture.md, "Generation: one engine")."""
 
 from __future__ import annotations
 
@@ -8,14 +10,16 @@ import sys
 import torch
 
 from trireme.errors import TrainingError
-from trireme.serving.generate import generate, printable_ids, sample_next
+from trireme.serving.generate import generate, printable_ids
+from trireme.serving.sampling import sample_next
 from trireme.step.fsdp import gathered
 from trireme.training.build import Trainer, build_runner
 
 
 def sample_through_stages(trainer: Trainer, prompt_ids: list[int]) -> list[int] | None:
     """The end-of-training sample under pipeline parallelism: every rank runs its stages for each
-    token, the last stage samples (same settings as the one-process sample, no KV cache). None
+    token, the last stage samples (same settings and sampling rule as the one-process sample; no
+    KV cache: the serving engine does not run across stages). None
     on every rank if the logits were not finite (the last stage then picks token 0 so that the
     stages stay in step, and tells the others at the end)."""
     cfg = trainer.cfg
@@ -71,7 +75,8 @@ def print_sample(trainer: Trainer) -> None:
 
 
 def sample_one_model(trainer: Trainer, prompt_ids: list[int]) -> list[int]:
-    """The end-of-training sample of one model (maybe tensor-parallel: every rank takes part)."""
+    """The end-of-training sample of one model (maybe tensor-parallel: every rank takes part),
+    through generate() and so the serving engine."""
     cfg = trainer.cfg
     tp = trainer.model.tp
     if tp is None:  # (under FSDP every rank gathers the weights and samples the same tokens)
@@ -79,8 +84,8 @@ def sample_one_model(trainer: Trainer, prompt_ids: list[int]) -> list[int]:
             out = generate(trainer.model, prompt_ids, cfg.train.sample_tokens, temperature=0.8,
                            top_k=40, seed=cfg.train.seed)
     else:
-        # Every rank runs the generation (the layers communicate) and samples the same tokens
-        # from the same gathered logits, each rank's KV cache holding its own heads; no
+        # Every rank runs the generation (the layers communicate) and takes the first rank's
+        # tokens (the engine broadcasts them), each rank's KV cache holding its own heads; no
         # sequence parallelism: a decode step's one token cannot be split along the sequence.
         sequence_parallel, tp.sequence_parallel = tp.sequence_parallel, False
         try:
