@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [phase("none", base, baseline)]
 
         cfg.checkpoint.async_save = True
-        saver = Saver(trainer, save_gathered=None)
+        saver = Saver(trainer.checkpointed(), save_gathered=None)
         fg = {}
 
         def start_save():

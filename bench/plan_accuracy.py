@@ -22,7 +22,6 @@ Prints a table and writes bench/results/plan_accuracy-<device>.json.
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import gc
 import json
@@ -39,10 +38,11 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from trireme.config import load_config  # noqa: E402
-from trireme.plan.memory import GIB, Degrees, estimate_memory, rank_params  # noqa: E402
+from trireme.plan.enumerate import resolve  # noqa: E402
+from trireme.plan.memory import GIB, estimate_memory, rank_params  # noqa: E402
 from trireme.plan.rates import load_rates  # noqa: E402
 from trireme.plan.time import estimate_time  # noqa: E402
-from trireme.training.build import build_trainer, check_parallel  # noqa: E402
+from trireme.training.build import build_trainer  # noqa: E402
 from trireme.training.measure import LiveBytes  # noqa: E402
 
 GPU_CONFIGS = {
@@ -87,11 +87,9 @@ def parse_args(argv=None):
 
 
 def predict(cfg, rates) -> dict:
-    cfg = copy.deepcopy(cfg)
-    check_parallel(cfg, 1)
-    mem = estimate_memory(cfg, 1, rates)
-    deg = Degrees.of(cfg, 1)
-    t = estimate_time(cfg, 1, rates, 8, rank_params(cfg, deg, 0).total)
+    cfg, layout = resolve(cfg, 1)
+    mem = estimate_memory(cfg, layout, rates)
+    t = estimate_time(cfg, layout, rates, 8, rank_params(cfg, layout, 0).total)
     return {"memory_gib": mem.total / GIB, "step_s": t.step_s,
             "memory_parts_gib": {k: v / GIB for k, v in mem.parts.items()},
             "time_parts_s": t.parts}

@@ -47,11 +47,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from trireme.commands.train import fit_to_device  # noqa: E402
 from trireme.config import Config, ModelConfig, load_config  # noqa: E402
 from trireme.data.batch import Batch  # noqa: E402
-from trireme.parallel.mesh import ParallelDims  # noqa: E402
-from trireme.training.build import resolve_micro_batch  # noqa: E402
+from trireme.training.build import resolve_run  # noqa: E402
 
 # the HF baseline of an fp8 run is its bf16 autocast run (HF has no fp8 training path here)
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None, "fp8": torch.bfloat16}
@@ -133,8 +131,7 @@ def build_config(args: argparse.Namespace) -> tuple[Config, list[str]]:
     if given == 0:  # derived (one process: the whole global batch)
         cfg.train.micro_batch_size = cfg.train.global_batch_size
     elif cfg.train.micro_batch_size < 0:  # auto: what `trireme train` picks on this device
-        fit_to_device(cfg)
-        resolve_micro_batch(cfg, ParallelDims())  # no GPU: the trainer's fallback
+        cfg = resolve_run(cfg, 1)[0]  # fitted to a GPU, else the trainer's fallback
     if cfg.train.micro_batch_size != given:
         overrides.append(f"train.micro_batch_size={cfg.train.micro_batch_size}")
     return cfg, overrides

@@ -18,14 +18,15 @@ FLOORS = [
     ("trireme.ops",),
     ("trireme.parallel",),
     ("trireme.models",),
+    ("trireme.parallel.layout",),  # asks the models' stage split and vision encoder
     ("trireme.optim",),
     ("trireme.step",),
     ("trireme.checkpoint",),
     ("trireme.convert",),
     ("trireme.metrics", "trireme.oom", "trireme.cpu_threads"),
+    ("trireme.plan",),
     ("trireme.serving",),
     ("trireme.training",),
-    ("trireme.plan",),
     ("trireme.cli", "trireme.commands", "trireme.__main__"),
 ]
 
@@ -163,6 +164,53 @@ def test_imports_go_down():
 def test_no_hidden_imports():
     _, hidden, _ = scan()
     assert not hidden, "imports inside functions (not optional dependencies): " + "; ".join(hidden)
+
+
+CONFIG_NAMES = ("cfg", "config")  # the names a Config goes by
+
+
+def config_writes(source: str, where: str) -> list[str]:
+    """Assignments (plain, augmented, annotated, or setattr) to a field of a config section,
+    `cfg.<section>.<field> = ...`: a loaded Config is never written again (a resolved copy is made
+    with dataclasses.replace instead)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id == "setattr" and node.args):
+            targets = [ast.Attribute(node.args[0], "?", ast.Store())]
+        else:
+            continue
+        flat = []
+        for target in targets:
+            flat += target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target]
+        for target in flat:
+            chain, depth = target, 0
+            while isinstance(chain, ast.Attribute):
+                chain, depth = chain.value, depth + 1
+            if isinstance(chain, ast.Name) and chain.id in CONFIG_NAMES and depth >= 2:
+                found.append(f"{where}:{node.lineno}: {ast.unparse(node).splitlines()[0]}")
+    return found
+
+
+def test_no_module_writes_a_config_field():
+    writes = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE.parent)
+        if relative.parts[1] != "config":  # the config package builds configs
+            writes += config_writes(path.read_text(), str(relative))
+    assert not writes, "writes to a loaded config: " + "; ".join(writes)
+
+
+def test_the_config_check_catches_each_kind_of_write():
+    source = ("cfg.train.micro_batch_size = 4\ncfg.model.vocab_size += 1\n"
+              "config.data.path, x = 'a', 1\nsetattr(cfg.train, 'steps', 2)\n"
+              "cfg.model = other\nm.vocab_size = 3\nnew = replace(cfg.train, steps=2)\n")
+    assert [w.split(": ", 1)[0] for w in config_writes(source, "x.py")] == [
+        "x.py:1", "x.py:2", "x.py:3", "x.py:4"]
 
 
 def test_the_checks_catch_a_cycle_and_an_upward_import():

@@ -14,8 +14,9 @@ from tests.test_chat_data import write_jsonl
 from tests.test_train import tiny_cfg
 from trireme.cli import main
 from trireme.data.blend import BlendedBatches
+from trireme.data.build import build_datasets
 from trireme.errors import ConfigError
-from trireme.training.build import build_datasets, resolve_data
+from trireme.training.build import resolve_data
 from trireme.training.train import train
 
 
@@ -39,7 +40,7 @@ def config(tmp_path, path: str, *more: str):
 def test_rows_come_from_their_datasets_in_proportion(tmp_path, pack):
     a, b = chat_prefix(tmp_path, "a", "cat"), chat_prefix(tmp_path, "b", "dog")
     cfg = config(tmp_path, f"0.75 {a} 0.25 {b}", f"data.pack_conversations={pack}")
-    sources, _ = resolve_data(cfg)
+    cfg, sources, _ = resolve_data(cfg)
     blend, valid = build_datasets(cfg, sources)
     assert isinstance(blend, BlendedBatches) and valid is None
     indices = np.arange(5, 21)
@@ -75,6 +76,6 @@ def test_chat_does_not_blend_with_plain_text(tmp_path):
     assert main(["preprocess", "--input", src, "--output-prefix", str(tmp_path / "t"),
                  "--tokenizer", "bytes", "--no-progress"]) == 0
     cfg = config(tmp_path, f"0.5 {a} 0.5 {tmp_path}/t_text_document")
-    sources, _ = resolve_data(cfg)
+    cfg, sources, _ = resolve_data(cfg)
     with pytest.raises(ConfigError, match="blends chat data .* with plain text"):
         build_datasets(cfg, sources)

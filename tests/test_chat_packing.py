@@ -16,7 +16,7 @@ from trireme.data.conversations import chat_datasets
 from trireme.data.packing import PackedConversations, pack_in_order
 from trireme.errors import ConfigError
 from trireme.models.gpt import GPT
-from trireme.training.build import check_parallel
+from trireme.parallel.layout import resolve_layout
 from trireme.training.train import train
 
 WORDS = ("cat", "dog", "sun", "sea", "red", "tea", "owl", "ink", "fig", "elm")
@@ -115,7 +115,7 @@ def test_packing_is_refused_where_it_cannot_run(tmp_path):
     cfg = load_config("tiny", ["data.pack_conversations=true", "parallel.context=2",
                                "parallel.context_mode=ring"])
     with pytest.raises(ConfigError, match="data.pack_conversations .* needs parallel.context_mode"):
-        check_parallel(cfg, world_size=2)
+        resolve_layout(cfg, world_size=2)
     with pytest.raises(ConfigError, match="data.pack_conversations .* with Mamba-2 layers"):
         load_config("hybrid-tiny", ["data.pack_conversations=true"])
     cfg = load_config("tiny", ["data.pack_conversations=true", "data.mock=true",

@@ -197,7 +197,7 @@ def test_precision_change_keeps_the_fp32_weights(toy_data, tmp_path, saved_as, l
     fp32 = full.optimizer["master"] if saved_as == "bf16" else full.model
     trainer = build_trainer(tiny_cfg(toy_data, tmp_path / "b", f"checkpoint.dir={ckpt}",
                                      *SHARDED, f"model.precision={loaded_as}"))
-    maybe_resume(trainer)
+    maybe_resume(trainer.checkpointed())
     assert trainer.state.step == 2
     opt = trainer.optimizer
     for name in opt.names:

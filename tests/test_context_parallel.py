@@ -16,8 +16,8 @@ from trireme.errors import ConfigError
 from trireme.models.gpt import GPT
 from trireme.parallel.context import build_parallel_context
 from trireme.parallel.context_parallel import all_positions, split_batch, zigzag_index
+from trireme.parallel.layout import resolve_layout
 from trireme.parallel.mesh import ParallelDims, ParallelMesh
-from trireme.training.build import check_parallel
 from trireme.training.train import train
 
 STEPS = ["train.steps=4", "train.eval_interval=2"]
@@ -114,7 +114,7 @@ def test_bad_context_parallel_settings_are_one_line_errors():
                          (["model.dropout=0.1"], "dropout")]:
         cfg = load_config("tiny", [*ARGS, "parallel.context=2", *extra])
         with pytest.raises(ConfigError, match=words) as err:
-            check_parallel(cfg, 2)
+            resolve_layout(cfg, 2)
         assert "\n" not in str(err.value)
 
 

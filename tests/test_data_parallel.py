@@ -152,8 +152,8 @@ def test_launch_problems_one_line_exit_2(tmp_path, monkeypatch):
     import sys
 
     from trireme.errors import ConfigError
+    from trireme.parallel.layout import resolve_layout
     from trireme.parallel.mesh import init_distributed
-    from trireme.training.build import check_parallel
 
     r = subprocess.run([sys.executable, "-m", "trireme", "train", f"--run.dir={tmp_path}/r",
                         "--train.device=cpu", "--train.global_batch_size=32"],
@@ -173,14 +173,14 @@ def test_launch_problems_one_line_exit_2(tmp_path, monkeypatch):
          "checkpoint.format = .sharded."),
     ]:
         with pytest.raises(ConfigError, match=needle):
-            check_parallel(load_config("tiny", args), world_size=2)
+            resolve_layout(load_config("tiny", args), world_size=2)
 
 
 def test_batch_must_split_over_replicas():
     from trireme.errors import ConfigError
-    from trireme.training.build import check_parallel
+    from trireme.parallel.layout import resolve_layout
 
     cfg = load_config("tiny", ["train.global_batch_size=8", "train.micro_batch_size=4"])
-    assert check_parallel(cfg, world_size=2).data == 2
+    assert resolve_layout(cfg, world_size=2).data == 2
     with pytest.raises(ConfigError, match="micro_batch_size x data-parallel degree = 4 x 4"):
-        check_parallel(cfg, world_size=4)
+        resolve_layout(cfg, world_size=4)

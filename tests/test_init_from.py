@@ -37,7 +37,7 @@ def test_a_run_starts_from_another_checkpoints_weights(toy_data, tmp_path, fmt, 
     ft = [*base, f"checkpoint.init_from={tmp_path / 'ckpt-a'}",
           f"checkpoint.dir={tmp_path / 'ckpt-b'}"]
     trainer = build_trainer(tiny_cfg(toy_data, tmp_path / "b", *ft, "train.steps=2"))
-    maybe_resume(trainer)
+    maybe_resume(trainer.checkpointed())
     got = weights_and_masters(trainer)
     assert got.keys() == want.keys()
     for name in want:  # the fp32 masters too, not the bf16 parameters widened
@@ -112,7 +112,7 @@ def test_a_source_with_another_freeze_list(toy_data, tmp_path, fmt):  # noqa: F8
     want = {n: p.detach().clone() for n, p in source.model.named_parameters()}
     trainer = build_trainer(tiny_cfg(toy_data, tmp_path / "b", *base, "train.steps=1",
                                      f"checkpoint.init_from={tmp_path / 'a-ck'}"))
-    maybe_resume(trainer)
+    maybe_resume(trainer.checkpointed())
     for name, p in trainer.model.named_parameters():
         assert torch.equal(p, want[name]), name
     for name, master in trainer.optimizer.masters.items():

@@ -24,8 +24,8 @@ from trireme.models.mamba import Mamba, MambaState
 from trireme.models.mlp import MLP
 from trireme.models.stages import layer_costs, stage_specs
 from trireme.ops.ssd import FastKernels, discretize_dt, ssd_recurrence
+from trireme.parallel.layout import resolve_layout
 from trireme.serving.generate import generate
-from trireme.training.build import check_parallel
 from trireme.training.train import train
 
 
@@ -59,7 +59,7 @@ def test_a_pattern_with_m_but_no_mamba_settings_is_refused():
 def test_context_parallel_with_mamba_layers_is_a_one_line_error():
     cfg = load_config("hybrid-tiny", ["parallel.context=2"])
     with pytest.raises(ConfigError, match=r"Mamba-2 layers \(M\): not implemented yet"):
-        check_parallel(cfg, world_size=2)
+        resolve_layout(cfg, world_size=2)
 
 
 def test_init_follows_the_reference_distributions_and_names():

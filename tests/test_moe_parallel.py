@@ -16,7 +16,7 @@ from test_train_parallel import assert_same, losses
 from trireme.config import load_config
 from trireme.errors import ConfigError
 from trireme.parallel.dispatch import ExpertShard, all_gather_dispatch, all_to_all_dispatch
-from trireme.training.build import check_parallel
+from trireme.parallel.layout import resolve_layout
 from trireme.training.sample import print_sample
 from trireme.training.train import train
 
@@ -156,5 +156,5 @@ def test_bad_expert_parallel_settings_are_one_line_errors():
             (load_config("tiny", [*moe, "parallel.expert=2", "parallel.data_parallel_mode=fsdp",
                                   "train.micro_batch_size=8"]), 2, "fsdp' with parallel.expert")]:
         with pytest.raises(ConfigError, match=words) as err:
-            check_parallel(cfg, world)
+            resolve_layout(cfg, world)
         assert "\n" not in str(err.value)

@@ -182,6 +182,7 @@ def test_auto_micro_batch_fits_the_device_and_grows_with_it(monkeypatch):
 
     from trireme.commands import train as commands
     from trireme.plan.planner import best_micro_batch, predict_given
+    from trireme.training.build import resolve_run
 
     chosen = {}
     for gib in (80, 140):
@@ -199,19 +200,27 @@ def test_auto_micro_batch_fits_the_device_and_grows_with_it(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(
         total_memory=140 * 2**30, name="NVIDIA H200"))
-    built = []
+    # one path decides, for `trireme train` and Python's train(cfg) alike: the trainer's
+    resolved = []
+    for overrides in ([], ["train.micro_batch_size=2"]):
+        cfg = load_config("llama3-1b", overrides)
+        before = cfg.to_dict()
+        fitted, layout, note = resolve_run(cfg, 1)
+        assert cfg.to_dict() == before  # the loaded config is only read
+        resolved.append((fitted.train.micro_batch_size, layout.micro_batch_size, note))
+    assert resolved[0][:2] == (chosen[140],) * 2 and "auto: predicted" in resolved[0][2]
+    assert resolved[1] == (2, 2, None)
+    built = []  # `trireme train` hands train(cfg) the config as loaded
     monkeypatch.setattr(commands, "train", lambda cfg, on_finish=None: built.append(cfg))
     commands.train_main(["--config", "llama3-1b"])
-    commands.train_main(["--config", "llama3-1b", "--train.micro_batch_size=2"])
-    assert [c.train.micro_batch_size for c in built] == [chosen[140], 2]
+    assert [c.train.micro_batch_size for c in built] == [-1]
 
 
 def test_auto_micro_batch_without_a_gpu_is_the_largest_of_4_2_1_that_divides():
-    from trireme.training.build import check_parallel
+    from trireme.parallel.layout import resolve_layout
 
     for batch, want in [(16, 4), (6, 2), (3, 1)]:
         cfg = load_config("tiny", ["train.micro_batch_size=-1", f"train.global_batch_size={batch}"])
-        check_parallel(cfg, 1)
-        assert cfg.train.micro_batch_size == want
+        assert resolve_layout(cfg, 1).micro_batch_size == want
     with pytest.raises(ConfigError, match="micro_batch_size = -2: use a positive size"):
         load_config("tiny", ["train.micro_batch_size=-2"])

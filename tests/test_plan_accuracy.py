@@ -6,16 +6,15 @@ activations, communication buffers; docs/plan.md)."""
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
 
 from tests.distributed import run_ranks
 from trireme.config import load_config
+from trireme.plan.enumerate import resolve
 from trireme.plan.memory import estimate_memory
 from trireme.plan.rates import load_rates
-from trireme.training.build import check_parallel
 from trireme.training.measure import measured_training_peak
 
 TOLERANCE = 0.10
@@ -30,9 +29,8 @@ def config(tmp_path, overrides: dict):
 
 
 def predicted(cfg, world: int) -> float:
-    cfg = copy.deepcopy(cfg)
-    check_parallel(cfg, world)
-    return estimate_memory(cfg, world, load_rates("cpu")).total
+    cfg, layout = resolve(cfg, world)
+    return estimate_memory(cfg, layout, load_rates("cpu")).total
 
 
 ONE_PROCESS = {

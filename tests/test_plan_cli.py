@@ -11,9 +11,9 @@ from trireme.commands.plan import plan_main
 from trireme.config import load_config
 from trireme.data.tokenizer import load_tokenizer
 from trireme.errors import ConfigError
+from trireme.parallel.layout import resolve_layout
 from trireme.plan.fit import resolve_vocab_size
 from trireme.plan.rates import RATES_DIR
-from trireme.training.build import check_parallel
 
 
 def test_nothing_fits_names_the_least_memory_layout_and_a_hint(capsys):
@@ -68,13 +68,13 @@ def test_fewer_gpus_than_a_node_and_whole_nodes_are_accepted():
 def test_vocabulary_is_resolved_as_training_resolves_it(capsys):
     cfg = load_config("moe-tiny", [])
     assert cfg.model.vocab_size == 0 and not cfg.data.path
-    resolve_vocab_size(cfg)  # the embedded corpus's tokenizer
+    cfg = resolve_vocab_size(cfg)  # the embedded corpus's tokenizer
     assert cfg.model.vocab_size == cfg.data.embedded_vocab_size == 4096
     cfg = load_config("moe-tiny", ["data.embedded_vocab_size=2048"])
-    resolve_vocab_size(cfg)
+    cfg = resolve_vocab_size(cfg)
     assert cfg.model.vocab_size == 2048
     cfg = load_config("moe-tiny", ["data.tokenizer=null:1000"])  # a tokenizer wins
-    resolve_vocab_size(cfg)
+    cfg = resolve_vocab_size(cfg)
     assert cfg.model.vocab_size == load_tokenizer("null:1000").vocab_size  # 1000 + end of doc
     cfg = load_config("moe-tiny", ["data.mock=true"])  # training refuses this too
     with pytest.raises(ConfigError, match="model.vocab_size = 0.*--data.tokenizer"):
@@ -97,9 +97,9 @@ def test_a_vision_model_is_planned_without_sequence_parallelism(capsys):
                                          **dict(o[2:].split("=") for o in overrides)})
         if overrides:
             with pytest.raises(ConfigError, match="does not support parallel.context > 1 or"):
-                check_parallel(cfg, 2)
+                resolve_layout(cfg, 2)
         else:
-            check_parallel(cfg, 2)
+            resolve_layout(cfg, 2)
     assert plan_main(["--config", "llava-tiny", "--model.vocab_size=300", "--gpu", "cpu",
                       "--gpus", "2", "--top", "1", "--parallel.tensor=2",
                       "--parallel.sequence_parallel=true"]) == 0

@@ -19,8 +19,8 @@ from torch.utils._pytree import tree_flatten
 from trireme.config import load_config
 from trireme.ops.fp8 import fp8_linear
 from trireme.ops.fp8_training import DelayedFloat8Linear, DelayedFloat8Matmul
+from trireme.parallel.layout import resolve_layout
 from trireme.plan.activations import head_bytes, shape_of
-from trireme.plan.memory import Degrees
 from trireme.plan.rates import load_rates
 from trireme.plan.time import (
     FP8_AMAX_BYTES,
@@ -272,7 +272,7 @@ def test_only_the_fp8_linears_run_at_the_fp8_rate(preset, layers):
                                "model.fp8_layers": layers, "model.vocab_size": 32000})
     bf16 = load_config(preset, {"data.mock": True, "model.precision": "bf16",
                                 "model.vocab_size": 32000})
-    deg, tokens = Degrees.of(fp8, 1), 4096.0
+    deg, tokens = resolve_layout(fp8, 1), 4096.0
     kind = fp8.model.layer_kinds[-1]
     m = fp8.model
     q, kv, f = m.num_attention_heads * m.head_size, m.kv_heads * m.head_size, m.ffn_size

@@ -28,7 +28,8 @@ def preprocess(tmp_path, name: str, tokenizer: str, *flags) -> str:
 def resolve(prefix: str, tokenizer: str):
     cfg = Config()
     cfg.data.path, cfg.data.tokenizer, cfg.model.vocab_size = prefix, tokenizer, 0
-    return resolve_data(cfg)
+    _, sources, tok = resolve_data(cfg)
+    return sources, tok
 
 
 def test_training_with_the_data_tokenizer_passes_and_another_is_refused(tmp_path):

@@ -14,7 +14,7 @@ from test_train import read_metrics, toy_data  # noqa: F401  (toy_data is a fixt
 
 from trireme.config import load_config
 from trireme.errors import ConfigError
-from trireme.training.build import check_parallel
+from trireme.parallel.layout import resolve_layout
 from trireme.training.sample import print_sample
 from trireme.training.train import train
 
@@ -103,14 +103,16 @@ def test_presets_split_their_batch_over_data_parallel_ranks():
     for preset in ("tiny", "moe-tiny"):
         cfg = load_config(preset)
         assert cfg.train.micro_batch_size == 0
-        check_parallel(cfg, world_size=2)
-        assert cfg.train.micro_batch_size == cfg.train.global_batch_size // 2
+        layout = resolve_layout(cfg, world_size=2)
+        assert layout.micro_batch_size == cfg.train.global_batch_size // 2
+        assert (layout.num_micro_batches, cfg.train.micro_batch_size) == (1, 0)  # cfg only read
     cfg = load_config("tiny", ["parallel.pipeline=2"])
-    check_parallel(cfg, world_size=4)
-    assert cfg.train.micro_batch_size == cfg.train.global_batch_size // 4
+    layout = resolve_layout(cfg, world_size=4)
+    assert layout.micro_batch_size == cfg.train.global_batch_size // 4
+    assert layout.num_micro_batches == 2
     cfg = load_config("tiny", ["train.micro_batch_size=16"])  # a set value is kept
     with pytest.raises(ConfigError, match="not divisible"):
-        check_parallel(cfg, world_size=2)
+        resolve_layout(cfg, world_size=2)
 
 
 def test_tiny_preset_as_shipped_trains_under_two_ranks(toy_data, tmp_path):  # noqa: F811

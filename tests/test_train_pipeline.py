@@ -14,7 +14,7 @@ from test_train_parallel import ARGS, assert_same, losses, single_process, torch
 
 from trireme.config import load_config
 from trireme.errors import ConfigError
-from trireme.training.build import check_parallel
+from trireme.parallel.layout import resolve_layout
 
 PIPELINE_ARGS = ["model.num_layers=3", "model.tie_embeddings=true",
                  "model.make_vocab_size_divisible_by=1", "schedule.decay_style=constant"]
@@ -76,10 +76,10 @@ def test_pipeline_tensor_training_matches_one_process(toy_data, tmp_path, capsys
 def test_invalid_pipeline_layouts(overrides, world, needle):
     cfg = load_config("tiny", overrides)
     if needle is None:
-        assert check_parallel(cfg, world).data == world // 2
+        assert resolve_layout(cfg, world).data == world // 2
         return
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
-        check_parallel(cfg, world)
+        resolve_layout(cfg, world)
 
 
 def test_packed_documents_under_pipeline_parallelism(toy_data, tmp_path):  # noqa: F811

@@ -1,4 +1,5 @@
-"""Throughput, FLOPs and MFU (Megatron's formula), memory, and the metrics.jsonl / TensorBoard sink.
+"""Throughput, FLOPs and MFU (Megatron's formula), memory, the logged record of a step and its
+line, and the metrics.jsonl / TensorBoard sink.
 
 FLOPs are counted the way Megatron-LM counts them (docs: REFERENCE.md section 3), so MFU numbers
 compare with published tables:
@@ -25,9 +26,10 @@ from typing import Any
 
 import torch
 
-from trireme.config import ModelConfig
+from trireme.config import Config, ModelConfig
 from trireme.errors import ConfigError, TrainingError
 from trireme.models.block import SUBLAYERS
+from trireme.step.stragglers import straggler_note
 
 # Dense bf16 tensor-core peak per GPU, FLOP/s, from the vendor datasheets. Matched in order against
 # the device name, so the more specific names come first.
@@ -259,3 +261,62 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def tokens_per_step(global_batch_size: int, seq_length: int) -> int:
+    return global_batch_size * seq_length
+
+
+def step_record(cfg: Config, results: list[dict], lr: float, seconds: float, step: int,
+                consumed_samples: int, world_size: int, device: torch.device) -> dict:
+    """The logged numbers of the steps since the last log (`results`: each step's tensors; read
+    back here, the one host sync): mean loss (a skipped step's NaN is left out), rate, MFU,
+    memory, and the count of skipped steps."""
+    losses = torch.stack([r["loss"] for r in results]).float().cpu()
+    losses = losses[torch.isfinite(losses)]  # a skipped step's NaN is warned, not averaged in
+    last = results[-1]
+    tokens = tokens_per_step(cfg.train.global_batch_size, cfg.model.seq_length) * len(results)
+    tps = tokens / max(seconds, 1e-9)
+    tflops = tps * flops_per_token(cfg.model) / 1e12 / world_size  # per GPU
+    skipped = int(torch.stack([r["skipped"] for r in results]).sum().item())
+    return {
+        "step": step,
+        "loss": float(losses.mean()) if losses.numel() else math.nan,
+        "lr": lr,
+        "grad_norm": float(last["grad_norm"]),
+        "tokens_per_s": tps,
+        "tflops_per_gpu": tflops,
+        "mfu": tflops * 1e12 / peak_flops(device),
+        "mem_gib": memory_gib(device),
+        "consumed_samples": consumed_samples,
+        "skipped_steps": skipped,
+    }
+
+
+def log_line(record: dict) -> str:
+    """The printed line of a logged step."""
+    parts = [f"step {record['step']:>6}", f"loss {record['loss']:.4f}"]
+    if "eval_loss" in record:
+        parts.append(f"eval {record['eval_loss']:.4f}")
+    parts += [f"lr {record['lr']:.2e}", f"gnorm {record['grad_norm']:.3f}",
+              f"{record['tokens_per_s']:,.0f} tok/s", f"MFU {100 * record['mfu']:.1f}%"]
+    if record.get("stragglers"):
+        parts.append(straggler_note(record))
+    return " | ".join(parts)
+
+
+def moe_metrics(layers: dict[str, dict[str, torch.Tensor | float]]) -> dict:
+    """The routing of the last micro batch: each balancing loss summed over this rank's MoE
+    sublayers, each sublayer's tokens-per-expert imbalance (max / mean load), with a capacity
+    the share of assignments dropped (mean over the sublayers), and per sublayer all of them
+    (`moe_layers`)."""
+    values = {name: {k: float(v) for k, v in stats.items()} for name, stats in layers.items()}
+    out = {f"moe_{k}": sum(v[k] for v in values.values())
+           for k in ("aux_loss", "seq_aux_loss", "z_loss")}
+    out["moe_imbalance"] = {name: v["imbalance"] for name, v in values.items()}
+    out["moe_imbalance_max"] = max(out["moe_imbalance"].values())
+    dropped = [v["dropped"] for v in values.values() if "dropped" in v]
+    if dropped:
+        out["moe_dropped"] = sum(dropped) / len(dropped)
+    out["moe_layers"] = values
+    return out

@@ -22,20 +22,25 @@ import torch
 import torch.distributed as dist
 
 from trireme.checkpoint import directory, sharded
+from trireme.checkpoint.state import TrainingState
 from trireme.checkpoint.tokenizer_copy import keep_tokenizer
 from trireme.errors import CheckpointError, ConfigError
 
 
 class Saver:
-    def __init__(self, trainer, save_gathered: Callable[[object], Path | None]) -> None:
-        c = trainer.cfg.checkpoint
+    """Saves `run` (checkpoint.state.TrainingState) in the configured format: the sharded one
+    here (sharded.py), the gathered one by `save_gathered(run)`."""
+
+    def __init__(self, run: TrainingState,
+                 save_gathered: Callable[[TrainingState], Path | None]) -> None:
+        c = run.cfg.checkpoint
         if c.async_save and c.format != "sharded":
             raise ConfigError("checkpoint.async_save = true needs checkpoint.format = 'sharded'")
-        if c.dir and (trainer.is_main or c.format == "sharded"):  # the ranks that will write
+        if c.dir and (run.is_main or c.format == "sharded"):  # the ranks that will write
             directory.check_writable(Path(c.dir))
-        self.trainer = trainer
+        self.run = run
         # copied at the first save, so a run that fails its start-up checks writes nothing there
-        self._tokenizer_kept = not (c.dir and trainer.is_main)
+        self._tokenizer_kept = not (c.dir and run.is_main)
         self.save_gathered = save_gathered
         self._group = None
         self._thread: threading.Thread | None = None
@@ -46,7 +51,7 @@ class Saver:
 
     def group(self):
         """A gloo group of all ranks for the checkpoint's collectives (None in one process)."""
-        if self.trainer.env.world_size > 1 and self._group is None:
+        if self.run.world_size > 1 and self._group is None:
             self._group = dist.new_group(backend="gloo")  # collective: every rank saves here
         return self._group
 
@@ -58,18 +63,18 @@ class Saver:
     def save(self) -> Path | None:
         """Save now (blocking), or start a background save; returns the path when it is known."""
         self.wait()
-        trainer, c = self.trainer, self.trainer.cfg.checkpoint
+        run, c = self.run, self.run.cfg.checkpoint
         if not self._tokenizer_kept:  # generate and convert find it there (tokenizer_copy.py)
-            keep_tokenizer(Path(c.dir), trainer.cfg.data.tokenizer)
+            keep_tokenizer(Path(c.dir), run.cfg.data.tokenizer)
             self._tokenizer_kept = True
         if c.format == "gathered":
-            self.last_path = self.save_gathered(trainer)
+            self.last_path = self.save_gathered(run)
             return self.last_path
         group = self.group()
-        job = sharded.prepare(trainer, Path(c.dir), group)
+        job = sharded.prepare(run, Path(c.dir), group)
         if not c.async_save:
             self.last_path = sharded.write(job)
-            if trainer.env.world_size > 1:
+            if run.world_size > 1:
                 dist.barrier(group=group)  # the checkpoint is complete before any rank goes on
             return self.last_path
         job["entries"] = sharded.staged(job["entries"], self._staging)
@@ -79,8 +84,8 @@ class Saver:
         return None
 
     def _write(self, job) -> None:
-        if self.trainer.device.type == "cuda":  # a new thread starts on GPU 0: stay on ours
-            torch.cuda.set_device(self.trainer.device)
+        if self.run.device.type == "cuda":  # a new thread starts on GPU 0: stay on ours
+            torch.cuda.set_device(self.run.device)
         try:
             self.last_path = sharded.write(job)
         except BaseException as e:  # handed to the training thread by check()

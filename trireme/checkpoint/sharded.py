@@ -53,6 +53,7 @@ from trireme.checkpoint.model_state import expected_shapes
 from trireme.checkpoint.pieces import Entry, Piece, dtensor_pieces, tensor_pieces
 from trireme.checkpoint.rng import capture_rng_state, restore_rng_state
 from trireme.checkpoint.safe_pickle import load_dcp_metadata
+from trireme.checkpoint.state import TrainingState
 from trireme.config.recorded import recorded
 from trireme.errors import CheckpointDamageError, CheckpointError
 from trireme.parallel.sharding import parameter_shardings
@@ -106,13 +107,13 @@ def model_entries(chunks, rows: int) -> dict[str, Entry]:
     return entries
 
 
-def state_entries(trainer, moments: bool) -> dict[str, Entry]:
+def state_entries(run: TrainingState, moments: bool) -> dict[str, Entry]:
     """Every tensor of the model and optimizer this rank holds, as global-tensor pieces. With
     `moments`, AdamW's exp_avg / exp_avg_sq are included (they must exist)."""
-    rows = trainer.cfg.model.padded_vocab_size  # the single-process padding
-    info = _param_info(trainer.chunks, rows)
-    entries = model_entries(trainer.chunks, rows)
-    opt = trainer.optimizer
+    rows = run.cfg.model.padded_vocab_size  # the single-process padding
+    info = _param_info(run.chunks, rows)
+    entries = model_entries(run.chunks, rows)
+    opt = run.optimizer
     for name, flat_range in opt.master_ranges().items():  # ranges: the distributed optimizer
         tensors = opt.moments(name) if moments else {}
         if moments and not tensors:
@@ -130,10 +131,10 @@ def optimizer_scalars(opt) -> dict[str, Any]:
     return {**opt.scalar_state(), "moments": opt.has_moments(), "masters": opt.low_precision}
 
 
-def layout_of(trainer) -> dict[str, Any]:
-    p = trainer.cfg.parallel
-    return {"world_size": trainer.env.world_size, "tensor": p.tensor, "pipeline": p.pipeline,
-            "virtual_pipeline": p.virtual_pipeline, "data": trainer.data_parallel,
+def layout_of(run: TrainingState) -> dict[str, Any]:
+    p = run.cfg.parallel
+    return {"world_size": run.world_size, "tensor": p.tensor, "pipeline": p.pipeline,
+            "virtual_pipeline": p.virtual_pipeline, "data": run.data_parallel,
             "data_parallel_mode": p.data_parallel_mode,
             "distributed_optimizer": p.distributed_optimizer, "expert": p.expert}
 
@@ -184,9 +185,9 @@ def _write_rng(tmp: Path, rank: int, state: dict[str, Any]) -> None:
         f, flat.tensors, {"structure": json.dumps(structure)}))
 
 
-def rank_rng_state(trainer) -> dict[str, Any]:
+def rank_rng_state(run: TrainingState) -> dict[str, Any]:
     state = {"rng": capture_rng_state()}
-    tp = trainer.model.tp
+    tp = run.tensor_parallel
     if tp is not None:
         state["tensor_parallel_rng"] = tp.rng.state.cpu()
     return state
@@ -204,33 +205,34 @@ def _check_finite(entries: dict[str, Entry], step: int, group) -> None:
         raise nonfinite_error(describe_key(bad), step)
 
 
-def prepare(trainer, root: Path, group) -> dict[str, Any]:
+def prepare(run: TrainingState, root: Path, group) -> dict[str, Any]:
     """The foreground part of a save (collective): the temporary directory, this rank's RNG file
     and everything rank 0 writes at the end. Returns the job for `write`."""
-    distributed = trainer.env.world_size > 1
-    step = trainer.state.step
-    opt = trainer.optimizer
-    entries = state_entries(trainer, opt.has_moments())
+    distributed = run.world_size > 1
+    progress = run.progress.state_dict()
+    step = int(progress["step"])
+    opt = run.optimizer
+    entries = state_entries(run, opt.has_moments())
     _check_finite(entries, step, group if distributed else None)
     token = _token(group if distributed else None)
     tmp = directory.temporary_dir(root, step, f"{token:08x}")
     final = root / directory.step_dir_name(step)
     error = None
-    if trainer.is_main:
+    if run.is_main:
         error = _attempt(lambda: tmp.mkdir(parents=True, exist_ok=True))
     if distributed:
         dist.barrier(group=group)
     rank = dist.get_rank() if distributed else 0
     if error is None:
-        error = _attempt(lambda: _write_rng(tmp, rank, rank_rng_state(trainer)))
-    _fail_together(error, tmp, final, trainer.is_main, group if distributed else None)
+        error = _attempt(lambda: _write_rng(tmp, rank, rank_rng_state(run)))
+    _fail_together(error, tmp, final, run.is_main, group if distributed else None)
     trainer_state = {
-        "step": step, "consumed_samples": trainer.state.consumed_samples,
-        "optimizer": optimizer_scalars(opt), "layout": layout_of(trainer),
+        "step": step, "consumed_samples": int(progress["consumed_samples"]),
+        "optimizer": optimizer_scalars(opt), "layout": layout_of(run),
     }
-    return {"tmp": tmp, "root": root, "step": step, "main": trainer.is_main,
-            "trainer": trainer_state, "config": recorded(trainer.cfg).to_toml(),
-            "keep_last": trainer.cfg.checkpoint.keep_last, "distributed": distributed,
+    return {"tmp": tmp, "root": root, "step": step, "main": run.is_main,
+            "trainer": trainer_state, "config": recorded(run.cfg).to_toml(),
+            "keep_last": run.cfg.checkpoint.keep_last, "distributed": distributed,
             "group": group, "entries": entries}
 
 
@@ -447,16 +449,16 @@ def verify_digests(path: Path, meta: dict[str, Any], group=None, world: int = 1,
         raise CheckpointDamageError(path, f"{bad[0]}{more}")
 
 
-def load(trainer, path: Path, group, weights_only: bool = False) -> None:
-    """Load a sharded checkpoint into the trainer's model, optimizer and state (collective).
+def load(run: TrainingState, path: Path, group, weights_only: bool = False) -> None:
+    """Load a sharded checkpoint into the run's model, optimizer and progress (collective).
     `weights_only` (checkpoint.init_from): the weights alone (from the fp32 masters where the
     checkpoint holds them); the optimizer's moments, the step and the RNG stay fresh."""
     meta = directory.check_complete(path)
-    world = trainer.env.world_size
+    world = run.world_size
     verify_digests(path, meta, group, world, dist.get_rank() if world > 1 else 0)
     saved = fmt.read_json(path / directory.TRAINER_JSON)
     scalars = saved["optimizer"]
-    opt = trainer.optimizer
+    opt = run.optimizer
     stored = stored_shapes(path)
     masters = scalars["masters"]
     if weights_only:
@@ -465,24 +467,24 @@ def load(trainer, path: Path, group, weights_only: bool = False) -> None:
         masters = masters and all(f"optimizer/master/{n}" in stored for n in opt.names)
     else:
         _prepare_optimizer(opt, scalars)
-    entries = state_entries(trainer, scalars["moments"] and not weights_only)
+    entries = state_entries(run, scalars["moments"] and not weights_only)
     entries = _master_source(entries, opt, masters)
-    check_shapes(entries, stored, path, trainer.cfg.model)
+    check_shapes(entries, stored, path, run.cfg.model)
     with torch.no_grad():
-        zero_vocab_tables(trainer.chunks, opt.masters)
-        read_pieces(path, entries, group, no_dist=trainer.env.world_size == 1)
+        zero_vocab_tables(run.chunks, opt.masters)
+        read_pieces(path, entries, group, no_dist=run.world_size == 1)
         _finish_optimizer(opt, opt.low_precision)
     if weights_only:
         return
-    trainer.state.step = int(saved["step"])
-    trainer.state.consumed_samples = int(saved["consumed_samples"])
-    same_layout = saved["layout"] == layout_of(trainer)
-    rank = dist.get_rank() if trainer.env.world_size > 1 else 0
+    run.progress.load_state_dict({"step": int(saved["step"]),
+                                  "consumed_samples": int(saved["consumed_samples"])})
+    same_layout = saved["layout"] == layout_of(run)
+    rank = dist.get_rank() if run.world_size > 1 else 0
     rng = _read_rng(path, rank if same_layout else 0)
     if rng is None:
         raise CheckpointError(f"{path / RNG_DIR} lacks rank {rank}'s RNG file; it is incomplete")
     restore_rng_state(rng["rng"])
-    tp = trainer.model.tp
+    tp = run.tensor_parallel
     if same_layout and tp is not None and "tensor_parallel_rng" in rng:
         tp.rng.state = rng["tensor_parallel_rng"].to(device="cpu", dtype=torch.uint8)
 

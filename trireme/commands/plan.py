@@ -110,7 +110,7 @@ def plan_main(argv: list[str]) -> int:
     if args.top < 1:
         raise ConfigError(f"--top = {args.top}: the number of layouts to show must be at least 1")
     cfg = load_config(args.config, overrides)
-    resolve_vocab_size(cfg)
+    cfg = resolve_vocab_size(cfg)
     rates = load_rates(args.gpu)
     plan = make_plan(cfg, args.gpus, args.gpus_per_node, rates)
     if args.json:

@@ -1,16 +1,17 @@
-"""`trireme train`: fit the run to its GPU, check its memory, train, print a sample."""
+"""`trireme train`: check the run's memory on its GPU, train (the trainer fits an automatic micro
+batch to the GPU), print a sample."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
 from trireme.cli import split_overrides
-from trireme.config import AUTO_MICRO_BATCH, Config, load_config
-from trireme.parallel.mesh import launched_rank, launched_world_size
-from trireme.plan.fit import fit_micro_batch, memory_check
+from trireme.config import Config, load_config
+from trireme.parallel.mesh import launched_world_size
+from trireme.plan.fit import memory_check
+from trireme.training.build import fit_to_device, gpu_run
 from trireme.training.sample import print_sample
 from trireme.training.train import train
 
@@ -43,32 +44,18 @@ def train_main(argv: list[str]) -> int:
     )
     args = parser.parse_args(own)
     cfg = load_config(args.config, overrides)
-    fit_to_device(cfg)
     check_memory(cfg)
     train(cfg, on_finish=print_sample)
     return 0
 
 
-def _gpu_run(cfg: Config) -> bool:
-    return torch.cuda.is_available() and cfg.train.device != "cpu" and cfg.model.vocab_size > 0
-
-
-def fit_to_device(cfg: Config) -> None:
-    """train.micro_batch_size = -1 (auto) on a GPU: the planner's micro batch for it (said on
-    rank 0). Without a GPU, or a vocabulary still to be read from the tokenizer, the trainer's
-    fallback applies."""
-    if cfg.train.micro_batch_size != AUTO_MICRO_BATCH or not _gpu_run(cfg):
-        return
-    props = torch.cuda.get_device_properties(0)
-    note = fit_micro_batch(cfg, launched_world_size(), props.total_memory / 2**30, props.name)
-    if note and launched_rank() == 0:
-        print(note, file=sys.stderr)
-
-
 def check_memory(cfg: Config) -> None:
-    """Refuse, before anything is allocated, a CUDA run predicted not to fit (trireme.plan);
-    skipped on the CPU, with train.skip_memory_check, or without a known vocabulary size."""
-    if cfg.train.skip_memory_check or not _gpu_run(cfg):
+    """Refuse, before anything is allocated, a CUDA run predicted not to fit (trireme.plan),
+    with the micro batch the trainer will fit to the GPU (train.micro_batch_size = -1); skipped
+    on the CPU, with train.skip_memory_check, or without a known vocabulary size."""
+    if cfg.train.skip_memory_check or not gpu_run(cfg):
         return
+    world = launched_world_size()
+    fitted, _ = fit_to_device(cfg, world)
     props = torch.cuda.get_device_properties(0)
-    memory_check(cfg, launched_world_size(), props.total_memory / 2**30, props.name)
+    memory_check(fitted, world, props.total_memory / 2**30, props.name)

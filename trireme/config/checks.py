@@ -124,9 +124,7 @@ def _check_model(cfg: Config, need_vocab: bool) -> None:
         raise ConfigError("model.kernels names liger_swiglu and model.fused_swiglu = true: both "
                           "replace SwiGLU; drop one")
     _check_fp8(m)
-    if m.precision == "fp8" and p.tensor > 1:
-        raise ConfigError("model.precision = 'fp8' with parallel.tensor > 1 is not supported yet; "
-                          "use parallel.tensor = 1 or model.precision = 'bf16'")
+    check_fp8_tensor(m, p)
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout = {m.dropout} must be in [0, 1)")
     if need_vocab and m.vocab_size < 1:
@@ -199,19 +197,12 @@ def _check_moe(m: ModelConfig, p: ParallelConfig) -> None:
                 "moe_bias_update_rate"):
         if getattr(m, key) < 0:
             raise ConfigError(f"model.{key} = {getattr(m, key)} must be >= 0 (0: off)")
-    if m.moe_num_experts % p.expert:
-        raise ConfigError(f"model.moe_num_experts = {m.moe_num_experts} is not divisible by "
-                          f"parallel.expert = {p.expert}")
+    check_expert_split(m, p)
     if m.moe_dispatcher not in ("alltoall", "allgather"):
         raise ConfigError(f"model.moe_dispatcher = {m.moe_dispatcher!r}: use 'alltoall' or "
                           "'allgather'")
-    if p.expert > 1 and m.moe_pad_to_capacity:
-        raise ConfigError("model.moe_pad_to_capacity with parallel.expert > 1: not supported "
-                          "(the tokens each rank receives vary anyway); set it to false")
-    if p.tensor > 1 and m.seq_length % p.tensor:
-        raise ConfigError(f"model.seq_length = {m.seq_length} must be divisible by "
-                          f"parallel.tensor = {p.tensor} with mixture-of-experts layers (the "
-                          "TP ranks share the tokens)")
+    check_expert_capacity(m, p)
+    check_moe_tensor(m, p)
 
 
 def _check_mamba(m: ModelConfig, p: ParallelConfig) -> None:
@@ -233,10 +224,7 @@ def _check_mamba(m: ModelConfig, p: ParallelConfig) -> None:
     if heads % groups:
         raise ConfigError(f"model.mamba_num_groups = {groups} must divide the {heads} Mamba "
                           "heads (each group's B and C serve whole heads)")
-    if groups % p.tensor:
-        raise ConfigError(f"model.mamba_num_groups = {groups} is not divisible by "
-                          f"parallel.tensor = {p.tensor}; each tensor-parallel rank holds whole "
-                          "groups (and their heads)")
+    check_mamba_tensor(m, p)
     if not 0 < m.mamba_dt_min <= m.mamba_dt_max or m.mamba_dt_init_floor < 0:
         raise ConfigError(f"model.mamba_dt_min = {m.mamba_dt_min} and mamba_dt_max = "
                           f"{m.mamba_dt_max} must satisfy 0 < dt_min <= dt_max")
@@ -247,6 +235,54 @@ def _check_mamba(m: ModelConfig, p: ParallelConfig) -> None:
         raise ConfigError(f"model.mamba_dt_limit_min = {m.mamba_dt_limit_min} and "
                           f"mamba_dt_limit_max = {m.mamba_dt_limit_max}: need 0 <= min <= max "
                           "(max 0: no upper limit)")
+
+
+def check_degrees(cfg: Config) -> None:
+    """The rules between the model and the parallel degrees that `validate` checks too (each a
+    small function, called from trireme.parallel.layout.resolve_layout)."""
+    m, p = cfg.model, cfg.parallel
+    check_fp8_tensor(m, p)
+    if m.has_kind("moe"):
+        check_expert_split(m, p)
+        check_expert_capacity(m, p)
+        check_moe_tensor(m, p)
+    if m.has_kind("mamba"):
+        check_mamba_tensor(m, p)
+
+
+def check_fp8_tensor(m: ModelConfig, p: ParallelConfig) -> None:
+    if m.precision == "fp8" and p.tensor > 1:
+        raise ConfigError("model.precision = 'fp8' with parallel.tensor > 1 is not supported yet; "
+                          "use parallel.tensor = 1 or model.precision = 'bf16'")
+
+
+def check_expert_split(m: ModelConfig, p: ParallelConfig) -> None:
+    """Each expert-parallel rank holds a whole number of experts."""
+    if m.moe_num_experts % p.expert:
+        raise ConfigError(f"model.moe_num_experts = {m.moe_num_experts} is not divisible by "
+                          f"parallel.expert = {p.expert}")
+
+
+def check_expert_capacity(m: ModelConfig, p: ParallelConfig) -> None:
+    if p.expert > 1 and m.moe_pad_to_capacity:
+        raise ConfigError("model.moe_pad_to_capacity with parallel.expert > 1: not supported "
+                          "(the tokens each rank receives vary anyway); set it to false")
+
+
+def check_moe_tensor(m: ModelConfig, p: ParallelConfig) -> None:
+    """The tensor-parallel ranks of a mixture-of-experts layer share the tokens."""
+    if p.tensor > 1 and m.seq_length % p.tensor:
+        raise ConfigError(f"model.seq_length = {m.seq_length} must be divisible by "
+                          f"parallel.tensor = {p.tensor} with mixture-of-experts layers (the "
+                          "TP ranks share the tokens)")
+
+
+def check_mamba_tensor(m: ModelConfig, p: ParallelConfig) -> None:
+    """Each tensor-parallel rank holds whole Mamba groups."""
+    if m.mamba_num_groups % p.tensor:
+        raise ConfigError(f"model.mamba_num_groups = {m.mamba_num_groups} is not divisible by "
+                          f"parallel.tensor = {p.tensor}; each tensor-parallel rank holds whole "
+                          "groups (and their heads)")
 
 
 def _check_train(cfg: Config) -> None:

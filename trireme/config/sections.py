@@ -157,10 +157,11 @@ class TrainConfig:
     )
     micro_batch_size: int = doc(
         -1, "Sequences per forward/backward pass on one rank. -1 (auto): fit the device: on a "
-        "GPU, `trireme train` takes the micro batch `trireme plan` predicts fastest among those "
-        "that divide the global batch per data-parallel replica (up to 16) and fit in 85% of "
-        "the GPU's memory (the smallest within 1% of the fastest); without a GPU (or through "
-        "the Python API) the largest of 4, 2, 1 that divides; said in a log line. 0: derived "
+        "GPU, the trainer (`trireme train` and Python's train(cfg) alike) takes the micro batch "
+        "`trireme plan` predicts fastest among those that divide the global batch per "
+        "data-parallel replica (up to 16) and fit in 85% of the GPU's memory (the smallest "
+        "within 1% of the fastest); without a GPU the largest of 4, 2, 1 that divides; said "
+        "in a log line. 0: derived "
         "from the launch, global_batch_size / (data-parallel degree x pipeline degree) (one "
         "micro batch per replica, or one per stage under pipeline parallelism), said in a log "
         "line.")

@@ -13,6 +13,7 @@ interrupted conversion leaves nothing that looks finished.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ from trireme.checkpoint.tokenizer_copy import (
     kept_copy,
     named_folder,
 )
-from trireme.config import Config, config_from_toml, validate
+from trireme.config import Config, DataConfig, RunConfig, config_from_toml, validate
 from trireme.convert.converted import Converted, cast_state
 from trireme.convert.hf import read_hf, write_hf
 from trireme.convert.megatron import read_megatron
@@ -95,17 +96,15 @@ def write_trireme(conv: Converted, output: Path, dtype: torch.dtype) -> Path:
     else vocab.json + merges.txt, else a SentencePiece tokenizer.model); with none copied, it
     is a trireme source's own data.tokenizer (bytes, or a file of another name).
     """
-    cfg = Config()
-    cfg.model = conv.model
-    cfg.model.precision = PRECISION[dtype]  # type: ignore[assignment]
-    cfg.run.name = output.name
     with atomic_output_dir(output) as tmp:
         copy_converted(conv.tokenizer_dir, tmp)
         if holds_tokenizer(tmp / TOKENIZER_DIR):  # the file a folder spec loads, as a path
             name = infer_kind(tmp / TOKENIZER_DIR)[1].name  # tokenizer.json, tokenizer.model..
-            cfg.data.tokenizer = str(output.resolve() / TOKENIZER_DIR / name)
+            spec = str(output.resolve() / TOKENIZER_DIR / name)
         else:  # bytes, null:N, or a file of its own name (not copied): the source's spec
-            cfg.data.tokenizer = conv.tokenizer_spec
+            spec = conv.tokenizer_spec
+        cfg = Config(model=dataclasses.replace(conv.model, precision=PRECISION[dtype]),
+                     data=DataConfig(tokenizer=spec), run=RunConfig(name=output.name))
         validate(cfg, need_vocab=True)
         trainer = {"step": conv.step, "consumed_samples": conv.consumed_samples, "rng": {},
                    "converted_from": conv.source}

@@ -148,16 +148,19 @@ def rank_stages(cfg: ModelConfig, pcfg: ParallelConfig, pipeline_rank: int) -> l
     return specs[pipeline_rank :: pcfg.pipeline]
 
 
-def check_pipeline(cfg: ModelConfig, pcfg: ParallelConfig, num_micro_batches: int) -> None:
-    """One-line errors for a pipeline layout that cannot run."""
+def check_pipeline(cfg: ModelConfig, pcfg: ParallelConfig, num_micro_batches: int
+                   ) -> list[StageSpec]:
+    """One-line errors for a pipeline layout that cannot run; else every stage (stage_specs;
+    the whole model as one stage without pipelining)."""
     if pcfg.virtual_pipeline > 1 and pcfg.pipeline == 1:
         raise ConfigError(
             f"parallel.virtual_pipeline = {pcfg.virtual_pipeline} needs parallel.pipeline > 1"
         )
     if pcfg.pipeline_layers and pcfg.pipeline == 1:
         raise ConfigError("parallel.pipeline_layers is set but parallel.pipeline = 1")
+    specs = [StageSpec(0, cfg.num_layers, True, True)]
     if pcfg.pipeline > 1:
-        stage_specs(cfg, pcfg)  # raises on a split that does not fit
+        specs = stage_specs(cfg, pcfg)  # raises on a split that does not fit
     if pcfg.virtual_pipeline > 1 and num_micro_batches % pcfg.pipeline:
         raise ConfigError(
             f"interleaved pipelining (parallel.virtual_pipeline = {pcfg.virtual_pipeline}) needs "
@@ -165,6 +168,7 @@ def check_pipeline(cfg: ModelConfig, pcfg: ParallelConfig, num_micro_batches: in
             f"(train.micro_batch_size x data-parallel degree) = {num_micro_batches}) to be a "
             f"multiple of parallel.pipeline = {pcfg.pipeline}"
         )
+    return specs
 
 
 def bubble_fraction(pipeline: int, virtual_pipeline: int, num_micro_batches: int) -> float:

@@ -1,11 +1,15 @@
 """Every layout of a config on a cluster, each checked by the trainer's own validation.
 
+A candidate is a `Choice`: the settings that select a layout (the requested degrees, modes,
+recompute and micro batch, as command-line overrides); the degrees it resolves to on the cluster
+are trireme.parallel.layout's `Layout`, the one record of them.
+
 A layout sets parallel.tensor (with sequence parallelism when > 1, except for a vision model,
 which does not support it yet), pipeline,
 virtual_pipeline, context (+ context_mode), expert, the data-parallel mode (DDP, DDP with the
 distributed optimizer, FSDP), train.recompute and train.micro_batch_size; data parallelism is
 what is left of the GPUs. A layout is kept only if `trireme.config.validate` and
-`trireme.training.build.check_parallel` (the checks `trireme train` runs before anything
+`trireme.parallel.layout.resolve_layout` (the checks `trireme train` runs before anything
 starts) accept it, so the planner never proposes a layout the trainer refuses.
 
 Pruning (stated, so nothing surprises): tensor parallelism stays inside a node (T divides
@@ -16,21 +20,23 @@ replica up to 16, and the config's own micro batch where it divides.
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 from trireme.config import Config, validate
 from trireme.errors import ConfigError
 from trireme.parallel.context_parallel import MODES as CONTEXT_MODES
-from trireme.training.build import check_parallel
+from trireme.parallel.layout import Layout, resolve_layout
 
 RECOMPUTE = ("none", "selective", "full")
 DP_MODES = ("ddp", "distopt", "fsdp")
 
 
 @dataclass(frozen=True)
-class Layout:
+class Choice:
+    """The settings of one candidate layout (module docstring)."""
+
     tensor: int = 1
     pipeline: int = 1
     virtual_pipeline: int = 1
@@ -43,7 +49,7 @@ class Layout:
     sequence_parallel: bool = False  # with tensor > 1
 
     @classmethod
-    def of(cls, cfg: Config) -> Layout:
+    def of(cls, cfg: Config) -> Choice:
         p = cfg.parallel
         mode = "fsdp" if p.data_parallel_mode == "fsdp" else (
             "distopt" if p.distributed_optimizer else "ddp")
@@ -75,32 +81,38 @@ class Layout:
         return out
 
 
-def apply_layout(cfg: Config, layout: Layout) -> Config:
-    """A copy of `cfg` with `layout`'s settings."""
-    out = copy.copy(cfg)  # the model config is shared (never changed here)
-    out.parallel, out.train = copy.deepcopy(cfg.parallel), copy.deepcopy(cfg.train)
-    p, t = out.parallel, out.train
-    p.tensor, p.pipeline, p.virtual_pipeline = layout.tensor, layout.pipeline, \
-        layout.virtual_pipeline
-    p.sequence_parallel = layout.tensor > 1 and layout.sequence_parallel
-    p.context, p.context_mode, p.expert = layout.context, layout.context_mode, layout.expert
-    p.data_parallel_mode = "fsdp" if layout.dp_mode == "fsdp" else "ddp"
-    p.distributed_optimizer = layout.dp_mode == "distopt"
-    if layout.pipeline != cfg.parallel.pipeline or layout.virtual_pipeline != \
-            cfg.parallel.virtual_pipeline:
-        p.pipeline_layers = []
-    t.recompute, t.micro_batch_size = layout.recompute, layout.micro_batch_size
-    if layout.recompute != "full":
-        t.recompute_layers = 0
-    return out
+def apply_layout(cfg: Config, choice: Choice) -> Config:
+    """A copy of `cfg` with `choice`'s settings."""
+    p, t = cfg.parallel, cfg.train
+    same_stages = (choice.pipeline, choice.virtual_pipeline) == (p.pipeline, p.virtual_pipeline)
+    parallel = dataclasses.replace(
+        p, tensor=choice.tensor, pipeline=choice.pipeline,
+        virtual_pipeline=choice.virtual_pipeline,
+        sequence_parallel=choice.tensor > 1 and choice.sequence_parallel,
+        context=choice.context, context_mode=choice.context_mode, expert=choice.expert,
+        data_parallel_mode="fsdp" if choice.dp_mode == "fsdp" else "ddp",
+        distributed_optimizer=choice.dp_mode == "distopt",
+        pipeline_layers=list(p.pipeline_layers) if same_stages else [])
+    train = dataclasses.replace(
+        t, recompute=choice.recompute, micro_batch_size=choice.micro_batch_size,
+        recompute_layers=t.recompute_layers if choice.recompute == "full" else 0)
+    return dataclasses.replace(cfg, parallel=parallel, train=train)  # the model config shared
+
+
+def resolve(cfg: Config, world: int) -> tuple[Config, Layout]:
+    """What `trireme train` makes of `cfg` on `world` processes: the config with its micro batch
+    resolved and its layout; the trainer's one-line ConfigError if it refuses them."""
+    validate(cfg, need_vocab=False)
+    layout = resolve_layout(cfg, world)
+    train = dataclasses.replace(cfg.train, micro_batch_size=layout.micro_batch_size)
+    return dataclasses.replace(cfg, train=train), layout
 
 
 def check_layout(cfg: Config, world: int) -> str | None:
     """None when `trireme train` would accept `cfg` on `world` processes, else its one-line
-    error. Mutates `cfg` as the trainer does (a derived micro batch is resolved)."""
+    error."""
     try:
-        validate(cfg, need_vocab=False)
-        check_parallel(cfg, world)
+        resolve(cfg, world)
     except ConfigError as e:
         return str(e)
     return None
@@ -121,7 +133,7 @@ def _micro_batches(per_replica: int, given: int) -> list[int]:
     return sizes
 
 
-def candidate_layouts(cfg: Config, world: int, per_node: int) -> Iterator[Layout]:
+def candidate_layouts(cfg: Config, world: int, per_node: int) -> Iterator[Choice]:
     """Every layout to try (module docstring), before validation."""
     m = cfg.model
     moe = m.has_kind("moe")
@@ -140,7 +152,7 @@ def candidate_layouts(cfg: Config, world: int, per_node: int) -> Iterator[Layout
 
 
 def _inner(cfg: Config, tensor: int, pipeline: int, context: int, data: int,
-           experts: list[int]) -> Iterator[Layout]:
+           experts: list[int]) -> Iterator[Choice]:
     virtuals = [1] if pipeline == 1 else [v for v in (1, 2, 4)]
     modes = [cfg.parallel.context_mode] if context == 1 else list(CONTEXT_MODES)
     per_replica = cfg.train.global_batch_size // data if cfg.train.global_batch_size % data == 0 \
@@ -155,13 +167,16 @@ def _inner(cfg: Config, tensor: int, pipeline: int, context: int, data: int,
                 for dp_mode in dp_modes:
                     for rec in RECOMPUTE:
                         for mb in micro:
-                            yield Layout(tensor, pipeline, v, context, mode, ep, dp_mode, rec, mb,
+                            yield Choice(tensor, pipeline, v, context, mode, ep, dp_mode, rec, mb,
                                          sequence)
 
 
-def valid_layouts(cfg: Config, world: int, per_node: int) -> Iterator[tuple[Layout, Config]]:
-    """(layout, its config) for every layout the trainer accepts."""
-    for layout in candidate_layouts(cfg, world, per_node):
-        laid = apply_layout(cfg, layout)
-        if check_layout(laid, world) is None:
-            yield layout, laid
+def valid_layouts(cfg: Config, world: int, per_node: int
+                  ) -> Iterator[tuple[Choice, Config, Layout]]:
+    """(choice, its resolved config, its layout) for every layout the trainer accepts."""
+    for choice in candidate_layouts(cfg, world, per_node):
+        try:
+            laid, layout = resolve(apply_layout(cfg, choice), world)
+        except ConfigError:
+            continue
+        yield choice, laid, layout

@@ -5,6 +5,8 @@ needs."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from trireme.config import Config
 from trireme.data.tokenizer import load_tokenizer
 from trireme.errors import ConfigError
@@ -12,21 +14,23 @@ from trireme.plan.planner import best_micro_batch, make_plan, predict_given
 from trireme.plan.rates import Rates, load_rates
 
 
-def resolve_vocab_size(cfg: Config) -> None:
-    """model.vocab_size = 0 takes the tokenizer's size, as training does (trainer.resolve_data),
-    where that is known without opening the data: data.tokenizer ('bytes', 'null:N' or a file:
-    loaded), else the embedded corpus (no data.path, not mock, no vision: its tokenizer is
-    trained to data.embedded_vocab_size ids). Otherwise a one-line error."""
+def resolve_vocab_size(cfg: Config) -> Config:
+    """model.vocab_size = 0 takes the tokenizer's size, as training does
+    (trireme.training.build.resolve_data), where that is known without opening the data:
+    data.tokenizer ('bytes', 'null:N' or a file: loaded), else the embedded corpus (no data.path,
+    not mock, no vision: its tokenizer is trained to data.embedded_vocab_size ids). A copy of
+    `cfg` with it (`cfg` itself when the size is set); otherwise a one-line error."""
     m, d = cfg.model, cfg.data
     if m.vocab_size:
-        return
+        return cfg
     if d.tokenizer:
-        m.vocab_size = load_tokenizer(d.tokenizer).vocab_size
+        size = load_tokenizer(d.tokenizer).vocab_size
     elif not d.path and not d.mock and not m.vision_layers:
-        m.vocab_size = d.embedded_vocab_size
+        size = d.embedded_vocab_size
     else:
         raise ConfigError("model.vocab_size = 0: the planner needs the vocabulary size; set "
                           "--model.vocab_size or --data.tokenizer")
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, vocab_size=size))
 
 
 def memory_check(cfg: Config, world: int, device_gib: float, device_name: str) -> None:
@@ -48,17 +52,19 @@ def memory_check(cfg: Config, world: int, device_gib: float, device_name: str) -
         "--train.skip_memory_check=true")
 
 
-def fit_micro_batch(cfg: Config, world: int, device_gib: float, device_name: str) -> str | None:
-    """train.micro_batch_size = -1 (auto): set it to the planner's choice for this GPU
-    (planner.best_micro_batch); -> the log line, or None when nothing fits (the trainer's
-    fallback then applies and the memory check speaks)."""
+def fit_micro_batch(cfg: Config, world: int, device_gib: float, device_name: str
+                    ) -> tuple[Config, str] | None:
+    """train.micro_batch_size = -1 (auto): a copy of `cfg` with the planner's choice for this
+    GPU (planner.best_micro_batch) and the log line that says so, or None when nothing fits
+    (resolve_layout's fallback then applies and the memory check speaks)."""
     choice = best_micro_batch(cfg, world, device_rates(device_name, device_gib))
     if choice is None:
         return None
-    cfg.train.micro_batch_size = choice.layout.micro_batch_size
-    return (f"trireme: train.micro_batch_size = {cfg.train.micro_batch_size} (auto: predicted "
-            f"{choice.memory_gib:.0f} GiB of {device_gib:.0f} and {choice.tokens_per_s:,.0f} "
-            "tokens/s by trireme plan; set it to choose)")
+    size = choice.layout.micro_batch_size
+    fitted = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=size))
+    return fitted, (f"trireme: train.micro_batch_size = {size} (auto: predicted "
+                    f"{choice.memory_gib:.0f} GiB of {device_gib:.0f} and "
+                    f"{choice.tokens_per_s:,.0f} tokens/s by trireme plan; set it to choose)")
 
 
 def device_rates(device_name: str, device_gib: float) -> Rates:

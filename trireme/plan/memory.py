@@ -35,10 +35,9 @@ import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
-from torch.utils.weak import WeakIdKeyDictionary
-
 from trireme.config import Config
-from trireme.models.stages import StageSpec, rank_stages
+from trireme.models.stages import StageSpec
+from trireme.parallel.layout import Layout
 from trireme.plan.activations import (
     fp8_cast_once,
     fp8_weight_bytes,
@@ -55,33 +54,6 @@ GIB = 2**30
 
 
 @dataclass
-class Degrees:
-    """The layout's degrees for a world size (data = world / (pipeline x context x tensor))."""
-
-    world: int
-    tensor: int
-    pipeline: int
-    virtual: int
-    context: int
-    expert: int
-    data: int
-
-    @property
-    def data_context(self) -> int:
-        return self.data * self.context
-
-    @property
-    def expert_data(self) -> int:
-        return max(self.data_context // self.expert, 1)
-
-    @classmethod
-    def of(cls, cfg: Config, world: int) -> Degrees:
-        p = cfg.parallel
-        data = world // (p.pipeline * p.context * p.tensor)
-        return cls(world, p.tensor, p.pipeline, p.virtual_pipeline, p.context, p.expert, data)
-
-
-@dataclass
 class MemoryEstimate:
     """The worst rank's predicted peak and its parts (bytes), and which pipeline rank it is."""
 
@@ -94,24 +66,19 @@ class MemoryEstimate:
         return self.total / GIB
 
 
-def micro_batches(cfg: Config, deg: Degrees) -> int:
-    t = cfg.train
-    return t.global_batch_size // (t.micro_batch_size * deg.data)
-
-
-def static_bytes(cfg: Config, deg: Degrees, params: RankParams, rates: Rates) -> dict[str, float]:
+def static_bytes(cfg: Config, lay: Layout, params: RankParams, rates: Rates) -> dict[str, float]:
     """Parameters, main gradients, masters and moments of one rank (module docstring)."""
     precision, p = cfg.model.precision, cfg.parallel
     low = precision != "fp32"
     dense, experts = params.dense, params.experts
-    if p.data_parallel_mode == "fsdp" and deg.data > 1:
+    if p.data_parallel_mode == "fsdp" and lay.data > 1:
         n = dense + experts
-        whole_grads = micro_batches(cfg, deg) > 1
-        return {"parameters": 4 * n / deg.data,
-                "gradients": 4 * n if whole_grads else 4 * n / deg.data,
-                "optimizer": 8 * n / deg.data}
-    if p.distributed_optimizer and deg.data_context > 1:
-        shard = dense / deg.data_context + experts / deg.expert_data
+        whole_grads = lay.num_micro_batches > 1
+        return {"parameters": 4 * n / lay.data,
+                "gradients": 4 * n if whole_grads else 4 * n / lay.data,
+                "optimizer": 8 * n / lay.data}
+    if p.distributed_optimizer and lay.data_context > 1:
+        shard = dense / lay.data_context + experts / lay.expert_data
     else:
         shard = dense + experts
     return {"parameters": (2 if low else 4) * (dense + experts),
@@ -119,14 +86,14 @@ def static_bytes(cfg: Config, deg: Degrees, params: RankParams, rates: Rates) ->
             "optimizer": (12 if low else 8) * shard}
 
 
-def optimizer_step_bytes(cfg: Config, deg: Degrees, params: RankParams, rates: Rates) -> float:
+def optimizer_step_bytes(cfg: Config, lay: Layout, params: RankParams, rates: Rates) -> float:
     """The optimizer step's temporaries (foreach AdamW: one fp32 tensor per master element)."""
     p = cfg.parallel
     n = params.dense + params.experts
-    if p.data_parallel_mode == "fsdp" and deg.data > 1:
-        n = n / deg.data
-    elif p.distributed_optimizer and deg.data_context > 1:
-        n = params.dense / deg.data_context + params.experts / deg.expert_data
+    if p.data_parallel_mode == "fsdp" and lay.data > 1:
+        n = n / lay.data
+    elif p.distributed_optimizer and lay.data_context > 1:
+        n = params.dense / lay.data_context + params.experts / lay.expert_data
         if cfg.model.precision != "fp32":  # the shard cast to the parameters' dtype to gather
             return (0 if rates.optimizer_fused else 4 * n) + 2 * n
     return 0 if rates.optimizer_fused else 4 * n
@@ -168,17 +135,17 @@ def _order(rank: int, pipeline: int, virtual: int, num_micro: int) -> tuple:
     return tuple(one_f_one_b(rank, pipeline, virtual, num_micro))
 
 
-def in_flight_peak(per_chunk: list[float], rank: int, deg: Degrees, num_micro: int) -> float:
+def in_flight_peak(per_chunk: list[float], rank: int, lay: Layout, num_micro: int) -> float:
     """The most activation bytes rank `rank` holds at once under (interleaved) 1F1B."""
-    if deg.pipeline == 1:
+    if lay.pipeline == 1:
         return per_chunk[0]
     # the peak comes within the warm-up and the first steady passes, whose order does not depend
     # on how many micro batches follow: walk a short schedule of the same start
-    warm = 2 * deg.pipeline + (deg.virtual - 1) * deg.pipeline + 2
-    cap = min(num_micro, -(-(warm // deg.virtual + 2 * deg.pipeline) // deg.pipeline)
-              * deg.pipeline)
+    warm = 2 * lay.pipeline + (lay.virtual_pipeline - 1) * lay.pipeline + 2
+    cap = min(num_micro, -(-(warm // lay.virtual_pipeline + 2 * lay.pipeline) // lay.pipeline)
+              * lay.pipeline)
     held, peak = 0.0, 0.0
-    for p in _order(rank, deg.pipeline, deg.virtual, cap):
+    for p in _order(rank, lay.pipeline, lay.virtual_pipeline, cap):
         if p.kind == FORWARD:
             held += per_chunk[p.chunk]
             peak = max(peak, held)
@@ -200,26 +167,11 @@ def backward_transient(cfg: Config, rates: Rates, tokens: int, recompute: str) -
     return s.e * tokens * (2 * s.h + 3 * ffn)
 
 
-_STAGES: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def stages_of(cfg: Config, rank: int) -> list[StageSpec]:
-    """rank_stages, remembered per model config (the planner asks for them thousands of times;
-    layouts share their model config)."""
-    p = cfg.parallel
-    key = (p.pipeline, p.virtual_pipeline, tuple(p.pipeline_layers),
-           p.pipeline_embedding_as_layer, rank)
-    cache = _STAGES.setdefault(cfg.model, {})
-    if key not in cache:
-        cache[key] = rank_stages(cfg.model, p, rank)
-    return cache[key]
-
-
-def rank_params(cfg: Config, deg: Degrees, rank: int) -> RankParams:
+def rank_params(cfg: Config, lay: Layout, rank: int) -> RankParams:
     """The parameters pipeline rank `rank` holds (all its chunks)."""
     params = RankParams(0, 0, 0)
-    for st in stages_of(cfg, rank):
-        sp = stage_params(cfg.model, st, deg.tensor, deg.expert, deg.pipeline > 1)
+    for st in lay.rank_stages(rank):
+        sp = stage_params(cfg.model, st, lay.tensor, lay.expert, lay.pipeline > 1)
         params = RankParams(params.dense + sp.dense, params.experts + sp.experts,
                             max(params.largest, sp.largest))
     return params
@@ -231,22 +183,22 @@ def rank_fp8_weights(cfg: Config, s, stages: list[StageSpec]) -> float:
     return sum(fp8_weight_elements(cfg, s, layers[i]) for st in stages for i in st.layers)
 
 
-def rank_memory(cfg: Config, deg: Degrees, rank: int, rates: Rates) -> MemoryEstimate:
+def rank_memory(cfg: Config, lay: Layout, rank: int, rates: Rates) -> MemoryEstimate:
     """The predicted peak of pipeline rank `rank`: the larger of the backward's start (every
     activation in flight) and the optimizer step (module docstring)."""
-    stages = stages_of(cfg, rank)
-    params = rank_params(cfg, deg, rank)
-    static = static_bytes(cfg, deg, params, rates)
+    stages = lay.rank_stages(rank)
+    params = rank_params(cfg, lay, rank)
+    static = static_bytes(cfg, lay, params, rates)
     s = shape_of(cfg, rates.norm_fused, rates.gpu)
     if fp8_cast_once(cfg, s):
         static["fp8_casts"] = 2 * rank_fp8_weights(cfg, s, stages)
     mb, seq = cfg.train.micro_batch_size, cfg.model.seq_length
-    tokens = mb * seq // deg.context
-    num_micro = micro_batches(cfg, deg)
+    tokens = mb * seq // lay.context
+    num_micro = lay.num_micro_batches
     mode = recompute_mode(cfg)
     per_chunk = [chunk_activation_bytes(cfg, rates, st, tokens, mode) for st in stages]
-    acts = in_flight_peak(per_chunk, rank, deg, num_micro)
-    if deg.pipeline > 1:
+    acts = in_flight_peak(per_chunk, rank, lay, num_micro)
+    if lay.pipeline > 1:
         acts += 2 * s.e * s.h * tokens  # received activations / gradients waiting
     head = 0.0
     if stages[-1].last:
@@ -256,13 +208,13 @@ def rank_memory(cfg: Config, deg: Degrees, rank: int, rates: Rates) -> MemoryEst
     low = cfg.model.precision != "fp32"
     transient += 2 * params.largest if low else 0.0  # a weight's gradient before its hook
     # fp32 without a flat buffer (no DP): .grad is made in the backward, after the peak
-    lazy = not low and deg.data_context == 1 and num_micro == 1
+    lazy = not low and lay.data_context == 1 and num_micro == 1
     grads_at_peak = 4 * params.largest if lazy else static["gradients"]
     data = 16 * num_micro * mb * seq  # token ids and labels of the step (int64)
-    comm = _comm_bytes(cfg, deg, params)
+    comm = _comm_bytes(cfg, lay, params)
     backward = (static["parameters"] + static["optimizer"] + static.get("fp8_casts", 0.0)
                 + grads_at_peak + acts + transient)
-    step = sum(static.values()) + optimizer_step_bytes(cfg, deg, params, rates)
+    step = sum(static.values()) + optimizer_step_bytes(cfg, lay, params, rates)
     if backward >= step:
         parts = dict(static, gradients=grads_at_peak, activations=acts, transients=transient)
     else:
@@ -272,12 +224,12 @@ def rank_memory(cfg: Config, deg: Degrees, rank: int, rates: Rates) -> MemoryEst
     return MemoryEstimate(sum(parts.values()), parts, rank)
 
 
-def _comm_bytes(cfg: Config, deg: Degrees, params: RankParams) -> float:
+def _comm_bytes(cfg: Config, lay: Layout, params: RankParams) -> float:
     p = cfg.parallel
-    if deg.data_context == 1:
+    if lay.data_context == 1:
         return 0.0
     if p.data_parallel_mode == "fsdp":
-        block = max(layer_params(cfg.model, kinds, deg.tensor, deg.expert).dense
+        block = max(layer_params(cfg.model, kinds, lay.tensor, lay.expert).dense
                     for kinds in set(cfg.model.layer_kinds))
         # one block's gathered parameters and unsharded gradients, and about one whole unsharded
         # copy of the parameters at the backward's start (FSDP2's all-gather outputs: the
@@ -286,16 +238,16 @@ def _comm_bytes(cfg: Config, deg: Degrees, params: RankParams) -> float:
     if p.distributed_optimizer and params.total > p.bucket_size:
         # an early bucket's reduce-scatter output, while activations are still held (with one
         # bucket the reduction starts after the backward, when they are gone)
-        return 4 * p.bucket_size / deg.data_context
+        return 4 * p.bucket_size / lay.data_context
     return 0.0
 
 
-def estimate_memory(cfg: Config, world: int, rates: Rates) -> MemoryEstimate:
-    """The worst rank's predicted peak for `cfg` on `world` devices (a validated layout)."""
-    deg = Degrees.of(cfg, world)
+def estimate_memory(cfg: Config, lay: Layout, rates: Rates) -> MemoryEstimate:
+    """The worst rank's predicted peak for `cfg` in its layout `lay` (resolve_layout's; `cfg`'s
+    micro batch resolved)."""
     worst = None
-    for rank in range(deg.pipeline):
-        est = rank_memory(cfg, deg, rank, rates)
+    for rank in range(lay.pipeline):
+        est = rank_memory(cfg, lay, rank, rates)
         if worst is None or est.total > worst.total:
             worst = est
     return worst

@@ -12,19 +12,21 @@ within the device's memory (`fits`).
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 from trireme.config import Config
-from trireme.plan.enumerate import Layout, check_layout, valid_layouts
-from trireme.plan.memory import GIB, Degrees, estimate_memory, rank_params
+from trireme.errors import ConfigError
+from trireme.parallel.layout import Layout
+from trireme.plan.enumerate import Choice, resolve, valid_layouts
+from trireme.plan.memory import GIB, estimate_memory, rank_params
 from trireme.plan.rates import Rates
 from trireme.plan.time import estimate_time
 
 
 @dataclass
 class Prediction:
-    layout: Layout
+    layout: Choice  # the settings predicted
     memory_gib: float = 0.0
     step_s: float = 0.0
     tokens_per_s: float = 0.0
@@ -61,35 +63,34 @@ class Plan:
     smallest: Prediction | None = None
 
 
-def predict(cfg: Config, world: int, rates: Rates, per_node: int = 8) -> Prediction:
-    """Memory and time of `cfg` (already validated for `world`)."""
-    layout = Layout.of(cfg)
-    mem = estimate_memory(cfg, world, rates)
-    deg = Degrees.of(cfg, world)
-    params = max(rank_params(cfg, deg, r).total for r in range(deg.pipeline))
-    t = estimate_time(cfg, world, rates, per_node, params)
+def predict(cfg: Config, layout: Layout, rates: Rates, per_node: int = 8) -> Prediction:
+    """Memory and time of `cfg` in its layout (`resolve`'s: a validated config, its micro batch
+    resolved)."""
+    mem = estimate_memory(cfg, layout, rates)
+    params = max(rank_params(cfg, layout, r).total for r in range(layout.pipeline))
+    t = estimate_time(cfg, layout, rates, per_node, params)
     gib = mem.total / GIB
-    return Prediction(layout, gib, t.step_s, t.tokens_per_s, t.mfu,
+    return Prediction(Choice.of(cfg), gib, t.step_s, t.tokens_per_s, t.mfu,
                       gib + rates.context_gib <= rates.memory_gib,
                       {k: v / GIB for k, v in mem.parts.items()}, t.parts)
 
 
 def predict_given(cfg: Config, world: int, rates: Rates, per_node: int = 8) -> Prediction:
     """The prediction of the config as given, or its one-line error if the trainer refuses it."""
-    cfg = copy.deepcopy(cfg)
-    error = check_layout(cfg, world)
-    if error is not None:
-        return Prediction(Layout.of(cfg), error=error)
-    return predict(cfg, world, rates, per_node)
+    try:
+        resolved, layout = resolve(cfg, world)
+    except ConfigError as e:
+        return Prediction(Choice.of(cfg), error=str(e))
+    return predict(resolved, layout, rates, per_node)
 
 
 def make_plan(cfg: Config, gpus: int, per_node: int, rates: Rates) -> Plan:
     """The given config's prediction and every fitting layout, fastest first."""
     given = predict_given(cfg, gpus, rates, per_node)
     fitting, considered, smallest = [], 0, None
-    for _layout, laid in valid_layouts(cfg, gpus, per_node):
+    for _choice, laid, layout in valid_layouts(cfg, gpus, per_node):
         considered += 1
-        pred = predict(laid, gpus, rates, per_node)
+        pred = predict(laid, layout, rates, per_node)
         if pred.fits:
             fitting.append(pred)
         if smallest is None or pred.memory_gib < smallest.memory_gib:
@@ -104,13 +105,14 @@ def best_micro_batch(cfg: Config, world: int, rates: Rates, fraction: float = 0.
     batch per data-parallel replica (at most `limit`), those predicted to fit in `fraction` of
     the device's memory; the fastest predicted, or the smallest within 1% of it (the same speed
     for less memory). None when none fits or the trainer refuses the layout."""
-    per_replica, data = 0, Degrees.of(cfg, world).data
+    par = cfg.parallel
+    per_replica, data = 0, world // (par.pipeline * par.context * par.tensor)
     if data and cfg.train.global_batch_size % data == 0:
         per_replica = cfg.train.global_batch_size // data
     fitting = []
     for size in (n for n in range(1, min(per_replica, limit) + 1) if per_replica % n == 0):
-        sized = copy.deepcopy(cfg)
-        sized.train.micro_batch_size = size
+        sized = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
+                                                                   micro_batch_size=size))
         pred = predict_given(sized, world, rates, per_node)
         room = fraction * rates.memory_gib - rates.context_gib
         if pred.error is None and pred.memory_gib <= room:

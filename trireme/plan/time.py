@@ -77,6 +77,7 @@ from dataclasses import dataclass
 from trireme.config import Config
 from trireme.metrics import flops_per_token
 from trireme.models.block import SUBLAYERS
+from trireme.parallel.layout import Layout
 from trireme.plan.activations import (
     fp8_cast_once,
     fp8_head_runs,
@@ -86,7 +87,7 @@ from trireme.plan.activations import (
     layer_bytes,
     shape_of,
 )
-from trireme.plan.memory import Degrees, micro_batches, rank_fp8_weights, stages_of
+from trireme.plan.memory import rank_fp8_weights
 from trireme.plan.rates import Rates
 
 ELEMENTWISE_PASSES = {True: 5.0, False: 16.0}  # compiled blocks / eager
@@ -162,30 +163,30 @@ def weight_cast_seconds(s, weights: float, rates: Rates) -> float:
     return FP8_EAGER_BYTES * weights / bw_mem + FP8_TRANSPOSE_BYTES * weights / bw_t
 
 
-def micro_batch_seconds(cfg: Config, deg: Degrees, rank: int, rates: Rates,
+def micro_batch_seconds(cfg: Config, lay: Layout, rank: int, rates: Rates,
                         per_node: int) -> dict[str, float]:
     """Compute and in-line communication of one micro batch on pipeline rank `rank`."""
     m, t = cfg.model, cfg.train
-    tokens = t.micro_batch_size * m.seq_length / deg.context
+    tokens = t.micro_batch_size * m.seq_length / lay.context
     layers = m.layer_kinds
     out = dict(matmul=0.0, attention=0.0, elementwise=0.0, recompute=0.0, tp=0.0, cp=0.0,
                ep=0.0)
-    for stage in stages_of(cfg, rank):
+    for stage in lay.rank_stages(rank):
         for kinds, count in Counter(layers[i] for i in stage.layers).items():  # alike: once
-            for key, value in layer_seconds(cfg, deg, kinds, tokens, rates, per_node).items():
+            for key, value in layer_seconds(cfg, lay, kinds, tokens, rates, per_node).items():
                 out[key] += count * value
         if stage.last:
-            mm, ew = head_seconds(cfg, deg, tokens, rates)
+            mm, ew = head_seconds(cfg, lay, tokens, rates)
             out["matmul"] += mm
             out["elementwise"] += ew
     return out
 
 
-def head_seconds(cfg: Config, deg: Degrees, tokens: float, rates: Rates) -> tuple[float, float]:
+def head_seconds(cfg: Config, lay: Layout, tokens: float, rates: Rates) -> tuple[float, float]:
     """(matmul, elementwise) seconds of the output layer and loss for a micro batch of `tokens`
     on the last stage (module docstring, "head")."""
     m = cfg.model
-    vocab = m.padded_vocab_size / deg.tensor
+    vocab = m.padded_vocab_size / lay.tensor
     logits, bw_mem = vocab * tokens, rates.memory_tbps * 1e12
     ew = 3 * 4 * logits / bw_mem
     if not fp8_head_runs(cfg, shape_of(cfg, rates.norm_fused, rates.gpu)):
@@ -203,7 +204,7 @@ def head_seconds(cfg: Config, deg: Degrees, tokens: float, rates: Rates) -> tupl
     return mm, ew + casts + transposes
 
 
-def layer_seconds(cfg: Config, deg: Degrees, kinds: tuple[str, ...], tokens: float,
+def layer_seconds(cfg: Config, lay: Layout, kinds: tuple[str, ...], tokens: float,
                   rates: Rates, per_node: int) -> dict[str, float]:
     """One layer with sublayers `kinds` (e.g. ("attention", "mlp")), one micro batch of `tokens`
     on this rank."""
@@ -212,7 +213,7 @@ def layer_seconds(cfg: Config, deg: Degrees, kinds: tuple[str, ...], tokens: flo
     bw_mem = rates.memory_tbps * 1e12
     bf16_rate = rates.matmul_tflops["bf16"] * 1e12
     mm_rate = rates.matmul_tflops.get(m.precision, rates.matmul_tflops["bf16"]) * 1e12
-    lin, core = _layer_matmul_flops(cfg, kinds, deg.tensor)
+    lin, core = _layer_matmul_flops(cfg, kinds, lay.tensor)
     # fp8: only the fp8 linears at the fp8 rate (the experts, Mamba's and unnamed linears: bf16)
     fast = 2 * fp8_weight_elements(cfg, s, kinds)
     mm = 3 * tokens * (fast / mm_rate + (lin - fast) / (bf16_rate if s.fp8 else mm_rate))
@@ -229,78 +230,77 @@ def layer_seconds(cfg: Config, deg: Degrees, kinds: tuple[str, ...], tokens: flo
         out["recompute"] = att_f
     elif t.recompute == "full":
         out["recompute"] = mm / 3 + att_f + ew / 3 + fp8_f
-    if deg.tensor > 1:
+    if lay.tensor > 1:
         msg = s.e * s.h * tokens
-        bw = _bandwidth(rates, 1, deg.tensor, per_node)
-        out["tp"] = 2 * len(kinds) * 2 * (deg.tensor - 1) / deg.tensor * msg / bw
-    if deg.context > 1:
-        out["cp"] = _context_seconds(cfg, deg, s, tokens, rates, per_node)
+        bw = _bandwidth(rates, 1, lay.tensor, per_node)
+        out["tp"] = 2 * len(kinds) * 2 * (lay.tensor - 1) / lay.tensor * msg / bw
+    if lay.context > 1:
+        out["cp"] = _context_seconds(cfg, lay, s, tokens, rates, per_node)
     copies = sum(SUBLAYERS[kind].routed_copies(m) for kind in kinds)  # per token, routed
-    if copies and deg.expert > 1:
+    if copies and lay.expert > 1:
         rows = tokens * copies * s.e * s.h
-        bw = _bandwidth(rates, deg.tensor, deg.expert, per_node)
-        out["ep"] = 4 * (deg.expert - 1) / deg.expert * rows / bw
+        bw = _bandwidth(rates, lay.tensor, lay.expert, per_node)
+        out["ep"] = 4 * (lay.expert - 1) / lay.expert * rows / bw
     return out
 
 
-def _context_seconds(cfg: Config, deg: Degrees, s, tokens: float, rates: Rates,
+def _context_seconds(cfg: Config, lay: Layout, s, tokens: float, rates: Rates,
                      per_node: int) -> float:
-    bw = _bandwidth(rates, deg.tensor, deg.context, per_node)
-    frac = (deg.context - 1) / deg.context
+    bw = _bandwidth(rates, lay.tensor, lay.context, per_node)
+    frac = (lay.context - 1) / lay.context
     if cfg.parallel.context_mode == "a2a":
         return 2 * frac * s.e * (2 * s.q + 2 * s.k) * tokens / bw
-    return 2 * frac * s.e * 2 * s.k * tokens * deg.context / bw  # K and V of the whole sequence
+    return 2 * frac * s.e * 2 * s.k * tokens * lay.context / bw  # K and V of the whole sequence
 
 
-def estimate_time(cfg: Config, world: int, rates: Rates, per_node: int = 8,
+def estimate_time(cfg: Config, lay: Layout, rates: Rates, per_node: int = 8,
                   params_per_rank: float = 0.0) -> TimeEstimate:
-    """The predicted step time, tokens/s and MFU of `cfg` on `world` devices (module
+    """The predicted step time, tokens/s and MFU of `cfg` in its layout `lay` (module
     docstring). `params_per_rank`: the largest rank's parameters (trireme.plan.memory)."""
-    deg = Degrees.of(cfg, world)
     m, p = cfg.model, cfg.parallel
-    num_micro = micro_batches(cfg, deg)
-    per_rank = [micro_batch_seconds(cfg, deg, r, rates, per_node) for r in range(deg.pipeline)]
+    num_micro = lay.num_micro_batches
+    per_rank = [micro_batch_seconds(cfg, lay, r, rates, per_node) for r in range(lay.pipeline)]
     slowest = max(per_rank, key=lambda d: sum(d.values()))
     slowest["launch"] = rates.micro_batch_overhead_s
     mb_s = sum(slowest.values())
     parts = {k: v * num_micro for k, v in slowest.items()}
-    bubble = (deg.pipeline - 1) / (deg.virtual * num_micro) if deg.pipeline > 1 else 0.0
+    bubble = (lay.pipeline - 1) / (lay.virtual_pipeline * num_micro) if lay.pipeline > 1 else 0.0
     parts["bubble"] = bubble * mb_s * num_micro
-    if deg.pipeline > 1:
+    if lay.pipeline > 1:
         e = 4 if m.precision == "fp32" else 2
-        msg = e * cfg.train.micro_batch_size * m.seq_length / deg.context * m.hidden_size
-        bw = _bandwidth(rates, deg.data * deg.context * deg.tensor, 2, per_node)
-        hops = 2 * deg.virtual * num_micro
+        msg = e * cfg.train.micro_batch_size * m.seq_length / lay.context * m.hidden_size
+        bw = _bandwidth(rates, lay.data * lay.context * lay.tensor, 2, per_node)
+        hops = 2 * lay.virtual_pipeline * num_micro
         parts["pp"] = hops * (msg / bw + rates.p2p_latency_us * 1e-6)
-    parts["dp"] = _data_parallel_seconds(cfg, deg, rates, per_node, params_per_rank, mb_s)
+    parts["dp"] = _data_parallel_seconds(cfg, lay, rates, per_node, params_per_rank, mb_s)
     shard = params_per_rank
     if p.distributed_optimizer or p.data_parallel_mode == "fsdp":
-        shard /= max(deg.data_context, 1)
+        shard /= max(lay.data_context, 1)
     parts["optimizer"] = OPTIMIZER_BYTES * shard / (rates.memory_tbps * 1e12)
     if fp8_cast_once(cfg, s := shape_of(cfg, rates.norm_fused, rates.gpu)):
-        weights = max(rank_fp8_weights(cfg, s, stages_of(cfg, r)) for r in range(deg.pipeline))
+        weights = max(rank_fp8_weights(cfg, s, lay.rank_stages(r)) for r in range(lay.pipeline))
         parts["fp8_casts"] = weight_cast_seconds(s, weights, rates)
     parts["overhead"] = rates.step_overhead_s
     step = sum(parts.values())
     tokens = cfg.train.global_batch_size * m.seq_length
     tps = tokens / step
-    mfu = tps * flops_per_token(m) / world / (rates.peak_tflops * 1e12)
+    mfu = tps * flops_per_token(m) / lay.world_size / (rates.peak_tflops * 1e12)
     return TimeEstimate(step, parts, tps, mfu)
 
 
-def _data_parallel_seconds(cfg: Config, deg: Degrees, rates: Rates, per_node: int,
+def _data_parallel_seconds(cfg: Config, lay: Layout, rates: Rates, per_node: int,
                            params: float, mb_s: float) -> float:
     """The exposed part of the data-parallel gradient reduction (module docstring)."""
-    n = deg.data_context
+    n = lay.data_context
     if n == 1:
         return 0.0
     p = cfg.parallel
-    bw = _bandwidth(rates, deg.tensor, n, per_node)
+    bw = _bandwidth(rates, lay.tensor, n, per_node)
     frac = (n - 1) / n
     backward = 2 / 3 * mb_s  # the last micro batch's backward hides what it can
     if p.data_parallel_mode == "fsdp":
-        gathers = 2 * micro_batches(cfg, deg) * frac * 4 * params / bw
-        return max(0.0, gathers - 3 * mb_s * micro_batches(cfg, deg) * 0.9) + frac * 4 * params / bw
+        gathers = 2 * lay.num_micro_batches * frac * 4 * params / bw
+        return max(0.0, gathers - 3 * mb_s * lay.num_micro_batches * 0.9) + frac * 4 * params / bw
     if p.distributed_optimizer:
         scatter = frac * 4 * params / bw
         gather = frac * (4 if cfg.model.precision == "fp32" else 2) * params / bw

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -82,8 +83,9 @@ def load_for_inference(checkpoint: str, tokenizer: str = "", device: str = "auto
     path = resolve_checkpoint(checkpoint, "--checkpoint")
     ckpt = None if ranks else load_checkpoint(path, name="--checkpoint", model_only=True)
     cfg = config_from_toml(read_config_toml(path), f"{path}/config.toml")
-    cfg.model = without_optional_kernels(cfg.model)  # fa4 / liger: training speed, not needed
-    cfg.model.seq_length = inference_context(cfg.model, context)
+    model = without_optional_kernels(cfg.model)  # fa4 / liger: training speed, not needed
+    model = dataclasses.replace(model, seq_length=inference_context(model, context))
+    cfg = dataclasses.replace(cfg, model=model)
     tok_spec = tokenizer_for(path, cfg.data.tokenizer, tokenizer)
     tok = load_tokenizer(tok_spec, name="--tokenizer" if tokenizer else "data.tokenizer")
     dev = pick_device(device)
@@ -92,7 +94,8 @@ def load_for_inference(checkpoint: str, tokenizer: str = "", device: str = "auto
         dtype = torch.float32  # fp16 matmuls are slow or missing on CPU
     # built on the meta device and filled from the checkpoint: no random init, no CPU copy
     if cfg.model.vision_layers and cfg.model.image_token_id < 0:  # the tokenizer's <image>
-        cfg.model.image_token_id = image_token_id(tok, tok_spec)
+        model = dataclasses.replace(cfg.model, image_token_id=image_token_id(tok, tok_spec))
+        cfg = dataclasses.replace(cfg, model=model)
     env, ctx = DistributedEnv(), None
     if launched_world_size() > 1:
         env = init_distributed(dev.type)

@@ -15,7 +15,8 @@ Under pipeline parallelism each model chunk (stage) is sharded the same way and 
 root; its reduction runs in its own last backward of the step. A tied embedding's two copies are
 sharded alike on the first and last stage, so their gradient shards are summed shard to shard.
 
-Limits of this first version (each a one-line ConfigError in `check_fsdp`): fp32 only (bf16 wants
+Limits of this first version (each a one-line ConfigError in
+`trireme.parallel.layout.check_fsdp`): fp32 only (bf16 wants
 fully_shard's MixedPrecisionPolicy and fp32 sharded parameters), no tensor or expert
 parallelism, and checkpoints in the sharded format only. The model is built and initialized
 whole on each rank before it is sharded, so it must fit on one device at the start.
@@ -32,29 +33,8 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from trireme.config import Config
-from trireme.errors import ConfigError
 from trireme.optim.optimizer import MixedPrecisionOptimizer, named_trainable_parameters
 from trireme.parallel.mesh import ParallelMesh
-
-
-def check_fsdp(cfg: Config) -> None:
-    """What FSDP mode does not support yet, said before anything starts."""
-    p = cfg.parallel
-    if cfg.model.precision != "fp32":
-        raise ConfigError(f"parallel.data_parallel_mode = 'fsdp' with model.precision = "
-                          f"{cfg.model.precision}: not implemented yet; use fp32 or 'ddp'")
-    if p.tensor > 1:
-        raise ConfigError("parallel.data_parallel_mode = 'fsdp' with parallel.tensor > 1: not "
-                          "implemented yet; use 'ddp'")
-    if p.expert > 1:
-        raise ConfigError("parallel.data_parallel_mode = 'fsdp' with parallel.expert > 1: not "
-                          "implemented yet; use 'ddp' (with parallel.distributed_optimizer)")
-    if p.distributed_optimizer:
-        raise ConfigError("parallel.distributed_optimizer is for 'ddp'; 'fsdp' already shards "
-                          "the optimizer state")
-    if cfg.checkpoint.dir and cfg.checkpoint.format != "sharded":
-        raise ConfigError("checkpoints with parallel.data_parallel_mode = 'fsdp' need "
-                          "checkpoint.format = 'sharded' (checkpoint.dir set)")
 
 
 def shard_model(model: nn.Module, mesh: ParallelMesh) -> None:

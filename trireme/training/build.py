@@ -9,7 +9,7 @@ step. Nothing in the step waits for the GPU; the host reads numbers back only at
 from __future__ import annotations
 
 import contextlib
-import math
+import dataclasses
 import os
 import sys
 import time
@@ -19,34 +19,22 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trireme.checkpoint.state import TrainingState
 from trireme.checkpoint.tokenizer_copy import moved_copy
-from trireme.config import AUTO_MICRO_BATCH, Config, validate
+from trireme.config import AUTO_MICRO_BATCH, Config, ModelConfig, validate
 from trireme.cpu_threads import set_cpu_threads
-from trireme.data.batch import Batch, BatchOptions, get_micro_batch
-from trireme.data.blend import BlendedBatches
-from trireme.data.cache import index_cache_dir
-from trireme.data.chat_sources import chat_sources
-from trireme.data.conversations import is_chat
-from trireme.data.corpus import default_corpus
+from trireme.data.batch import Batch, get_micro_batch
+from trireme.data.build import build_datasets, data_paths, mark_sources, open_data
 from trireme.data.gpt_dataset import GPTDataset
-from trireme.data.multimodal import (
-    IMAGES_SUFFIX,
-    image_token_id,
-    is_multimodal,
-    multimodal_datasets,
-)
-from trireme.data.shapes import shapes_corpus
-from trireme.data.sources import DataSources, build_split_datasets, open_sources
+from trireme.data.multimodal import image_token_id
+from trireme.data.sources import DataSources
 from trireme.data.tokenizer import Tokenizer, absolute_spec, load_tokenizer
-from trireme.data.tokenizer_mark import check_mark
 from trireme.errors import ConfigError, DataError
-from trireme.metrics import flops_per_token, memory_gib, peak_flops
 from trireme.models.gpt import GPT
 from trireme.models.init import init_parameters
-from trireme.models.stages import StageSpec, bubble_fraction, check_pipeline, rank_stages
+from trireme.models.stages import StageSpec
 from trireme.models.vision import (
     check_freeze_patterns,
-    check_vision_layout,
     freeze_parameters,
     num_image_tokens,
 )
@@ -54,7 +42,7 @@ from trireme.ops.fp8 import fp8_targets
 from trireme.ops.fp8_training import to_fp8_training
 from trireme.optim.optimizer import MixedPrecisionOptimizer
 from trireme.parallel.context import ParallelContext, build_parallel_context
-from trireme.parallel.context_parallel import MODES as CONTEXT_MODES
+from trireme.parallel.layout import Layout, resolve_layout
 from trireme.parallel.mesh import (
     DistributedEnv,
     ParallelDims,
@@ -64,15 +52,13 @@ from trireme.parallel.mesh import (
     launched_world_size,
     pick_device,
 )
-from trireme.parallel.tensor import check_tensor_parallel
+from trireme.plan.fit import fit_micro_batch
 from trireme.step.build import DTYPES, build_schedule, build_step_runner
 from trireme.step.data_parallel import BucketReducer
-from trireme.step.fsdp import GradientSyncSwitch, check_fsdp
+from trireme.step.fsdp import GradientSyncSwitch
 from trireme.step.pipeline import PipelineSchedule
 from trireme.step.runners import PipelineRunner, PlainRunner, StepRunner
-from trireme.step.stragglers import straggler_note, straggler_report
 from trireme.training.run_files import check_run_dir
-from trireme.words import count_of
 
 
 @dataclass
@@ -81,6 +67,12 @@ class TrainState:
 
     step: int = 0
     consumed_samples: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step, self.consumed_samples = int(state["step"]), int(state["consumed_samples"])
 
 
 @dataclass
@@ -100,6 +92,7 @@ class Trainer:
     env: DistributedEnv = field(default_factory=DistributedEnv)
     chunks: list[GPT] = field(default_factory=list)  # this rank's pipeline stages ([model])
     runner: StepRunner | None = None  # runs a step (PlainRunner or PipelineRunner)
+    layout: Layout | None = None  # the resolved layout (trireme.parallel.layout)
 
     def __post_init__(self) -> None:
         if not self.chunks:
@@ -131,6 +124,12 @@ class Trainer:
         """Micro batches per step on each DP replica: global / (micro x DP)."""
         train = self.cfg.train
         return train.global_batch_size // (train.micro_batch_size * self.data_parallel)
+
+    def checkpointed(self) -> TrainingState:
+        """What a checkpoint saves and loads of this run (trireme.checkpoint.state): the model
+        chunks, the optimizer and the progress (`state`), loaded in place."""
+        return TrainingState(self.cfg, self.chunks, self.optimizer, self.state, self.mesh,
+                             self.device, self.env.world_size, self.pipeline is not None)
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> dict:
         """One optimizer step over the given micro batches; returns tensors (no host sync)."""
@@ -186,105 +185,47 @@ def check_token_ids(labels: torch.Tensor, vocab_size: int, path: str) -> None:
         )
 
 
-def check_context_parallel(cfg: Config) -> None:
-    """What context parallelism needs, and what it does not support yet (one-line errors)."""
-    m, p = cfg.model, cfg.parallel
-    if p.context_mode not in CONTEXT_MODES:
-        raise ConfigError(f"parallel.context_mode = {p.context_mode!r}: use one of "
-                          f"{', '.join(CONTEXT_MODES)}")
-    heads, kv = m.num_attention_heads // p.tensor, max(m.kv_heads // p.tensor, 1)
-    if p.context_mode == "a2a" and (heads % p.context or kv % p.context):
-        raise ConfigError(
-            f"parallel.context_mode = 'a2a' needs parallel.context = {p.context} to divide the "
-            f"{heads} query and {kv} key/value heads of a tensor-parallel rank; use 'allgather'")
-    if m.seq_length % (2 * p.context * p.tensor):
-        raise ConfigError(
-            f"model.seq_length = {m.seq_length} must be divisible by 2 x parallel.context x "
-            f"parallel.tensor = {2 * p.context * p.tensor} (each rank holds two equal chunks)")
-    if packed_documents(cfg) and p.context_mode != "allgather":
-        raise ConfigError(f"{packed_documents(cfg)} (packed documents) with parallel.context > 1 "
-                          "needs parallel.context_mode = 'allgather'")
-    unsupported = {"model.dropout > 0": m.dropout > 0,
-                   "mixture-of-experts layers (E)": m.has_kind("moe"),
-                   "Mamba-2 layers (M)": m.has_kind("mamba")}
-    for name, used in unsupported.items():
-        if used:
-            raise ConfigError(f"parallel.context > 1 with {name}: not implemented yet")
-
-
-def packed_documents(cfg: Config) -> str:
-    """The key that puts several documents in a sample with per-document attention ("": none)."""
-    return ("data.reset_attention_mask" if cfg.data.reset_attention_mask else
-            "data.pack_conversations" if cfg.data.pack_conversations else "")
-
-
-def check_parallel(cfg: Config, world_size: int | None = None) -> ParallelDims:
-    """The parallel degrees for this launch, checked before any process group exists (so a bad
-    layout stops every rank with the same one-line error). Tensor (+ sequence), pipeline and
-    data parallelism (DDP, distributed optimizer, FSDP) are implemented, in any combination;
-    expert and context parallelism too, over the data-parallel ranks."""
-    p = cfg.parallel
-    world = launched_world_size() if world_size is None else world_size
-    if cfg.model.vision_layers:
-        check_vision_layout(cfg.model, p.tensor, p.context, p.sequence_parallel)
-    if p.context > 1:
-        check_context_parallel(cfg)
-    if p.expert > 1 and not cfg.model.has_kind("moe"):
-        raise ConfigError(f"parallel.expert = {p.expert} needs mixture-of-experts layers (E in "
-                          "model.layer_pattern)")
-    if p.data_parallel_mode not in ("ddp", "fsdp"):
-        raise ConfigError(
-            f"parallel.data_parallel_mode = {p.data_parallel_mode!r}: use 'ddp' or 'fsdp'"
-        )
-    if p.data_parallel_mode == "fsdp":
-        check_fsdp(cfg)
-    check_tensor_parallel(cfg.model, p.tensor, p.sequence_parallel)
-    dims = ParallelDims.from_config(p, world)
-    resolve_micro_batch(cfg, dims)
-    t = cfg.train
-    if t.global_batch_size % (t.micro_batch_size * dims.data):
-        raise ConfigError(
-            f"train.global_batch_size = {t.global_batch_size} is not divisible by "
-            f"train.micro_batch_size x data-parallel degree = {t.micro_batch_size} x {dims.data} "
-            f"(data parallelism = {count_of(world, 'process', 'processes')} / (pipeline x context "
-            "x tensor)); change the batch sizes or the number of processes"
-        )
-    # the micro batches per step of each DP replica
-    check_pipeline(cfg.model, p, t.global_batch_size // (t.micro_batch_size * dims.data))
-    return dims
-
-
-def resolve_micro_batch(cfg: Config, dims: ParallelDims) -> None:
-    """train.micro_batch_size = 0: global batch / (DP x PP) when that divides, else global / DP
-    (one micro batch per replica); -1 (auto) left for here (no GPU, or the Python API): the
-    largest of 4, 2, 1 dividing global / DP; a set value is left alone. `build_trainer` says
-    what it chose once the launch is known to be sound."""
-    t = cfg.train
-    if t.micro_batch_size > 0:
-        return
-    if t.global_batch_size % dims.data:
-        raise ConfigError(
-            f"train.global_batch_size = {t.global_batch_size} does not split over the "
-            f"data-parallel degree {dims.data}; change the batch size or the number of processes")
-    per_replica = t.global_batch_size // dims.data
-    if t.micro_batch_size == AUTO_MICRO_BATCH:  # not fitted to a GPU by `trireme train`
-        t.micro_batch_size = max(d for d in (4, 2, 1) if per_replica % d == 0)
-        return
-    stages = dims.pipeline if per_replica % dims.pipeline == 0 else 1
-    t.micro_batch_size = per_replica // stages
-
-
-def micro_batch_note(cfg: Config, dims: ParallelDims, auto: bool = False) -> str:
-    """The log line for a derived (or, `auto`, a not-fitted automatic) micro batch."""
-    t = cfg.train
-    if auto:
-        return (f"trireme: train.micro_batch_size = {t.micro_batch_size} (auto without a GPU "
+def micro_batch_note(cfg: Config, layout: Layout) -> str:
+    """The log line for a derived (train.micro_batch_size = 0) or a not-fitted automatic (-1)
+    micro batch: `cfg` as given, `layout` as resolved."""
+    t, size = cfg.train, layout.micro_batch_size
+    if t.micro_batch_size == AUTO_MICRO_BATCH:
+        return (f"trireme: train.micro_batch_size = {size} (auto without a GPU "
                 "to fit: the largest of 4, 2, 1 that divides the batch; set it to choose)")
-    per_replica = t.global_batch_size // dims.data
-    stages = per_replica // t.micro_batch_size
-    return (f"trireme: train.micro_batch_size = {t.micro_batch_size} (train.global_batch_size "
-            f"{t.global_batch_size} / data-parallel {dims.data}"
+    stages = t.global_batch_size // layout.data // size
+    return (f"trireme: train.micro_batch_size = {size} (train.global_batch_size "
+            f"{t.global_batch_size} / data-parallel {layout.data}"
             + (f" / pipeline {stages}" if stages > 1 else "") + "; set it to choose)")
+
+
+def gpu_run(cfg: Config) -> bool:
+    """Whether the run goes to a CUDA GPU whose memory the planner can fit it to (the
+    vocabulary size known)."""
+    return torch.cuda.is_available() and cfg.train.device != "cpu" and cfg.model.vocab_size > 0
+
+
+def fit_to_device(cfg: Config, world_size: int) -> tuple[Config, str | None]:
+    """train.micro_batch_size = -1 (auto) on a GPU: a copy of `cfg` with the planner's micro
+    batch for it (trireme.plan.fit) and the line that says so. Without a GPU, a vocabulary still
+    to be read from the tokenizer, or nothing predicted to fit, `cfg` itself (resolve_layout's
+    fallback then applies)."""
+    if cfg.train.micro_batch_size != AUTO_MICRO_BATCH or not gpu_run(cfg):
+        return cfg, None
+    props = torch.cuda.get_device_properties(0)
+    fitted = fit_micro_batch(cfg, world_size, props.total_memory / 2**30, props.name)
+    return fitted if fitted is not None else (cfg, None)
+
+
+def resolve_run(cfg: Config, world_size: int) -> tuple[Config, Layout, str | None]:
+    """The config with its micro batch resolved (fitted to a GPU, else resolve_layout's), its
+    layout, and the line that says how the micro batch was chosen (None: it was set)."""
+    fitted, note = fit_to_device(cfg, world_size)
+    layout = resolve_layout(fitted, world_size)
+    if note is None and cfg.train.micro_batch_size in (0, AUTO_MICRO_BATCH) and (
+            layout.micro_batch_size != cfg.train.global_batch_size):
+        note = micro_batch_note(cfg, layout)
+    train = dataclasses.replace(fitted.train, micro_batch_size=layout.micro_batch_size)
+    return dataclasses.replace(fitted, train=train), layout, note
 
 
 @contextlib.contextmanager
@@ -310,90 +251,43 @@ def setup_determinism(cfg: Config) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def resolve_data(cfg: Config) -> tuple[DataSources, Tokenizer | None]:
-    """Open the datasets (one prefix or a weighted blend) and the tokenizer; build the embedded
-    corpus when no path is given; open nothing for data.mock."""
-    vision = cfg.model.vision_layers > 0
-    if not cfg.data.path and not cfg.data.mock and vision:  # images drawn by code, captions
-        prefix, tok_path = shapes_corpus(cfg.data.cache_dir or None, cfg.model.vision_image_size)
-        cfg.data.path = str(prefix)
-        cfg.data.tokenizer = cfg.data.tokenizer or str(tok_path)
-    elif not cfg.data.path and not cfg.data.mock:
-        prefix, tok_path = default_corpus(cfg.data.cache_dir or None, cfg.data.embedded_vocab_size)
-        cfg.data.path = str(prefix)
-        cfg.data.tokenizer = cfg.data.tokenizer or str(tok_path)
-    # checks the files before anything else
-    sources = DataSources() if cfg.data.mock else open_sources(cfg.data.path)
+def resolve_data(cfg: Config) -> tuple[Config, DataSources, Tokenizer | None]:
+    """Open the datasets (one prefix or a weighted blend; trireme.data.build) and the tokenizer;
+    the embedded corpus when no path is given; nothing for data.mock. Returns a copy of `cfg`
+    with what the data decides: data.path, data.tokenizer (absolute, so saved configs work from
+    anywhere), model.vocab_size (0: the tokenizer's) and model.image_token_id (-1: its
+    <image>)."""
+    path, spec = data_paths(cfg)
+    sources = open_data(path, cfg.data.mock)  # checks the files before anything else
     # a converted checkpoint that moved: its tokenizer/ copy, not the path its config.toml names
     ckpt = cfg.checkpoint
-    cfg.data.tokenizer = moved_copy(cfg.data.tokenizer, ckpt.dir, ckpt.init_from)
-    tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
-    cfg.data.tokenizer = absolute_spec(cfg.data.tokenizer)  # saved configs work from anywhere
-    for source in sources.datasets if tokenizer is not None else []:
-        check_mark(source.prefix, tokenizer, cfg.data.tokenizer)  # made with this tokenizer?
-    sources.eod = tokenizer.eod if tokenizer is not None else -1
-    if vision and cfg.model.image_token_id < 0:
+    spec = moved_copy(spec, ckpt.dir, ckpt.init_from)
+    tokenizer = load_tokenizer(spec) if spec else None
+    spec = absolute_spec(spec)
+    mark_sources(sources, tokenizer, spec)  # made with this tokenizer?
+    model = resolve_vocabulary(cfg.model, tokenizer, spec)
+    data = dataclasses.replace(cfg.data, path=path, tokenizer=spec)
+    return dataclasses.replace(cfg, data=data, model=model), sources, tokenizer
+
+
+def resolve_vocabulary(m: ModelConfig, tokenizer: Tokenizer | None, spec: str) -> ModelConfig:
+    """model.image_token_id = -1 (a vision model) and model.vocab_size = 0 taken from the
+    tokenizer, and a vocabulary checked to hold the tokenizer's ids: a copy of `m`."""
+    image_id, vocab = m.image_token_id, m.vocab_size
+    if m.vision_layers > 0 and image_id < 0:
         if tokenizer is None:
             raise ConfigError("model.image_token_id = -1 needs a data.tokenizer with <image>")
-        cfg.model.image_token_id = image_token_id(tokenizer, cfg.data.tokenizer,
-                                                  " or set model.image_token_id")
-    if cfg.model.vocab_size == 0:
+        image_id = image_token_id(tokenizer, spec, " or set model.image_token_id")
+    if vocab == 0:
         if tokenizer is None:
             raise ConfigError("model.vocab_size = 0 needs data.tokenizer to take the size from")
-        cfg.model.vocab_size = tokenizer.vocab_size
-    elif tokenizer is not None and tokenizer.vocab_size > cfg.model.vocab_size:
+        vocab = tokenizer.vocab_size
+    elif tokenizer is not None and tokenizer.vocab_size > vocab:
         raise ConfigError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size = "
-            f"{cfg.model.vocab_size}; raise model.vocab_size or set it to 0"
+            f"{vocab}; raise model.vocab_size or set it to 0"
         )
-    return sources, tokenizer
-
-
-def build_datasets(cfg: Config, sources: DataSources) -> tuple[GPTDataset, GPTDataset | None]:
-    """Train and validation datasets (GPTDataset, a BlendedDataset, or mock data)."""
-    d = cfg.data
-    chat = any(is_chat(source.prefix) for source in sources.datasets)
-    if d.pack_conversations and (cfg.model.vision_layers or not chat):
-        raise ConfigError("data.pack_conversations is for chat data (trireme preprocess --chat); "
-                          "text data runs on across samples already, image samples are one each")
-    if cfg.model.vision_layers:
-        return build_multimodal_datasets(cfg, sources)
-    if chat:
-        return build_chat_datasets(cfg, sources)
-    options = BatchOptions(sources.eod, d.eod_mask_loss, d.reset_position_ids,
-                           d.reset_attention_mask)
-    return build_split_datasets(
-        sources, seq_length=cfg.model.seq_length, seed=cfg.train.seed, split=d.split,
-        options=options, cache_dir=index_cache_dir(d.cache_dir or None),
-        mock_vocab_size=cfg.model.vocab_size, want_valid=bool(cfg.train.eval_interval),
-        log_samples=cfg.train.steps * cfg.train.global_batch_size,
-    )
-
-
-def build_chat_datasets(cfg: Config, sources: DataSources):
-    """Train and validation datasets of conversations (trireme.data.chat_sources); on rank 0
-    its notes: each dataset's counts and a blend's draw."""
-    train, valid, notes = chat_sources(cfg, sources)
-    if launched_rank() == 0:
-        for note in notes:
-            print(note, file=sys.stderr)
-        if isinstance(train, BlendedBatches):
-            train.log(cfg.train.steps * cfg.train.global_batch_size)
-    return train, valid
-
-
-def build_multimodal_datasets(cfg: Config, sources: DataSources):
-    """Train and validation datasets of image + text samples (trireme.data.multimodal)."""
-    m, d = cfg.model, cfg.data
-    if len(sources.datasets) != 1 or not is_multimodal(sources.datasets[0].prefix):
-        raise ConfigError(f"model.vision_layers = {m.vision_layers} needs one multimodal dataset "
-                          f"(a prefix with {IMAGES_SUFFIX}, `trireme preprocess --images`), not "
-                          f"data.path = {d.path!r}" + (" (data.mock)" if d.mock else ""))
-    return multimodal_datasets(
-        sources.datasets[0].prefix, seq_length=m.seq_length, seed=cfg.train.seed, split=d.split,
-        image_size=m.vision_image_size, image_id=m.image_token_id,
-        image_tokens=num_image_tokens(m), eod=sources.eod, mask_prompt=d.mask_prompt,
-        want_valid=bool(cfg.train.eval_interval))
+    return dataclasses.replace(m, image_token_id=image_id, vocab_size=vocab)
 
 
 def build_model(
@@ -429,23 +323,22 @@ def build_trainer(cfg: Config, with_data: bool = True, force_data_parallel: bool
     validate(cfg, need_vocab=False)  # values set in code since load_config, before any use
     if launched_rank() == 0:  # before any work: the run directory must be writable
         check_run_dir(cfg)
-    derived = cfg.train.micro_batch_size in (0, AUTO_MICRO_BATCH)
-    auto = cfg.train.micro_batch_size == AUTO_MICRO_BATCH
-    dims = check_parallel(cfg)
+    cfg, layout, note = resolve_run(cfg, launched_world_size())
     device = pick_device(cfg.train.device)
     env = init_distributed(device.type, cfg.parallel.timeout_minutes)
-    if derived and env.is_main and cfg.train.micro_batch_size != cfg.train.global_batch_size:
-        print(micro_batch_note(cfg, dims, auto), file=sys.stderr)
+    if note is not None and env.is_main:
+        print(note, file=sys.stderr)
     if device.type == "cuda" and env.world_size > 1:
         device = torch.device("cuda", env.local_rank)
-    mesh = ParallelMesh.build(dims, device.type)
+    mesh = ParallelMesh.build(layout.dims, device.type)
     setup_determinism(cfg)
     tokenizer, train_data, valid_data = None, None, None
     if with_data:
         with main_rank_first(env):  # rank 0 builds any cached files; the others then read them
-            indexed, tokenizer = resolve_data(cfg)
+            cfg, indexed, tokenizer = resolve_data(cfg)
             validate(cfg)
-            train_data, valid_data = build_datasets(cfg, indexed)
+            train_data, valid_data = build_datasets(cfg, indexed, num_image_tokens(cfg.model),
+                                                    launched_rank() == 0)
     else:
         validate(cfg)
     if device.type == "cpu":  # the run's start line says how many (loop.py)
@@ -453,15 +346,15 @@ def build_trainer(cfg: Config, with_data: bool = True, force_data_parallel: bool
     ctx = build_parallel_context(mesh, cfg.model, cfg.parallel.sequence_parallel,
                                  cfg.train.seed, device, cfg.parallel.context_mode)
     tp = ctx.tensor
-    if dims.pipeline == 1:
+    if layout.pipeline == 1:
         chunks = [build_model(cfg, device, ctx)]
     else:
-        stages = rank_stages(cfg.model, cfg.parallel, mesh.coordinate("pipeline"))
+        stages = layout.rank_stages(mesh.coordinate("pipeline"))
         chunks = [build_model(cfg, device, ctx, stage) for stage in stages]
     apply_freeze(cfg, chunks)
     runner = build_step_runner(cfg, chunks, tp, mesh, device, force_data_parallel)
     return Trainer(cfg, device, chunks[0], runner.optimizer, tokenizer, train_data, valid_data,
-                   mesh=mesh, env=env, chunks=chunks, runner=runner)
+                   mesh=mesh, env=env, chunks=chunks, runner=runner, layout=layout)
 
 
 def apply_freeze(cfg: Config, chunks: list[GPT]) -> None:
@@ -492,89 +385,6 @@ def main_rank_first(env: DistributedEnv) -> Iterator[None]:
     if env.world_size > 1 and env.is_main:
         torch.distributed.barrier()
 
-
-
-def tokens_per_step(cfg: Config) -> int:
-    return cfg.train.global_batch_size * cfg.model.seq_length
-
-
-def log_line(record: dict) -> str:
-    parts = [f"step {record['step']:>6}", f"loss {record['loss']:.4f}"]
-    if "eval_loss" in record:
-        parts.append(f"eval {record['eval_loss']:.4f}")
-    parts += [f"lr {record['lr']:.2e}", f"gnorm {record['grad_norm']:.3f}",
-              f"{record['tokens_per_s']:,.0f} tok/s", f"MFU {100 * record['mfu']:.1f}%"]
-    if record.get("stragglers"):
-        parts.append(straggler_note(record))
-    return " | ".join(parts)
-
-
-def step_metrics(trainer: Trainer, results: list[dict], lr: float, seconds: float) -> dict:
-    """Read back the numbers of the steps since the last log (the one host sync)."""
-    cfg = trainer.cfg
-    losses = torch.stack([r["loss"] for r in results]).float().cpu()
-    losses = losses[torch.isfinite(losses)]  # a skipped step's NaN is warned, not averaged in
-    last = results[-1]
-    tokens = tokens_per_step(cfg) * len(results)
-    tps = tokens / max(seconds, 1e-9)
-    tflops = tps * flops_per_token(cfg.model) / 1e12 / trainer.mesh.dims.world_size  # per GPU
-    skipped = int(torch.stack([r["skipped"] for r in results]).sum().item())
-    record = {
-        "step": trainer.state.step,
-        "loss": float(losses.mean()) if losses.numel() else math.nan,
-        "lr": lr,
-        "grad_norm": float(last["grad_norm"]),
-        "tokens_per_s": tps,
-        "tflops_per_gpu": tflops,
-        "mfu": tflops * 1e12 / peak_flops(trainer.device),
-        "mem_gib": memory_gib(trainer.device),
-        "consumed_samples": trainer.state.consumed_samples,
-        "skipped_steps": skipped,
-    }
-    p = cfg.parallel
-    if p.pipeline > 1:
-        record["pipeline_bubble"] = bubble_fraction(p.pipeline, p.virtual_pipeline,
-                                                    trainer.num_micro_batches)
-    if trainer.env.world_size > 1 and cfg.logging.straggler_factor:  # one small all_gather
-        record.update(straggler_report(trainer.runner.times, cfg.logging.straggler_factor,
-                                       trainer.device))
-    else:  # nobody compares them: drop the step's CUDA events, else they pile up all run
-        trainer.runner.times.take()
-    if cfg.model.precision == "fp16":
-        record["loss_scale"] = float(last["loss_scale"])
-    moe = last.get("moe", {})
-    if p.pipeline > 1 and cfg.model.has_kind("moe"):
-        moe = moe_of_all_stages(trainer, moe)
-    if moe:
-        record.update(moe_metrics(moe))
-    return record
-
-
-def moe_of_all_stages(trainer: Trainer, moe: dict[str, dict[str, torch.Tensor]]) -> dict:
-    """Under pipeline parallelism each stage holds its own MoE sublayers: the routing numbers
-    of all of them, gathered over this rank's pipeline group (one small all_gather_object at a
-    log step, where the ranks have synchronized anyway)."""
-    mine = {name: {k: float(v) for k, v in stats.items()} for name, stats in moe.items()}
-    stages: list[dict] = [{} for _ in range(trainer.mesh.size("pipeline"))]
-    torch.distributed.all_gather_object(stages, mine, group=trainer.mesh.group("pipeline"))
-    return {name: stats for stage in stages for name, stats in stage.items()}
-
-
-def moe_metrics(layers: dict[str, dict[str, torch.Tensor | float]]) -> dict:
-    """The routing of the last micro batch: each balancing loss summed over this rank's MoE
-    sublayers, each sublayer's tokens-per-expert imbalance (max / mean load), with a capacity
-    the share of assignments dropped (mean over the sublayers), and per sublayer all of them
-    (`moe_layers`)."""
-    values = {name: {k: float(v) for k, v in stats.items()} for name, stats in layers.items()}
-    out = {f"moe_{k}": sum(v[k] for v in values.values())
-           for k in ("aux_loss", "seq_aux_loss", "z_loss")}
-    out["moe_imbalance"] = {name: v["imbalance"] for name, v in values.items()}
-    out["moe_imbalance_max"] = max(out["moe_imbalance"].values())
-    dropped = [v["dropped"] for v in values.values() if "dropped" in v]
-    if dropped:
-        out["moe_dropped"] = sum(dropped) / len(dropped)
-    out["moe_layers"] = values
-    return out
 
 
 def now() -> float:

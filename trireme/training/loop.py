@@ -19,20 +19,25 @@ from tqdm import tqdm
 
 from trireme.checkpoint.root_lock import exclusive
 from trireme.checkpoint.saver import Saver
+from trireme.config import ParallelConfig
 from trireme.cpu_threads import cpu_threads_note
-from trireme.metrics import MetricsLogger, WandbRun
+from trireme.metrics import MetricsLogger, WandbRun, log_line, moe_metrics, step_record
+from trireme.models.stages import bubble_fraction
 from trireme.oom import is_out_of_memory, out_of_memory
 from trireme.optim.schedules import lr_at
+from trireme.parallel.layout import Layout
 from trireme.parallel.released import all_reduce_max, settle
-from trireme.training.build import Trainer, log_line, now, step_metrics
+from trireme.step.stragglers import straggler_report
+from trireme.training.build import Trainer, now
 from trireme.training.checkpoints import load_latest, maybe_resume, save_gathered
 from trireme.training.health import RunHealth
 from trireme.training.run_files import write_run_config
 from trireme.words import count_of
 
 
-def make_progress(trainer: Trainer, total: int, initial: int):
-    if not trainer.cfg.logging.progress or not trainer.is_main:
+def make_progress(shown: bool, total: int, initial: int):
+    """The progress bar (None when not `shown`: logging.progress off, or not global rank 0)."""
+    if not shown:
         return None
     return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
                 file=sys.stderr, leave=False)
@@ -50,20 +55,21 @@ def print_line(progress, text: str, main: bool = True) -> None:
 def run_loop(trainer: Trainer) -> bool:
     """Train until train.steps (or train.max_minutes), logging, evaluating and checkpointing.
     False when a stop signal ended the run early."""
-    saver = Saver(trainer, save_gathered)  # also gives resume its gloo group
-    with exclusive(owned_root(trainer)):  # no second run saves into the same root meanwhile
+    saver = Saver(trainer.checkpointed(), save_gathered)  # also gives resume its gloo group
+    # no second run saves into the same root meanwhile
+    with exclusive(owned_root(trainer.cfg.checkpoint.dir, trainer.is_main)):
         return train_from_checkpoint(trainer, saver)
 
 
-def owned_root(trainer: Trainer) -> Path | None:
-    """The checkpoint root the run saves into, on global rank 0 (the rank that locks it)."""
-    root = trainer.cfg.checkpoint.dir
-    return Path(root) if root and trainer.is_main else None
+def owned_root(root: str, is_main: bool) -> Path | None:
+    """The checkpoint root (checkpoint.dir) the run saves into, on global rank 0 (the rank
+    that locks it)."""
+    return Path(root) if root and is_main else None
 
 
 def train_from_checkpoint(trainer: Trainer, saver: Saver) -> bool:
     """Resume (if there is a checkpoint), then train; run_loop's result."""
-    maybe_resume(trainer, saver)
+    maybe_resume(saver.run, saver)
     run = RunOutput.open(trainer)
     stop = StopRequest()
     try:
@@ -117,11 +123,14 @@ class RunOutput:
                                  Path(run_dir), cfg.to_dict())
             logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, wandb=wandb,
                                    resumed_step=resumed)
-        run = cls(trainer, logger, make_progress(trainer, cfg.train.steps, trainer.state.step))
+        progress = make_progress(cfg.logging.progress and trainer.is_main, cfg.train.steps,
+                                 trainer.state.step)
+        run = cls(trainer, logger, progress)
         num_parameters = sum(chunk.num_parameters() for chunk in trainer.chunks)
         cpu = trainer.device.type == "cpu"
         threads = cpu_threads_note(cfg.train.cpu_threads) if cpu else ""
-        run.print(f"trireme: {num_parameters / 1e6:.2f}M parameters{layout_note(trainer)}, "
+        note = layout_note(cfg.parallel, trainer.layout)
+        run.print(f"trireme: {num_parameters / 1e6:.2f}M parameters{note}, "
                   f"{count_of(cfg.train.steps, 'step')} on {trainer.device}{threads}, "
                   f"run dir {run_dir}")
         if cfg.schedule.warmup_steps >= cfg.train.steps > trainer.state.step:
@@ -256,7 +265,7 @@ def roll_back(trainer: Trainer, saver: Saver, run: RunOutput) -> bool:
     warning) when there is no checkpoint to go back to."""
     spike_step, consumed = trainer.state.step, trainer.state.consumed_samples
     saver.wait()  # a save in flight is the latest checkpoint once complete
-    path = load_latest(trainer, saver)
+    path = load_latest(saver.run, saver)
     if path is None:
         run.warn(f"trireme: warning: no checkpoint in {trainer.cfg.checkpoint.dir} to roll back "
                  f"to after the loss spike at step {spike_step}; going on")
@@ -333,16 +342,15 @@ def stop_signals_raise() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def layout_note(trainer: Trainer) -> str:
+def layout_note(p: ParallelConfig, layout: Layout) -> str:
     """E.g. ' per rank (pipeline 2, tensor parallel 2, sequence parallel, data parallel 2, ddp)'."""
-    tp, p = trainer.model.tp, trainer.cfg.parallel
     parts = []
-    if trainer.pipeline is not None:
+    if layout.pipeline > 1:
         virtual = f" x {p.virtual_pipeline} virtual" if p.virtual_pipeline > 1 else ""
         parts.append(f"pipeline {p.pipeline}{virtual}")
-    if tp is not None:
-        parts.append(f"tensor parallel {tp.size}")
-        if tp.sequence_parallel:
+    if layout.tensor > 1:
+        parts.append(f"tensor parallel {layout.tensor}")
+        if p.sequence_parallel:
             parts.append("sequence parallel")
     if p.expert > 1:
         parts.append(f"expert parallel {p.expert}")
@@ -350,10 +358,10 @@ def layout_note(trainer: Trainer) -> str:
     per_rank = " per rank" if parts else ""
     if p.context > 1:
         parts.append(f"context parallel {p.context}, {p.context_mode}")
-    if trainer.data_parallel > 1:
+    if layout.data > 1:
         mode = ("fsdp" if p.data_parallel_mode == "fsdp" else
                 "distributed optimizer" if p.distributed_optimizer else "ddp")
-        parts.append(f"data parallel {trainer.data_parallel}, {mode}")
+        parts.append(f"data parallel {layout.data}, {mode}")
     return f"{per_rank} ({', '.join(parts)})" if parts else ""
 
 
@@ -362,3 +370,38 @@ def agree(trainer: Trainer, flag: bool) -> bool:
     if trainer.env.world_size == 1:
         return flag
     return bool(all_reduce_max(float(flag), trainer.device))
+
+
+def step_metrics(trainer: Trainer, results: list[dict], lr: float, seconds: float) -> dict:
+    """Read back the numbers of the steps since the last log (the one host sync)."""
+    cfg = trainer.cfg
+    record = step_record(cfg, results, lr, seconds, trainer.state.step,
+                         trainer.state.consumed_samples, trainer.mesh.dims.world_size,
+                         trainer.device)
+    p, last = cfg.parallel, results[-1]
+    if p.pipeline > 1:
+        record["pipeline_bubble"] = bubble_fraction(p.pipeline, p.virtual_pipeline,
+                                                    trainer.num_micro_batches)
+    if trainer.env.world_size > 1 and cfg.logging.straggler_factor:  # one small all_gather
+        record.update(straggler_report(trainer.runner.times, cfg.logging.straggler_factor,
+                                       trainer.device))
+    else:  # nobody compares them: drop the step's CUDA events, else they pile up all run
+        trainer.runner.times.take()
+    if cfg.model.precision == "fp16":
+        record["loss_scale"] = float(last["loss_scale"])
+    moe = last.get("moe", {})
+    if p.pipeline > 1 and cfg.model.has_kind("moe"):
+        moe = moe_of_all_stages(trainer, moe)
+    if moe:
+        record.update(moe_metrics(moe))
+    return record
+
+
+def moe_of_all_stages(trainer: Trainer, moe: dict[str, dict[str, torch.Tensor]]) -> dict:
+    """Under pipeline parallelism each stage holds its own MoE sublayers: the routing numbers
+    of all of them, gathered over this rank's pipeline group (one small all_gather_object at a
+    log step, where the ranks have synchronized anyway)."""
+    mine = {name: {k: float(v) for k, v in stats.items()} for name, stats in moe.items()}
+    stages: list[dict] = [{} for _ in range(trainer.mesh.size("pipeline"))]
+    torch.distributed.all_gather_object(stages, mine, group=trainer.mesh.group("pipeline"))
+    return {name: stats for stage in stages for name, stats in stage.items()}
