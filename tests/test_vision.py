@@ -78,7 +78,7 @@ def test_encoder_attends_both_ways_and_images_replace_placeholders():
     other = torch.stack([images[0], images[0] + 1.0])
     assert torch.allclose(model(ids, images=other)[0], logits[0], atol=1e-6)
     # the merge is exactly the projector's output in place of each placeholder
-    embedded = model._embed(ids, 0, None, images)
+    embedded = model._embed(ids, None, images)
     n = num_image_tokens(model.cfg)
     assert torch.equal(embedded[:, :n], model.projector(features))
     assert torch.equal(embedded[:, n:], model.embedding(ids[:, n:]))

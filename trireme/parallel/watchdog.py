@@ -56,7 +56,7 @@ OPERATIONS = {
     ("parallel/vocab.py", ""): "tensor-parallel collective",
     ("training/loop.py", "agree"): "stop-flag all-reduce",
     ("step/stragglers.py", ""): "log-step timing gather",
-    ("training/build.py", ""): "log-step collective",
+    ("training/loop.py", "moe_of_all_stages"): "log-step collective",
     ("checkpoint/saver.py", ""): "checkpoint save",
     ("checkpoint/sharded.py", ""): "checkpoint collective",
     ("checkpoint/gathered.py", ""): "checkpoint collective",
