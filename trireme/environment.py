@@ -32,19 +32,6 @@ SET: dict[str, str] = {
                                "given is kept",
 }
 
-# Variables trireme once read, and where each setting went.
-REMOVED: dict[str, str] = {
-    "TRIREME_PDL": "`trireme serve` / `trireme generate` --pdl on/off (EngineSettings.pdl)",
-    "TRIREME_PDL_PREFETCH": "--early-reads on/off (EngineSettings.early_reads)",
-    "TRIREME_PAGED_KERNEL": "--paged-kernel SPEC (EngineSettings.paged_kernel)",
-    "TRIREME_SKINNY_SPLITS": "removed: a measured plan is an entry of SPLITS in "
-                             "trireme/ops/skinny_gemm.py (bench/skinny_gemm.py times a shape's "
-                             "split counts)",
-    "TRIREME_TEST_SAVE_DELAY": "removed: a test hook; the tests put a pausing checkpoint "
-                               "writer in place themselves",
-}
-
-
 def reference_markdown() -> str:
     """The section of docs/config.md that lists these variables."""
     out = ["## Environment variables", "",
@@ -53,6 +40,4 @@ def reference_markdown() -> str:
     out += [f"| `{name}` | {meaning} |" for name, meaning in READ.items()]
     out += ["", "and sets this one:", "", "| variable | meaning |", "|---|---|"]
     out += [f"| `{name}` | {meaning} |" for name, meaning in SET.items()]
-    out += ["", "These variables are no longer read:", "", "| variable | instead |", "|---|---|"]
-    out += [f"| `{name}` | {instead} |" for name, instead in REMOVED.items()]
     return "\n".join(out + [""])
