@@ -60,7 +60,7 @@ def test_compiled_block_keeps_what_the_planner_counts(precision):
     block.compile(backend="aot_eager_decomp_partition")
     b, s = 2, 128
     x = torch.randn(b, s, cfg.model.hidden_size, dtype=torch.bfloat16, requires_grad=True)
-    rope = model._rope(torch.zeros(b, s, dtype=torch.long), 0, None)  # (cos, sin) [s, d]
+    rope = model._rope(torch.zeros(b, s, dtype=torch.long), None)  # (cos, sin) [s, d]
     exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
     exclude |= {t.untyped_storage().data_ptr() for t in rope}
     measured = _saved_bytes(block, x, rope, exclude)
